@@ -1,0 +1,34 @@
+"""k3-amd-overlay: the Kimi-K3 MLA fusions for a stock vLLM ROCm image, behind one switch.
+
+    pip install k3-amd-overlay          # next to vLLM; touches no vllm, torch or triton
+    export K3_AMD_OVERLAY=1             # 0/unset: off; stock: force unfused; qkv_norm,qk_cache
+    vllm serve <Kimi-K3 checkpoint> ... # every vLLM process loads the plugin
+
+What it does: in every vLLM process, patches only the K3 AMD vendor code
+(``vllm/models/kimi_k3/amd/``) so that the q_a/kv_a RMSNorms run as one launch (qkv_norm) and,
+on decode-only batches, the fp8 KV-cache write, the query concat and its fp8 quant run as one
+launch (qk_cache). It records what is in effect per process (``k3-amd-overlay check``).
+
+What it does not do: touch shared vLLM layers or other models; fall back silently when
+switched on against a vLLM it does not recognise (it raises unless K3_AMD_OVERLAY_STRICT=0).
+
+``activate()`` / ``deactivate()`` turn it on and off in-process (the plugin calls ``activate``).
+"""
+
+from k3_amd_overlay.package import SUPPORTED_VLLM, __version__
+
+__all__ = ["SUPPORTED_VLLM", "__version__", "activate", "deactivate"]
+
+
+def activate(settings=None):  # type: ignore[no-untyped-def]
+    """Turn the overlay on as ``K3_AMD_OVERLAY`` (or the given settings) says."""
+    from k3_amd_overlay.activation import activate as _activate
+
+    return _activate(settings)
+
+
+def deactivate() -> list[str]:
+    """Revert every patch, restoring the identical original objects."""
+    from k3_amd_overlay.activation import deactivate as _deactivate
+
+    return _deactivate()

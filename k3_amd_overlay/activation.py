@@ -1,0 +1,178 @@
+"""Turning the overlay on and off in one process: recognise the vLLM shape, install the patches
+of the requested fusions through post-import hooks on the K3 AMD modules, publish the evidence.
+
+Nothing here imports model code: the shape is probed from source on disk, and each patch is
+applied by a wrapt post-import hook when vLLM itself imports the module it targets."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import wrapt
+
+from k3_amd_overlay.engine import AnchorError, PatchEngine, PatchSpec
+from k3_amd_overlay.evidence import Evidence, vllm_version
+from k3_amd_overlay.fusions.states import FusionState
+from k3_amd_overlay.package import SUPPORTED_VLLM, SUPPORTED_VLLM_BELOW, SUPPORTED_VLLM_MIN
+from k3_amd_overlay.settings import ENV_PREFIX, STRICT, SWITCH, Mode, OverlaySettings, load_settings
+from k3_amd_overlay.targets import sources
+from k3_amd_overlay.targets.layer_state import LayerInstaller
+from k3_amd_overlay.targets.shapes import VllmShape, recognise
+
+logger = logging.getLogger("vllm.k3_amd_overlay")
+RAY_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+
+
+class OverlayActivationError(RuntimeError):
+    """The overlay was asked for something this vLLM cannot take (strict mode)."""
+
+
+def _how_to_proceed() -> str:
+    return (f"to serve without the overlay set {SWITCH}=0; to serve with what can be installed "
+            f"and record the rest as refused set {STRICT}=0; or install a k3-amd-overlay that "
+            f"supports this vLLM")
+
+
+def _version_tuple(version: str | None) -> tuple[int, ...] | None:
+    if not version:
+        return None
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or None
+
+
+def forward_switch_to_ray() -> None:
+    """Make every K3_AMD_OVERLAY* variable travel to Ray workers: vLLM copies only some variables
+    to Ray actors, plus the prefixes listed in VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY."""
+    listed = [p.strip() for p in os.environ.get(RAY_PREFIXES, "").split(",") if p.strip()]
+    if ENV_PREFIX not in listed:
+        os.environ[RAY_PREFIXES] = ",".join([*listed, ENV_PREFIX])
+
+
+@dataclass
+class Activation:
+    """The overlay as installed in this process."""
+
+    settings: OverlaySettings
+    evidence: Evidence
+    shape: VllmShape | None = None
+    engine: PatchEngine = field(default_factory=PatchEngine)
+    specs_by_module: dict[str, list[PatchSpec]] = field(default_factory=dict)
+    live: bool = True
+
+    def refuse(self, fusions: list[str] | tuple[str, ...], reason: str) -> None:
+        for fusion in fusions:
+            self.evidence.set_fusion(fusion, FusionState.REFUSED, reason)
+        logger.warning("k3-amd-overlay: %s refused: %s", ", ".join(fusions), reason)
+
+    def start(self) -> None:
+        forward_switch_to_ray()
+        version = vllm_version()
+        parsed = _version_tuple(version)
+        requested = sorted(self.settings.fusions)
+        if parsed is None or not (SUPPORTED_VLLM_MIN <= parsed[:2] < SUPPORTED_VLLM_BELOW):
+            problem = f"vLLM {version} is outside the supported range ({SUPPORTED_VLLM})"
+            if self.settings.strict:
+                raise OverlayActivationError(f"k3-amd-overlay: {problem}; {_how_to_proceed()}")
+            logger.warning("k3-amd-overlay: %s; probing anyway (%s=0)", problem, STRICT)
+        found = recognise(sources.VllmSources(sources.vllm_root()))
+        if found.shape is None:
+            detail = "; ".join(f"{name}: missing {', '.join(miss)}" for name, miss in found.missing_identity.items())
+            message = f"k3-amd-overlay does not recognise the K3 AMD code of vLLM {version} ({detail})"
+            if self.settings.strict:
+                raise OverlayActivationError(f"{message}; {_how_to_proceed()}")
+            self.refuse(requested, message)
+            self.evidence.publish()
+            return
+        self.shape = found.shape
+        installable = set(self.settings.fusions)
+        for fusion in requested:
+            missing = found.missing_for_fusion.get(fusion, [])
+            if missing:
+                message = (f"vLLM {version} ({found.shape.name}) lacks the anchors {fusion} needs: "
+                           f"{'; '.join(missing)}")
+                if self.settings.strict:
+                    raise OverlayActivationError(f"k3-amd-overlay: {message}; {_how_to_proceed()}")
+                self.refuse([fusion], message)
+                installable.discard(fusion)
+        installer = LayerInstaller(self.settings, self.evidence)
+        specs = found.shape.build(installer, frozenset(installable))
+        grouped: dict[str, list[PatchSpec]] = defaultdict(list)
+        for spec in specs:
+            grouped[spec.module].append(spec)
+        self.specs_by_module = dict(grouped)
+        self.evidence.set_shape(found.shape.name, [s.key for s in specs])
+        self.evidence.publish()
+        for module_name in self.specs_by_module:
+            wrapt.register_post_import_hook(self._hook_for(module_name), module_name)
+
+    def _hook_for(self, module_name: str) -> Any:
+        def _k3_overlay_on_import(module: Any) -> None:
+            if self.live:
+                self.apply_module(module_name, module)
+
+        return _k3_overlay_on_import
+
+    def apply_module(self, module_name: str, module: Any) -> None:
+        specs = self.specs_by_module.get(module_name, [])
+        try:
+            self.engine.apply(specs, module)
+        except AnchorError as exc:
+            self.engine.revert_all()
+            fusions = sorted({f for s in self.specs_by_module.values() for spec in s for f in spec.fusions})
+            message = f"live anchor check failed in {module_name}: {exc}; every overlay patch reverted"
+            if self.settings.strict:
+                self.live = False
+                raise OverlayActivationError(
+                    f"k3-amd-overlay (vLLM {vllm_version()}): {message}; {_how_to_proceed()}") from exc
+            self.live = False
+            self.refuse(fusions, message)
+
+    def stop(self) -> list[str]:
+        self.live = False
+        reverted = self.engine.revert_all()
+        for fusion in self.settings.fusions:
+            self.evidence.set_fusion(fusion, FusionState.DISABLED, "deactivated")
+        return reverted
+
+
+_active: Activation | None = None
+
+
+def active() -> Activation | None:
+    return _active
+
+
+def activate(settings: OverlaySettings | None = None) -> Activation | None:
+    """Turn the overlay on as the switch says; a second call returns the first activation."""
+    global _active
+    settings = load_settings() if settings is None else settings
+    if _active is not None:
+        if (settings.mode, settings.fusions) != (_active.settings.mode, _active.settings.fusions):
+            logger.warning("k3-amd-overlay: already active as %s; ignoring a second activation as %s",
+                           _active.settings.raw, settings.raw)
+        return _active
+    if settings.mode is Mode.OFF:
+        return None
+    activation = Activation(settings, Evidence(settings))
+    activation.start()
+    _active = activation
+    return activation
+
+
+def deactivate() -> list[str]:
+    """Revert every patch (restoring the identical original objects); returns their keys.
+    Layers built while active keep the per-layer sites they were given."""
+    global _active
+    if _active is None:
+        return []
+    activation, _active = _active, None
+    return activation.stop()

@@ -1,0 +1,158 @@
+"""qk_cache: on decode-only batches, the fp8 KV-cache write, the ``[ql_nope | q_pe]`` concat and
+the static fp8 query quant in one launch.
+
+``decide_qk_cache`` is the static half of the one predicate (per layer, from state the layer
+holds); ``batch_fusable`` is its per-batch half. ``QkCacheSite.attend`` is the one site acting on
+both: when they say fused, it runs the fused decode *instead of* the stock attention call, so
+the stock KV write and the fused write can never both run, or neither; otherwise it runs stock.
+The fused path never rotates: K3's MLA is NoPE, and any layer with a real rotary embedding is
+refused, so RoPE is applied exactly once (by the stock wrapper) wherever it exists."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from k3_amd_overlay.fp8 import FUSABLE_KV_CACHE_DTYPES, Fp8Format
+from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.ops import qk_cache as qk_cache_op
+
+ABSORB_VARIANTS = ("bf16", "fp8", "fp4", "amx")
+ContextGetter = Callable[[str], tuple[Any, Any, torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
+class QkCacheInputs:
+    """Everything the static decision reads, each taken from the layer as it stands."""
+
+    stock_mode: bool
+    provider_setting: str
+    provider_missing: dict[str, str | None]
+    kv_cache_dtype: str
+    rotation: str  # "none" (no rotary embedding), "identity" (declared no-op) or "real"
+    dcp_world_size: int
+    pcp: bool
+    hisparse: bool
+    q_pad_num_heads: int | None
+    num_heads: int
+    absorb: str  # which W_UK absorption this layer runs: one of ABSORB_VARIANTS
+    quant_query_input: bool  # the attention backend takes an fp8 query (stock quantises it too)
+    upstream_fuses: bool  # this vLLM's own fused decode takes this layer
+
+
+def decide_qk_cache(x: QkCacheInputs) -> LayerDecision:
+    if x.stock_mode:
+        return LayerDecision(FusionState.FORCED_STOCK, None, "stock mode: three launches")
+    refusals = [
+        (x.kv_cache_dtype not in FUSABLE_KV_CACHE_DTYPES,
+         f"kv cache dtype {x.kv_cache_dtype!r} is not a plain fp8 cache ({sorted(FUSABLE_KV_CACHE_DTYPES)})"),
+        (x.rotation == "real", "a real rotary embedding: the fused path does not rotate"),
+        (x.dcp_world_size > 1, f"DCP is on (world size {x.dcp_world_size})"),
+        (x.pcp, "PCP is on (the latent all-gather must run)"),
+        (x.hisparse, "HiSparse is on (its cursor and remapped slots must run)"),
+        (x.q_pad_num_heads is not None, f"query heads are padded to {x.q_pad_num_heads}"),
+        (x.num_heads < 1, f"{x.num_heads} heads per rank"),
+        (x.absorb == "amx", "the AMX (CPU) W_UK absorption is not reproduced"),
+        (not x.quant_query_input, "the attention backend does not take an fp8 query"),
+    ]
+    for refused, reason in refusals:
+        if refused:
+            return LayerDecision(FusionState.REFUSED, None, reason)
+    if x.upstream_fuses and x.provider_setting == "auto":
+        return LayerDecision(FusionState.UPSTREAM, "aiter", "vLLM's own fused decode takes this layer")
+    wanted = x.provider_setting
+    candidates = qk_cache_op.FUSED_PROVIDERS if wanted == "auto" else (wanted,)
+    for name in candidates:
+        if x.provider_missing.get(name) is None:
+            why = "forced by setting" if wanted != "auto" else "first available fused provider"
+            return LayerDecision(FusionState.APPLIED, name,
+                                 f"{name}: {why}; {x.num_heads} heads, {x.absorb} absorption")
+    missing = "; ".join(f"{n}: {x.provider_missing.get(n)}" for n in candidates)
+    return LayerDecision(FusionState.REFUSED, None, f"no provider can run here ({missing})")
+
+
+def batch_fusable(attn_metadata: Any, slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
+                  q_dcp_replicated: torch.Tensor | None) -> bool:
+    """The per-batch half of the predicate: a real decode-only batch (not a profile or dummy
+    run without metadata, not empty, no prefill rows) with a KV cache and its slots."""
+    return (
+        attn_metadata is not None
+        and slot_mapping is not None
+        and kv_cache.numel() > 0
+        and q_dcp_replicated is None
+        and attn_metadata.num_decode_tokens > 0
+        and attn_metadata.num_actual_tokens == attn_metadata.num_decode_tokens
+    )
+
+
+def absorb_w_uk(attn: Any, variant: str, q_nope_t: torch.Tensor) -> torch.Tensor:
+    """ql_nope [B, N, L] from q_nope (N, B, P): the same calls, in the same precedence, as the
+    stock decode path, so the fused path starts from bit-identical ql_nope."""
+    if variant == "fp4":
+        from vllm._aiter_ops import rocm_aiter_ops
+
+        fp8_attention = attn.kv_cache_dtype.startswith("fp8")
+        return rocm_aiter_ops.batched_gemm_a16wfp4(
+            q_nope_t, attn.W_K, attn.W_K_scale, transpose_bm=True, prequant=True,
+            y_scale=attn._q_scale if fp8_attention else None,
+        )
+    if variant == "fp8":
+        from vllm._aiter_ops import rocm_aiter_ops
+
+        return rocm_aiter_ops.triton_fp8_bmm(
+            q_nope_t, attn.W_K, attn.W_K_scale, group_size=128, transpose_bm=True
+        )
+    num_heads, num_tokens, _ = q_nope_t.shape
+    ql_nope = q_nope_t.new_empty((num_tokens, num_heads, attn.W_UK_T.shape[-1]))
+    torch.bmm(q_nope_t, attn.W_UK_T, out=ql_nope.transpose(0, 1))
+    return ql_nope
+
+
+@dataclass
+class QkCacheSite:
+    """One layer's qk_cache decision and what its fused path needs."""
+
+    decision: LayerDecision
+    absorb: str
+    fmt: Fp8Format | None
+    context: ContextGetter | None
+    on_effective: Callable[[], None]
+
+    def fused_decode(self, attn: Any, q: torch.Tensor, kv_c_normed: torch.Tensor,
+                     k_pe: torch.Tensor, output_shape: Any, attn_metadata: Any,
+                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The decode-only MLA step with one fused launch in place of the KV write, the concat
+        and the query quant; the rest (absorb, MQA kernel, V up-projection) is stock's."""
+        assert self.fmt is not None and self.decision.provider is not None
+        self.on_effective()
+        num_tokens = attn_metadata.num_actual_tokens  # CUDA-graph padding rows are not attended
+        q = q[:num_tokens]
+        q_nope, q_pe = q.split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+        ql_nope = absorb_w_uk(attn, self.absorb, q_nope.transpose(0, 1))
+        cache = kv_cache if kv_cache.dtype == self.fmt.dtype else kv_cache.view(self.fmt.dtype)
+        q_out = torch.empty((num_tokens, q.shape[1], attn.kv_lora_rank + attn.qk_rope_head_dim),
+                            dtype=self.fmt.dtype, device=q.device)
+        qk_cache_op.run_provider(
+            self.decision.provider, ql_nope, q_pe, kv_c_normed[:num_tokens],
+            k_pe[:num_tokens].reshape(num_tokens, -1), cache, slot_mapping.flatten()[:num_tokens],
+            attn._k_scale, attn._q_scale, q_out, self.fmt,
+        )
+        attn_out, _ = attn.impl.forward_mqa(q_out, cache, attn_metadata, attn)
+        output = torch.empty(output_shape, dtype=q.dtype, device=q.device)
+        attn._v_up_proj(attn_out, out=output[:num_tokens])
+        return output
+
+    def attend(self, attn: Any, stock: Callable[..., torch.Tensor], q: torch.Tensor,
+               kv_c_normed: torch.Tensor, k_pe: torch.Tensor, output_shape: Any = None,
+               q_dcp_replicated: torch.Tensor | None = None) -> torch.Tensor:
+        """The one site: fused decode when both halves of the predicate hold, else stock."""
+        if self.decision.state is FusionState.APPLIED and self.context is not None:
+            attn_metadata, _, kv_cache, slot_mapping = self.context(attn.layer_name)
+            if batch_fusable(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated):
+                return self.fused_decode(attn, q, kv_c_normed, k_pe, output_shape,
+                                         attn_metadata, kv_cache, slot_mapping)
+        return stock(q, kv_c_normed, k_pe, output_shape=output_shape,
+                     q_dcp_replicated=q_dcp_replicated)

@@ -1,0 +1,102 @@
+"""Triton kernel for the K3 decode step after the W_UK absorption, in one launch: the fp8 KV-cache
+write of ``[kv_c | k_pe]`` (tokens with a slot >= 0 only), the ``[ql_nope | q_pe]`` concat and
+its static fp8 quant. No rotation at all: K3's MLA is NoPE. Both fp8 formats, ROCm and CUDA."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
+
+# How the kernel produces fp8 bits (a constexpr, chosen once per call from format and platform).
+FP8_NATIVE_FN = 0  # tl.float8e4nv: OCP e4m3fn (NVIDIA, MI355X)
+FP8_NATIVE_FNUZ = 1  # tl.float8e4b8: e4m3fnuz, AMD only (MI300X)
+FP8_FNUZ_VIA_FN = 2  # e4m3fnuz emulated through e4m3fn where the native type is missing (CUDA)
+
+
+def fp8_mode(fmt: Fp8Format, device: torch.device) -> int:
+    if fmt is E4M3FN:
+        return FP8_NATIVE_FN
+    if fmt is E4M3FNUZ and device.type == "cuda" and torch.version.hip is not None:
+        return FP8_NATIVE_FNUZ
+    return FP8_FNUZ_VIA_FN
+
+
+@triton.jit
+def _fp8_bits(x, inv_scale, fmax, FP8_MODE: tl.constexpr):
+    """fp8(clamp(x * inv_scale, -fmax, fmax)) as raw bits; NaN stays NaN, RNE."""
+    v = x * inv_scale
+    y = tl.minimum(tl.maximum(v, -fmax), fmax)
+    y = tl.where(v != v, v, y)  # min/max drop NaN; the spec keeps it
+    if FP8_MODE == 0:
+        bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    elif FP8_MODE == 1:
+        bits = y.to(tl.float8e4b8).to(tl.uint8, bitcast=True)
+    else:
+        # fnuz has exponent bias 8, fn bias 7: fnuz_bits(y) == fn_bits(2y) for |y| <= 224
+        # (subnormals included). Above, fnuz rounds (224, 232] to 224 (0x7E, the tie goes to
+        # the even mantissa) and (232, 240] to 240 (0x7F); fnuz has no -0 and its NaN is 0x80.
+        y2 = tl.minimum(tl.maximum(y * 2.0, -448.0), 448.0)
+        fn_bits = y2.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        sign = fn_bits & 0x80
+        bits = tl.where(fn_bits == 0x80, 0, fn_bits)
+        bits = tl.where(tl.abs(y) > 232.0, sign | 0x7F, bits)
+        bits = tl.where(y != y, 0x80, bits)
+    return bits
+
+
+@triton.jit
+def qk_cache_kernel(
+    ql_nope_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_scale_ptr,
+    q_out_ptr,
+    s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_kv_t, s_kpe_t, s_c_blk, s_c_row, s_qo_t, s_qo_h,
+    num_heads, block_size, fmax,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    FP8_MODE: tl.constexpr,
+):
+    # grid = (T, H + 1): programs (t, h < H) quantise query head h of token t into q_out;
+    # program (t, H) writes token t's latent row into the cache when its slot is >= 0.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_l = offs_l < L
+    mask_r = offs_r < R
+    if h < num_heads:
+        scale = tl.load(q_scale_ptr)
+        inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
+        nope = tl.load(ql_nope_ptr + t * s_qn_t + h * s_qn_h + offs_l, mask=mask_l)
+        pe = tl.load(q_pe_ptr + t * s_qp_t + h * s_qp_h + offs_r, mask=mask_r)
+        out = q_out_ptr + t * s_qo_t + h * s_qo_h
+        tl.store(out + offs_l, _fp8_bits(nope.to(tl.float32), inv, fmax, FP8_MODE), mask=mask_l)
+        tl.store(out + L + offs_r, _fp8_bits(pe.to(tl.float32), inv, fmax, FP8_MODE), mask=mask_r)
+    else:
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            scale = tl.load(k_scale_ptr)
+            inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
+            row = cache_ptr + (slot // block_size) * s_c_blk + (slot % block_size) * s_c_row
+            kv = tl.load(kv_c_ptr + t * s_kv_t + offs_l, mask=mask_l)
+            kpe = tl.load(k_pe_ptr + t * s_kpe_t + offs_r, mask=mask_r)
+            tl.store(row + offs_l, _fp8_bits(kv.to(tl.float32), inv, fmax, FP8_MODE), mask=mask_l)
+            tl.store(row + L + offs_r, _fp8_bits(kpe.to(tl.float32), inv, fmax, FP8_MODE),
+                     mask=mask_r)
+
+
+def qk_cache(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+             cache_bytes: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
+             q_scale: torch.Tensor, q_out_bytes: torch.Tensor, fmt: Fp8Format) -> None:
+    """Launch on validated inputs; k_pe is 2-D, cache_bytes and q_out_bytes are uint8 views."""
+    num_tokens, num_heads, lora = ql_nope.shape
+    rope = q_pe.shape[-1]
+    qk_cache_kernel[(num_tokens, num_heads + 1)](
+        ql_nope, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,
+        ql_nope.stride(0), ql_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0), cache_bytes.stride(1),
+        q_out_bytes.stride(0), q_out_bytes.stride(1),
+        num_heads, cache_bytes.shape[1], fmt.fmax,
+        L=lora, R=rope, BLOCK_L=triton.next_power_of_2(lora), BLOCK_R=triton.next_power_of_2(rope),
+        FP8_MODE=fp8_mode(fmt, ql_nope.device), num_warps=4,
+    )

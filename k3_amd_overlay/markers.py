@@ -1,0 +1,110 @@
+"""Per-process evidence markers on disk: the directory (per user, 0700, no symlinks, owned by
+this user), atomic writes, reading them back, and telling live processes from stale files."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MARKER_SUFFIX = ".json"
+
+
+class MarkerDirError(RuntimeError):
+    """The marker directory is unsafe to use (a symlink, foreign-owned, group/world writable)."""
+
+
+def default_marker_dir() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "k3-amd-overlay"
+    return Path(tempfile.gettempdir()) / f"k3-amd-overlay-{os.getuid()}"
+
+
+def ensure_marker_dir(path: str | os.PathLike[str] | None) -> Path:
+    """Create (0700) or validate the marker directory; raise MarkerDirError naming the problem."""
+    directory = Path(path) if path else default_marker_dir()
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MarkerDirError(f"cannot create marker directory {directory}: {exc}") from exc
+    info = os.lstat(directory)
+    if stat.S_ISLNK(info.st_mode):
+        raise MarkerDirError(f"marker directory {directory} is a symlink; refusing to follow it")
+    if not stat.S_ISDIR(info.st_mode):
+        raise MarkerDirError(f"marker directory {directory} is not a directory")
+    if info.st_uid != os.getuid():
+        raise MarkerDirError(
+            f"marker directory {directory} is owned by uid {info.st_uid}, not this user "
+            f"({os.getuid()}); set K3_AMD_OVERLAY_MARKER_DIR to a directory you own"
+        )
+    if info.st_mode & 0o022:
+        raise MarkerDirError(
+            f"marker directory {directory} is writable by group or others "
+            f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 700 it"
+        )
+    return directory
+
+
+def write_marker(directory: Path, pid: int, record: dict[str, Any]) -> Path:
+    """Atomically replace ``<pid>.json``: readers see the old record or the new, never half."""
+    target = directory / f"{pid}{MARKER_SUFFIX}"
+    fd, tmp = tempfile.mkstemp(prefix=f".{pid}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(record, handle, sort_keys=True)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return target
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (Linux), to tell pid reuse apart."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def is_alive(pid: int, start_ticks: int | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    if start_ticks is None:
+        return True
+    return process_start_ticks(pid) == start_ticks
+
+
+@dataclass(frozen=True)
+class MarkerFile:
+    path: Path
+    record: dict[str, Any] | None
+    error: str | None
+    live: bool
+
+
+def read_markers(directory: Path) -> list[MarkerFile]:
+    found = []
+    for path in sorted(directory.glob(f"*{MARKER_SUFFIX}")):
+        try:
+            record = json.loads(path.read_text())
+            pid = int(record["pid"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            found.append(MarkerFile(path, None, f"unreadable marker: {exc}", False))
+            continue
+        found.append(MarkerFile(path, record, None, is_alive(pid, record.get("start_ticks"))))
+    return found

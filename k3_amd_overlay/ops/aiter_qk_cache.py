@@ -1,0 +1,104 @@
+"""The AITER provider of ``fused_qk_cache``: AITER's ``fused_qk_rope_concat_and_cache_mla`` fed
+an identity rotation. AITER is imported lazily, on first use, never at module import.
+
+Contract kept (reference/aiter-kernels.md): the cos/sin tables are one row of ones/zeros in the
+query dtype; positions is an int64 buffer of zeros, so no AITER kernel or version reads past that
+row (the general decode kernel and every kernel before v0.1.20 do not clamp positions);
+slot_mapping is int64 and exactly the tokens handed in (the launch grid is its length); the KV
+cache is passed in the fp8 dtype, never as uint8; q_out is fp8 like the cache."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+AITER_OP_MODULE = "aiter.ops.cache"
+AITER_OP_NAME = "fused_qk_rope_concat_and_cache_mla"
+# Arguments before compute_all_q_rope, which AITER added with its position clamp (v0.1.20, #4342).
+AITER_BASE_ARITY = 14
+
+_op: Callable[..., Any] | None = None
+_identity_tables: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_zero_positions: dict[torch.device, torch.Tensor] = {}
+
+
+def load_op() -> Callable[..., Any]:
+    """AITER's op; raises ImportError saying what is missing."""
+    global _op
+    if _op is None:
+        module = __import__(AITER_OP_MODULE, fromlist=[AITER_OP_NAME])
+        op = getattr(module, AITER_OP_NAME, None)
+        if op is None:
+            raise ImportError(f"{AITER_OP_MODULE} has no {AITER_OP_NAME} (AITER too old: needs >= v0.1.9)")
+        _op = op
+    return _op
+
+
+def missing(device: torch.device) -> str | None:
+    """Why the AITER provider cannot run for tensors on ``device`` (None: it can). AITER's HIP
+    kernels need GPU tensors; an op marked ``k3_standin`` (testing/aiter_standin.py) runs anywhere."""
+    try:
+        op = load_op()
+    except Exception as exc:  # an AITER that fails to import for any reason is unavailable
+        return f"AITER {AITER_OP_NAME} unavailable: {type(exc).__name__}: {exc}"
+    if device.type != "cuda" and not getattr(op, "k3_standin", False):
+        return f"AITER needs ROCm GPU tensors (got {device.type})"
+    return None
+
+
+def op_arity(op: Callable[..., Any]) -> int:
+    """14 or 15: read from the registered torch schema (AITER's compile_ops wrapper hides the
+    Python signature), else from the Python signature, else the 14 every version accepts."""
+    try:
+        schema = getattr(torch.ops.aiter, AITER_OP_NAME).default._schema
+        return len(schema.arguments)
+    except (AttributeError, RuntimeError):
+        pass
+    try:
+        return len(inspect.signature(op).parameters)
+    except (TypeError, ValueError):
+        return AITER_BASE_ARITY
+
+
+def identity_rope_table(device: torch.device, dtype: torch.dtype, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row of cos = 1, sin = 0, made once per (device, dtype, rope_dim) and shared."""
+    key = (device, dtype, rope_dim)
+    if key not in _identity_tables:
+        half = rope_dim // 2
+        _identity_tables[key] = (
+            torch.ones(1, half, dtype=dtype, device=device),
+            torch.zeros(1, half, dtype=dtype, device=device),
+        )
+    return _identity_tables[key]
+
+
+def reserve_zero_positions(device: torch.device, num_tokens: int) -> None:
+    """Size the shared zero-positions buffer of a device ahead of graph capture."""
+    held = _zero_positions.get(device)
+    if held is None or held.numel() < num_tokens:
+        _zero_positions[device] = torch.zeros(max(num_tokens, 1), dtype=torch.int64, device=device)
+
+
+def zero_positions(device: torch.device, num_tokens: int) -> torch.Tensor:
+    reserve_zero_positions(device, num_tokens)
+    return _zero_positions[device][:num_tokens]
+
+
+def run(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+        kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
+        q_scale: torch.Tensor, q_out: torch.Tensor) -> None:
+    """Call AITER on validated inputs: k_pe 2-D, kv_cache and q_out in the fp8 dtype."""
+    op = load_op()
+    num_tokens = slot_mapping.shape[0]
+    cos, sin = identity_rope_table(ql_nope.device, ql_nope.dtype, q_pe.shape[-1])
+    if not ql_nope.is_contiguous():  # AITER before v0.1.17 reads q_nope as dense rows
+        ql_nope = ql_nope.contiguous()
+    args = (ql_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, k_scale, q_scale,
+            zero_positions(ql_nope.device, num_tokens), cos, sin, True, True)
+    if op_arity(op) > AITER_BASE_ARITY:
+        op(*args, False)
+    else:
+        op(*args)

@@ -1,0 +1,59 @@
+"""Torch references for the fused ops: the definition every provider is tested against.
+Plain torch, runs on any device, allocates freely; never used on a hot path by default."""
+
+from __future__ import annotations
+
+import torch
+
+from k3_amd_overlay.fp8 import Fp8Format
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x**2, -1) + eps) * weight``, accumulated in fp32, returned in x's dtype."""
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * inv_rms * weight.float()).to(x.dtype)
+
+
+def rmsnorm_pair_reference(
+    q_c: torch.Tensor,
+    kv_c: torch.Tensor,
+    q_weight: torch.Tensor,
+    kv_weight: torch.Tensor,
+    q_eps: float,
+    kv_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rmsnorm_reference(q_c, q_weight, q_eps), rmsnorm_reference(kv_c, kv_weight, kv_eps)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Static per-tensor fp8 quant: ``fp8(clamp(float(x) * (1 / scale), -fmax, fmax))``, RNE.
+
+    The reciprocal is taken once in fp32 and multiplied, as AITER and vLLM's QuantFP8 do; NaN
+    stays NaN (clamp propagates it), +-inf saturates to +-fmax.
+    """
+    inv = 1.0 / scale.float().reshape(())
+    return (x.float() * inv).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
+
+
+def qk_cache_reference(
+    ql_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    q_scale: torch.Tensor,
+    q_out: torch.Tensor,
+    fmt: Fp8Format,
+) -> None:
+    """Write ``q_out = fp8([ql_nope | q_pe] / q_scale)`` and, for every token with a slot >= 0,
+    ``kv_cache[slot] = fp8([kv_c | k_pe] / k_scale)``. kv_cache and q_out are in fmt's dtype."""
+    num_tokens = ql_nope.shape[0]
+    q_out.copy_(quantize_fp8(torch.cat([ql_nope, q_pe], dim=-1), q_scale, fmt))
+    rows = torch.cat([kv_c, k_pe.reshape(num_tokens, -1)], dim=-1)
+    valid = (slot_mapping >= 0).nonzero().squeeze(1)
+    slots = slot_mapping[valid]
+    block_size = kv_cache.shape[1]
+    kv_cache[slots // block_size, slots % block_size] = quantize_fp8(rows[valid], k_scale, fmt)

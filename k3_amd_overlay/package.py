@@ -1,0 +1,17 @@
+"""What this package is and what it supports: its version, the vLLM range it declares, and the
+names of the fusions it knows. Data only, imported by everything else, importing nothing."""
+
+__version__ = "0.1.0"
+
+DISTRIBUTION = "k3-amd-overlay"
+PLUGIN_NAME = "k3_amd_overlay"
+
+# The vLLM releases this overlay recognises, as OpenTelemetry instrumentations declare theirs.
+# Inside the range the vLLM shape is still recognised by probing (targets/), never by version.
+SUPPORTED_VLLM = "vllm >= 0.29, < 0.34"
+SUPPORTED_VLLM_MIN = (0, 29)
+SUPPORTED_VLLM_BELOW = (0, 34)
+
+QKV_NORM = "qkv_norm"
+QK_CACHE = "qk_cache"
+FUSIONS: tuple[str, ...] = (QKV_NORM, QK_CACHE)

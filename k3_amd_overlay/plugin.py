@@ -1,0 +1,26 @@
+"""vLLM general-plugin entry point (group ``vllm.general_plugins``, name ``k3_amd_overlay``).
+
+vLLM calls ``register`` in every process (API server, engine core, workers) before the model is
+imported. With the switch off it returns having installed nothing. A bad switch value, or a
+requested fusion this vLLM cannot take in strict mode, raises here so vLLM startup stops: vLLM
+only logs plugins that fail to *import*, so the failure must come from this function."""
+
+from __future__ import annotations
+
+import logging
+
+from k3_amd_overlay.settings import load_settings
+
+logger = logging.getLogger("vllm.k3_amd_overlay")
+
+
+def register() -> None:
+    settings = load_settings()
+    if not settings.enabled:
+        if settings.unknown_variables:
+            logger.warning("k3-amd-overlay is off; ignoring unknown variables %s",
+                           ", ".join(settings.unknown_variables))
+        return
+    from k3_amd_overlay.activation import activate
+
+    activate(settings)

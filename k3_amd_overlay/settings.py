@@ -1,0 +1,140 @@
+"""The overlay's environment switch, parsed and validated in one place.
+
+``K3_AMD_OVERLAY``           unset or ``0``: off (nothing installed); ``1``: every fusion in auto
+                             mode; ``stock``: force the unfused path everywhere; or a comma list
+                             of fusion names (``qkv_norm``, ``qk_cache``): those, in auto mode.
+``K3_AMD_OVERLAY_STRICT``    ``1`` (default): a requested fusion this vLLM cannot take raises;
+                             ``0``: warn, leave it stock, record it as refused.
+``K3_AMD_OVERLAY_MARKER_DIR``  where per-process evidence markers go (default: a 0700 per-user
+                             directory).
+``K3_AMD_OVERLAY_<FUSION>_PROVIDER``  force one provider for a fusion (default ``auto``).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from k3_amd_overlay.package import FUSIONS, QK_CACHE, QKV_NORM
+
+SWITCH = "K3_AMD_OVERLAY"
+STRICT = "K3_AMD_OVERLAY_STRICT"
+MARKER_DIR = "K3_AMD_OVERLAY_MARKER_DIR"
+ENV_PREFIX = SWITCH  # every variable of the overlay starts with this; Ray forwarding relies on it
+
+PROVIDERS: dict[str, tuple[str, ...]] = {
+    QKV_NORM: ("auto", "reference", "triton", "vllm", "aiter"),
+    QK_CACHE: ("auto", "reference", "triton", "aiter"),
+}
+
+
+def provider_variable(fusion: str) -> str:
+    return f"{SWITCH}_{fusion.upper()}_PROVIDER"
+
+
+KNOWN_VARIABLES = frozenset({SWITCH, STRICT, MARKER_DIR, *(provider_variable(f) for f in FUSIONS)})
+
+
+class Mode(str, enum.Enum):
+    OFF = "off"
+    AUTO = "auto"
+    STOCK = "stock"
+
+
+class SettingsError(ValueError):
+    """A K3_AMD_OVERLAY* variable holds a value the overlay does not accept."""
+
+
+@dataclass(frozen=True)
+class OverlaySettings:
+    """The switch as parsed: what to do, for which fusions, how strictly, and where to report."""
+
+    mode: Mode = Mode.OFF
+    fusions: frozenset[str] = frozenset()
+    strict: bool = True
+    marker_dir: str | None = None
+    providers: Mapping[str, str] = field(default_factory=dict)
+    raw: str = ""
+    unknown_variables: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode is not Mode.OFF
+
+    def requested(self, fusion: str) -> bool:
+        return fusion in self.fusions
+
+    def provider(self, fusion: str) -> str:
+        return self.providers.get(fusion, "auto")
+
+
+def _valid_switch_values() -> str:
+    names = ", ".join(FUSIONS)
+    return f"'0' (off), '1' (all fusions), 'stock' (force unfused), or a comma list of: {names}"
+
+
+def parse_switch(raw: str) -> tuple[Mode, frozenset[str]]:
+    value = raw.strip()
+    if value in ("", "0"):
+        return Mode.OFF, frozenset()
+    if value == "1":
+        return Mode.AUTO, frozenset(FUSIONS)
+    if value == "stock":
+        return Mode.STOCK, frozenset(FUSIONS)
+    names = [part.strip() for part in value.split(",")]
+    bad = [name for name in names if name not in FUSIONS]
+    if bad or not names:
+        raise SettingsError(
+            f"{SWITCH}={raw!r} is not valid (unknown: {', '.join(map(repr, bad))}); "
+            f"allowed: {_valid_switch_values()}"
+        )
+    return Mode.AUTO, frozenset(names)
+
+
+def _parse_strict(raw: str | None) -> bool:
+    if raw is None or raw.strip() == "1":
+        return True
+    if raw.strip() == "0":
+        return False
+    raise SettingsError(f"{STRICT}={raw!r} is not valid; allowed: '1' (default, raise) or '0' (warn)")
+
+
+def _parse_provider(fusion: str, raw: str | None) -> str:
+    if raw is None:
+        return "auto"
+    value = raw.strip()
+    if value not in PROVIDERS[fusion]:
+        raise SettingsError(
+            f"{provider_variable(fusion)}={raw!r} is not valid; "
+            f"allowed: {', '.join(PROVIDERS[fusion])}"
+        )
+    return value
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> OverlaySettings:
+    """Parse every K3_AMD_OVERLAY* variable; raise SettingsError naming a bad value and the valid ones.
+
+    Unknown K3_AMD_OVERLAY_* variables are an error while the overlay is on (a misspelt
+    ``K3_AMD_OVERLAY_STRCT=0`` must not silently do the opposite of what was meant) and are
+    returned in ``unknown_variables`` for a warning while it is off.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(SWITCH, "")
+    mode, fusions = parse_switch(raw)
+    unknown = tuple(sorted(k for k in env if k.startswith(SWITCH) and k not in KNOWN_VARIABLES))
+    if unknown and mode is not Mode.OFF:
+        raise SettingsError(
+            f"unknown overlay variable(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(KNOWN_VARIABLES))}"
+        )
+    return OverlaySettings(
+        mode=mode,
+        fusions=fusions,
+        strict=_parse_strict(env.get(STRICT)),
+        marker_dir=env.get(MARKER_DIR) or None,
+        providers={f: _parse_provider(f, env.get(provider_variable(f))) for f in FUSIONS},
+        raw=raw,
+        unknown_variables=unknown,
+    )

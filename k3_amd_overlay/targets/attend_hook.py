@@ -1,0 +1,39 @@
+"""The decode hook for vLLMs whose K3 wrapper has no fused-decode helper of its own (0.29-0.31):
+the layer's MLAAttention instance is given a K3-only subclass whose ``forward`` asks the layer's
+qk_cache site first. The shared MLAAttention class itself is never touched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from k3_amd_overlay.fusions.qk_cache import QkCacheSite
+from k3_amd_overlay.targets.layer_state import QK_CACHE_SITE
+
+_HOOKED: dict[type, type] = {}
+
+
+def hooked_class(base: type) -> type:
+    """A subclass of ``base`` (made once per base) routing ``forward`` through the site."""
+    if base in _HOOKED:
+        return _HOOKED[base]
+
+    def forward(self: Any, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                output_shape: Any = None, q_dcp_replicated: torch.Tensor | None = None) -> torch.Tensor:
+        site: QkCacheSite = self.__dict__[QK_CACHE_SITE]
+        return site.attend(self, base.forward.__get__(self), q, kv_c_normed, k_pe,
+                           output_shape=output_shape, q_dcp_replicated=q_dcp_replicated)
+
+    hooked = type(f"K3Overlay{base.__name__}", (base,), {
+        "forward": forward,
+        "__module__": __name__,
+        "__doc__": f"{base.__name__} of a Kimi-K3 layer with the overlay's qk_cache decode site.",
+    })
+    _HOOKED[base] = hooked
+    return hooked
+
+
+def install(attn: Any, site: QkCacheSite) -> None:
+    attn.__dict__[QK_CACHE_SITE] = site
+    attn.__class__ = hooked_class(type(attn))

@@ -1,0 +1,93 @@
+"""wrapt wrappers for the K3 MLA wrapper class of vLLM 0.30+ (``vllm.models.kimi_k3.amd.mla``):
+each adds one thing and calls through, so everything else upstream does stays in place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from k3_amd_overlay.fusions.qk_cache import QkCacheSite, batch_fusable
+from k3_amd_overlay.fusions.qkv_norm import QkvNormSite
+from k3_amd_overlay.fusions.states import FusionState
+from k3_amd_overlay.package import QK_CACHE, QKV_NORM
+from k3_amd_overlay.targets import attend_hook
+from k3_amd_overlay.targets.layer_state import QK_CACHE_SITE, QKV_NORM_SITE, LayerInstaller
+
+Wrapped = Callable[..., Any]
+
+
+def install_layer_sites(installer: LayerInstaller, fusions: frozenset[str],
+                        qk_cache_via_attend_hook: bool) -> Callable[..., None]:
+    """Wrap ``__init__``: after upstream builds the layer, attach the overlay's per-layer sites."""
+
+    def _k3_overlay_install_layer_sites(wrapped: Wrapped, instance: Any, args: tuple[Any, ...],
+                                        kwargs: dict[str, Any]) -> None:
+        wrapped(*args, **kwargs)
+        if QKV_NORM in fusions:
+            upstream = bool(instance.__dict__.get("_use_eager_qk_rmsnorm_fusion", False))
+            installer.install_qkv_norm(instance, upstream_fuses=upstream)
+        if QK_CACHE in fusions and qk_cache_via_attend_hook:
+            site = installer.install_qk_cache(instance, upstream_fuses=False)
+            if site.decision.state is FusionState.APPLIED:
+                attend_hook.install(instance.mla_attn, site)
+
+    return _k3_overlay_install_layer_sites
+
+
+def _q_c_kv_c(q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return q_c, kv_c
+
+
+def _k3_overlay_normalize_q_kv(wrapped: Wrapped, instance: Any, args: tuple[Any, ...],
+                               kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route ``_normalize_q_kv`` through the layer's qkv_norm site (upstream, overlay or stock)."""
+    site: QkvNormSite | None = instance.__dict__.get(QKV_NORM_SITE)
+    if site is None:  # a layer built before the overlay was activated
+        return wrapped(*args, **kwargs)
+    q_c, kv_c = _q_c_kv_c(*args, **kwargs)
+    return site.normalize(instance.q_a_layernorm, instance.kv_a_layernorm, wrapped, q_c, kv_c)
+
+
+def decide_fused_qk_prep(installer: LayerInstaller) -> Callable[..., bool]:
+    """Wrap ``_fused_qk_prep_supported``: upstream's answer becomes one input of the overlay's
+    predicate, whose answer is returned (False in stock mode; True where the overlay extends)."""
+
+    def _k3_overlay_decide_qk_cache(wrapped: Wrapped, instance: Any, args: tuple[Any, ...],
+                                    kwargs: dict[str, Any]) -> bool:
+        upstream = bool(wrapped(*args, **kwargs))
+        return installer.install_qk_cache(instance, upstream_fuses=upstream).decision.fused
+
+    return _k3_overlay_decide_qk_cache
+
+
+def _fused_decode_args(q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                       positions: torch.Tensor, output_shape: Any, attn_metadata: Any, layer: Any,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[Any, ...]:
+    return q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache, slot_mapping
+
+
+def _k3_overlay_fused_decode(wrapped: Wrapped, instance: Any, args: tuple[Any, ...],
+                             kwargs: dict[str, Any]) -> torch.Tensor:
+    """Route ``_fused_decode`` by the layer's qk_cache decision: upstream's own code where it
+    owns the layer, the overlay's fused decode where the overlay extends it."""
+    site: QkCacheSite | None = instance.__dict__.get(QK_CACHE_SITE)
+    if site is None:
+        return wrapped(*args, **kwargs)
+    if site.decision.state is FusionState.UPSTREAM:
+        site.on_effective()
+        return wrapped(*args, **kwargs)
+    q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache, slot_mapping = _fused_decode_args(
+        *args, **kwargs)
+    if site.decision.state is FusionState.APPLIED and batch_fusable(attn_metadata, slot_mapping,
+                                                                    kv_cache, None):
+        return site.fused_decode(instance.mla_attn, q, kv_c_normed, k_pe, output_shape,
+                                 attn_metadata, kv_cache, slot_mapping)
+    # Upstream's per-batch test let through a batch the overlay's predicate refuses (it does not
+    # today): the stock attention call writes the KV cache and quantises the query itself.
+    return instance.mla_attn(q, kv_c_normed, k_pe, output_shape=output_shape)
+
+
+normalize_q_kv_wrapper = _k3_overlay_normalize_q_kv
+fused_decode_wrapper = _k3_overlay_fused_decode

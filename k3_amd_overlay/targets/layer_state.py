@@ -1,0 +1,131 @@
+"""Read a built K3 MLA wrapper (and its MLAAttention) into the fusions' predicate inputs, and
+install the per-layer sites. Runs in vLLM processes only, when each K3 MLA layer is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from k3_amd_overlay.evidence import Evidence
+from k3_amd_overlay.fp8 import Fp8Format, format_of
+from k3_amd_overlay.fusions.qk_cache import QkCacheInputs, QkCacheSite, decide_qk_cache
+from k3_amd_overlay.fusions.qkv_norm import QKvNorm, QkvNormInputs, QkvNormSite, decide_qkv_norm
+from k3_amd_overlay.fusions.states import FusionState
+from k3_amd_overlay.ops import aiter_qk_cache, qk_cache, rmsnorm_pair
+from k3_amd_overlay.package import QK_CACHE, QKV_NORM
+from k3_amd_overlay.settings import Mode, OverlaySettings
+
+QKV_NORM_SITE = "_k3_overlay_qkv_norm"
+QK_CACHE_SITE = "_k3_overlay_qk_cache"
+
+
+def rotation_kind(rotary_emb: Any) -> str:
+    if rotary_emb is None:
+        return "none"
+    return "identity" if getattr(rotary_emb, "is_identity", False) is True else "real"
+
+
+def absorb_variant(attn: Any) -> str:
+    # The stock decode path's own precedence: fp4 before fp8 (both flags can be set), then AMX.
+    if getattr(attn, "is_aiter_triton_fp4_bmm_enabled", False):
+        return "fp4"
+    if getattr(attn, "is_aiter_triton_fp8_bmm_enabled", False):
+        return "fp8"
+    if getattr(attn, "is_amx_bmm_enabled", False):
+        return "amx"
+    return "bf16"
+
+
+def layer_device(wrapper: Any) -> torch.device:
+    return wrapper.kv_a_layernorm.weight.device
+
+
+def vllm_fp8_format() -> Fp8Format:
+    from vllm.platforms import current_platform
+
+    return format_of(current_platform.fp8_dtype())
+
+
+def max_batched_tokens() -> int:
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return int(get_current_vllm_config().scheduler_config.max_num_batched_tokens)
+    except Exception:  # no config in context (tests, doctor): the buffer grows on demand
+        return 0
+
+
+def get_attention_context(layer_name: str) -> tuple[Any, Any, torch.Tensor, torch.Tensor | None]:
+    from vllm.model_executor.layers.attention.attention import get_attention_context as vllm_ctx
+
+    return vllm_ctx(layer_name)
+
+
+@dataclass
+class LayerInstaller:
+    """Builds and attaches one layer's sites; records each decision in the evidence."""
+
+    settings: OverlaySettings
+    evidence: Evidence
+
+    @property
+    def stock(self) -> bool:
+        return self.settings.mode is Mode.STOCK
+
+    def install_qkv_norm(self, wrapper: Any, upstream_fuses: bool) -> QkvNormSite:
+        q_norm = wrapper.q_a_layernorm
+        kv_norm = wrapper.kv_a_layernorm
+        has_q = q_norm is not None
+        inputs = QkvNormInputs(
+            stock_mode=self.stock,
+            has_q_norm=has_q,
+            upstream_fuses=upstream_fuses,
+            provider_setting=self.settings.provider(QKV_NORM),
+            provider_missing=rmsnorm_pair.provider_missing(
+                layer_device(wrapper),
+                q_norm.variance_epsilon if has_q else 0.0,
+                kv_norm.variance_epsilon,
+            ) if has_q and not self.stock else {},
+        )
+        decision = decide_qkv_norm(inputs)
+        callback = QKvNorm(q_norm, kv_norm, decision.provider) if decision.state is FusionState.APPLIED else None
+        site = QkvNormSite(decision, callback,
+                           self.evidence.effective_hook(QKV_NORM, wrapper.mla_attn.layer_name))
+        setattr(wrapper, QKV_NORM_SITE, site)
+        self.evidence.note_layer(QKV_NORM, decision)
+        return site
+
+    def install_qk_cache(self, wrapper: Any, upstream_fuses: bool) -> QkCacheSite:
+        attn = wrapper.mla_attn
+        impl = attn.impl
+        inputs = QkCacheInputs(
+            stock_mode=self.stock,
+            provider_setting=self.settings.provider(QK_CACHE),
+            provider_missing={} if self.stock else qk_cache.provider_missing(layer_device(wrapper)),
+            kv_cache_dtype=str(attn.kv_cache_dtype),
+            rotation=rotation_kind(wrapper.rotary_emb),
+            dcp_world_size=int(getattr(impl, "dcp_world_size", 1) or 1),
+            pcp=bool(getattr(attn, "use_pcp", False)),
+            hisparse=getattr(attn, "hisparse_cache", None) is not None,
+            q_pad_num_heads=getattr(attn, "q_pad_num_heads", None),
+            num_heads=int(wrapper.num_heads),
+            absorb=absorb_variant(attn),
+            quant_query_input=bool(getattr(impl, "supports_quant_query_input", False)),
+            upstream_fuses=upstream_fuses,
+        )
+        decision = decide_qk_cache(inputs)
+        fused = decision.state is FusionState.APPLIED
+        if fused and decision.provider == "aiter":
+            aiter_qk_cache.reserve_zero_positions(layer_device(wrapper), max_batched_tokens())
+        site = QkCacheSite(
+            decision=decision,
+            absorb=inputs.absorb,
+            fmt=vllm_fp8_format() if fused else None,
+            context=get_attention_context if fused else None,
+            on_effective=self.evidence.effective_hook(QK_CACHE, attn.layer_name),
+        )
+        setattr(wrapper, QK_CACHE_SITE, site)
+        self.evidence.note_layer(QK_CACHE, decision)
+        return site

@@ -1,0 +1,310 @@
+"""Build and run a real vLLM Kimi-K3 MLA layer (``vllm.models.kimi_k3.amd.linear.
+KimiMLAAttention``) on a CPU machine, stock or with the overlay, and compare the two.
+
+What is real: vLLM's layer classes, its K3 wrapper and MLAAttention, the weight post-processing,
+the front end (projections, norms), the W_UK absorption, vLLM's own static fp8 query quant, the
+V up-projection, the forward context and the overlay's patches. What is replaced, because CUDA
+wheels on CPU cannot run it (reference/vllm-cpu-forward.md): the *attention core* only, i.e.
+the decode kernel ``impl.forward_mqa`` (a torch reference that dequantises with the layer's
+scales) and, for an fp8 cache, the KV-cache write ``impl.do_kv_cache_update`` (a torch reference
+of ``concat_and_cache_mla``: x / k_scale, saturated) with ``supports_quant_query_input`` on, as
+the ROCm AITER backend has it. vLLM 0.33 refuses an fp8 cache for CPU MLA when the backend is
+chosen; the harness hides the fp8 dtype from that one check (the layer still holds "fp8").
+
+Needs ``VLLM_TARGET_DEVICE=cpu`` in the environment before vLLM is imported."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import socket
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from k3_amd_overlay.fp8 import Fp8Format, format_of
+
+_STATE: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    num_heads: int = 4
+    hidden: int = 256
+    q_lora: int = 96
+    kv_lora: int = 64
+    rope: int = 16
+    nope: int = 32
+    v: int = 32
+    eps: float = 1e-5
+    gate: bool = True
+    dtype: torch.dtype = torch.bfloat16
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int = 24
+    k_scale: float = 0.5
+    q_scale: float = 1.37
+
+    @property
+    def latent(self) -> int:
+        return self.kv_lora + self.rope
+
+
+K3_DIMS = dict(kv_lora=512, rope=64, nope=128, v=128)
+
+
+def vllm_config() -> Any:
+    """One VllmConfig in context and a world-size-1 gloo group, for the whole process."""
+    if "config" in _STATE:
+        return _STATE["config"]
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+    config = VllmConfig()
+    context = set_current_vllm_config(config)
+    context.__enter__()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+    initialize_model_parallel(1, 1)
+    _STATE.update(config=config, context=context)
+    return config
+
+
+def _cpu_attention_core_for_fp8() -> None:
+    if "cpu_check" in _STATE:
+        return
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.get_attn_backend_cls.__func__
+
+    def hide(value: Any) -> Any:
+        if hasattr(value, "_replace") and str(getattr(value, "kv_cache_dtype", "")).startswith("fp8"):
+            return value._replace(kv_cache_dtype="auto")
+        return value
+
+    def get_attn_backend_cls(cls: Any, *args: Any, **kwargs: Any) -> str:
+        return original(cls, *map(hide, args), **{k: hide(v) for k, v in kwargs.items()})
+
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+    # The ROCm AITER backend takes an fp8 query; the CPU one says it does not. Part of the
+    # attention core the harness replaces, so set before the layer (and the overlay) decide.
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    original_init = CPUMLAImpl.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if str(_STATE["config"].cache_config.cache_dtype).startswith("fp8"):
+            self.supports_quant_query_input = True
+
+    CPUMLAImpl.__init__ = __init__
+    _STATE["cpu_check"] = True
+
+
+def fp8_format() -> Fp8Format:
+    from vllm.platforms import current_platform
+
+    return format_of(current_platform.fp8_dtype())
+
+
+@dataclass
+class Layer:
+    """A built layer and what the harness counts on it."""
+
+    module: Any
+    spec: LayerSpec
+    prefix: str
+    kv_writes: list[int] = field(default_factory=list)  # tokens written per stock KV-cache write
+    mqa_calls: int = 0
+    concat_quant_calls: int = 0
+
+    @property
+    def wrapper(self) -> Any:
+        return self.module.mla_attn
+
+    @property
+    def attn(self) -> Any:
+        return self.module.mla_attn.mla_attn
+
+
+def _init_params(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if param.dim() == 1:
+                values = 1.0 + 0.2 * torch.randn(param.shape, generator=gen)
+            else:
+                values = torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1])
+            param.copy_(values.to(param.dtype))
+
+
+def build_layer(spec: LayerSpec, layer_index: int, seed: int = 0) -> Layer:
+    """A KimiMLAAttention with deterministic random weights (same seed, same weights), post-load
+    processed, with a zeroed KV cache and the attention core replaced as the module says."""
+    config = vllm_config()
+    if spec.kv_cache_dtype.startswith("fp8"):
+        _cpu_attention_core_for_fp8()
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.models.kimi_k3.amd.linear import KimiMLAAttention
+    from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+
+    config.cache_config.cache_dtype = spec.kv_cache_dtype
+    prefix = f"model.layers.{layer_index}.self_attn"
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(spec.dtype)
+    try:
+        module = KimiMLAAttention(
+            KimiLinearConfig(mla_use_nope=True, rms_norm_eps=spec.eps, mla_use_output_gate=spec.gate),
+            hidden_size=spec.hidden, num_heads=spec.num_heads, qk_nope_head_dim=spec.nope,
+            qk_rope_head_dim=spec.rope, v_head_dim=spec.v, q_lora_rank=spec.q_lora,
+            kv_lora_rank=spec.kv_lora, use_nope=True, cache_config=config.cache_config, prefix=prefix,
+        )
+    finally:
+        torch.set_default_dtype(default_dtype)
+    _init_params(module, seed)
+    for sub in module.modules():
+        method = getattr(sub, "quant_method", None)
+        if isinstance(method, QuantizeMethodBase):
+            method.process_weights_after_loading(sub)
+    layer = Layer(module, spec, prefix)
+    attn = layer.attn
+    attn.process_weights_after_loading(spec.dtype)
+    attn._chunked_prefill_workspace_size = 1024
+    fp8 = spec.kv_cache_dtype.startswith("fp8")
+    attn.kv_cache = torch.zeros((spec.num_blocks, spec.block_size, spec.latent),
+                                dtype=torch.uint8 if fp8 else spec.dtype)
+    with torch.no_grad():
+        attn._k_scale.fill_(spec.k_scale if fp8 else 1.0)
+        attn._q_scale.fill_(spec.q_scale if fp8 else 1.0)
+    _replace_attention_core(layer, fp8)
+    return layer
+
+
+def _replace_attention_core(layer: Layer, fp8: bool) -> None:
+    attn = layer.attn
+    impl = attn.impl
+    spec = layer.spec
+    fmt = fp8_format() if fp8 else None
+
+    def forward_mqa(self: Any, q: Any, cache: torch.Tensor, attn_metadata: Any, _layer: Any) -> tuple[torch.Tensor, None]:
+        layer.mqa_calls += 1
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        q_f = q.float() * (attn._q_scale.float() if q.dtype == getattr(fmt, "dtype", None) else 1.0)
+        rows_f = cache.view(fmt.dtype).float() * attn._k_scale.float() if fmt else cache.float()
+        decode = attn_metadata.decode
+        out = torch.empty((q.shape[0], q.shape[1], spec.kv_lora), dtype=spec.dtype)
+        for i in range(q.shape[0]):
+            seq_len = int(decode.seq_lens[i])
+            blocks = decode.block_table[i].long()
+            rows = rows_f[blocks].reshape(-1, spec.latent)[:seq_len]
+            weights = torch.softmax((q_f[i] @ rows.T) * self.scale, dim=-1)
+            out[i] = (weights @ rows[:, : spec.kv_lora]).to(spec.dtype)
+        return out, None
+
+    impl.forward_mqa = types.MethodType(forward_mqa, impl)
+
+    original_update = impl.do_kv_cache_update
+
+    def do_kv_cache_update(self: Any, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        layer.kv_writes.append(int((slot_mapping >= 0).sum()))
+        if fmt is None:
+            return original_update(kv_c_normed, k_pe, kv_cache, slot_mapping, *args, **kwargs)
+        k_scale = attn._k_scale.float()
+        rows = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], dim=-1).float()
+        valid = (slot_mapping >= 0).nonzero().squeeze(1)
+        slots = slot_mapping[valid]
+        cache = kv_cache.view(fmt.dtype)
+        block = cache.shape[1]
+        cache[slots // block, slots % block] = (rows[valid] / k_scale).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
+        return None
+
+    impl.do_kv_cache_update = types.MethodType(do_kv_cache_update, impl)
+    if fp8:
+        impl.supports_quant_query_input = True
+    op = attn._decode_concat_quant_fp8_op
+    original_forward = op.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        layer.concat_quant_calls += 1
+        return original_forward(*args, **kwargs)
+
+    op.forward = counted
+
+
+@dataclass
+class DecodeBatch:
+    metadata: Any
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    hidden: torch.Tensor
+    num_tokens: int
+
+
+def fill_context(layers: list[Layer], seq_lens: list[int], block_table: torch.Tensor, seed: int) -> None:
+    """Give every request seq_len - 1 earlier tokens in the cache: the same bytes in each layer."""
+    spec = layers[0].spec
+    gen = torch.Generator().manual_seed(seed)
+    fp8 = spec.kv_cache_dtype.startswith("fp8")
+    fmt = fp8_format() if fp8 else None
+    rows = torch.randn((spec.num_blocks, spec.block_size, spec.latent), generator=gen)
+    data = (rows / spec.k_scale).to(fmt.dtype).view(torch.uint8) if fmt else rows.to(spec.dtype)
+    for layer in layers:
+        cache = layer.attn.kv_cache
+        for i, seq_len in enumerate(seq_lens):
+            for pos in range(seq_len - 1):
+                block = int(block_table[i, pos // spec.block_size])
+                cache[block, pos % spec.block_size] = data[block, pos % spec.block_size]
+
+
+def decode_batch(layers: list[Layer], seq_lens: list[int], padding: int = 0, seed: int = 1) -> DecodeBatch:
+    """A decode-only batch, one new token per request, plus ``padding`` CUDA-graph padding rows
+    (slot -1), with the requests' earlier tokens already in every layer's cache."""
+    from vllm.model_executor.layers.attention import mla_attention as mla
+
+    spec = layers[0].spec
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    per_request = -(-max(seq_lens) // spec.block_size)
+    assert batch * per_request <= spec.num_blocks, "not enough cache blocks for this batch"
+    block_table = torch.randperm(spec.num_blocks, generator=gen)[: batch * per_request].view(batch, per_request).int()
+    fill_context(layers, seq_lens, block_table, seed)
+    slots = [int(block_table[i, (s - 1) // spec.block_size]) * spec.block_size + (s - 1) % spec.block_size
+             for i, s in enumerate(seq_lens)]
+    slot_mapping = torch.tensor(slots + [-1] * padding, dtype=torch.int64)
+    fields = dict(num_reqs=batch, max_query_len=1, max_seq_len=max(seq_lens), num_actual_tokens=batch,
+                  query_start_loc=torch.arange(batch + 1, dtype=torch.int32), slot_mapping=slot_mapping,
+                  num_decodes=batch, num_decode_tokens=batch, num_prefills=0, prefill=None,
+                  decode=mla.MLACommonDecodeMetadata(block_table=block_table,
+                                                     seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                                                     dcp_tot_seq_lens=None))
+    metadata = mla.MLACommonMetadata(**fields)
+    tokens = batch + padding
+    hidden = torch.randn((tokens, spec.hidden), generator=gen).to(spec.dtype)
+    positions = torch.tensor([s - 1 for s in seq_lens] + [0] * padding, dtype=torch.int64)
+    return DecodeBatch(metadata, slot_mapping, positions, hidden, batch)
+
+
+def run(layer: Layer, batch: DecodeBatch | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """One forward of the layer under a forward context; ``batch=None`` is a profile run."""
+    from vllm.forward_context import set_forward_context
+
+    config = vllm_config()
+    name = layer.attn.layer_name
+    metadata = {name: batch.metadata} if batch else None
+    slots = {name: batch.slot_mapping} if batch else {}
+    x = batch.hidden if batch else hidden
+    positions = batch.positions if batch else torch.zeros(x.shape[0], dtype=torch.int64)
+    with torch.no_grad(), set_forward_context(metadata, config, slot_mapping=slots):
+        if "output" in inspect.signature(layer.module.forward).parameters:
+            out = torch.empty_like(x)
+            layer.module(positions, x, out)
+            return out
+        return layer.module(positions, x)

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Build one virtual environment per supported vLLM release, on a CPU-only machine, with the
+# "light" recipe: the CPU torch wheel, vLLM's own non-GPU requirements, then vLLM itself with
+# --no-deps. Each venv is rebuilt when absent or incomplete (no .complete stamp).
+#
+#   scripts/setup_venvs.sh [VERSION ...]      default: the versions in scripts/vllm-versions.txt
+#
+# Environment: K3OVL_VENV_ROOT (default: <repo>/.venvs), K3OVL_WHEEL_CACHE (default:
+# ~/.cache/k3-amd-overlay/wheels), PYTHON (default: python3.11, else python3).
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+venv_root=${K3OVL_VENV_ROOT:-$repo/.venvs}
+wheel_cache=${K3OVL_WHEEL_CACHE:-$HOME/.cache/k3-amd-overlay/wheels}
+python=${PYTHON:-$(command -v python3.11 || command -v python3)}
+torch_version=${K3OVL_TORCH_VERSION:-2.13.0}
+mkdir -p "$venv_root" "$wheel_cache"
+
+if [ $# -gt 0 ]; then versions=("$@"); else mapfile -t versions < <(grep -v '^#' "$repo/scripts/vllm-versions.txt"); fi
+
+# GPU-only requirements that a CPU test venv leaves out (the torch family comes from the CPU wheel).
+gpu_only='^(torch|torchaudio|torchvision|torchcodec|PyNvVideoCodec|flashinfer|apache-tvm-ffi|tilelang|nvidia-|nvtx|fastsafetensors|instanttensor|quack-kernels|tokenspeed-mla|humming-kernels|cupy|amd-aiter)'
+
+for v in "${versions[@]}"; do
+  venv="$venv_root/vllm-$v"
+  if [ -f "$venv/.complete" ]; then echo "[setup] vllm $v: $venv ready"; continue; fi
+  start=$SECONDS
+  echo "[setup] vllm $v: building $venv"
+  rm -rf "$venv"
+  "$python" -m venv "$venv"
+  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+  whl=$(ls "$wheel_cache"/vllm-"$v"-*.whl 2>/dev/null | head -n1 || true)
+  if [ -z "$whl" ]; then
+    "$venv/bin/python" -m pip download -q --no-deps "vllm==$v" -d "$wheel_cache"
+    whl=$(ls "$wheel_cache"/vllm-"$v"-*.whl | head -n1)
+  fi
+  "${pip[@]}" "torch==$torch_version"
+  reqs="$venv/light-requirements.txt"
+  "$venv/bin/python" - "$whl" "$gpu_only" > "$reqs" <<'PY'
+import re, sys, zipfile
+whl, gpu_only = sys.argv[1], re.compile(sys.argv[2], re.I)
+with zipfile.ZipFile(whl) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in z.read(meta).decode().splitlines():
+        if not line.startswith("Requires-Dist: "):
+            continue
+        req = line[len("Requires-Dist: "):]
+        if "extra ==" in req or gpu_only.match(req):
+            continue
+        print(req)
+PY
+  "${pip[@]}" -r "$reqs" "torch==$torch_version"
+  "${pip[@]}" --no-deps "$whl"
+  "${pip[@]}" "wrapt>=1.16" "pytest>=8" "torch==$torch_version"
+  "$venv/bin/python" -c "import vllm, wrapt; print('[setup] vllm', vllm.__version__, 'wrapt', wrapt.__version__)"
+  touch "$venv/.complete"
+  echo "[setup] vllm $v: done in $((SECONDS - start)) s"
+done
