@@ -14,6 +14,9 @@ from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
 FP8_NATIVE_FN = 0  # tl.float8e4nv: OCP e4m3fn (NVIDIA, MI355X)
 FP8_NATIVE_FNUZ = 1  # tl.float8e4b8: e4m3fnuz, AMD only (MI300X)
 FP8_FNUZ_VIA_FN = 2  # e4m3fnuz emulated through e4m3fn where the native type is missing (CUDA)
+# Four query heads per program, 4 warps: fastest of the variants in scripts/tune_kernels.py on an
+# H200 from B=1 to B=1024 (docs/benchmarks.md); folding the KV row into a head program was slower.
+HEADS_PER_PROGRAM = 4
 
 
 def fp8_mode(fmt: Fp8Format, device: torch.device) -> int:
@@ -54,35 +57,45 @@ def qk_cache_kernel(
     s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_kv_t, s_kpe_t, s_c_blk, s_c_row, s_qo_t, s_qo_h,
     num_heads, block_size, fmax,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    FP8_MODE: tl.constexpr,
+    HEADS: tl.constexpr, FP8_MODE: tl.constexpr,
 ):
-    # grid = (T, H + 1): programs (t, h < H) quantise query head h of token t into q_out;
-    # program (t, H) writes token t's latent row into the cache when its slot is >= 0.
+    # grid = (T, cdiv(H, HEADS) + 1): programs (t, g) quantise query heads g*HEADS.. of token t
+    # into q_out; the last program of each token writes its latent row when its slot is >= 0.
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    group = tl.program_id(1)
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     mask_l = offs_l < L
     mask_r = offs_r < R
-    if h < num_heads:
+    if group < tl.cdiv(num_heads, HEADS):
+        heads = group * HEADS + tl.arange(0, HEADS)
+        live = (heads < num_heads)[:, None]
         scale = tl.load(q_scale_ptr)
+        nope = tl.load(ql_nope_ptr + t * s_qn_t + heads[:, None] * s_qn_h + offs_l[None, :],
+                       mask=live & mask_l[None, :])
+        pe = tl.load(q_pe_ptr + t * s_qp_t + heads[:, None] * s_qp_h + offs_r[None, :],
+                     mask=live & mask_r[None, :])
         inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
-        nope = tl.load(ql_nope_ptr + t * s_qn_t + h * s_qn_h + offs_l, mask=mask_l)
-        pe = tl.load(q_pe_ptr + t * s_qp_t + h * s_qp_h + offs_r, mask=mask_r)
-        out = q_out_ptr + t * s_qo_t + h * s_qo_h
-        tl.store(out + offs_l, _fp8_bits(nope.to(tl.float32), inv, fmax, FP8_MODE), mask=mask_l)
-        tl.store(out + L + offs_r, _fp8_bits(pe.to(tl.float32), inv, fmax, FP8_MODE), mask=mask_r)
+        out = q_out_ptr + t * s_qo_t + heads[:, None] * s_qo_h
+        tl.store(out + offs_l[None, :], _fp8_bits(nope.to(tl.float32), inv, fmax, FP8_MODE),
+                 mask=live & mask_l[None, :])
+        tl.store(out + L + offs_r[None, :], _fp8_bits(pe.to(tl.float32), inv, fmax, FP8_MODE),
+                 mask=live & mask_r[None, :])
     else:
+        # The slot, the scale and the row are loaded together (no dependent round trip before
+        # the store); a negative slot masks the store off, so padding rows write nothing.
         slot = tl.load(slot_ptr + t)
-        if slot >= 0:
-            scale = tl.load(k_scale_ptr)
-            inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
-            row = cache_ptr + (slot // block_size) * s_c_blk + (slot % block_size) * s_c_row
-            kv = tl.load(kv_c_ptr + t * s_kv_t + offs_l, mask=mask_l)
-            kpe = tl.load(k_pe_ptr + t * s_kpe_t + offs_r, mask=mask_r)
-            tl.store(row + offs_l, _fp8_bits(kv.to(tl.float32), inv, fmax, FP8_MODE), mask=mask_l)
-            tl.store(row + L + offs_r, _fp8_bits(kpe.to(tl.float32), inv, fmax, FP8_MODE),
-                     mask=mask_r)
+        scale = tl.load(k_scale_ptr)
+        kv = tl.load(kv_c_ptr + t * s_kv_t + offs_l, mask=mask_l)
+        kpe = tl.load(k_pe_ptr + t * s_kpe_t + offs_r, mask=mask_r)
+        inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
+        # the slot test is broadcast to a vector mask (the interpreter rejects scalar & vector)
+        write_l = mask_l & ((offs_l * 0).to(tl.int64) + slot >= 0)
+        write_r = mask_r & ((offs_r * 0).to(tl.int64) + slot >= 0)
+        slot = tl.maximum(slot, 0)
+        row = cache_ptr + (slot // block_size) * s_c_blk + (slot % block_size) * s_c_row
+        tl.store(row + offs_l, _fp8_bits(kv.to(tl.float32), inv, fmax, FP8_MODE), mask=write_l)
+        tl.store(row + L + offs_r, _fp8_bits(kpe.to(tl.float32), inv, fmax, FP8_MODE), mask=write_r)
 
 
 def qk_cache(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
@@ -91,12 +104,12 @@ def qk_cache(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe
     """Launch on validated inputs; k_pe is 2-D, cache_bytes and q_out_bytes are uint8 views."""
     num_tokens, num_heads, lora = ql_nope.shape
     rope = q_pe.shape[-1]
-    qk_cache_kernel[(num_tokens, num_heads + 1)](
+    qk_cache_kernel[(num_tokens, triton.cdiv(num_heads, HEADS_PER_PROGRAM) + 1)](
         ql_nope, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,
         ql_nope.stride(0), ql_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0), cache_bytes.stride(1),
         q_out_bytes.stride(0), q_out_bytes.stride(1),
         num_heads, cache_bytes.shape[1], fmt.fmax,
         L=lora, R=rope, BLOCK_L=triton.next_power_of_2(lora), BLOCK_R=triton.next_power_of_2(rope),
-        FP8_MODE=fp8_mode(fmt, ql_nope.device), num_warps=4,
+        HEADS=HEADS_PER_PROGRAM, FP8_MODE=fp8_mode(fmt, ql_nope.device), num_warps=4,
     )

@@ -1,5 +1,9 @@
 """Triton kernels for RMSNorm: the q_a/kv_a pair in one launch, and the single-tensor kernel of
-the same quality that the benchmark's two-launch baseline uses."""
+the same design that the benchmark's two-launch baseline uses.
+
+Design (scripts/tune_kernels.py, docs/benchmarks.md): one flat grid, q rows one per program and
+kv rows four per program, so both kinds of program carry about 2048 lanes at 4 warps; putting a
+token's two rows in one program, or more warps, was slower on an H200 at every T measured."""
 
 from __future__ import annotations
 
@@ -7,41 +11,48 @@ import torch
 import triton
 import triton.language as tl
 
+ROWS_Q = 1
+ROWS_KV = 4
+NUM_WARPS = 4
+
 
 @triton.jit
-def _norm_row(x_ptr, out_ptr, w_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (x * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
+def _norm_rows(x_ptr, out_ptr, w_ptr, x_stride, out_stride, row0, n_rows, eps,
+               N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    rows = row0 + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]  # int64 offsets: strides of ~24K overflow int32 past ~87K rows
+    x = tl.load(x_ptr + r64 * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = x * inv_rms[:, None] * w[None, :]
+    tl.store(out_ptr + r64 * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def rmsnorm_pair_kernel(
     q_ptr, q_out_ptr, q_w_ptr, q_stride, q_out_stride, q_eps,
-    kv_ptr, kv_out_ptr, kv_w_ptr, kv_stride, kv_out_stride, kv_eps,
+    kv_ptr, kv_out_ptr, kv_w_ptr, kv_stride, kv_out_stride, kv_eps, num_tokens,
     Q: tl.constexpr, KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+    ROWS_Q: tl.constexpr, ROWS_KV: tl.constexpr,
 ):
-    # Token on grid-x (no 65535 cap), which norm on grid-y; int64 row offsets for huge T.
-    t = tl.program_id(0).to(tl.int64)
-    if tl.program_id(1) == 0:
-        _norm_row(q_ptr + t * q_stride, q_out_ptr + t * q_out_stride, q_w_ptr, q_eps, Q, BLOCK_Q)
+    # Programs [0, q_programs) normalise q rows, the rest kv rows; one flat grid axis (no 65535 cap).
+    pid = tl.program_id(0)
+    q_programs = tl.cdiv(num_tokens, ROWS_Q)
+    if pid < q_programs:
+        _norm_rows(q_ptr, q_out_ptr, q_w_ptr, q_stride, q_out_stride, pid * ROWS_Q, num_tokens,
+                   q_eps, Q, BLOCK_Q, ROWS_Q)
     else:
-        _norm_row(kv_ptr + t * kv_stride, kv_out_ptr + t * kv_out_stride, kv_w_ptr, kv_eps, KV,
-                  BLOCK_KV)
+        _norm_rows(kv_ptr, kv_out_ptr, kv_w_ptr, kv_stride, kv_out_stride,
+                   (pid - q_programs) * ROWS_KV, num_tokens, kv_eps, KV, BLOCK_KV, ROWS_KV)
 
 
 @triton.jit
-def rmsnorm_kernel(x_ptr, out_ptr, w_ptr, x_stride, out_stride, eps,
-                   N: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    _norm_row(x_ptr + t * x_stride, out_ptr + t * out_stride, w_ptr, eps, N, BLOCK)
-
-
-def _warps(block: int) -> int:
-    return 8 if block >= 2048 else 4 if block >= 512 else 2
+def rmsnorm_kernel(x_ptr, out_ptr, w_ptr, x_stride, out_stride, eps, num_tokens,
+                   N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    _norm_rows(x_ptr, out_ptr, w_ptr, x_stride, out_stride, tl.program_id(0) * ROWS, num_tokens,
+               eps, N, BLOCK, ROWS)
 
 
 def rmsnorm_pair(q_c: torch.Tensor, kv_c: torch.Tensor, q_weight: torch.Tensor,
@@ -49,17 +60,20 @@ def rmsnorm_pair(q_c: torch.Tensor, kv_c: torch.Tensor, q_weight: torch.Tensor,
                  q_out: torch.Tensor, kv_out: torch.Tensor) -> None:
     num_tokens, q_size = q_c.shape
     kv_size = kv_c.shape[1]
-    block_q, block_kv = triton.next_power_of_2(q_size), triton.next_power_of_2(kv_size)
-    rmsnorm_pair_kernel[(num_tokens, 2)](
+    grid = (triton.cdiv(num_tokens, ROWS_Q) + triton.cdiv(num_tokens, ROWS_KV),)
+    rmsnorm_pair_kernel[grid](
         q_c, q_out, q_weight, q_c.stride(0), q_out.stride(0), q_eps,
-        kv_c, kv_out, kv_weight, kv_c.stride(0), kv_out.stride(0), kv_eps,
-        Q=q_size, KV=kv_size, BLOCK_Q=block_q, BLOCK_KV=block_kv,
-        num_warps=_warps(max(block_q, block_kv)),
+        kv_c, kv_out, kv_weight, kv_c.stride(0), kv_out.stride(0), kv_eps, num_tokens,
+        Q=q_size, KV=kv_size, BLOCK_Q=triton.next_power_of_2(q_size),
+        BLOCK_KV=triton.next_power_of_2(kv_size), ROWS_Q=ROWS_Q, ROWS_KV=ROWS_KV,
+        num_warps=NUM_WARPS,
     )
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+            rows: int = 1, num_warps: int = NUM_WARPS) -> None:
+    """One RMSNorm launch (the benchmark baseline picks its best ``rows``/``num_warps``)."""
     num_tokens, size = x.shape
-    block = triton.next_power_of_2(size)
-    rmsnorm_kernel[(num_tokens,)](x, out, weight, x.stride(0), out.stride(0), eps,
-                                  N=size, BLOCK=block, num_warps=_warps(block))
+    rmsnorm_kernel[(triton.cdiv(num_tokens, rows),)](
+        x, out, weight, x.stride(0), out.stride(0), eps, num_tokens,
+        N=size, BLOCK=triton.next_power_of_2(size), ROWS=rows, num_warps=num_warps)

@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Kernel benchmarks of the two fused ops at Kimi-K3 shapes, side by side in one run: the unfused
+baseline (launches of the same quality, one per step), the fused launch, and the floors (an empty
+launch; bytes over the bandwidth measured here), eager and CUDA-graph replay, medians.
+
+    PYTHONPATH=. python3 scripts/bench_kernels.py [--json OUT.json] [--quick]
+
+Needs a GPU with Triton; does not need vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from k3_amd_overlay import k3
+from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
+from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, qk_cache
+from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+@triton.jit
+def _one_load_kernel(x_ptr, y_ptr):
+    tl.store(y_ptr, tl.load(x_ptr) + 1.0)
+
+
+SINGLE_NORM_CONFIGS = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8)]  # (rows, warps) tried for the baseline
+
+
+@triton.jit
+def _kv_write_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_blk,
+                     s_row, block_size, fmax, L: tl.constexpr, R: tl.constexpr, FP8_MODE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        scale = tl.load(k_scale_ptr)
+        inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
+        offs_l = tl.arange(0, L)
+        offs_r = tl.arange(0, R)
+        row = cache_ptr + (slot // block_size) * s_blk + (slot % block_size) * s_row
+        tl.store(row + offs_l, _fp8_bits(tl.load(kv_c_ptr + t * s_kv_t + offs_l).to(tl.float32), inv, fmax, FP8_MODE))
+        tl.store(row + L + offs_r, _fp8_bits(tl.load(k_pe_ptr + t * s_kpe_t + offs_r).to(tl.float32), inv, fmax, FP8_MODE))
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, fmax, D: tl.constexpr, BLOCK: tl.constexpr,
+                       FP8_MODE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    scale = tl.load(scale_ptr)
+    inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
+    x = tl.load(x_ptr + row * D + offs, mask=mask).to(tl.float32)
+    tl.store(out_ptr + row * D + offs, _fp8_bits(x, inv, fmax, FP8_MODE), mask=mask)
+
+
+def graph_us(fn: Callable[[], None], per_graph: int = 20, reps: int = 200) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / per_graph)
+    return statistics.median(times)
+
+
+def eager_us(fn: Callable[[], None]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000.0
+
+
+def bandwidth_bytes_per_us() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = eager_us(lambda: dst.copy_(src))
+    return 2 * src.numel() / us
+
+
+def row(*cells: object) -> str:
+    return " | ".join(f"{c:.2f}" if isinstance(c, float) else str(c) for c in cells)
+
+
+def _result(op: str, shape: dict, mode: str, baseline: float, fused: float, empty: dict[str, float],
+            floor_bw: float) -> dict:
+    return dict(op=op, **shape, mode=mode, baseline_us=baseline, fused_us=fused, ratio=baseline / fused,
+                empty_us=empty[mode], one_load_us=empty["one_load_" + mode], bytes_bw_us=floor_bw,
+                fused_over_floor=fused / max(empty[mode], floor_bw),
+                fused_over_load_floor=fused / max(empty["one_load_" + mode], floor_bw))
+
+
+def bench_qkv_norm(tokens_list: list[int], bw: float, empty: dict[str, float]) -> list[dict]:
+    results = []
+    print("\n### qkv_norm: two single-norm launches vs one fused launch (bf16, q 1536 + kv 512)")
+    print("| T | mode | two launches µs | fused µs | ratio | empty µs | one-load µs | bytes/bw µs "
+          "| fused / max(empty, bytes) | fused / max(one-load, bytes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for tokens in tokens_list:
+        latent = torch.randn(tokens, k3.Q_LORA_RANK + k3.LATENT_ROW, dtype=torch.bfloat16, device="cuda")
+        q, kv = latent[:, : k3.Q_LORA_RANK], latent[:, k3.Q_LORA_RANK: k3.Q_LORA_RANK + k3.KV_LORA_RANK]
+        q_w = torch.randn(k3.Q_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+        kv_w = torch.randn(k3.KV_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+        q_out, kv_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty(tokens, k3.KV_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+        def two(rows: int, warps: int) -> Callable[[], None]:
+            return lambda: (rmsnorm(q, q_w, 1e-5, q_out, rows, warps), rmsnorm(kv, kv_w, 1e-5, kv_out, rows, warps))
+
+        one = lambda: rmsnorm_pair(q, kv, q_w, kv_w, 1e-5, 1e-5, q_out, kv_out)  # noqa: E731
+        moved = 2 * tokens * (k3.Q_LORA_RANK + k3.KV_LORA_RANK) * 2 + (k3.Q_LORA_RANK + k3.KV_LORA_RANK) * 2
+        floor_bw = moved / bw
+        for mode, timer in (("graph", graph_us), ("eager", eager_us)):
+            t2 = min(timer(two(r, w)) for r, w in SINGLE_NORM_CONFIGS)  # the best single-norm config
+            t1 = timer(one)
+            result = _result("qkv_norm", dict(tokens=tokens), mode, t2, t1, empty, floor_bw)
+            print("| " + row(tokens, mode, t2, t1, t2 / t1, empty[mode], empty["one_load_" + mode], floor_bw,
+                             result["fused_over_floor"], result["fused_over_load_floor"]) + " |")
+            results.append(result)
+    return results
+
+
+def bench_qk_cache(heads_list: list[int], tokens_list: list[int], bw: float, empty: dict[str, float],
+                   fmt: Fp8Format = E4M3FN) -> list[dict]:
+    results = []
+    lora, rope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM
+    mode_bits = fp8_mode(fmt, torch.device("cuda"))
+    print(f"\n### qk_cache: three launches (KV write, concat, quant) vs one fused launch ({fmt.name}, block 1536)")
+    print("| H | B | mode | three launches µs | fused µs | ratio | empty µs | one-load µs | bytes/bw µs "
+          "| fused / max(empty, bytes) | fused / max(one-load, bytes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for heads in heads_list:
+        for tokens in tokens_list:
+            ql_nope = torch.randn(tokens, heads, lora, dtype=torch.bfloat16, device="cuda")
+            q_full = torch.randn(tokens, heads, k3.QK_NOPE_HEAD_DIM + rope, dtype=torch.bfloat16, device="cuda")
+            q_pe = q_full[..., k3.QK_NOPE_HEAD_DIM:]
+            latent = torch.randn(tokens, k3.Q_LORA_RANK + lora + rope, dtype=torch.bfloat16, device="cuda")
+            kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16, device="cuda")
+            k_pe = latent[:, k3.Q_LORA_RANK + lora:]
+            blocks = max(2, -(-tokens // 1536) * 2)
+            cache = torch.zeros(blocks, 1536, lora + rope, dtype=torch.uint8, device="cuda")
+            slots = torch.randperm(blocks * 1536, device="cuda")[:tokens].to(torch.int64)
+            k_scale = torch.tensor([1.1], device="cuda")
+            q_scale = torch.tensor([0.9], device="cuda")
+            q_out = torch.empty(tokens, heads, lora + rope, dtype=torch.uint8, device="cuda")
+            cat_out = torch.empty(tokens, heads, lora + rope, dtype=torch.bfloat16, device="cuda")
+
+            def three() -> None:
+                _kv_write_kernel[(tokens,)](kv_c, k_pe, cache, slots, k_scale, kv_c.stride(0), k_pe.stride(0),
+                                            cache.stride(0), cache.stride(1), 1536, fmt.fmax, L=lora, R=rope,
+                                            FP8_MODE=mode_bits, num_warps=4)
+                torch.cat([ql_nope, q_pe], dim=-1, out=cat_out)
+                _quant_rows_kernel[(tokens * heads,)](cat_out, q_out, q_scale, fmt.fmax, D=lora + rope,
+                                                      BLOCK=1024, FP8_MODE=mode_bits, num_warps=4)
+
+            def one() -> None:
+                qk_cache(ql_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt)
+
+            moved = tokens * (heads * (lora + rope) * 2 + (lora + rope) * 2 + 8) + tokens * (heads + 1) * (lora + rope)
+            floor_bw = moved / bw
+            for mode, timer in (("graph", graph_us), ("eager", eager_us)):
+                t3, t1 = timer(three), timer(one)
+                result = _result("qk_cache", dict(heads=heads, tokens=tokens), mode, t3, t1, empty, floor_bw)
+                print("| " + row(heads, tokens, mode, t3, t1, t3 / t1, empty[mode], empty["one_load_" + mode],
+                                 floor_bw, result["fused_over_floor"], result["fused_over_load_floor"]) + " |")
+                results.append(result)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write every measurement here")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no GPU: nothing to benchmark", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    bw = bandwidth_bytes_per_us()
+    dummy = torch.empty(1, device="cuda")
+    sink = torch.empty(1, device="cuda")
+    empty = {"graph": graph_us(lambda: _empty_kernel[(1,)](dummy)), "eager": eager_us(lambda: _empty_kernel[(1,)](dummy)),
+             "one_load_graph": graph_us(lambda: _one_load_kernel[(1,)](dummy, sink)),
+             "one_load_eager": eager_us(lambda: _one_load_kernel[(1,)](dummy, sink))}
+    print(f"device: {props.name}; torch {torch.__version__}; triton {triton.__version__}; "
+          f"copy bandwidth {bw / 1e6:.2f} TB/s; empty launch graph {empty['graph']:.2f} µs, eager {empty['eager']:.2f} µs; "
+          f"one-load launch graph {empty['one_load_graph']:.2f} µs, eager {empty['one_load_eager']:.2f} µs")
+    tokens = [1, 8, 64, 512] if args.quick else [1, 8, 64, 512, 4096, 16384]
+    results = bench_qkv_norm(tokens, bw, empty)
+    heads = [3, 12] if args.quick else [3, 6, 12, 16]
+    batch = [1, 32, 256] if args.quick else [1, 8, 32, 128, 256, 1024]
+    results += bench_qk_cache(heads, batch, bw, empty)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(dict(device=props.name, torch=torch.__version__, triton=triton.__version__,
+                           bandwidth_tb_s=bw / 1e6, empty_us=empty, results=results), handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

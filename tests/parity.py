@@ -1,0 +1,181 @@
+"""Parity checks shared by the kernel tests and the mutation tests: each returns a list of
+problems (empty when the provider matches the reference), so a test can assert both that the
+real provider passes and that a planted fault is caught."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from k3_amd_overlay.fp8 import Fp8Format
+from k3_amd_overlay.ops import qk_cache as qk_cache_op
+from k3_amd_overlay.ops import reference
+
+POISON_A, POISON_B = 0xA5, 0x5A
+
+
+@dataclass
+class QkCase:
+    """Fresh random decode-step inputs with realistic strides (q_pe and k_pe are column slices)."""
+
+    ql_nope: torch.Tensor
+    q_pe: torch.Tensor
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: torch.Tensor
+    q_scale: torch.Tensor
+    cache_shape: tuple[int, int, int]
+    fmt: Fp8Format
+
+
+def make_qk_case(tokens: int, heads: int, fmt: Fp8Format, *, block_size: int = 16, lora: int = 512,
+                 rope: int = 64, nope: int = 128, num_blocks: int | None = None,
+                 extremes: bool = True, padding_every: int = 3, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", seed: int | None = None) -> QkCase:
+    gen = torch.Generator(device="cpu")
+    gen.seed() if seed is None else gen.manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * 3.0
+
+    ql_nope = randn(tokens, heads, lora)
+    q_full = randn(tokens, heads, nope + rope)
+    latent = randn(tokens, lora + rope + 7)
+    kv_c = randn(tokens, lora)
+    if extremes and tokens:
+        # saturating values, inf and NaN in both the nope and the rope lanes
+        ql_nope.view(-1)[:: 97] = 1e4
+        ql_nope.view(-1)[5:: 89] = -1e4
+        q_full[..., nope:].reshape(-1)[::53] = float("inf")
+        kv_c.view(-1)[::61] = -1e5
+        latent[:, lora + 3] = float("nan")
+        ql_nope.view(-1)[7:: 211] = float("nan")
+    num_blocks = num_blocks or max(4, 2 * tokens // block_size + 3)
+    total = num_blocks * block_size
+    slots = torch.randperm(total, generator=gen)[:tokens]
+    if padding_every:
+        slots[::padding_every] = -1
+    to = dict(device=device)
+    return QkCase(
+        ql_nope=ql_nope.to(dtype).to(**to),
+        q_pe=q_full.to(dtype).to(**to)[..., nope:],
+        kv_c=kv_c.to(dtype).to(**to),
+        k_pe=latent.to(dtype).to(**to)[:, lora: lora + rope].unsqueeze(1),
+        slot_mapping=slots.to(torch.int64).to(**to),
+        k_scale=torch.tensor([1.3137], dtype=torch.float32, device=device),
+        q_scale=torch.tensor([0.7123], dtype=torch.float32, device=device),
+        cache_shape=(num_blocks, block_size, lora + rope),
+        fmt=fmt,
+    )
+
+
+QkRunner = Callable[[QkCase, torch.Tensor, torch.Tensor], None]  # (case, cache_u8, q_out_u8)
+
+
+def run_provider(provider: str) -> QkRunner:
+    def run(case: QkCase, cache: torch.Tensor, q_out: torch.Tensor) -> None:
+        qk_cache_op.fused_qk_cache(case.ql_nope, case.q_pe, case.kv_c, case.k_pe, cache,
+                                   case.slot_mapping, case.k_scale, case.q_scale,
+                                   q_out=q_out.view(case.fmt.dtype), provider=provider,
+                                   kv_format=case.fmt.name)
+    return run
+
+
+def _outputs(case: QkCase, runner: QkRunner, poison: int) -> tuple[torch.Tensor, torch.Tensor]:
+    device = case.ql_nope.device
+    tokens, heads, lora = case.ql_nope.shape
+    cache = torch.full(case.cache_shape, poison, dtype=torch.uint8, device=device)
+    q_out = torch.full((tokens, heads, lora + case.q_pe.shape[-1]), poison, dtype=torch.uint8, device=device)
+    runner(case, cache, q_out)
+    return cache, q_out
+
+
+def _decode(bits: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    return bits.view(fmt.dtype).float()
+
+
+def _value_problems(name: str, got: torch.Tensor, want: torch.Tensor, fmt: Fp8Format,
+                    max_code_diff: int) -> list[str]:
+    g, w = _decode(got, fmt), _decode(want, fmt)
+    both_nan = g.isnan() & w.isnan()
+    if max_code_diff == 0:
+        bad = ~(both_nan | (g == w))
+    else:
+        # Triton's CPU interpreter mis-rounds fp8 casts and garbles NaN (reference/triton-fp8-casts.md):
+        # accept a same-sign value within a factor of two (or both subnormal) there; bit equality is
+        # checked on a GPU.
+        close = w.isnan() | (g == w) | ((g - w).abs() <= 2.0**-6) | (
+            (torch.sign(g) == torch.sign(w)) & ((g / w).abs().clamp(0.0, 10.0) - 1).abs().le(0.5))
+        bad = ~(both_nan | close)
+    count = int(bad.sum())
+    if count:
+        idx = bad.nonzero()[0].tolist()
+        return [f"{name}: {count} values differ, first at {idx}: got {g[tuple(idx)].item()} "
+                f"want {w[tuple(idx)].item()}"]
+    return []
+
+
+def qk_cache_problems(case: QkCase, runner: QkRunner, *, max_code_diff: int = 0) -> list[str]:
+    """Run ``runner`` and the reference twice each, over two different poisons; bytes that differ
+    between the two poisons were not written. Problems: a byte written that should not be, one not
+    written that should be, a value that differs from the reference."""
+    problems: list[str] = []
+    ref = run_provider("reference")
+    cache_a, q_a = _outputs(case, runner, POISON_A)
+    cache_b, q_b = _outputs(case, runner, POISON_B)
+    ref_cache, ref_q = _outputs(case, ref, POISON_A)
+    valid = case.slot_mapping >= 0
+    block_size = case.cache_shape[1]
+    expected_rows = torch.zeros(case.cache_shape[:2], dtype=torch.bool, device=cache_a.device)
+    slots = case.slot_mapping[valid]
+    expected_rows[slots // block_size, slots % block_size] = True
+    written = cache_a == cache_b
+    expected = expected_rows.unsqueeze(-1).expand_as(written)
+    if (written & ~expected).any():
+        problems.append(f"cache: {int((written & ~expected).sum())} bytes written outside the valid slots")
+    if (~written & expected).any():
+        problems.append(f"cache: {int((~written & expected).sum())} bytes of valid slots not written")
+    q_written = q_a == q_b
+    if (~q_written[valid]).any():
+        problems.append(f"q_out: {int((~q_written[valid]).sum())} bytes of valid tokens not written")
+    problems += _value_problems("cache", cache_a[expected_rows], ref_cache[expected_rows], case.fmt, max_code_diff)
+    problems += _value_problems("q_out", q_a[valid], ref_q[valid], case.fmt, max_code_diff)
+    return problems
+
+
+def rmsnorm_problems(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+                     ulps: float = 2.0) -> list[str]:
+    """Each output within ``ulps`` units in the last place of the reference (fp32 rounding and
+    rsqrt implementations may differ by one), same shape and dtype, no NaN."""
+    problems = []
+    for name, g, w in (("q", got[0], want[0]), ("kv", got[1], want[1])):
+        if g.shape != w.shape or g.dtype != w.dtype:
+            problems.append(f"{name}: got {g.dtype} {tuple(g.shape)}, want {w.dtype} {tuple(w.shape)}")
+            continue
+        if g.numel() == 0:
+            continue
+        eps = torch.finfo(w.dtype).eps
+        tol = ulps * eps * w.float().abs() + 1e-6
+        diff = (g.float() - w.float()).abs()
+        if g.isnan().any() or (diff > tol).any():
+            problems.append(f"{name}: {int((diff > tol).sum())} values off by more than {ulps} ulp "
+                            f"(max {diff.max().item():.3g})")
+    return problems
+
+
+def rmsnorm_inputs(tokens: int, dtype: torch.dtype, device: torch.device | str, q_size: int = 1536,
+                   kv_size: int = 512, seed: int | None = None) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator()
+    gen.seed() if seed is None else gen.manual_seed(seed)
+    latent = (torch.randn((tokens, q_size + kv_size + 64), generator=gen) * 2).to(dtype).to(device)
+    q_w = (1 + 0.3 * torch.randn(q_size, generator=gen)).to(dtype).to(device)
+    kv_w = (1 + 0.3 * torch.randn(kv_size, generator=gen)).to(dtype).to(device)
+    return latent[:, :q_size], latent[:, q_size: q_size + kv_size], q_w, kv_w
+
+
+def reference_pair(q: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, kv_w: torch.Tensor,
+                   q_eps: float, kv_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.rmsnorm_pair_reference(q, kv, q_w, kv_w, q_eps, kv_eps)

@@ -1,0 +1,121 @@
+"""Kernel parity: every provider of the two fused ops against the torch reference, on fresh random
+inputs, with poisoned outputs (every byte meant to be written was, no other was). On a GPU the
+Triton kernels must match bit for bit; on CPU they run under Triton's interpreter, which mis-rounds
+fp8 casts, so there the written bytes are checked exactly and the values loosely."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, HAS_GPU
+from parity import make_qk_case, qk_cache_problems, reference_pair, rmsnorm_inputs, rmsnorm_problems, run_provider
+
+from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, FP8_FORMATS
+from k3_amd_overlay.ops import ProviderUnavailable, fused_q_kv_rmsnorm, fused_qk_cache
+from k3_amd_overlay.testing.aiter_standin import AiterStandIn
+
+FORMATS = [E4M3FN, E4M3FNUZ]
+CODE_TOLERANCE = 0 if HAS_GPU else 1
+
+
+def _interpreter_budget(tokens: int, heads: int, block_size: int) -> None:
+    if not HAS_GPU and (tokens * (heads + 1) > 120 or block_size > 16 and tokens > 7):
+        pytest.skip("too slow under the Triton interpreter; the GPU run (scripts/gpu_check.sh) covers it")
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("block_size", [1, 16, 1536])
+@pytest.mark.parametrize("heads", [1, 3, 12, 16])
+@pytest.mark.parametrize("tokens", [0, 1, 7, 256])
+def test_qk_cache_triton_matches_reference(fmt, block_size, heads, tokens):
+    _interpreter_budget(tokens, heads, block_size)
+    case = make_qk_case(tokens, heads, fmt, block_size=block_size, device=DEVICE)
+    assert qk_cache_problems(case, run_provider("triton"), max_code_diff=CODE_TOLERANCE) == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("version", [(0, 1, 19), (0, 1, 20)], ids=["aiter-0.1.19", "aiter-0.1.20"])
+@pytest.mark.parametrize("heads,block_size", [(1, 16), (3, 16), (12, 1), (12, 16), (16, 1536)])
+@pytest.mark.parametrize("tokens", [0, 1, 7, 300])
+def test_qk_cache_aiter_standin_matches_reference(fmt, version, heads, block_size, tokens):
+    """The AITER provider keeps AITER's contract (the stand-in raises otherwise) on every kernel
+    AITER would pick, on AITER versions with and without the position clamp."""
+    standin = AiterStandIn(version=version, fmt=fmt)
+    standin.install()
+    try:
+        case = make_qk_case(tokens, heads, fmt, block_size=block_size, extremes=False, device="cpu")
+        assert qk_cache_problems(case, run_provider("aiter")) == []
+        assert all(call["identity"] and call["positions_max"] in (0, None) for call in standin.calls)
+        assert {call["arity"] for call in standin.calls} <= {15 if version >= (0, 1, 20) else 14}
+    finally:
+        standin.uninstall()
+
+
+def test_aiter_rope_lanes_are_not_clamped_by_aiter():
+    """A documented difference: AITER's rope lanes skip the clamp, so an overflowing q_pe value
+    becomes NaN there (fp8 e4m3fn has no inf) where the spec and the Triton kernel saturate."""
+    standin = AiterStandIn(fmt=E4M3FN)
+    standin.install()
+    try:
+        case = make_qk_case(4, 12, E4M3FN, extremes=True, padding_every=0)
+        out = fused_qk_cache(case.ql_nope, case.q_pe, case.kv_c, case.k_pe,
+                             torch.zeros(case.cache_shape, dtype=torch.uint8), case.slot_mapping,
+                             case.k_scale, case.q_scale, provider="aiter", kv_format="e4m3fn")
+        ref = fused_qk_cache(case.ql_nope, case.q_pe, case.kv_c, case.k_pe,
+                             torch.zeros(case.cache_shape, dtype=torch.uint8), case.slot_mapping,
+                             case.k_scale, case.q_scale, provider="reference", kv_format="e4m3fn")
+        inf_lanes = case.q_pe.isinf()
+        assert out[..., 512:].float()[inf_lanes].isnan().all()
+        assert ref[..., 512:].float()[inf_lanes].abs().eq(448).all()
+        assert torch.equal(out[..., :512].view(torch.uint8), ref[..., :512].view(torch.uint8))
+    finally:
+        standin.uninstall()
+
+
+def test_qk_cache_errors_name_the_value_and_what_is_allowed():
+    case = make_qk_case(3, 2, E4M3FN)
+    cache = torch.zeros(case.cache_shape, dtype=torch.uint8)
+    args = (case.ql_nope, case.q_pe, case.kv_c, case.k_pe, cache, case.slot_mapping, case.k_scale, case.q_scale)
+    with pytest.raises(ValueError, match="uint8: name its fp8 format"):
+        fused_qk_cache(*args)
+    with pytest.raises(ValueError, match=r"slot_mapping must be int64 \[T=3\], got torch.int32"):
+        fused_qk_cache(*args[:5], case.slot_mapping.int(), *args[6:], kv_format="e4m3fn")
+    with pytest.raises(ValueError, match="k_scale must be a one-element float32 tensor"):
+        fused_qk_cache(*args[:6], case.k_scale.double(), case.q_scale, kv_format="e4m3fn")
+    with pytest.raises(ValueError, match=r"kv_c must be \[T=3, L=512\]"):
+        fused_qk_cache(case.ql_nope, case.q_pe, case.kv_c[:, :100], *args[3:], kv_format="e4m3fn")
+    with pytest.raises(ValueError, match="fp8 format 'e5m2' is not supported; allowed"):
+        fused_qk_cache(*args, kv_format="e5m2")
+    with pytest.raises(ValueError, match="provider 'cuda' is unknown; allowed: auto, aiter, triton, reference"):
+        fused_qk_cache(*args, kv_format="e4m3fn", provider="cuda")
+    with pytest.raises(ProviderUnavailable, match="provider 'aiter' is unavailable: AITER"):
+        fused_qk_cache(*args, kv_format="e4m3fn", provider="aiter")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("tokens", [0, 1, 7, 64, 512, 4096, 16384])
+def test_rmsnorm_pair_triton_matches_reference(dtype, tokens):
+    if not HAS_GPU and tokens > 64:
+        pytest.skip("too slow under the Triton interpreter; the GPU run (scripts/gpu_check.sh) covers it")
+    q, kv, q_w, kv_w = rmsnorm_inputs(tokens, dtype, DEVICE)
+    got = fused_q_kv_rmsnorm(q, kv, q_w, kv_w, 1e-5, 1e-3, provider="triton")
+    assert rmsnorm_problems(got, reference_pair(q, kv, q_w, kv_w, 1e-5, 1e-3)) == []
+    assert got[0].is_contiguous() and got[1].is_contiguous()
+
+
+def test_rmsnorm_pair_errors_name_the_value():
+    q, kv, q_w, kv_w = rmsnorm_inputs(3, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="q_c has 3 rows but kv_c has 2"):
+        fused_q_kv_rmsnorm(q, kv[:2], q_w, kv_w, 1e-5, 1e-5)
+    with pytest.raises(ValueError, match="kv_eps=0.0 must be a finite float > 0"):
+        fused_q_kv_rmsnorm(q, kv, q_w, kv_w, 1e-5, 0.0)
+    with pytest.raises(ValueError, match="q_c needs unit stride in its last dim"):
+        fused_q_kv_rmsnorm(q.t().contiguous().t(), kv, q_w, kv_w, 1e-5, 1e-5)
+    with pytest.raises(ProviderUnavailable, match="provider 'vllm' is unavailable"):
+        fused_q_kv_rmsnorm(q, kv, q_w, kv_w, 1e-5, 1e-6, provider="vllm")
+    assert [t.shape for t in fused_q_kv_rmsnorm(q[:0], kv[:0], q_w, kv_w, 1e-5, 1e-5)] == [(0, 1536), (0, 512)]
+
+
+def test_fp8_formats_are_the_torch_formats():
+    assert FP8_FORMATS["e4m3fn"].fmax == torch.finfo(torch.float8_e4m3fn).max
+    assert FP8_FORMATS["e4m3fnuz"].fmax == torch.finfo(torch.float8_e4m3fnuz).max
