@@ -1,0 +1,131 @@
+"""``k3-amd-overlay``: ``doctor`` (what this machine and vLLM give, what the overlay would do and
+why, each reachable provider against its reference) and ``check`` (whether the live vLLM
+processes, or a fresh one with ``--static``, are fused or stock as an A/B arm expects)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from k3_amd_overlay import markers
+from k3_amd_overlay.package import FUSIONS, __version__
+from k3_amd_overlay.settings import MARKER_DIR
+from k3_amd_overlay.verdict import judge
+
+STATIC_PROBE = """
+import json, sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import vllm.models.kimi_k3.amd.linear  # noqa: F401  (fires the overlay's post-import hooks)
+from k3_amd_overlay.activation import active
+activation = active()
+record = activation.evidence.record if activation else {"pid": 0, "mode": "off", "fusions": {}}
+print("K3_AMD_OVERLAY_RECORD=" + json.dumps(record))
+"""
+
+
+def _fusions(value: str | None) -> list[str]:
+    if not value:
+        return list(FUSIONS)
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in FUSIONS]
+    if bad:
+        raise SystemExit(f"--fusions: unknown {', '.join(bad)}; allowed: {', '.join(FUSIONS)}")
+    return names
+
+
+def static_record(timeout: float = 600.0) -> tuple[dict[str, Any] | None, str]:
+    """Load vLLM's general plugins and import the K3 AMD code in a fresh subprocess with the
+    current environment (markers to a throwaway directory); return its evidence record."""
+    with tempfile.TemporaryDirectory(prefix="k3ovl-static-") as tmp:
+        os.chmod(tmp, 0o700)
+        env = {**os.environ, MARKER_DIR: tmp}
+        proc = subprocess.run([sys.executable, "-c", STATIC_PROBE], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("K3_AMD_OVERLAY_RECORD="):
+            return json.loads(line.split("=", 1)[1]), proc.stderr
+    return None, (proc.stderr or proc.stdout)[-4000:]
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    wanted = _fusions(args.fusions)
+    notes: list[str] = []
+    if args.static:
+        record, log = static_record()
+        if record is None:
+            print(f"FAIL the static probe did not complete (vLLM plugin loading or the K3 AMD import failed):\n{log}")
+            return 1
+        records = [record]
+        require_effective = False
+    else:
+        directory = Path(args.marker_dir or os.environ.get(MARKER_DIR) or markers.default_marker_dir())
+        found = markers.read_markers(directory) if directory.is_dir() else []
+        records = [m.record for m in found if m.live and m.record]
+        for m in found:
+            if m.error:
+                notes.append(f"note {m.path}: {m.error}")
+            elif not m.live:
+                notes.append(f"note {m.path}: pid {m.record['pid']} is gone (or its pid was reused); stale, ignored")
+        require_effective = not args.no_effective
+    verdict = judge(records, args.expect, wanted, require_effective)
+    if args.json:
+        print(json.dumps({"expect": args.expect, "holds": verdict.holds, "lines": verdict.lines,
+                          "notes": notes, "records": records}, indent=1))
+    else:
+        for line in notes + verdict.lines:
+            print(line)
+        print(f"{'HOLDS' if verdict.holds else 'DOES NOT HOLD'}: expect {args.expect} "
+              f"({len(records)} process{'es' if len(records) != 1 else ''})")
+    return 0 if verdict.holds else 1
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from k3_amd_overlay.doctor import run_doctor
+
+    report, healthy = run_doctor(switch=args.switch, layer_check_wanted=not args.no_layer_check)
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+    else:
+        from k3_amd_overlay.doctor import render
+
+        print(render(report))
+    return 0 if healthy else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k3-amd-overlay", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"k3-amd-overlay {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="prove an A/B arm: are the live vLLM processes fused or stock?")
+    check.add_argument("--expect", choices=("fused", "stock"), required=True)
+    check.add_argument("--fusions", help=f"comma list (default: {','.join(FUSIONS)})")
+    check.add_argument("--static", action="store_true",
+                       help="judge a fresh process (vLLM plugin loading + K3 AMD import) instead of live markers")
+    check.add_argument("--no-effective", action="store_true",
+                       help="for --expect fused: do not require that a fused path has run yet")
+    check.add_argument("--marker-dir", help=f"default: ${MARKER_DIR} or the per-user directory")
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(func=cmd_check)
+    doctor = sub.add_parser("doctor", help="versions, GPU, what each fusion would do here and why, self-tests")
+    doctor.add_argument("--switch", help="judge this K3_AMD_OVERLAY value instead of the environment's")
+    doctor.add_argument("--no-layer-check", action="store_true",
+                        help="skip building a real K3 MLA layer stock and overlaid (CPU vLLM only)")
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

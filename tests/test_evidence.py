@@ -1,0 +1,147 @@
+"""Evidence: the per-user marker directory, atomic writes under concurrency, liveness of the
+processes behind markers, the effective hook, and the check verdicts."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from k3_amd_overlay import markers
+from k3_amd_overlay.evidence import Evidence
+from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.settings import load_settings
+from k3_amd_overlay.verdict import judge
+
+
+def settings_for(tmp_path, switch="1"):
+    return load_settings({"K3_AMD_OVERLAY": switch, "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path / "m")})
+
+
+def test_marker_dir_is_created_private(tmp_path):
+    directory = markers.ensure_marker_dir(tmp_path / "m")
+    assert oct(os.stat(directory).st_mode & 0o777) == "0o700"
+
+
+def test_symlinked_foreign_and_open_dirs_are_refused(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(markers.MarkerDirError, match="is a symlink"):
+        markers.ensure_marker_dir(tmp_path / "link")
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(markers.MarkerDirError, match="writable by group or others"):
+        markers.ensure_marker_dir(open_dir)
+    if os.getuid() == 0:
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o700)
+        os.chown(foreign, 4242, 4242)
+        with pytest.raises(markers.MarkerDirError, match="owned by uid 4242"):
+            markers.ensure_marker_dir(foreign)
+
+
+def test_unusable_marker_dir_is_reported_never_raised(tmp_path, capsys):
+    (tmp_path / "m").symlink_to(tmp_path)
+    evidence = Evidence(settings_for(tmp_path))
+    evidence.publish()
+    assert evidence.marker_path is None and "symlink" in evidence.marker_error
+    assert "marker-error=" in capsys.readouterr().err
+
+
+def test_write_failure_is_reported_once_and_serving_goes_on(tmp_path, capsys):
+    evidence = Evidence(settings_for(tmp_path))
+    os.rmdir(tmp_path / "m")
+    (tmp_path / "m").write_text("the directory went away")  # every later write fails (even as root)
+    evidence.set_fusion("qk_cache", FusionState.REFUSED, "x")
+    evidence.set_fusion("qk_cache", FusionState.REFUSED, "y")
+    assert capsys.readouterr().err.count("marker write failed") == 1
+    assert evidence.fusion("qk_cache")["reason"] == "y"
+
+
+def _writer(directory: str, worker: int) -> None:
+    for i in range(50):
+        markers.write_marker(markers.Path(directory), 777, {"pid": 777, "worker": worker, "i": i, "pad": "x" * 5000})
+
+
+def test_concurrent_writers_never_leave_a_torn_marker(tmp_path):
+    directory = markers.ensure_marker_dir(tmp_path / "m")
+    procs = [multiprocessing.Process(target=_writer, args=(str(directory), w)) for w in range(4)]
+    seen = []
+
+    def reader():
+        for _ in range(300):
+            path = directory / "777.json"
+            if path.exists():
+                seen.append(json.loads(path.read_text())["pid"])
+
+    thread = threading.Thread(target=reader)
+    for p in procs:
+        p.start()
+    thread.start()
+    for p in procs:
+        p.join()
+    thread.join()
+    assert seen and set(seen) == {777}
+    assert [p.name for p in directory.iterdir()] == ["777.json"]  # no temp files left behind
+
+
+def test_effective_hook_records_once_and_counts_layers(tmp_path):
+    evidence = Evidence(settings_for(tmp_path))
+    hooks = [evidence.effective_hook("qk_cache", f"layer.{i}") for i in range(3)]
+    for hook in hooks * 5:
+        hook()
+    entry = json.loads(evidence.marker_path.read_text())["fusions"]["qk_cache"]
+    assert entry["effective"] is True and entry["effective_layers"] == 3
+
+
+def test_layer_decisions_set_state_and_flag_mixed(tmp_path):
+    evidence = Evidence(settings_for(tmp_path))
+    evidence.note_layer("qkv_norm", LayerDecision(FusionState.APPLIED, "triton", "ok"))
+    evidence.note_layer("qkv_norm", LayerDecision(FusionState.APPLIED, "triton", "ok"))
+    assert evidence.fusion("qkv_norm")["layers"] == 2 and evidence.fusion("qkv_norm")["provider"] == "triton"
+    evidence.note_layer("qkv_norm", LayerDecision(FusionState.REFUSED, None, "no provider"))
+    assert evidence.fusion("qkv_norm")["reason"].startswith("mixed across layers")
+
+
+def record(mode, qkv, qk, effective=True, pid=1):
+    return {"pid": pid, "role": "worker", "vllm_version": "0.33.0", "mode": mode,
+            "fusions": {"qkv_norm": {"state": qkv, "provider": "triton", "reason": "r", "effective": effective},
+                        "qk_cache": {"state": qk, "provider": "aiter", "reason": "r", "effective": effective}}}
+
+
+@pytest.mark.parametrize("records,expect,holds", [
+    ([record("auto", "applied", "upstream")], "fused", True),
+    ([record("auto", "applied", "upstream", effective=False)], "fused", False),
+    ([record("auto", "applied", "refused")], "fused", False),
+    ([record("off", "disabled", "disabled")], "fused", False),
+    ([record("off", "disabled", "disabled")], "stock", False),
+    ([record("stock", "forced-stock", "forced-stock", effective=False)], "stock", True),
+    ([record("stock", "forced-stock", "forced-stock", effective=False), record("auto", "applied", "applied", pid=2)], "stock", False),
+    ([record("auto", "applied", "applied")], "stock", False),
+    ([], "fused", False), ([], "stock", False),
+])
+def test_check_verdicts(records, expect, holds):
+    assert judge(records, expect, ["qkv_norm", "qk_cache"], require_effective=True).holds is holds
+
+
+def test_check_reads_live_markers_and_ignores_dead_ones(tmp_path):
+    directory = markers.ensure_marker_dir(tmp_path / "m")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    markers.write_marker(directory, dead.pid, {**record("auto", "applied", "applied", pid=dead.pid),
+                                               "start_ticks": 1})
+    markers.write_marker(directory, os.getpid(), {**record("stock", "forced-stock", "forced-stock", False,
+                                                           pid=os.getpid()),
+                                                  "start_ticks": markers.process_start_ticks(os.getpid())})
+    (directory / "junk.json").write_text("{not json")
+    from k3_amd_overlay.cli import main
+
+    assert main(["check", "--expect", "stock", "--marker-dir", str(directory)]) == 0
+    assert main(["check", "--expect", "fused", "--marker-dir", str(directory)]) == 1

@@ -1,0 +1,178 @@
+"""The qk_cache predicate and its one site, enumerated over every combination of provider x
+kv-cache dtype x rotation x PCP x HiSparse x DCP x batch mix x heads per rank, driving the
+overlay's real control flow (LayerInstaller -> QkCacheSite.attend -> the real provider) with
+recording stand-ins for the vLLM layer: the fused path runs exactly when the predicate says so,
+RoPE is applied exactly once wherever a rotation exists, every token's KV is written exactly
+once, and AITER is always called with zero positions and an identity table."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from k3_amd_overlay.evidence import Evidence
+from k3_amd_overlay.fp8 import E4M3FN
+from k3_amd_overlay.fusions import qk_cache as qk
+from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
+from k3_amd_overlay.fusions.states import FusionState
+from k3_amd_overlay.settings import load_settings
+from k3_amd_overlay.targets import layer_state
+from k3_amd_overlay.testing.aiter_standin import AiterStandIn
+
+L, R, NOPE = 32, 16, 8
+PROVIDERS = ["reference", "aiter", "triton"]
+KV_DTYPES = ["fp8", "fp8_e4m3", "auto", "bfloat16", "fp8_ds_mla"]
+ROTATIONS = ["none", "identity", "real"]
+BATCHES = ["decode", "prefill", "mixed", "empty", "no-metadata"]
+HEADS = [1, 3, 4, 12, 16]
+
+
+class Rotary:
+    def __init__(self, identity: bool, log: list) -> None:
+        self.is_identity = identity
+        self.log = log
+
+    def __call__(self, positions, q_pe, k_pe):
+        self.log.append("identity" if self.is_identity else "real")
+        return q_pe, k_pe
+
+
+def make_layer(heads, kv_dtype, rotation, pcp, hisparse, dcp, rope_log, stock_writes):
+    attn = SimpleNamespace(
+        layer_name="model.layers.3.self_attn.attn", kv_cache_dtype=kv_dtype, use_pcp=pcp,
+        hisparse_cache=object() if hisparse else None, q_pad_num_heads=None,
+        qk_nope_head_dim=NOPE, qk_rope_head_dim=R, kv_lora_rank=L,
+        W_UK_T=torch.randn(heads, NOPE, L).to(torch.bfloat16),
+        _k_scale=torch.tensor([0.5]), _q_scale=torch.tensor([1.25]),
+        impl=SimpleNamespace(dcp_world_size=dcp, supports_quant_query_input=True),
+        is_aiter_triton_fp4_bmm_enabled=False, is_aiter_triton_fp8_bmm_enabled=False,
+    )
+    attn.impl.forward_mqa = lambda q, cache, md, layer: (torch.zeros(q.shape[0], heads, L, dtype=torch.bfloat16), None)
+    attn._v_up_proj = lambda x, out: out.zero_()
+    rotary = None if rotation == "none" else Rotary(rotation == "identity", rope_log)
+    wrapper = SimpleNamespace(
+        mla_attn=attn, num_heads=heads, rotary_emb=rotary,
+        kv_a_layernorm=SimpleNamespace(weight=torch.ones(L)),
+    )
+
+    def stock(q, kv_c, k_pe, output_shape=None, q_dcp_replicated=None):
+        stock_writes.append("stock")
+        return torch.zeros(output_shape)
+
+    return wrapper, attn, stock
+
+
+def metadata(kind, tokens):
+    if kind == "no-metadata":
+        return None
+    decode = {"decode": tokens, "prefill": 0, "mixed": tokens // 2, "empty": 0}[kind]
+    return SimpleNamespace(num_actual_tokens=tokens, num_decode_tokens=decode)
+
+
+COMBOS = list(itertools.product(PROVIDERS, KV_DTYPES, ROTATIONS, [False, True], [False, True],
+                                [1, 2], BATCHES, HEADS))
+
+
+@pytest.fixture(scope="module")
+def standin():
+    aiter = AiterStandIn(fmt=E4M3FN)
+    aiter.install()
+    yield aiter
+    aiter.uninstall()
+
+
+def test_every_combination_runs_rope_once_writes_kv_once_and_fuses_exactly_when_decided(
+        standin, tmp_path, monkeypatch):
+    monkeypatch.setattr(layer_state, "vllm_fp8_format", lambda: E4M3FN)
+    fused_count = 0
+    for provider, kv_dtype, rotation, pcp, hisparse, dcp, batch_kind, heads in COMBOS:
+        if provider == "triton" and not (kv_dtype == "fp8" and batch_kind == "decode" and heads in (1, 12)):
+            continue  # the interpreter is slow: Triton covers the fused cases only, at two head counts
+        settings = load_settings({"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": provider,
+                                  "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path)})
+        installer = layer_state.LayerInstaller(settings, Evidence(settings))
+        rope_log, stock_writes = [], []
+        wrapper, attn, stock = make_layer(heads, kv_dtype, rotation, pcp, hisparse, dcp, rope_log, stock_writes)
+        site = installer.install_qk_cache(wrapper, upstream_fuses=False)
+        tokens = 0 if batch_kind == "empty" else 6
+        md = metadata(batch_kind, tokens)
+        cache = torch.zeros(4, 8, L + R, dtype=torch.uint8)
+        slots = torch.tensor([3, -1, 17, 9, 30, 22][:tokens], dtype=torch.int64)
+        site.context = lambda name, md=md, cache=cache, slots=slots: (md, attn, cache, slots)
+        standin.calls.clear()
+        # the wrapper's own steps, as vLLM runs them: the rotation (if any), then the attention call
+        q = torch.randn(tokens, heads, NOPE + R).to(torch.bfloat16)
+        kv_c = torch.randn(tokens, L).to(torch.bfloat16)
+        k_pe = torch.randn(tokens, 1, R).to(torch.bfloat16)
+        if wrapper.rotary_emb is not None:
+            q[..., NOPE:], k_pe = wrapper.rotary_emb(None, q[..., NOPE:], k_pe)
+        site.attend(attn, stock, q, kv_c, k_pe, output_shape=(tokens, heads * 4),
+                    q_dcp_replicated=torch.zeros(1) if dcp > 1 else None)
+
+        combo = (provider, kv_dtype, rotation, pcp, hisparse, dcp, batch_kind, heads)
+        fusable_static = (kv_dtype in ("fp8", "fp8_e4m3") and rotation != "real" and not pcp
+                          and not hisparse and dcp == 1)
+        assert site.decision.fused == fusable_static, combo
+        expect_fused = fusable_static and batch_kind == "decode"
+        fused = not stock_writes
+        assert fused == expect_fused, combo
+        fused_count += fused
+        # every token's KV exactly once: by the stock attention call, or by the fused provider
+        written_rows = int(cache.view(-1, L + R).ne(0).any(dim=1).sum())
+        valid = int((slots >= 0).sum())
+        if fused:
+            assert written_rows == valid and not stock_writes, combo
+        else:
+            assert written_rows == 0 and stock_writes == ["stock"], combo
+        # RoPE exactly once where a rotation exists, never a real one inside the fused path
+        assert rope_log == ([] if rotation == "none" else [rotation]), combo
+        if provider == "aiter" and fused:
+            assert len(standin.calls) == 1 and standin.calls[0]["identity"], combo
+            assert standin.calls[0]["positions_max"] == 0, combo
+        else:
+            assert standin.calls == [], combo
+    assert fused_count == 44  # (reference, aiter) x 2 fp8 dtypes x 2 rotations x 5 head counts + 4 Triton
+
+
+@pytest.mark.parametrize("upstream,setting,stock,state", [
+    (True, "auto", False, FusionState.UPSTREAM), (True, "triton", False, FusionState.APPLIED),
+    (False, "auto", False, FusionState.APPLIED), (True, "auto", True, FusionState.FORCED_STOCK),
+])
+def test_qk_cache_ownership(upstream, setting, stock, state):
+    inputs = qk.QkCacheInputs(stock, setting, {"aiter": "no", "triton": None, "reference": None}, "fp8",
+                              "none", 1, False, False, None, 3, "bf16", True, upstream)
+    assert qk.decide_qk_cache(inputs).state is state
+
+
+@pytest.mark.parametrize("absorb,fused", [("bf16", True), ("fp8", True), ("fp4", True), ("amx", False)])
+def test_absorption_variants(absorb, fused):
+    inputs = qk.QkCacheInputs(False, "auto", {"aiter": None}, "fp8", "none", 1, False, False, None, 3,
+                              absorb, True, False)
+    assert qk.decide_qk_cache(inputs).fused is fused
+
+
+def test_head_padding_and_quant_query_are_refused_with_reasons():
+    base = dict(stock_mode=False, provider_setting="auto", provider_missing={"aiter": None},
+                kv_cache_dtype="fp8", rotation="none", dcp_world_size=1, pcp=False, hisparse=False,
+                num_heads=12, absorb="bf16", upstream_fuses=False)
+    padded = qk.decide_qk_cache(qk.QkCacheInputs(q_pad_num_heads=16, quant_query_input=True, **base))
+    assert padded.state is FusionState.REFUSED and "padded to 16" in padded.reason
+    no_fp8_q = qk.decide_qk_cache(qk.QkCacheInputs(q_pad_num_heads=None, quant_query_input=False, **base))
+    assert no_fp8_q.state is FusionState.REFUSED and "fp8 query" in no_fp8_q.reason
+
+
+@pytest.mark.parametrize("stock,has_q,upstream,setting,missing,state,provider", [
+    (True, True, True, "auto", {}, FusionState.FORCED_STOCK, None),
+    (False, False, False, "auto", {}, FusionState.REFUSED, None),
+    (False, True, True, "auto", {}, FusionState.UPSTREAM, "aiter"),
+    (False, True, True, "triton", {"triton": None}, FusionState.APPLIED, "triton"),
+    (False, True, False, "auto", {"aiter": "x", "triton": None, "vllm": None}, FusionState.APPLIED, "triton"),
+    (False, True, False, "auto", {"aiter": "x", "triton": "y", "vllm": None}, FusionState.APPLIED, "vllm"),
+    (False, True, False, "auto", {"aiter": "x", "triton": "y", "vllm": "z"}, FusionState.REFUSED, None),
+])
+def test_qkv_norm_decisions(stock, has_q, upstream, setting, missing, state, provider):
+    decision = decide_qkv_norm(QkvNormInputs(stock, has_q, upstream, setting, missing))
+    assert (decision.state, decision.provider) == (state, provider)
