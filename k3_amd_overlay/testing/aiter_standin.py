@@ -7,6 +7,7 @@ with a negative slot leave q_out and the cache untouched."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 from dataclasses import dataclass, field
@@ -137,10 +138,10 @@ class AiterStandIn:
         def nope_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             if not fp8:
                 return x.to(dtype)
-            return (x.float() * (1.0 / scale.float()[0])).clamp(-fmax, fmax).to(dtype)
+            return (x.float() * (1.0 / scale.float().reshape(-1)[0])).clamp(-fmax, fmax).to(dtype)
 
         def rope_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            return (x * (1.0 / scale.float()[0])).to(dtype) if fp8 else x.to(dtype)
+            return (x * (1.0 / scale.float().reshape(-1)[0])).to(dtype) if fp8 else x.to(dtype)
 
         rows = (slot_mapping >= 0) | compute_all_q_rope
         q_vals = torch.cat([nope_cast(q_nope, q_scale, q_out.dtype),
@@ -179,6 +180,8 @@ class AiterStandIn:
         aiter = types.ModuleType("aiter")
         ops = types.ModuleType("aiter.ops")
         cache = types.ModuleType("aiter.ops.cache")
+        for module in (aiter, ops, cache):
+            module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
         cache.fused_qk_rope_concat_and_cache_mla = fused_qk_rope_concat_and_cache_mla  # type: ignore[attr-defined]
         aiter.ops = ops  # type: ignore[attr-defined]
         ops.cache = cache  # type: ignore[attr-defined]

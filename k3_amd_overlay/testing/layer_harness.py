@@ -199,8 +199,10 @@ def _replace_attention_core(layer: Layer, fp8: bool) -> None:
         q_f = q.float() * (attn._q_scale.float() if q.dtype == getattr(fmt, "dtype", None) else 1.0)
         rows_f = cache.view(fmt.dtype).float() * attn._k_scale.float() if fmt else cache.float()
         decode = attn_metadata.decode
-        out = torch.empty((q.shape[0], q.shape[1], spec.kv_lora), dtype=spec.dtype)
-        for i in range(q.shape[0]):
+        # rows past the decode tokens (CUDA-graph padding that vLLM's own fused decode passes in)
+        # are left zero, as the metadata-driven kernels leave them unread
+        out = torch.zeros((q.shape[0], q.shape[1], spec.kv_lora), dtype=spec.dtype)
+        for i in range(attn_metadata.num_decode_tokens):
             seq_len = int(decode.seq_lens[i])
             blocks = decode.block_table[i].long()
             rows = rows_f[blocks].reshape(-1, spec.latent)[:seq_len]

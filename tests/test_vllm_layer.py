@@ -1,0 +1,247 @@
+"""The real KimiMLAAttention of the installed vLLM on CPU, stock against overlaid, on fp8 decode
+batches (the attention core alone is a torch reference there: see k3_amd_overlay/testing/
+layer_harness.py for what is real and what is replaced, and why)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import HAS_VLLM
+from parity import reference_pair, rmsnorm_inputs, rmsnorm_problems
+from vllm_support import next_layer_index, overlay, shape_name
+
+from k3_amd_overlay.fusions.states import FusionState
+from k3_amd_overlay.ops import rmsnorm_pair
+from k3_amd_overlay.testing.aiter_standin import AiterStandIn
+
+pytestmark = pytest.mark.vllm
+if HAS_VLLM:
+    from k3_amd_overlay.testing import layer_harness as harness
+
+SEQ_LENS = [5, 17, 30, 9]
+
+
+def build_pair(spec, switch_env, tmp_path, seed=7):
+    stock = harness.build_layer(spec, next_layer_index(), seed=seed)
+    ctx = overlay(tmp_path, **switch_env)
+    activation = ctx.__enter__()
+    fused = harness.build_layer(spec, next_layer_index(), seed=seed)
+    return stock, fused, activation, ctx
+
+
+def written_rows(layer):
+    return layer.attn.kv_cache.view(-1, layer.spec.latent).ne(0).any(dim=1)
+
+
+@pytest.mark.parametrize("provider", ["reference", "triton", "aiter"])
+def test_qk_cache_decode_matches_stock(provider, tmp_path):
+    standin = AiterStandIn(fmt=harness.fp8_format()) if provider == "aiter" else None
+    if standin:
+        standin.install()
+    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    stock, fused, activation, ctx = build_pair(
+        spec, {"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": provider}, tmp_path)
+    try:
+        batch = harness.decode_batch([stock, fused], SEQ_LENS, padding=2)
+        before = fused.attn.kv_cache.clone()
+        out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+        n = batch.num_tokens
+        entry = activation.evidence.fusion("qk_cache")
+        assert (entry["state"], entry["provider"], entry["effective"]) == ("applied", provider, True)
+        # one fused launch replaced the stock KV write and the stock concat+quant; MQA ran once
+        assert (stock.kv_writes, fused.kv_writes) == ([n], [])
+        assert (stock.concat_quant_calls, fused.concat_quant_calls) == (1, 0)
+        assert fused.mqa_calls == 1
+        # every valid slot written exactly once, nothing else touched, padding rows write nothing
+        slots = batch.slot_mapping[batch.slot_mapping >= 0]
+        changed = (fused.attn.kv_cache != before).any(dim=-1).view(-1)
+        assert set(changed.nonzero().flatten().tolist()) <= set(slots.tolist())
+        if provider == "triton":  # the interpreter mis-rounds fp8: bytes may differ by a code
+            rel = ((out_fused[:n].float() - out_stock[:n].float()).norm() / out_stock[:n].float().norm()).item()
+            assert rel < 0.2
+            assert (stock.attn.kv_cache == fused.attn.kv_cache).float().mean() > 0.99
+        else:
+            assert torch.equal(out_fused[:n], out_stock[:n])
+            assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
+        if standin:
+            assert len(standin.calls) == 1 and standin.calls[0]["positions_max"] == 0
+            assert torch.equal(standin.calls[0]["slot_mapping"], batch.slot_mapping[:n])
+    finally:
+        ctx.__exit__(None, None, None)
+        if standin:
+            standin.uninstall()
+
+
+def test_profile_run_and_bf16_cache_stay_stock(tmp_path):
+    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    stock, fused, activation, ctx = build_pair(
+        spec, {"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "reference"}, tmp_path)
+    try:
+        hidden = torch.randn(3, spec.hidden).to(spec.dtype)
+        assert torch.equal(harness.run(fused, None, hidden), harness.run(stock, None, hidden))
+        assert activation.evidence.fusion("qk_cache")["effective"] is False
+        bf16 = harness.build_layer(harness.LayerSpec(kv_cache_dtype="auto"), next_layer_index())
+        assert activation.evidence.fusion("qk_cache")["reason"].startswith("mixed across layers")
+        assert "not a plain fp8 cache" in activation.evidence.fusion("qk_cache")["reason"]
+        batch = harness.decode_batch([bf16], SEQ_LENS)
+        harness.run(bf16, batch)
+        assert bf16.kv_writes == [len(SEQ_LENS)]  # the stock write ran: nothing fused
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def test_qkv_norm_layer_matches_stock_with_one_fused_call(tmp_path, monkeypatch):
+    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    stock, fused, activation, ctx = build_pair(
+        spec, {"K3_AMD_OVERLAY": "qkv_norm", "K3_AMD_OVERLAY_QKV_NORM_PROVIDER": "triton"}, tmp_path)
+    try:
+        calls = {"fused": 0, "q_norm": 0, "kv_norm": 0}
+        original = rmsnorm_pair.run_provider
+
+        def counted(*args, **kwargs):
+            calls["fused"] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(rmsnorm_pair, "run_provider", counted)
+        fused.module.q_a_layernorm.register_forward_hook(lambda *a: calls.__setitem__("q_norm", calls["q_norm"] + 1))
+        fused.module.kv_a_layernorm.register_forward_hook(lambda *a: calls.__setitem__("kv_norm", calls["kv_norm"] + 1))
+        batch = harness.decode_batch([stock, fused], SEQ_LENS, padding=1)
+        out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+        n = batch.num_tokens
+        assert calls == {"fused": 1, "q_norm": 0, "kv_norm": 0}
+        rel = ((out_fused[:n].float() - out_stock[:n].float()).norm() / out_stock[:n].float().norm()).item()
+        assert rel < 0.02  # vLLM rounds to bf16 before the weight multiply; the fused kernel does not
+        entry = activation.evidence.fusion("qkv_norm")
+        assert (entry["state"], entry["provider"], entry["effective"]) == ("applied", "triton", True)
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("tokens", [0, 1, 7, 64, 512, 4096])
+@pytest.mark.parametrize("provider", ["reference", "triton"])
+def test_providers_match_two_real_vllm_rmsnorms(dtype, tokens, provider):
+    if provider == "triton" and tokens > 64:
+        pytest.skip("too slow under the Triton interpreter; the GPU run covers large T")
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    harness.vllm_config()
+    q, kv, _, _ = rmsnorm_inputs(tokens, dtype, "cpu")
+    q_mod, kv_mod = RMSNorm(1536, eps=1e-5).to(dtype), RMSNorm(512, eps=1e-3).to(dtype)
+    with torch.no_grad():
+        q_mod.weight.copy_(1 + 0.3 * torch.randn(1536))
+        kv_mod.weight.copy_(1 + 0.3 * torch.randn(512))
+        want = (q_mod.forward_native(q), kv_mod.forward_native(kv))
+    got = rmsnorm_pair.fused_q_kv_rmsnorm(q, kv, q_mod.weight, kv_mod.weight, 1e-5, 1e-3, provider=provider)
+    # vLLM rounds x/rms to the weight dtype before multiplying: up to one more rounding than the op
+    assert rmsnorm_problems(got, want, ulps=3.0) == []
+    assert rmsnorm_problems(got, reference_pair(q, kv, q_mod.weight, kv_mod.weight, 1e-5, 1e-3)) == []
+
+
+# --- upstream ownership: vLLM 0.30+ fuses the norms itself when AITER is on -------------------
+
+@pytest.fixture
+def aiter_dual_norm_standin(monkeypatch):
+    """AITER on (as rocm_aiter_ops sees it) and a stand-in for vLLM's AITER dual-RMSNorm op."""
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    calls = []
+    name = "vllm::fused_mla_dual_rms_norm"
+    try:
+        torch.ops.vllm.fused_mla_dual_rms_norm
+    except (AttributeError, RuntimeError):
+        lib = torch.library.Library("vllm", "FRAGMENT")
+        lib.define("fused_mla_dual_rms_norm(Tensor x1, Tensor w1, Tensor x2, Tensor w2, float e1, float e2) -> (Tensor, Tensor)")
+
+        def impl(x1, w1, x2, w2, e1, e2):
+            calls.append(x1.shape[0])
+            return reference_pair(x1, x2, w1, w2, e1, e2)
+
+        lib.impl("fused_mla_dual_rms_norm", impl, "CPU")
+        aiter_dual_norm_standin.lib = lib  # keep the registration alive
+        aiter_dual_norm_standin.calls = calls
+    monkeypatch.setattr(rocm_aiter_ops, "is_enabled", classmethod(lambda cls: True))
+    yield aiter_dual_norm_standin.calls
+    aiter_dual_norm_standin.calls.clear()
+
+
+@pytest.mark.parametrize("switch,provider,state,upstream_calls,overlay_calls", [
+    ("1", "auto", "upstream", 1, 0),
+    ("stock", "auto", "forced-stock", 0, 0),
+    ("qkv_norm", "triton", "applied", 0, 1),
+])
+def test_upstream_norm_fusion_owned_forced_stock_or_overridden(switch, provider, state, upstream_calls,
+                                                              overlay_calls, aiter_dual_norm_standin,
+                                                              tmp_path, monkeypatch):
+    if shape_name() == "plain_wrapper":
+        pytest.skip("this vLLM has no norm fusion of its own (plain MLA wrapper, <= 0.29)")
+    spec = harness.LayerSpec(kv_cache_dtype="auto", gate=False)  # the gate would import AITER's sigmoid-mul
+    with overlay(tmp_path, K3_AMD_OVERLAY=switch, K3_AMD_OVERLAY_QKV_NORM_PROVIDER=provider) as activation:
+        layer = harness.build_layer(spec, next_layer_index())
+        overlay_calls_seen = []
+        original = rmsnorm_pair.run_provider
+        monkeypatch.setattr(rmsnorm_pair, "run_provider", lambda *a, **k: overlay_calls_seen.append(1) or original(*a, **k))
+        aiter_dual_norm_standin.clear()
+        harness.run(layer, harness.decode_batch([layer], SEQ_LENS))
+        assert activation.evidence.fusion("qkv_norm")["state"] == state
+        assert (len(aiter_dual_norm_standin), len(overlay_calls_seen)) == (upstream_calls, overlay_calls)
+        assert activation.evidence.fusion("qkv_norm")["effective"] is (state != "forced-stock")
+
+
+# --- upstream ownership: vLLM 0.32+ fuses the decode itself, refusing fewer than 4 heads --------
+
+K3_LAYER = dict(kv_lora=512, rope=64, nope=128, v=128, hidden=256, q_lora=96, num_blocks=12, gate=False)
+
+
+@pytest.mark.parametrize("heads,switch,state,provider", [
+    (4, "qk_cache", "upstream", "aiter"),  # kv_lora_rank * heads = 2048: vLLM's own fused decode
+    (4, "stock", "forced-stock", None),  # the A/B baseline: vLLM's fusion switched off
+    (3, "qk_cache", "applied", "aiter"),  # TP32: vLLM refuses, the overlay extends it (zero positions)
+])
+def test_upstream_decode_fusion_owned_forced_stock_or_extended(heads, switch, state, provider, tmp_path,
+                                                              monkeypatch):
+    if shape_name() != "k3_decode_wrapper":
+        pytest.skip("this vLLM has no fused decode of its own (< 0.32)")
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    monkeypatch.setattr(rocm_aiter_ops, "is_mla_enabled", classmethod(lambda cls: True))
+    standin = AiterStandIn(fmt=harness.fp8_format())
+    standin.install()
+    spec = harness.LayerSpec(num_heads=heads, kv_cache_dtype="fp8", **K3_LAYER)
+    stock = harness.build_layer(spec, next_layer_index(), seed=5)
+    try:
+        with overlay(tmp_path, K3_AMD_OVERLAY=switch) as activation:
+            fused = harness.build_layer(spec, next_layer_index(), seed=5)
+            batch = harness.decode_batch([stock, fused], [5, 40], padding=1)
+            standin.calls.clear()
+            out_fused = harness.run(fused, batch)
+            entry = activation.evidence.fusion("qk_cache")
+            assert (entry["state"], entry["provider"]) == (state, provider), entry
+            assert len(standin.calls) == (0 if state == "forced-stock" else 1)
+            assert fused.kv_writes == ([2] if state == "forced-stock" else [])
+            if state == "applied":
+                assert standin.calls[0]["positions_max"] == 0  # the overlay never relies on a clamp
+        monkeypatch.setattr(rocm_aiter_ops, "is_mla_enabled", classmethod(lambda cls: False))
+        out_stock = harness.run(stock, batch)
+        assert torch.equal(out_fused[:2], out_stock[:2])
+        assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
+    finally:
+        standin.uninstall()
+
+
+def test_deactivate_restores_identical_objects(tmp_path):
+    import vllm.models.kimi_k3.amd.linear as linear
+
+    targets = [vars(linear).copy()]
+    mla = getattr(linear, "KimiK3MultiHeadLatentAttentionWrapper", None)
+    if mla is not None:
+        targets.append(dict(vars(mla)))
+    with overlay(tmp_path, K3_AMD_OVERLAY="1") as activation:
+        assert activation.engine.applied
+        changed = [vars(linear)] + ([dict(vars(mla))] if mla is not None else [])
+        assert any(any(a.get(k) is not b.get(k) for k in b) for a, b in zip(changed, targets))
+    after = [vars(linear)] + ([dict(vars(mla))] if mla is not None else [])
+    for now, before in zip(after, targets):
+        assert all(now[k] is before[k] for k in before)
+        assert set(now) == set(before)
+    assert FusionState.DISABLED.value == "disabled"

@@ -1,0 +1,60 @@
+"""Helpers for the tests that need a real vLLM: the installed shape, in-process activation, and
+running vLLM's own plugin loading in a fresh subprocess."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import k3_amd_overlay
+from k3_amd_overlay.settings import load_settings
+
+_layer_index = itertools.count(10)
+
+
+def next_layer_index() -> int:
+    return next(_layer_index)
+
+
+def shape_name() -> str | None:
+    from k3_amd_overlay.targets import sources
+    from k3_amd_overlay.targets.shapes import recognise
+
+    found = recognise(sources.VllmSources(sources.vllm_root()))
+    return found.shape.name if found.shape else None
+
+
+@contextmanager
+def overlay(tmp_path: Path, **variables: str):
+    """The overlay active in this process with exactly these K3_AMD_OVERLAY* variables."""
+    env = {k: v for k, v in variables.items()}
+    env.setdefault("K3_AMD_OVERLAY_MARKER_DIR", str(tmp_path / "markers"))
+    activation = k3_amd_overlay.activate(load_settings(env))
+    try:
+        yield activation
+    finally:
+        k3_amd_overlay.deactivate()
+
+
+PRELUDE = """
+import json, os, sys
+def result(**values):
+    print("RESULT=" + json.dumps(values, default=str), flush=True)
+"""
+
+
+def run_vllm_process(code: str, tmp_path: Path, timeout: float = 300, **variables: str) -> tuple[subprocess.CompletedProcess, dict[str, Any] | None]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
+    env.update(VLLM_TARGET_DEVICE="cpu", K3_AMD_OVERLAY_MARKER_DIR=str(tmp_path / "markers"), **variables)
+    proc = subprocess.run([sys.executable, "-c", PRELUDE + code], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT="):
+            return proc, json.loads(line[len("RESULT="):])
+    return proc, None
