@@ -15,12 +15,20 @@ switched on against a vLLM it does not recognise (it raises unless K3_AMD_OVERLA
 ``activate()`` / ``deactivate()`` turn it on and off in-process (the plugin calls ``activate``).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from k3_amd_overlay.package import SUPPORTED_VLLM, __version__
+
+if TYPE_CHECKING:
+    from k3_amd_overlay.activation import Activation
+    from k3_amd_overlay.settings import OverlaySettings
 
 __all__ = ["SUPPORTED_VLLM", "__version__", "activate", "deactivate"]
 
 
-def activate(settings=None):  # type: ignore[no-untyped-def]
+def activate(settings: OverlaySettings | None = None) -> Activation | None:
     """Turn the overlay on as ``K3_AMD_OVERLAY`` (or the given settings) says."""
     from k3_amd_overlay.activation import activate as _activate
 

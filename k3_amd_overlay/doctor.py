@@ -75,7 +75,7 @@ def selftest(device: torch.device) -> list[dict[str, Any]]:
             results.append({"op": QKV_NORM, "provider": name, "ran": False, "why not": missing})
             continue
         got = rmsnorm_pair.fused_q_kv_rmsnorm(q, kv, q_w, kv_w, k3.RMS_NORM_EPS, k3.RMS_NORM_EPS, provider=name)
-        diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref))
+        diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref, strict=False))
         results.append({"op": QKV_NORM, "provider": name, "ran": True, "max abs diff": diff, "pass": diff <= 0.05})
     tokens, heads = 7, k3.HEADS_PER_RANK[8]
     for fmt in FP8_FORMATS.values():
@@ -165,7 +165,8 @@ def run_doctor(switch: str | None = None, layer_check_wanted: bool = True) -> tu
             "anchors missing per fusion": found.missing_for_fusion,
             "shapes not matched": found.missing_identity,
         }
-        report["qk_cache by tensor-parallel size (K3, 96 heads)"] = qk_cache_by_tp(shape.upstream[QK_CACHE] if shape else "")
+        by_tp = qk_cache_by_tp(shape.upstream[QK_CACHE] if shape else "")
+        report["qk_cache by tensor-parallel size (K3, 96 heads)"] = by_tp
         healthy &= shape is not None
     else:
         report["vllm shape"] = {"recognised": None, "note": "vLLM is not installed here"}

@@ -56,7 +56,8 @@ def judge(records: Iterable[dict[str, Any]], expect: str, fusions: Iterable[str]
             if expect == "fused":
                 good = mode == Mode.AUTO.value and state in FUSED_STATE_VALUES
             else:
-                good = mode == Mode.STOCK.value and state == FusionState.FORCED_STOCK.value and not entry.get("effective")
+                good = (mode == Mode.STOCK.value and state == FusionState.FORCED_STOCK.value
+                        and not entry.get("effective"))
             (verdict.ok if good else verdict.fail)(described)
     if expect == "fused" and require_effective:
         for fusion, pids in effective.items():

@@ -16,6 +16,13 @@ from k3_amd_overlay.ops import reference
 POISON_A, POISON_B = 0xA5, 0x5A
 
 
+def code_tolerance(fmt: Fp8Format) -> int:
+    """0: bit equality. Triton's CPU interpreter mis-rounds fp8 casts, so e4m3fn values are only
+    checked loosely there; the e4m3fnuz path off AMD uses no fp8 cast (integer rounding), so it
+    is held to bit equality on CPU too. On a GPU everything is bit-exact."""
+    return 0 if torch.cuda.is_available() or fmt.name == "e4m3fnuz" else 1
+
+
 @dataclass
 class QkCase:
     """Fresh random decode-step inputs with realistic strides (q_pe and k_pe are column slices)."""

@@ -77,7 +77,7 @@ def test_missing_or_changed_anchor_is_refused_before_anything_is_applied():
     module = make_module()
     engine = PatchEngine()
     good = PatchSpec("a", "fake", "Wrapper.forward", (), wrapper=tag("a"))
-    with pytest.raises(AnchorError, match="fake:Wrapper._fused_decode does not exist"):
+    with pytest.raises(AnchorError, match=r"fake:Wrapper\._fused_decode does not exist"):
         engine.apply([good, PatchSpec("b", "fake", "Wrapper._fused_decode", (), wrapper=tag("b"))], module)
     with pytest.raises(AnchorError, match=r"takes \('q_c', 'kv_c'\), the overlay expects \('q', 'kv'\)"):
         engine.apply([good, PatchSpec("c", "fake", "Wrapper._normalize_q_kv", (), wrapper=tag("c"),

@@ -123,7 +123,8 @@ def record(mode, qkv, qk, effective=True, pid=1):
     ([record("off", "disabled", "disabled")], "fused", False),
     ([record("off", "disabled", "disabled")], "stock", False),
     ([record("stock", "forced-stock", "forced-stock", effective=False)], "stock", True),
-    ([record("stock", "forced-stock", "forced-stock", effective=False), record("auto", "applied", "applied", pid=2)], "stock", False),
+    ([record("stock", "forced-stock", "forced-stock", effective=False),
+      record("auto", "applied", "applied", pid=2)], "stock", False),
     ([record("auto", "applied", "applied")], "stock", False),
     ([], "fused", False), ([], "stock", False),
 ])

@@ -39,7 +39,7 @@ def test_qk_cache_graph_replay_with_new_inputs(fmt, heads):
     for seed in (1, 2, 3):
         new = make_qk_case(tokens, heads, fmt, device="cuda", extremes=False, num_blocks=32, seed=seed)
         for dst, src in zip(inputs, [new.ql_nope, new.q_pe, new.kv_c, new.k_pe, new.slot_mapping,
-                                     new.k_scale * (1 + seed / 7), new.q_scale]):
+                                     new.k_scale * (1 + seed / 7), new.q_scale], strict=False):
             dst.copy_(src)
         cache.fill_(POISON_A)
         graph.replay()

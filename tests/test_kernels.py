@@ -8,18 +8,25 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE, HAS_GPU
-from parity import make_qk_case, qk_cache_problems, reference_pair, rmsnorm_inputs, rmsnorm_problems, run_provider
+from parity import (
+    code_tolerance,
+    make_qk_case,
+    qk_cache_problems,
+    reference_pair,
+    rmsnorm_inputs,
+    rmsnorm_problems,
+    run_provider,
+)
 
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, FP8_FORMATS
 from k3_amd_overlay.ops import ProviderUnavailable, fused_q_kv_rmsnorm, fused_qk_cache
 from k3_amd_overlay.testing.aiter_standin import AiterStandIn
 
 FORMATS = [E4M3FN, E4M3FNUZ]
-CODE_TOLERANCE = 0 if HAS_GPU else 1
 
 
 def _interpreter_budget(tokens: int, heads: int, block_size: int) -> None:
-    if not HAS_GPU and (tokens * (heads + 1) > 120 or block_size > 16 and tokens > 7):
+    if not HAS_GPU and (tokens * (heads + 1) > 120 or (block_size > 16 and tokens > 7)):
         pytest.skip("too slow under the Triton interpreter; the GPU run (scripts/gpu_check.sh) covers it")
 
 
@@ -30,7 +37,7 @@ def _interpreter_budget(tokens: int, heads: int, block_size: int) -> None:
 def test_qk_cache_triton_matches_reference(fmt, block_size, heads, tokens):
     _interpreter_budget(tokens, heads, block_size)
     case = make_qk_case(tokens, heads, fmt, block_size=block_size, device=DEVICE)
-    assert qk_cache_problems(case, run_provider("triton"), max_code_diff=CODE_TOLERANCE) == []
+    assert qk_cache_problems(case, run_provider("triton"), max_code_diff=code_tolerance(fmt)) == []
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -107,7 +114,7 @@ def test_rmsnorm_pair_errors_name_the_value():
     q, kv, q_w, kv_w = rmsnorm_inputs(3, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="q_c has 3 rows but kv_c has 2"):
         fused_q_kv_rmsnorm(q, kv[:2], q_w, kv_w, 1e-5, 1e-5)
-    with pytest.raises(ValueError, match="kv_eps=0.0 must be a finite float > 0"):
+    with pytest.raises(ValueError, match=r"kv_eps=0\.0 must be a finite float > 0"):
         fused_q_kv_rmsnorm(q, kv, q_w, kv_w, 1e-5, 0.0)
     with pytest.raises(ValueError, match="q_c needs unit stride in its last dim"):
         fused_q_kv_rmsnorm(q.t().contiguous().t(), kv, q_w, kv_w, 1e-5, 1e-5)
@@ -119,3 +126,27 @@ def test_rmsnorm_pair_errors_name_the_value():
 def test_fp8_formats_are_the_torch_formats():
     assert FP8_FORMATS["e4m3fn"].fmax == torch.finfo(torch.float8_e4m3fn).max
     assert FP8_FORMATS["e4m3fnuz"].fmax == torch.finfo(torch.float8_e4m3fnuz).max
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_every_fp8_code_neighbourhood_rounds_like_torch(fmt):
+    """Each finite code, values just above and below it, the midpoints (ties to even), saturation,
+    subnormals, NaN: the Triton kernel's bits equal torch's cast (on CPU: e4m3fnuz only, its path
+    uses no fp8 cast; the interpreter's e4m3fn cast is wrong)."""
+    if code_tolerance(fmt):
+        pytest.skip("the Triton interpreter mis-rounds e4m3fn casts; checked on the GPU")
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+    codes = codes[~codes.isnan()].sort().values
+    special = torch.tensor([1e9, -1e9, 300.0, -235.0, 233.0, 232.0, 450.0, float("nan"), -1e-9, 1e-30])
+    values = torch.cat([codes, codes * 1.0001, codes * 0.9999, (codes[:-1] + codes[1:]) / 2, special])
+    tokens = -(-values.numel() // 576)
+    x = torch.zeros(tokens * 576)
+    x[: values.numel()] = values
+    x = x.view(tokens, 1, 576).to(DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    out = fused_qk_cache(x[..., :512].contiguous(), x[..., 512:].contiguous(), torch.zeros(tokens, 512, device=DEVICE),
+                         torch.zeros(tokens, 64, device=DEVICE), torch.zeros(2, 16, 576, dtype=torch.uint8, device=DEVICE),
+                         torch.full((tokens,), -1, dtype=torch.int64, device=DEVICE), one, one, provider="triton",
+                         kv_format=fmt.name)
+    want = (x.float().clamp(-fmt.fmax, fmt.fmax)).to(fmt.dtype)
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))

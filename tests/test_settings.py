@@ -37,7 +37,7 @@ def test_strict_and_providers():
 
 
 def test_unknown_overlay_variables_are_errors_when_on_and_reported_when_off():
-    with pytest.raises(SettingsError, match="unknown overlay variable.*K3_AMD_OVERLAY_STRCT"):
+    with pytest.raises(SettingsError, match=r"unknown overlay variable.*K3_AMD_OVERLAY_STRCT"):
         load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_STRCT": "0"})
     off = load_settings({"K3_AMD_OVERLAY_STRCT": "0"})
     assert off.mode is Mode.OFF and off.unknown_variables == ("K3_AMD_OVERLAY_STRCT",)

@@ -146,12 +146,10 @@ def aiter_dual_norm_standin(monkeypatch):
     from vllm._aiter_ops import rocm_aiter_ops
 
     calls = []
-    name = "vllm::fused_mla_dual_rms_norm"
-    try:
-        torch.ops.vllm.fused_mla_dual_rms_norm
-    except (AttributeError, RuntimeError):
+    if not hasattr(aiter_dual_norm_standin, "lib"):
         lib = torch.library.Library("vllm", "FRAGMENT")
-        lib.define("fused_mla_dual_rms_norm(Tensor x1, Tensor w1, Tensor x2, Tensor w2, float e1, float e2) -> (Tensor, Tensor)")
+        lib.define("fused_mla_dual_rms_norm(Tensor x1, Tensor w1, Tensor x2, Tensor w2, float e1, float e2)"
+                   " -> (Tensor, Tensor)")
 
         def impl(x1, w1, x2, w2, e1, e2):
             calls.append(x1.shape[0])
@@ -180,7 +178,8 @@ def test_upstream_norm_fusion_owned_forced_stock_or_overridden(switch, provider,
         layer = harness.build_layer(spec, next_layer_index())
         overlay_calls_seen = []
         original = rmsnorm_pair.run_provider
-        monkeypatch.setattr(rmsnorm_pair, "run_provider", lambda *a, **k: overlay_calls_seen.append(1) or original(*a, **k))
+        monkeypatch.setattr(rmsnorm_pair, "run_provider",
+                            lambda *a, **k: overlay_calls_seen.append(1) or original(*a, **k))
         aiter_dual_norm_standin.clear()
         harness.run(layer, harness.decode_batch([layer], SEQ_LENS))
         assert activation.evidence.fusion("qkv_norm")["state"] == state
@@ -239,9 +238,9 @@ def test_deactivate_restores_identical_objects(tmp_path):
     with overlay(tmp_path, K3_AMD_OVERLAY="1") as activation:
         assert activation.engine.applied
         changed = [vars(linear)] + ([dict(vars(mla))] if mla is not None else [])
-        assert any(any(a.get(k) is not b.get(k) for k in b) for a, b in zip(changed, targets))
+        assert any(any(a.get(k) is not b.get(k) for k in b) for a, b in zip(changed, targets, strict=False))
     after = [vars(linear)] + ([dict(vars(mla))] if mla is not None else [])
-    for now, before in zip(after, targets):
+    for now, before in zip(after, targets, strict=False):
         assert all(now[k] is before[k] for k in before)
         assert set(now) == set(before)
     assert FusionState.DISABLED.value == "disabled"

@@ -49,7 +49,8 @@ def result(**values):
 """
 
 
-def run_vllm_process(code: str, tmp_path: Path, timeout: float = 300, **variables: str) -> tuple[subprocess.CompletedProcess, dict[str, Any] | None]:
+def run_vllm_process(code: str, tmp_path: Path, timeout: float = 300,
+                     **variables: str) -> tuple[subprocess.CompletedProcess, dict[str, Any] | None]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
     env.update(VLLM_TARGET_DEVICE="cpu", K3_AMD_OVERLAY_MARKER_DIR=str(tmp_path / "markers"), **variables)
     proc = subprocess.run([sys.executable, "-c", PRELUDE + code], env=env, capture_output=True, text=True,

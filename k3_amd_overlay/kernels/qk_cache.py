@@ -13,7 +13,7 @@ from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
 # How the kernel produces fp8 bits (a constexpr, chosen once per call from format and platform).
 FP8_NATIVE_FN = 0  # tl.float8e4nv: OCP e4m3fn (NVIDIA, MI355X)
 FP8_NATIVE_FNUZ = 1  # tl.float8e4b8: e4m3fnuz, AMD only (MI300X)
-FP8_FNUZ_VIA_FN = 2  # e4m3fnuz emulated through e4m3fn where the native type is missing (CUDA)
+FP8_FNUZ_BY_INT = 2  # e4m3fnuz by integer rounding where the native type is missing (CUDA, CPU)
 # Four query heads per program, 4 warps: fastest of the variants in scripts/tune_kernels.py on an
 # H200 from B=1 to B=1024 (docs/benchmarks.md); folding the KV row into a head program was slower.
 HEADS_PER_PROGRAM = 4
@@ -24,7 +24,7 @@ def fp8_mode(fmt: Fp8Format, device: torch.device) -> int:
         return FP8_NATIVE_FN
     if fmt is E4M3FNUZ and device.type == "cuda" and torch.version.hip is not None:
         return FP8_NATIVE_FNUZ
-    return FP8_FNUZ_VIA_FN
+    return FP8_FNUZ_BY_INT
 
 
 @triton.jit
@@ -38,15 +38,21 @@ def _fp8_bits(x, inv_scale, fmax, FP8_MODE: tl.constexpr):
     elif FP8_MODE == 1:
         bits = y.to(tl.float8e4b8).to(tl.uint8, bitcast=True)
     else:
-        # fnuz has exponent bias 8, fn bias 7: fnuz_bits(y) == fn_bits(2y) for |y| <= 224
-        # (subnormals included). Above, fnuz rounds (224, 232] to 224 (0x7E, the tie goes to
-        # the even mantissa) and (232, 240] to 240 (0x7F); fnuz has no -0 and its NaN is 0x80.
-        y2 = tl.minimum(tl.maximum(y * 2.0, -448.0), 448.0)
-        fn_bits = y2.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        sign = fn_bits & 0x80
-        bits = tl.where(fn_bits == 0x80, 0, fn_bits)
-        bits = tl.where(tl.abs(y) > 232.0, sign | 0x7F, bits)
-        bits = tl.where(y != y, 0x80, bits)
+        # e4m3fnuz (bias 8, max 240, no -0, NaN = 0x80) by integer rounding of the fp32 pattern,
+        # with no fp8 type involved: exact on any backend and under the interpreter. (An earlier
+        # emulation through e4m3fn casts was miscompiled for 2-D tiles on an H200, Triton 3.6.)
+        a = tl.abs(y)
+        pattern = a.to(tl.int32, bitcast=True)
+        exponent = (pattern >> 23) - 127
+        fraction = pattern & 0x7FFFFF
+        kept = fraction >> 20
+        rest = fraction & 0xFFFFF
+        up = (rest > 0x80000) | ((rest == 0x80000) & ((kept & 1) == 1))
+        normal = ((exponent + 8) << 3) + kept + up.to(tl.int32)  # a mantissa carry bumps the exponent
+        subnormal = ((a * 1024.0 + 12582912.0) - 12582912.0).to(tl.int32)  # steps of 2**-10, RNE
+        magnitude = tl.where(exponent < -7, subnormal, normal)
+        bits = tl.where((y < 0) & (magnitude != 0), magnitude | 0x80, magnitude)
+        bits = tl.where(y != y, 0x80, bits).to(tl.uint8)
     return bits
 
 

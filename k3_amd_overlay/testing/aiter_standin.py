@@ -78,7 +78,8 @@ class AiterStandIn:
         if kv_cache.dtype in FP8_DTYPES:
             need(kv_cache.dtype == self.fmt.dtype, f"kv_cache {kv_cache.dtype} is not this arch's fp8 {self.fmt.dtype}")
         need(kv_cache.dim() == 3 and kv_cache.shape[2] == lora + rope, f"kv_cache shape {tuple(kv_cache.shape)}")
-        need(q_out.dim() == 3 and tuple(q_out.shape) == (tokens, heads, lora + rope), f"q_out shape {tuple(q_out.shape)}")
+        need(q_out.dim() == 3 and tuple(q_out.shape) == (tokens, heads, lora + rope),
+             f"q_out shape {tuple(q_out.shape)}")
         need(q_out.dtype not in FP8_DTYPES or kv_cache.dtype in FP8_DTYPES, "fp8 q_out needs an fp8 kv cache")
         need(slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got {slot_mapping.dtype}")
         need(slot_mapping.dim() == 1 and slot_mapping.shape[0] == tokens,
@@ -90,7 +91,8 @@ class AiterStandIn:
         need(positions.is_contiguous(), "positions must be dense")
         need(cos_cache.dtype == q_nope.dtype and sin_cache.dtype == q_nope.dtype,
              f"cos/sin dtype {cos_cache.dtype} must be the query dtype {q_nope.dtype}")
-        need(cos_cache.dim() == 2 and tuple(sin_cache.shape) == tuple(cos_cache.shape), "cos/sin must be [max_pos, rot/2]")
+        need(cos_cache.dim() == 2 and tuple(sin_cache.shape) == tuple(cos_cache.shape),
+             "cos/sin must be [max_pos, rot/2]")
         rot_dim = 2 * cos_cache.shape[-1]
         need(rot_dim == rope, f"rot_dim {rot_dim} != rope dim {rope}")
         kernel = self.kernel_for(lora, heads, rot_dim, kv_cache.shape[1], tokens, is_nope_first)
@@ -165,14 +167,14 @@ class AiterStandIn:
             def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, q_out,
                                                    slot_mapping, k_scale, q_scale, positions,
                                                    cos_cache, sin_cache, is_neox, is_nope_first,
-                                                   compute_all_q_rope=False):  # noqa: ANN001, ANN202
+                                                   compute_all_q_rope=False):
                 return standin.op(q_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, k_scale,
                                   q_scale, positions, cos_cache, sin_cache, is_neox, is_nope_first,
                                   compute_all_q_rope)
         else:
             def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, q_out,  # type: ignore[misc]
                                                    slot_mapping, k_scale, q_scale, positions,
-                                                   cos_cache, sin_cache, is_neox, is_nope_first):  # noqa: ANN001, ANN202
+                                                   cos_cache, sin_cache, is_neox, is_nope_first):
                 return standin.op(q_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, k_scale,
                                   q_scale, positions, cos_cache, sin_cache, is_neox, is_nope_first)
 

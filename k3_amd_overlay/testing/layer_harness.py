@@ -136,7 +136,7 @@ class Layer:
 def _init_params(module: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in module.named_parameters():
+        for _name, param in module.named_parameters():
             if param.dim() == 1:
                 values = 1.0 + 0.2 * torch.randn(param.shape, generator=gen)
             else:
@@ -192,7 +192,8 @@ def _replace_attention_core(layer: Layer, fp8: bool) -> None:
     spec = layer.spec
     fmt = fp8_format() if fp8 else None
 
-    def forward_mqa(self: Any, q: Any, cache: torch.Tensor, attn_metadata: Any, _layer: Any) -> tuple[torch.Tensor, None]:
+    def forward_mqa(self: Any, q: Any, cache: torch.Tensor, attn_metadata: Any,
+                    _layer: Any) -> tuple[torch.Tensor, None]:
         layer.mqa_calls += 1
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)

@@ -1,0 +1,252 @@
+"""The plugin as vLLM loads it: ``vllm.plugins.load_general_plugins()`` in a fresh process, with
+each switch value; strict and non-strict against simulated drift; Ray forwarding; the check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import HAS_VLLM
+from vllm_support import run_vllm_process, shape_name
+
+pytestmark = pytest.mark.vllm
+
+EXPECTED_PATCHES = {
+    "plain_wrapper": ["linear.mla_wrapper"],
+    "k3_norm_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv"],
+    "k3_decode_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv",
+                          "k3_wrapper.fused_qk_prep_supported", "k3_wrapper.fused_decode"],
+}
+STOCK_PATCHES = {
+    "plain_wrapper": [],
+    "k3_norm_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv"],
+    "k3_decode_wrapper": EXPECTED_PATCHES["k3_decode_wrapper"],
+}
+
+SNAPSHOT = """
+import importlib, inspect
+import vllm.models.kimi_k3.amd.linear as linear
+import vllm.model_executor.layers.mla as shared
+def snapshot():
+    objs = {"linear." + k: v for k, v in vars(linear).items()}
+    for cls in (shared.MultiHeadLatentAttentionWrapper, getattr(linear, "KimiK3MultiHeadLatentAttentionWrapper", None)):
+        if cls is not None:
+            objs.update({cls.__name__ + "." + k: v for k, v in vars(cls).items()})
+    return objs
+def same(a, b):
+    return sorted(k for k in set(a) | set(b) if a.get(k) is not b.get(k))
+"""
+
+ACTIVE = """
+from k3_amd_overlay.activation import active
+act = active()
+def applied():
+    return [a.spec.key for a in act.engine.applied] if act else []
+def fusions():
+    return {f: (e["state"], e["reason"]) for f, e in act.evidence.record["fusions"].items()} if act else {}
+"""
+
+
+@pytest.fixture(scope="module")
+def shape():
+    return shape_name() if HAS_VLLM else None
+
+
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_off_installs_nothing_and_leaves_stock_objects(switch, tmp_path):
+    variables = {} if switch is None else {"K3_AMD_OVERLAY": switch}
+    proc, res = run_vllm_process(SNAPSHOT + """
+before = snapshot()
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import wrapt, sys
+result(changed=same(before, snapshot()), activation_imported="k3_amd_overlay.activation" in sys.modules,
+       wrapped=[k for k, v in snapshot().items() if isinstance(v, wrapt.FunctionWrapper)],
+       markers=os.listdir(marker_dir) if os.path.isdir(marker_dir := os.environ["K3_AMD_OVERLAY_MARKER_DIR"]) else [])
+""", tmp_path, **variables, K3_AMD_OVERLAY_TYPO="1")
+    assert res == {"changed": [], "activation_imported": False, "wrapped": [], "markers": []}, proc.stderr[-3000:]
+    assert "ignoring unknown variables K3_AMD_OVERLAY_TYPO" in proc.stderr + proc.stdout
+
+
+def test_on_patches_at_import_writes_markers_forwards_to_ray_and_reverts(shape, tmp_path):
+    # The worker order: plugins load first, the K3 modules are imported later by model loading.
+    proc, res = run_vllm_process("""
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import sys
+before_import = "vllm.models.kimi_k3.amd.linear" in sys.modules
+""" + SNAPSHOT + ACTIVE + """
+first = applied()
+wrapped_now = snapshot()
+from k3_amd_overlay import plugin
+plugin.register()  # a second registration in the same process
+import vllm.plugins
+vllm.plugins.plugins_loaded = False
+load_general_plugins()  # and vLLM loading its plugins again
+second = applied()
+unchanged = same(wrapped_now, snapshot())
+from vllm.ray.ray_env import get_env_vars_to_copy
+ray_vars = sorted(v for v in get_env_vars_to_copy() if v.startswith("K3_AMD_OVERLAY"))
+marker = json.load(open(os.path.join(os.environ["K3_AMD_OVERLAY_MARKER_DIR"], f"{os.getpid()}.json")))
+import k3_amd_overlay
+reverted = k3_amd_overlay.deactivate()
+SHARED = "MultiHeadLatentAttentionWrapper"
+result(before_import=before_import, first=first, second=second, unchanged=unchanged, ray=ray_vars,
+       marker_mode=marker["mode"], marker_shape=marker["vllm_shape"], reverted=reverted,
+       linear_wrapper_is_shared=getattr(linear, SHARED, None) is getattr(shared, SHARED),
+       wrapped_after=[k for k, v in snapshot().items() if type(v).__name__ == "FunctionWrapper"])
+""", tmp_path, K3_AMD_OVERLAY="1", K3_AMD_OVERLAY_STRICT="1")
+    assert res is not None, proc.stderr[-3000:]
+    assert res["before_import"] is False
+    assert res["first"] == EXPECTED_PATCHES[shape] == res["second"]
+    assert res["unchanged"] == []
+    assert res["ray"] == ["K3_AMD_OVERLAY", "K3_AMD_OVERLAY_MARKER_DIR", "K3_AMD_OVERLAY_STRICT"]
+    assert (res["marker_mode"], res["marker_shape"]) == ("auto", shape)
+    assert res["reverted"] == list(reversed(EXPECTED_PATCHES[shape]))
+    assert res["wrapped_after"] == [] and res["linear_wrapper_is_shared"] is (shape == "plain_wrapper")
+    assert res["unchanged"] == []
+    assert "k3-amd-overlay 0.1.0: pid=" in proc.stderr + proc.stdout
+
+
+def test_stock_mode_disables_only_what_this_vllm_fuses_itself(shape, tmp_path):
+    proc, res = run_vllm_process("""
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import vllm.models.kimi_k3.amd.linear
+""" + ACTIVE + "result(applied=applied(), fusions=fusions())", tmp_path, K3_AMD_OVERLAY="stock")
+    assert res is not None, proc.stderr[-3000:]
+    assert res["applied"] == STOCK_PATCHES[shape]
+    assert {f: s for f, (s, _) in res["fusions"].items()} == {"qkv_norm": "forced-stock", "qk_cache": "forced-stock"}
+
+
+@pytest.mark.parametrize("variables,message", [
+    ({"K3_AMD_OVERLAY": "yes"}, "K3_AMD_OVERLAY='yes' is not valid"),
+    ({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_STRCT": "0"}, "unknown overlay variable(s) K3_AMD_OVERLAY_STRCT"),
+])
+def test_bad_values_stop_vllm_startup(variables, message, tmp_path):
+    proc, res = run_vllm_process("""
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+result(loaded=True)
+""", tmp_path, **variables)
+    assert res is None and proc.returncode != 0
+    assert message in proc.stderr
+
+
+DRIFT = {  # how to make each shape lose the anchors qkv_norm needs, in the source the probe reads
+    "plain_wrapper": ("model_executor/layers/mla.py", "self.kv_a_layernorm(", "self.kv_norm("),
+    "k3_norm_wrapper": ("models/kimi_k3/amd/mla.py", "_normalize_q_kv", "_normalise_q_kv"),
+    "k3_decode_wrapper": ("models/kimi_k3/amd/mla.py", "_normalize_q_kv", "_normalise_q_kv"),
+}
+SIMULATE_SOURCE_DRIFT = """
+from k3_amd_overlay.targets import sources
+rel, old, new = {drift!r}
+original_text = sources.VllmSources.text
+def drifted(self, path):
+    text = original_text(self, path)
+    return text.replace(old, new) if text is not None and path == rel else text
+sources.VllmSources.text = drifted
+"""
+
+
+@pytest.mark.parametrize("strict", ["1", "0"])
+def test_source_drift_strict_raises_non_strict_refuses_that_fusion(shape, strict, tmp_path):
+    proc, res = run_vllm_process(SIMULATE_SOURCE_DRIFT.format(drift=DRIFT[shape]) + """
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import vllm.models.kimi_k3.amd.linear
+""" + ACTIVE + "result(applied=applied(), fusions=fusions())", tmp_path, K3_AMD_OVERLAY="1",
+                                 K3_AMD_OVERLAY_STRICT=strict)
+    if strict == "1":
+        assert res is None and proc.returncode != 0
+        assert "OverlayActivationError" in proc.stderr and "lacks the anchors qkv_norm needs" in proc.stderr
+        assert "K3_AMD_OVERLAY_STRICT=0" in proc.stderr and "vLLM 0." in proc.stderr
+    else:
+        assert res is not None, proc.stderr[-3000:]
+        assert res["fusions"]["qkv_norm"][0] == "refused" and "lacks the anchors" in res["fusions"]["qkv_norm"][1]
+        assert res["fusions"]["qk_cache"][0] == "applied"
+        assert "k3_wrapper.normalize_q_kv" not in res["applied"]
+
+
+def test_unrecognised_vllm_code_is_a_loud_error(tmp_path):
+    proc, res = run_vllm_process(SIMULATE_SOURCE_DRIFT.format(
+        drift=("models/kimi_k3/amd/linear.py", "class KimiMLAAttention", "class KimiMLAAttentionV2")) + """
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+result(loaded=True)
+""", tmp_path, K3_AMD_OVERLAY="qk_cache")
+    assert res is None and "does not recognise the K3 AMD code of vLLM" in proc.stderr
+
+
+LIVE_DRIFT = """
+import vllm.models.kimi_k3.amd.linear as linear
+import vllm.model_executor.layers.mla as shared
+k3 = getattr(linear, "KimiK3MultiHeadLatentAttentionWrapper", None)
+if k3 is not None:
+    del k3._normalize_q_kv  # the source still has it; the live class no longer does
+else:
+    from vllm.model_executor.custom_op import op_registry_oot
+    base = shared.MultiHeadLatentAttentionWrapper
+    op_registry_oot["MultiHeadLatentAttentionWrapper"] = type("OotWrapper", (base,), {})
+before = dict(vars(k3)) if k3 is not None else dict(vars(linear))
+from vllm.plugins import load_general_plugins
+try:
+    load_general_plugins()
+    error = None
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+after = dict(vars(k3)) if k3 is not None else dict(vars(linear))
+""" + ACTIVE + """
+result(error=error, untouched=all(after[k] is before[k] for k in before) and set(after) == set(before),
+       applied=applied(), fusions=fusions())
+"""
+
+
+@pytest.mark.parametrize("strict", ["1", "0"])
+def test_live_drift_reverts_everything(strict, tmp_path):
+    proc, res = run_vllm_process(LIVE_DRIFT, tmp_path, K3_AMD_OVERLAY="1", K3_AMD_OVERLAY_STRICT=strict)
+    assert res is not None, proc.stderr[-3000:]
+    assert res["untouched"] is True and res["applied"] == []
+    if strict == "1":
+        assert res["error"].startswith("OverlayActivationError") and "live anchor check failed" in res["error"]
+    else:
+        assert res["error"] is None
+        assert {s for s, _ in res["fusions"].values()} == {"refused"}
+
+
+@pytest.mark.parametrize("switch,expect,code", [
+    ("1", "fused", 0), ("1", "stock", 1), ("stock", "stock", 0), ("stock", "fused", 1), ("0", "stock", 1),
+])
+def test_static_check(switch, expect, code, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
+    env.update(VLLM_TARGET_DEVICE="cpu", K3_AMD_OVERLAY=switch)
+    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.cli", "check", "--expect", expect, "--static"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == code, proc.stdout + proc.stderr[-2000:]
+    if switch == "0":
+        assert "overlay off: proves neither" in proc.stdout
+
+
+def test_live_check_follows_the_process(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
+    markers = tmp_path / "markers"
+    env.update(VLLM_TARGET_DEVICE="cpu", K3_AMD_OVERLAY="stock", K3_AMD_OVERLAY_MARKER_DIR=str(markers))
+    server = subprocess.Popen([sys.executable, "-c", "from vllm.plugins import load_general_plugins; "
+                               "load_general_plugins(); print('up', flush=True); import time; time.sleep(300)"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = iter(server.stdout.readline, "")
+        assert any(line.strip() == "up" for line in lines)  # vLLM may log to stdout first
+        check = [sys.executable, "-m", "k3_amd_overlay.cli", "check", "--marker-dir", str(markers), "--expect"]
+        assert subprocess.run([*check, "stock"], capture_output=True, text=True).returncode == 0
+        fused = subprocess.run([*check, "fused"], capture_output=True, text=True)
+        assert fused.returncode == 1 and "forced-stock" in fused.stdout
+    finally:
+        server.kill()
+        server.wait()
+    time.sleep(0.1)
+    gone = subprocess.run([*check, "stock"], capture_output=True, text=True)
+    assert gone.returncode == 1 and "stale, ignored" in gone.stdout
