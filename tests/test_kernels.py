@@ -144,9 +144,10 @@ def test_every_fp8_code_neighbourhood_rounds_like_torch(fmt):
     x[: values.numel()] = values
     x = x.view(tokens, 1, 576).to(DEVICE)
     one = torch.ones(1, device=DEVICE)
-    out = fused_qk_cache(x[..., :512].contiguous(), x[..., 512:].contiguous(), torch.zeros(tokens, 512, device=DEVICE),
-                         torch.zeros(tokens, 64, device=DEVICE), torch.zeros(2, 16, 576, dtype=torch.uint8, device=DEVICE),
-                         torch.full((tokens,), -1, dtype=torch.int64, device=DEVICE), one, one, provider="triton",
-                         kv_format=fmt.name)
+    cache = torch.zeros(2, 16, 576, dtype=torch.uint8, device=DEVICE)
+    no_slots = torch.full((tokens,), -1, dtype=torch.int64, device=DEVICE)
+    out = fused_qk_cache(x[..., :512].contiguous(), x[..., 512:].contiguous(),
+                         torch.zeros(tokens, 512, device=DEVICE), torch.zeros(tokens, 64, device=DEVICE),
+                         cache, no_slots, one, one, provider="triton", kv_format=fmt.name)
     want = (x.float().clamp(-fmt.fmax, fmt.fmax)).to(fmt.dtype)
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
