@@ -1,6 +1,7 @@
 """``k3-amd-overlay``: ``doctor`` (what this machine and vLLM give, what the overlay would do and
-why, each reachable provider against its reference) and ``check`` (whether the live vLLM
-processes, or a fresh one with ``--static``, are fused or stock as an A/B arm expects)."""
+why, each reachable provider against its reference), ``check`` (whether the live vLLM processes,
+or a fresh one with ``--static``, are fused or stock as an A/B arm expects) and ``census`` (kernel
+launches in profiler traces, before and after a fusion)."""
 
 from __future__ import annotations
 
@@ -99,6 +100,34 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if healthy else 1
 
 
+def cmd_census(args: argparse.Namespace) -> int:
+    from k3_amd_overlay import census
+
+    try:
+        expectations = census.parse_expectations(args.expect or [])
+        candidate = census.read_census(args.traces)
+        baseline = census.read_census(args.baseline) if args.baseline else None
+    except (census.TraceError, ValueError) as exc:
+        print(f"k3-amd-overlay census: {exc}", file=sys.stderr)
+        return 2
+    problems = census.check_expectations(candidate, expectations)
+    if args.json:
+        out = candidate.to_json()
+        if baseline is not None:
+            out["baseline"] = baseline.to_json()
+        out["expect"] = {"problems": problems, "holds": not problems}
+        print(json.dumps(out, indent=1))
+    else:
+        print(census.render(candidate))
+        if baseline is not None:
+            print(census.render_comparison(baseline, candidate, args.steps, args.layers))
+        for name, count in expectations:
+            print(f"expect {name}={count} per rank: {'ok' if not problems else 'FAILED'}")
+        for problem in problems:
+            print(f"FAIL {problem}")
+    return 1 if problems else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3-amd-overlay", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"k3-amd-overlay {__version__}")
@@ -113,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--marker-dir", help=f"default: ${MARKER_DIR} or the per-user directory")
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_check)
+    census = sub.add_parser("census", help="kernel census of profiler traces, before/after a fusion")
+    census.add_argument("traces", nargs="+", help="trace files (.json, .json.gz) or folders; one per rank")
+    census.add_argument("--baseline", nargs="+", help="the unfused arm's traces: print the before/after table")
+    census.add_argument("--expect", action="append", metavar="NAME=COUNT",
+                        help="fail unless kernels matching NAME ran exactly COUNT times on every rank")
+    census.add_argument("--steps", type=int, help="decode steps in the window: per-step and per-layer figures")
+    census.add_argument("--layers", type=int, default=24, help="MLA layers of the model (K3: 24)")
+    census.add_argument("--json", action="store_true")
+    census.set_defaults(func=cmd_census)
     doctor = sub.add_parser("doctor", help="versions, GPU, what each fusion would do here and why, self-tests")
     doctor.add_argument("--switch", help="judge this K3_AMD_OVERLAY value instead of the environment's")
     doctor.add_argument("--no-layer-check", action="store_true",

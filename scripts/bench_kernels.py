@@ -39,7 +39,7 @@ SINGLE_NORM_CONFIGS = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8)]  # (rows, warps) 
 
 
 @triton.jit
-def _kv_write_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_blk,
+def concat_and_cache_mla_like_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_blk,
                      s_row, block_size, fmax, L: tl.constexpr, R: tl.constexpr, FP8_MODE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
@@ -54,7 +54,7 @@ def _kv_write_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, fmax, D: tl.constexpr, BLOCK: tl.constexpr,
+def scaled_quant_like_kernel(x_ptr, out_ptr, scale_ptr, fmax, D: tl.constexpr, BLOCK: tl.constexpr,
                        FP8_MODE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -163,11 +163,11 @@ def bench_qk_cache(heads_list: list[int], tokens_list: list[int], bw: float, emp
             cat_out = torch.empty(tokens, heads, lora + rope, dtype=torch.bfloat16, device="cuda")
 
             def three() -> None:
-                _kv_write_kernel[(tokens,)](kv_c, k_pe, cache, slots, k_scale, kv_c.stride(0), k_pe.stride(0),
+                concat_and_cache_mla_like_kernel[(tokens,)](kv_c, k_pe, cache, slots, k_scale, kv_c.stride(0), k_pe.stride(0),
                                             cache.stride(0), cache.stride(1), 1536, fmt.fmax, L=lora, R=rope,
                                             FP8_MODE=mode_bits, num_warps=4)
                 torch.cat([ql_nope, q_pe], dim=-1, out=cat_out)
-                _quant_rows_kernel[(tokens * heads,)](cat_out, q_out, q_scale, fmt.fmax, D=lora + rope,
+                scaled_quant_like_kernel[(tokens * heads,)](cat_out, q_out, q_scale, fmt.fmax, D=lora + rope,
                                                       BLOCK=1024, FP8_MODE=mode_bits, num_warps=4)
 
             def one() -> None:

@@ -1,0 +1,210 @@
+"""Kernel census over PyTorch profiler traces (the Kineto JSON that vLLM's ``--profiler-config``
+torch profiler writes, one per rank, ``.json`` or ``.json.gz``): GPU kernel launches per rank,
+counted and timed, before and after a fusion, with the cheap invariant "fused kernel count =
+MLA layers x decode steps" checkable by ``--expect``.
+
+The traces are read directly: a Kineto trace is a JSON object whose ``traceEvents`` hold one
+complete event (``ph: X``) per GPU kernel with ``cat`` "kernel" (CUDA and ROCm alike, graph
+replays included). Maintained analysers (HolisticTraceAnalysis, AMD TraceLens) do much more but
+pull in pandas and friends that a stock serving image lacks, for what is a group-by over names."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# One table of the kernels each fusion removes and adds, matched as substrings of the full
+# kernel name: AITER's, vLLM's and the overlay's own.
+FUSION_KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
+    "qk_cache": {
+        "removes": ("concat_and_cache_mla", "CatArrayBatchedCopy", "scaled_quant",
+                    "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal"),
+        "adds": ("fuse_qk_rope_concat_and_cache_mla", "qk_cache_kernel"),
+    },
+    "qkv_norm": {
+        "removes": ("rms_norm_kernel", "rmsnorm_kernel"),
+        "adds": ("fused_qk_rmsnorm", "FusedQKVRMSNormKernel", "rmsnorm_pair_kernel"),
+    },
+}
+KERNEL_CATEGORIES = frozenset({"kernel", "gpu_op"})
+K3_MLA_LAYERS = 24
+
+
+class TraceError(ValueError):
+    """A file that is not a readable profiler trace; the message names the file and why."""
+
+
+@dataclass
+class KernelStats:
+    count: int = 0
+    total_us: float = 0.0
+
+    @property
+    def mean_us(self) -> float:
+        return self.total_us / self.count if self.count else 0.0
+
+
+@dataclass
+class Census:
+    """Kernel statistics per rank (rank -> kernel name -> stats)."""
+
+    ranks: dict[str, dict[str, KernelStats]] = field(default_factory=dict)
+
+    def total(self) -> dict[str, KernelStats]:
+        summed: dict[str, KernelStats] = defaultdict(KernelStats)
+        for kernels in self.ranks.values():
+            for name, stats in kernels.items():
+                summed[name].count += stats.count
+                summed[name].total_us += stats.total_us
+        return dict(summed)
+
+    def matching(self, pattern: str, rank: str | None = None) -> KernelStats:
+        kernels = self.ranks[rank] if rank is not None else self.total()
+        found = KernelStats()
+        for name, stats in kernels.items():
+            if pattern in name:
+                found.count += stats.count
+                found.total_us += stats.total_us
+        return found
+
+    def launches(self, rank: str | None = None) -> int:
+        kernels = self.ranks[rank] if rank is not None else self.total()
+        return sum(s.count for s in kernels.values())
+
+    def to_json(self) -> dict[str, Any]:
+        def rows(kernels: dict[str, KernelStats]) -> list[dict[str, Any]]:
+            return [{"name": n, "count": s.count, "total_us": round(s.total_us, 3), "mean_us": round(s.mean_us, 3)}
+                    for n, s in sorted(kernels.items(), key=lambda kv: -kv[1].total_us)]
+
+        return {"ranks": {r: rows(k) for r, k in sorted(self.ranks.items())}, "total": rows(self.total())}
+
+
+def trace_files(paths: Iterable[str | Path]) -> list[Path]:
+    files: list[Path] = []
+    for item in map(Path, paths):
+        if item.is_dir():
+            files += sorted(p for p in item.rglob("*") if p.name.endswith((".json", ".json.gz")))
+        elif item.is_file():
+            files.append(item)
+        else:
+            raise TraceError(f"{item}: no such file or directory")
+    if not files:
+        raise TraceError(f"no .json or .json.gz trace found in {', '.join(map(str, paths))}")
+    return files
+
+
+def load_trace(path: Path) -> dict[str, Any]:
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+        data = json.loads(raw)
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise TraceError(f"{path}: cannot read ({type(exc).__name__}: {exc}); truncated or not gzip?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: not JSON ({exc}); a truncated trace?") from None
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise TraceError(f"{path}: JSON without a traceEvents list: not a PyTorch profiler trace")
+    return data
+
+
+def rank_of(path: Path, data: dict[str, Any], index: int) -> str:
+    info = data.get("distributedInfo")
+    if isinstance(info, dict) and "rank" in info:
+        return str(info["rank"])
+    match = re.search(r"rank[_-]?(\d+)", path.name) or re.search(r"_(\d+)\.(?:pt\.)?trace", path.name)
+    return match.group(1) if match else str(index)
+
+
+def read_census(paths: Iterable[str | Path]) -> Census:
+    census = Census()
+    for index, path in enumerate(trace_files(paths)):
+        data = load_trace(path)
+        kernels = census.ranks.setdefault(rank_of(path, data, index), {})
+        for event in data["traceEvents"]:
+            if (isinstance(event, dict) and event.get("ph") == "X"
+                    and str(event.get("cat", "")).lower() in KERNEL_CATEGORIES):
+                stats = kernels.setdefault(str(event.get("name")), KernelStats())
+                stats.count += 1
+                stats.total_us += float(event.get("dur", 0.0))
+    return census
+
+
+def parse_expectations(items: Iterable[str]) -> list[tuple[str, int]]:
+    parsed = []
+    for item in items:
+        name, sep, count = item.rpartition("=")
+        if not sep or not name or not count.isdigit():
+            raise ValueError(f"--expect {item!r}: write NAME=COUNT (a kernel-name substring and a count per rank)")
+        parsed.append((name, int(count)))
+    return parsed
+
+
+def check_expectations(census: Census, expectations: list[tuple[str, int]]) -> list[str]:
+    """Problems: each NAME must have run exactly COUNT times on every rank."""
+    problems = []
+    for name, count in expectations:
+        for rank in sorted(census.ranks):
+            got = census.matching(name, rank).count
+            if got != count:
+                problems.append(f"rank {rank}: kernels matching {name!r} ran {got} times, expected {count}")
+    return problems
+
+
+def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def render(census: Census, top: int = 25) -> str:
+    lines = []
+    for rank in sorted(census.ranks):
+        kernels = census.ranks[rank]
+        total = sum(s.total_us for s in kernels.values())
+        lines.append(f"\nrank {rank}: {census.launches(rank)} kernel launches, {total:.1f} µs")
+        rows = [[n, str(s.count), f"{s.mean_us:.2f}", f"{s.total_us:.1f}"]
+                for n, s in sorted(kernels.items(), key=lambda kv: -kv[1].total_us)[:top]]
+        lines += _table(rows, ["kernel", "count", "mean µs", "total µs"])
+    if len(census.ranks) > 1:
+        summed = census.total()
+        lines.append(f"\nall {len(census.ranks)} ranks: {census.launches()} kernel launches")
+        rows = [[n, str(s.count), f"{s.mean_us:.2f}", f"{s.total_us:.1f}"]
+                for n, s in sorted(summed.items(), key=lambda kv: -kv[1].total_us)[:top]]
+        lines += _table(rows, ["kernel", "count", "mean µs", "total µs"])
+    return "\n".join(lines)
+
+
+def render_comparison(baseline: Census, candidate: Census, steps: int | None, layers: int) -> str:
+    lines = []
+    ranks = max(len(baseline.ranks), 1), max(len(candidate.ranks), 1)
+    for fusion, kinds in FUSION_KERNELS.items():
+        rows = []
+        region = [0.0, 0.0]
+        for pattern in (*kinds["removes"], *kinds["adds"]):
+            b, c = baseline.matching(pattern), candidate.matching(pattern)
+            if b.count or c.count:
+                rows.append([pattern, f"{b.count} × {b.mean_us:.2f} = {b.total_us:.1f}",
+                             f"{c.count} × {c.mean_us:.2f} = {c.total_us:.1f}"])
+                region[0] += b.total_us
+                region[1] += c.total_us
+        if not rows:
+            continue
+        lines.append(f"\n{fusion} (summed over ranks; count × mean µs = total µs)")
+        lines += _table(rows, ["kernel", "baseline", "candidate"])
+        if region[1]:
+            lines.append(f"{fusion} region: {region[0]:.1f} µs -> {region[1]:.1f} µs ({region[0] / region[1]:.2f}x)")
+        if steps:
+            per = [r / (n * steps * layers) for r, n in zip(region, ranks, strict=True)]
+            lines.append(f"per MLA layer per decode step and rank ({layers} layers x {steps} steps): "
+                         f"{per[0]:.2f} µs -> {per[1]:.2f} µs")
+    b_launch, c_launch = baseline.launches() / ranks[0], candidate.launches() / ranks[1]
+    if steps:
+        b_launch, c_launch = b_launch / steps, c_launch / steps
+    delta = c_launch - b_launch
+    unit = "per rank per step" if steps else "per rank"
+    lines.append(f"\nkernel launches {unit}: {b_launch:.0f} -> {c_launch:.0f} "
+                 f"({delta:+.0f}, {100 * delta / b_launch if b_launch else 0:+.1f}%)")
+    return "\n".join(lines)

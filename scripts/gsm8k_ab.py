@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""GSM8K accuracy A/B: for each arm (only K3_AMD_OVERLAY differs) start the server, prove the arm
+with `k3-amd-overlay check`, run lm-eval gsm8k (5-shot, all 1319 questions by default) against it,
+stop it; print each arm's accuracy, the delta, the binomial standard error of the difference and
+whether the delta is inside it.
+
+    scripts/gsm8k_ab.py --model /models/Kimi-K3 --serve-args "--tensor-parallel-size 8 ..." --out gsm8k-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from k3_amd_overlay import arms
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--served-model-name", help="the name the server answers to (default: --model)")
+    p.add_argument("--serve-args", default="")
+    p.add_argument("--arm-a", default="stock")
+    p.add_argument("--arm-b", default="1")
+    p.add_argument("--port", type=int, default=8010)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--serve-cmd", default="vllm serve")
+    p.add_argument("--lm-eval-cmd", default="lm_eval")
+    p.add_argument("--task", default="gsm8k")
+    p.add_argument("--num-fewshot", type=int, default=5)
+    p.add_argument("--limit", type=int, help="questions per arm (default: all)")
+    p.add_argument("--num-concurrent", type=int, default=32)
+    p.add_argument("--metric", default="exact_match,strict-match")
+    p.add_argument("--health-timeout", type=float, default=3600.0)
+    return p.parse_args(argv)
+
+
+def accuracy(output_dir: Path, task: str, metric: str) -> tuple[float, int]:
+    files = sorted(output_dir.rglob("results*.json"))
+    if not files:
+        raise arms.ArmFailed(f"no lm-eval results*.json under {output_dir}")
+    data = json.loads(files[-1].read_text())
+    value = float(data["results"][task][metric])
+    samples = data.get("n-samples", {}).get(task, {})
+    return value, int(samples.get("effective", samples.get("original", 0)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    name = args.served_model_name or args.model
+    scores: dict[str, tuple[float, int]] = {}
+    for arm in arms.default_arms(args.arm_a, args.arm_b):
+        workdir = args.out / f"arm{arm.label}"
+        serve = [*arms.split_command(args.serve_cmd), args.model, "--port", str(args.port),
+                 *arms.split_command(args.serve_args)]
+        server = arms.Server(serve, arm, workdir, args.port)
+        print(f"arm {arm.label} (K3_AMD_OVERLAY={arm.switch}): starting", flush=True)
+        try:
+            server.start(args.health_timeout)
+            server.request(name)
+            server.prove()
+            print(f"arm {arm.label} proved {arm.expect}; running {args.task}", flush=True)
+            model_args = (f"model={name},base_url={server.url}/v1/completions,num_concurrent={args.num_concurrent},"
+                          "tokenized_requests=False")
+            command = [*arms.split_command(args.lm_eval_cmd), "--model", "local-completions", "--model_args",
+                       model_args, "--tasks", args.task, "--num_fewshot", str(args.num_fewshot),
+                       "--output_path", str(workdir / "lm_eval")]
+            if args.limit:
+                command += ["--limit", str(args.limit)]
+            with open(workdir / "lm_eval.log", "w") as log:
+                if subprocess.run(command, stdout=log, stderr=log).returncode != 0:
+                    raise arms.ArmFailed(f"arm {arm.label}: lm-eval failed; log: {workdir / 'lm_eval.log'}")
+            scores[arm.label] = accuracy(workdir / "lm_eval", args.task, args.metric)
+        except arms.ArmFailed as exc:
+            print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            server.stop()
+    (acc_a, n_a), (acc_b, n_b) = scores["A"], scores["B"]
+    comparison = arms.AccuracyComparison(acc_a, acc_b, min(n_a, n_b))
+    lines = [
+        f"| arm | K3_AMD_OVERLAY | {args.task} {args.metric} | questions |", "|---|---|---|---|",
+        f"| A | {args.arm_a} | {acc_a:.4f} | {n_a} |", f"| B | {args.arm_b} | {acc_b:.4f} | {n_b} |",
+        "",
+        f"delta (B - A): {100 * comparison.delta:+.2f} pp; binomial se of the difference: "
+        f"{100 * comparison.se_diff:.2f} pp; the delta is {'inside' if comparison.inside_se else 'OUTSIDE'} one se",
+    ]
+    (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""A loopback stand-in for `vllm serve MODEL --port P ...`: it leaves overlay evidence exactly as a
+vLLM process with the overlay would (the real Evidence and marker code, from K3_AMD_OVERLAY), and
+answers /health, /v1/completions, /v1/chat/completions and /standin/arm until stopped.
+STANDIN_LIE=stock makes it record stock whatever the switch says (an arm mix-up to be caught)."""
+
+import json
+import os
+import signal
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from k3_amd_overlay.evidence import Evidence
+from k3_amd_overlay.fusions.states import FusionState
+from k3_amd_overlay.settings import Mode, load_settings
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+env = dict(os.environ)
+if env.get("STANDIN_LIE"):
+    env["K3_AMD_OVERLAY"] = env["STANDIN_LIE"]
+settings = load_settings(env)
+evidence = Evidence(settings)
+for fusion in settings.fusions:
+    if settings.mode is Mode.AUTO:
+        evidence.set_fusion(fusion, FusionState.APPLIED, "stand-in", provider="standin")
+        evidence.effective_hook(fusion, "model.layers.3.self_attn.attn")()
+evidence.publish()
+
+
+class Handler(BaseHTTPRequestHandler):
+    def _reply(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/health":
+            self._reply({})
+        elif self.path == "/standin/arm":
+            self._reply({"switch": os.environ.get("K3_AMD_OVERLAY", "")})
+        else:
+            self.send_error(404)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._reply({"choices": [{"text": " Paris"}]})
+
+    def log_message(self, *args):
+        pass
+
+
+server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+signal.signal(signal.SIGINT, lambda *a: os._exit(0))  # as vLLM does on Ctrl-C: stop now
+server.serve_forever()

@@ -1,0 +1,86 @@
+"""The kernel census on real traces: a GPU trace from an H200 kept in tests/data (graph-replayed
+kernels, known counts), several ranks, gzip and plain, a trace made here by torch.profiler, and
+clear errors for truncated or foreign files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3_amd_overlay import census
+from k3_amd_overlay.cli import main
+
+DATA = Path(__file__).parent / "data"
+FUSED, BASELINE = DATA / "trace-fused-rank0.json.gz", DATA / "trace-baseline-rank0.json.gz"
+
+
+def test_graph_replayed_gpu_kernels_are_counted():
+    fused, base = census.read_census([FUSED]), census.read_census([BASELINE])
+    assert fused.matching("qk_cache_kernel").count == 12 and fused.launches() == 12
+    assert base.launches() == 36
+    for name in ("concat_and_cache_mla", "CatArrayBatchedCopy", "scaled_quant"):
+        assert base.matching(name).count == 12
+        assert base.matching(name).total_us > 0
+
+
+def test_ranks_from_names_plain_and_gzip(tmp_path):
+    for rank in (0, 1, 2):
+        target = tmp_path / f"profiler_out_rank{rank}.pt.trace.json"
+        target.write_bytes(gzip.decompress(FUSED.read_bytes()))
+    shutil.copy(FUSED, tmp_path / "extra_rank3.pt.trace.json.gz")
+    result = census.read_census([tmp_path])
+    assert sorted(result.ranks) == ["0", "1", "2", "3"]
+    assert result.total()["qk_cache_kernel"].count == 48
+    assert census.check_expectations(result, [("qk_cache_kernel", 12)]) == []
+    problems = census.check_expectations(result, [("qk_cache_kernel", 24)])
+    assert len(problems) == 4 and "ran 12 times, expected 24" in problems[0]
+
+
+def test_cli_table_json_and_expect(tmp_path, capsys):
+    assert main(["census", str(FUSED), "--baseline", str(BASELINE), "--steps", "4", "--layers", "3",
+                 "--expect", "qk_cache_kernel=12"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel launches per rank per step: 9 -> 3 (-6, -66.7%)" in out
+    assert "per MLA layer per decode step and rank (3 layers x 4 steps)" in out
+    assert main(["census", str(FUSED), "--expect", "qk_cache_kernel=11"]) == 1
+    capsys.readouterr()
+    assert main(["census", str(FUSED), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ranks"]["0"][0]["name"] == "qk_cache_kernel" and data["ranks"]["0"][0]["count"] == 12
+    assert data["total"][0]["count"] == 12 and set(data["ranks"]["0"][0]) == {"name", "count", "total_us", "mean_us"}
+
+
+def test_a_trace_made_here_by_torch_profiler(tmp_path):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.randn(64, 64) @ torch.randn(64, 64)
+    path = tmp_path / "cpu_rank0.json"
+    prof.export_chrome_trace(str(path))
+    result = census.read_census([path])
+    assert list(result.ranks) == ["0"] and result.launches() == 0  # CPU ops are not GPU kernels
+    assert census.check_expectations(result, [("qk_cache_kernel", 0)]) == []
+
+
+@pytest.mark.parametrize("content,message", [
+    (gzip.compress(b'{"traceEvents": [{"ph": "X"')[:-9], "truncated or not gzip"),
+    (b'{"traceEvents": [{"ph": "X", "cat"', "not JSON"),
+    (b'{"events": []}', "without a traceEvents list"),
+])
+def test_bad_files_get_a_clear_error(tmp_path, capsys, content, message):
+    path = tmp_path / ("bad.json.gz" if content[:2] == b"\x1f\x8b" else "bad.json")
+    path.write_bytes(content)
+    with pytest.raises(census.TraceError, match=message):
+        census.read_census([path])
+    assert main(["census", str(path)]) == 2
+    assert str(path) in capsys.readouterr().err
+
+
+def test_bad_expect_and_missing_paths():
+    with pytest.raises(ValueError, match="write NAME=COUNT"):
+        census.parse_expectations(["qk_cache_kernel"])
+    with pytest.raises(census.TraceError, match="no such file"):
+        census.read_census(["/nonexistent/trace.json"])
