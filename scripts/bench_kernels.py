@@ -21,6 +21,7 @@ import triton.language as tl
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
+from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, qk_cache
 from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
 
@@ -184,10 +185,72 @@ def bench_qk_cache(heads_list: list[int], tokens_list: list[int], bw: float, emp
     return results
 
 
+def bench_absorb(heads_list: list[int], tokens_list: list[int], bw: float, empty: dict[str, float],
+                 fmt: Fp8Format = E4M3FN) -> list[dict]:
+    """The W_UK absorption folded in: bmm + three launches (stock), bmm + one qk_cache launch, and
+    one absorb_qk_cache launch; the floor counts W_UK_T read once."""
+    results = []
+    lora, rope, nope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM
+    mode_bits = fp8_mode(fmt, torch.device("cuda"))
+    print(f"\n### absorb_qk_cache: bmm + three launches, bmm + qk_cache, one launch ({fmt.name}, block 1536)")
+    print("| H | B | mode | bmm + three µs | bmm + qk_cache µs | one launch µs | vs bmm+qk_cache | vs stock "
+          "| bytes/bw µs (W read once) | one launch / max(one-load, bytes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for heads in heads_list:
+        w_uk = torch.randn(lora, heads, nope, dtype=torch.bfloat16, device="cuda") / 8
+        w_uk_t = w_uk.permute(1, 2, 0)  # vLLM's layout: a permuted view
+        for tokens in tokens_list:
+            q = torch.randn(tokens, heads, nope + rope, dtype=torch.bfloat16, device="cuda")
+            q_nope, q_pe = q[..., :nope], q[..., nope:]
+            kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16, device="cuda")
+            k_pe = torch.randn(tokens, k3.Q_LORA_RANK + lora + rope, dtype=torch.bfloat16, device="cuda")[:, -rope:]
+            blocks = max(2, -(-tokens // 1536) * 2)
+            cache = torch.zeros(blocks, 1536, lora + rope, dtype=torch.uint8, device="cuda")
+            slots = torch.randperm(blocks * 1536, device="cuda")[:tokens].to(torch.int64)
+            k_scale, q_scale = torch.tensor([1.1], device="cuda"), torch.tensor([0.9], device="cuda")
+            q_out = torch.empty(tokens, heads, lora + rope, dtype=torch.uint8, device="cuda")
+            ql_nope = torch.empty(tokens, heads, lora, dtype=torch.bfloat16, device="cuda")
+            cat_out = torch.empty(tokens, heads, lora + rope, dtype=torch.bfloat16, device="cuda")
+
+            def bmm() -> None:
+                torch.bmm(q_nope.transpose(0, 1), w_uk_t, out=ql_nope.transpose(0, 1))
+
+            def stock() -> None:
+                bmm()
+                concat_and_cache_mla_like_kernel[(tokens,)](kv_c, k_pe, cache, slots, k_scale, kv_c.stride(0),
+                                                            k_pe.stride(0), cache.stride(0), cache.stride(1), 1536,
+                                                            fmt.fmax, L=lora, R=rope, FP8_MODE=mode_bits, num_warps=4)
+                torch.cat([ql_nope, q_pe], dim=-1, out=cat_out)
+                scaled_quant_like_kernel[(tokens * heads,)](cat_out, q_out, q_scale, fmt.fmax, D=lora + rope,
+                                                            BLOCK=1024, FP8_MODE=mode_bits, num_warps=4)
+
+            def two() -> None:
+                bmm()
+                qk_cache(ql_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt)
+
+            def one() -> None:
+                absorb_qk_cache(q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt)
+
+            moved = (heads * nope * lora * 2 + tokens * heads * (nope + rope) * 2 + tokens * (lora + rope) * 2
+                     + tokens * 8 + tokens * (heads + 1) * (lora + rope))
+            floor_bw = moved / bw
+            for mode, timer in (("graph", graph_us), ("eager", eager_us)):
+                t_stock, t_two, t_one = timer(stock), timer(two), timer(one)
+                floor = max(empty["one_load_" + mode], floor_bw)
+                print("| " + row(heads, tokens, mode, t_stock, t_two, t_one, t_two / t_one, t_stock / t_one,
+                                 floor_bw, t_one / floor) + " |")
+                results.append(dict(op="absorb_qk_cache", heads=heads, tokens=tokens, mode=mode, stock_us=t_stock,
+                                    baseline_us=t_two, fused_us=t_one, ratio=t_two / t_one,
+                                    ratio_vs_stock=t_stock / t_one, bytes_bw_us=floor_bw,
+                                    fused_over_load_floor=t_one / floor))
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--only", choices=("qkv_norm", "qk_cache", "absorb_qk_cache"), help="one section")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no GPU: nothing to benchmark", file=sys.stderr)
@@ -204,10 +267,16 @@ def main() -> int:
           f"copy bandwidth {bw / 1e6:.2f} TB/s; empty launch graph {empty['graph']:.2f} µs, eager {empty['eager']:.2f} µs; "
           f"one-load launch graph {empty['one_load_graph']:.2f} µs, eager {empty['one_load_eager']:.2f} µs")
     tokens = [1, 8, 64, 512] if args.quick else [1, 8, 64, 512, 4096, 16384]
-    results = bench_qkv_norm(tokens, bw, empty)
     heads = [3, 12] if args.quick else [3, 6, 12, 16]
     batch = [1, 32, 256] if args.quick else [1, 8, 32, 128, 256, 1024]
-    results += bench_qk_cache(heads, batch, bw, empty)
+    results = []
+    if args.only in (None, "qkv_norm"):
+        results += bench_qkv_norm(tokens, bw, empty)
+    if args.only in (None, "qk_cache"):
+        results += bench_qk_cache(heads, batch, bw, empty)
+    if args.only in (None, "absorb_qk_cache"):
+        results += bench_absorb([3, 12] if args.quick else [3, 12, 16],
+                            [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(dict(device=props.name, torch=torch.__version__, triton=triton.__version__,

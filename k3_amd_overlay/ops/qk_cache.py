@@ -45,10 +45,13 @@ def _fail(what: str) -> ValueError:
 
 def check_inputs(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
-                 q_scale: torch.Tensor, kv_format: str | None) -> QkCacheCall:
+                 q_scale: torch.Tensor, kv_format: str | None, *, lora: int | None = None) -> QkCacheCall:
+    """Check the contract; ``lora`` is given when ``ql_nope`` is not materialised (the absorbed op
+    passes its q_nope [T, H, P] for the token, head, dtype, stride and device checks)."""
     if ql_nope.dim() != 3:
         raise _fail(f"ql_nope must be [T, H, L], got shape {tuple(ql_nope.shape)}")
-    num_tokens, num_heads, lora = ql_nope.shape
+    num_tokens, num_heads, width = ql_nope.shape
+    lora = width if lora is None else lora
     if ql_nope.dtype not in QUERY_DTYPES:
         raise _fail(f"ql_nope dtype {ql_nope.dtype} not supported; allowed: {QUERY_DTYPES}")
     if q_pe.dim() != 3 or tuple(q_pe.shape[:2]) != (num_tokens, num_heads):
