@@ -27,6 +27,11 @@ FUSION_KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
                     "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal"),
         "adds": ("fuse_qk_rope_concat_and_cache_mla", "qk_cache_kernel"),
     },
+    "absorb_qk_cache": {
+        "removes": ("concat_and_cache_mla", "CatArrayBatchedCopy", "scaled_quant",
+                    "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal", "qk_cache_kernel", "bmm", "gemm", "Cijk_"),
+        "adds": ("absorb_qk_cache_kernel",),
+    },
     "qkv_norm": {
         "removes": ("rms_norm_kernel", "rmsnorm_kernel"),
         "adds": ("fused_qk_rmsnorm", "FusedQKVRMSNormKernel", "rmsnorm_pair_kernel"),

@@ -31,9 +31,9 @@ print("K3_AMD_OVERLAY_RECORD=" + json.dumps(record))
 """
 
 
-def _fusions(value: str | None) -> list[str]:
+def _fusions(value: str | None) -> list[str] | None:
     if not value:
-        return list(FUSIONS)
+        return None
     names = [v.strip() for v in value.split(",") if v.strip()]
     bad = [n for n in names if n not in FUSIONS]
     if bad:
@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="prove an A/B arm: are the live vLLM processes fused or stock?")
     check.add_argument("--expect", choices=("fused", "stock"), required=True)
-    check.add_argument("--fusions", help=f"comma list (default: {','.join(FUSIONS)})")
+    check.add_argument("--fusions", help=f"comma list of {','.join(FUSIONS)} (default: those each process "
+                                         "requested, i.e. not 'disabled')")
     check.add_argument("--static", action="store_true",
                        help="judge a fresh process (vLLM plugin loading + K3 AMD import) instead of live markers")
     check.add_argument("--no-effective", action="store_true",

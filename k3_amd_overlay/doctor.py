@@ -16,7 +16,7 @@ import torch
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import FP8_FORMATS, device_format
-from k3_amd_overlay.package import FUSIONS, QK_CACHE, QKV_NORM, SUPPORTED_VLLM, __version__
+from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, SUPPORTED_VLLM, __version__
 from k3_amd_overlay.settings import SWITCH, SettingsError, load_settings
 
 UPSTREAM_MIN_LATENT_HEADS = 2048  # vLLM 0.32+ fuses qk_cache only when kv_lora_rank * heads >= this
@@ -171,12 +171,14 @@ def run_doctor(switch: str | None = None, layer_check_wanted: bool = True) -> tu
     else:
         report["vllm shape"] = {"recognised": None, "note": "vLLM is not installed here"}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
     from k3_amd_overlay.ops import qk_cache as qk_op
     from k3_amd_overlay.ops import rmsnorm_pair
 
     report["providers here"] = {
         QKV_NORM: rmsnorm_pair.provider_missing(device, k3.RMS_NORM_EPS, k3.RMS_NORM_EPS),
         QK_CACHE: qk_op.provider_missing(device),
+        ABSORB_QK_CACHE: absorb_op.provider_missing(device),
     }
     report["self-test"] = selftest(device)
     healthy &= all(r.get("pass", True) for r in report["self-test"])

@@ -14,4 +14,9 @@ SUPPORTED_VLLM_BELOW = (0, 34)
 
 QKV_NORM = "qkv_norm"
 QK_CACHE = "qk_cache"
-FUSIONS: tuple[str, ...] = (QKV_NORM, QK_CACHE)
+ABSORB_QK_CACHE = "absorb_qk_cache"
+FUSIONS: tuple[str, ...] = (QKV_NORM, QK_CACHE, ABSORB_QK_CACHE)
+# Decode batches up to this many tokens take the absorbed path (W_UK folded into the fused launch)
+# when absorb_qk_cache is on: it beat bmm + qk_cache by 1.28-1.84x there on an H200, by less above
+# (docs/benchmarks.md).
+ABSORB_MAX_TOKENS = 64

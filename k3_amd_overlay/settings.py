@@ -2,7 +2,8 @@
 
 ``K3_AMD_OVERLAY``           unset or ``0``: off (nothing installed); ``1``: every fusion in auto
                              mode; ``stock``: force the unfused path everywhere; or a comma list
-                             of fusion names (``qkv_norm``, ``qk_cache``): those, in auto mode.
+                             of fusion names (``qkv_norm``, ``qk_cache``, ``absorb_qk_cache``):
+                             those, in auto mode.
 ``K3_AMD_OVERLAY_STRICT``    ``1`` (default): a requested fusion this vLLM cannot take raises;
                              ``0``: warn, leave it stock, record it as refused.
 ``K3_AMD_OVERLAY_MARKER_DIR``  where per-process evidence markers go (default: a 0700 per-user
@@ -17,7 +18,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from k3_amd_overlay.package import FUSIONS, QK_CACHE, QKV_NORM
+from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM
 
 SWITCH = "K3_AMD_OVERLAY"
 STRICT = "K3_AMD_OVERLAY_STRICT"
@@ -27,6 +28,7 @@ ENV_PREFIX = SWITCH  # every variable of the overlay starts with this; Ray forwa
 PROVIDERS: dict[str, tuple[str, ...]] = {
     QKV_NORM: ("auto", "reference", "triton", "vllm", "aiter"),
     QK_CACHE: ("auto", "reference", "triton", "aiter"),
+    ABSORB_QK_CACHE: ("auto", "reference", "triton"),
 }
 
 

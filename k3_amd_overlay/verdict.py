@@ -26,20 +26,21 @@ class Verdict:
         self.lines.append(f"ok   {line}")
 
 
-def judge(records: Iterable[dict[str, Any]], expect: str, fusions: Iterable[str],
+def judge(records: Iterable[dict[str, Any]], expect: str, fusions: Iterable[str] | None,
           require_effective: bool) -> Verdict:
     """``fused`` holds where every process has each fusion applied (the overlay's) or upstream
     (this vLLM's own), and, with ``require_effective``, some process has actually run it.
     ``stock`` holds only where every process runs the overlay in stock mode, each fusion forced
-    stock and none ever effective. A process with the overlay off proves neither."""
+    stock and none ever effective. A process with the overlay off proves neither. ``fusions``
+    None: each process's requested ones (those not ``disabled``)."""
     verdict = Verdict()
     records = list(records)
-    wanted = list(fusions)
+    named = list(fusions) if fusions is not None else None
     if not records:
         verdict.fail("no live vLLM process has left overlay evidence (is the server up, the plugin "
                      "installed, K3_AMD_OVERLAY set, the marker directory the same?)")
         return verdict
-    effective: dict[str, list[int]] = {f: [] for f in wanted}
+    effective: dict[str, list[int]] = {}
     for record in records:
         who = f"pid {record['pid']} ({record.get('role')}, vLLM {record.get('vllm_version')})"
         mode = record.get("mode")
@@ -47,7 +48,10 @@ def judge(records: Iterable[dict[str, Any]], expect: str, fusions: Iterable[str]
         if mode == Mode.OFF.value:
             verdict.fail(f"{who}: overlay off: proves neither fused nor stock")
             continue
+        wanted = named if named is not None else [
+            f for f, e in entries.items() if e.get("state") != FusionState.DISABLED.value]
         for fusion in wanted:
+            effective.setdefault(fusion, [])
             entry = entries.get(fusion, {})
             state, provider, reason = entry.get("state"), entry.get("provider"), entry.get("reason")
             if entry.get("effective"):

@@ -250,6 +250,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--absorb-block-n", type=int, nargs="+", help="absorb kernel column blocks to compare")
     parser.add_argument("--only", choices=("qkv_norm", "qk_cache", "absorb_qk_cache"), help="one section")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -274,7 +275,14 @@ def main() -> int:
         results += bench_qkv_norm(tokens, bw, empty)
     if args.only in (None, "qk_cache"):
         results += bench_qk_cache(heads, batch, bw, empty)
-    if args.only in (None, "absorb_qk_cache"):
+    if args.absorb_block_n:
+        from k3_amd_overlay.kernels import absorb_qk_cache as absorb_module
+
+        for block_n in args.absorb_block_n:
+            absorb_module.BLOCK_N = block_n
+            print(f"\nabsorb kernel BLOCK_N = {block_n}")
+            results += bench_absorb([3, 12, 16], [1, 32, 256], bw, empty)
+    elif args.only in (None, "absorb_qk_cache"):
         results += bench_absorb([3, 12] if args.quick else [3, 12, 16],
                             [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty)
     if args.json:

@@ -164,6 +164,19 @@ def test_head_padding_and_quant_query_are_refused_with_reasons():
     assert no_fp8_q.state is FusionState.REFUSED and "fp8 query" in no_fp8_q.reason
 
 
+@pytest.mark.parametrize("absorb,qk_state,setting,missing,state", [
+    ("bf16", FusionState.APPLIED, "auto", {"triton": None}, FusionState.APPLIED),
+    ("bf16", FusionState.UPSTREAM, "auto", {"triton": None}, FusionState.DISABLED),  # defer to vLLM's own
+    ("bf16", FusionState.UPSTREAM, "triton", {"triton": None}, FusionState.APPLIED),  # named: override
+    ("fp8", FusionState.APPLIED, "auto", {"triton": None}, FusionState.REFUSED),  # the fp8 BMM variant
+    ("bf16", FusionState.APPLIED, "auto", {"triton": "no GPU"}, FusionState.REFUSED),
+])
+def test_absorb_decisions(absorb, qk_state, setting, missing, state):
+    inputs = qk.QkCacheInputs(False, "auto", {}, "fp8", "none", 1, False, False, None, 12, absorb, True, False)
+    decision = qk.decide_absorb(inputs, qk.LayerDecision(qk_state, None, ""), setting, missing)
+    assert decision.state is state, decision.reason
+
+
 @pytest.mark.parametrize("stock,has_q,upstream,setting,missing,state,provider", [
     (True, True, True, "auto", {}, FusionState.FORCED_STOCK, None),
     (False, False, False, "auto", {}, FusionState.REFUSED, None),

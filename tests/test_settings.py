@@ -7,7 +7,8 @@ from k3_amd_overlay.settings import Mode, SettingsError, load_settings
 
 @pytest.mark.parametrize("raw,mode,fusions", [
     (None, Mode.OFF, set()), ("", Mode.OFF, set()), ("0", Mode.OFF, set()),
-    ("1", Mode.AUTO, {"qkv_norm", "qk_cache"}), ("stock", Mode.STOCK, {"qkv_norm", "qk_cache"}),
+    ("1", Mode.AUTO, {"qkv_norm", "qk_cache", "absorb_qk_cache"}),
+    ("stock", Mode.STOCK, {"qkv_norm", "qk_cache", "absorb_qk_cache"}),
     ("qkv_norm", Mode.AUTO, {"qkv_norm"}), ("qk_cache", Mode.AUTO, {"qk_cache"}),
     (" qk_cache , qkv_norm ", Mode.AUTO, {"qkv_norm", "qk_cache"}),
 ])
@@ -23,7 +24,7 @@ def test_bad_switch_names_value_and_valid_ones(raw):
         load_settings({"K3_AMD_OVERLAY": raw})
     assert repr(raw) in str(err.value)
     assert "'0' (off), '1' (all fusions), 'stock' (force unfused)" in str(err.value)
-    assert "qkv_norm, qk_cache" in str(err.value)
+    assert "qkv_norm, qk_cache, absorb_qk_cache" in str(err.value)
 
 
 def test_strict_and_providers():

@@ -244,3 +244,47 @@ def test_deactivate_restores_identical_objects(tmp_path):
         assert all(now[k] is before[k] for k in before)
         assert set(now) == set(before)
     assert FusionState.DISABLED.value == "disabled"
+
+
+# --- absorb_qk_cache: the W_UK absorption folded into the fused launch -------------------------
+
+@pytest.mark.parametrize("provider", ["reference", "triton"])
+def test_absorbed_decode_matches_stock(provider, tmp_path):
+    """The absorbed path keeps ql_nope in fp32 (stock rounds it to bf16 before the quant), so a few
+    query codes sit one step apart: the output is compared to a tolerance, the cache exactly."""
+    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    stock, fused, activation, ctx = build_pair(
+        spec, {"K3_AMD_OVERLAY": "absorb_qk_cache", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": provider}, tmp_path)
+    try:
+        batch = harness.decode_batch([stock, fused], SEQ_LENS, padding=2)
+        out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+        n = batch.num_tokens
+        entry = activation.evidence.fusion("absorb_qk_cache")
+        assert (entry["state"], entry["provider"], entry["effective"]) == ("applied", provider, True)
+        assert activation.evidence.fusion("qk_cache")["state"] == "disabled"
+        assert (fused.kv_writes, fused.concat_quant_calls, fused.mqa_calls) == ([], 0, 1)
+        rel = ((out_fused[:n].float() - out_stock[:n].float()).norm() / out_stock[:n].float().norm()).item()
+        assert rel < (0.2 if provider == "triton" else 0.05)
+        if provider == "reference":
+            assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def test_large_decode_batches_take_the_qk_cache_path(tmp_path):
+    """Above ABSORB_MAX_TOKENS the absorbed launch is not the faster one: the same layer runs the
+    stock absorption and the qk_cache launch instead, bit-identical to stock."""
+    from k3_amd_overlay.package import ABSORB_MAX_TOKENS
+
+    spec = harness.LayerSpec(kv_cache_dtype="fp8", num_blocks=2 * (ABSORB_MAX_TOKENS + 2))
+    stock, fused, activation, ctx = build_pair(
+        spec, {"K3_AMD_OVERLAY": "qk_cache,absorb_qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "reference",
+               "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": "reference"}, tmp_path)
+    try:
+        batch = harness.decode_batch([stock, fused], [2] * (ABSORB_MAX_TOKENS + 1))
+        out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+        assert torch.equal(out_fused[: batch.num_tokens], out_stock[: batch.num_tokens])
+        assert activation.evidence.fusion("qk_cache")["effective"] is True
+        assert activation.evidence.fusion("absorb_qk_cache")["effective"] is False
+    finally:
+        ctx.__exit__(None, None, None)

@@ -119,7 +119,8 @@ import vllm.models.kimi_k3.amd.linear
 """ + ACTIVE + "result(applied=applied(), fusions=fusions())", tmp_path, K3_AMD_OVERLAY="stock")
     assert res is not None, proc.stderr[-3000:]
     assert res["applied"] == STOCK_PATCHES[shape]
-    assert {f: s for f, (s, _) in res["fusions"].items()} == {"qkv_norm": "forced-stock", "qk_cache": "forced-stock"}
+    assert {f: s for f, (s, _) in res["fusions"].items()} == {
+        "qkv_norm": "forced-stock", "qk_cache": "forced-stock", "absorb_qk_cache": "forced-stock"}
 
 
 @pytest.mark.parametrize("variables,message", [

@@ -18,7 +18,9 @@ import torch
 
 from k3_amd_overlay.fp8 import FUSABLE_KV_CACHE_DTYPES, Fp8Format
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
 from k3_amd_overlay.ops import qk_cache as qk_cache_op
+from k3_amd_overlay.package import ABSORB_MAX_TOKENS
 
 ABSORB_VARIANTS = ("bf16", "fp8", "fp4", "amx")
 ContextGetter = Callable[[str], tuple[Any, Any, torch.Tensor, torch.Tensor | None]]
@@ -43,9 +45,8 @@ class QkCacheInputs:
     upstream_fuses: bool  # this vLLM's own fused decode takes this layer
 
 
-def decide_qk_cache(x: QkCacheInputs) -> LayerDecision:
-    if x.stock_mode:
-        return LayerDecision(FusionState.FORCED_STOCK, None, "stock mode: three launches")
+def _refusal(x: QkCacheInputs) -> str | None:
+    """Why this layer's decode can never be fused (shared by qk_cache and absorb_qk_cache)."""
     refusals = [
         (x.kv_cache_dtype not in FUSABLE_KV_CACHE_DTYPES,
          f"kv cache dtype {x.kv_cache_dtype!r} is not a plain fp8 cache ({sorted(FUSABLE_KV_CACHE_DTYPES)})"),
@@ -58,9 +59,15 @@ def decide_qk_cache(x: QkCacheInputs) -> LayerDecision:
         (x.absorb == "amx", "the AMX (CPU) W_UK absorption is not reproduced"),
         (not x.quant_query_input, "the attention backend does not take an fp8 query"),
     ]
-    for refused, reason in refusals:
-        if refused:
-            return LayerDecision(FusionState.REFUSED, None, reason)
+    return next((reason for refused, reason in refusals if refused), None)
+
+
+def decide_qk_cache(x: QkCacheInputs) -> LayerDecision:
+    if x.stock_mode:
+        return LayerDecision(FusionState.FORCED_STOCK, None, "stock mode: three launches")
+    refusal = _refusal(x)
+    if refusal:
+        return LayerDecision(FusionState.REFUSED, None, refusal)
     if x.upstream_fuses and x.provider_setting == "auto":
         return LayerDecision(FusionState.UPSTREAM, "aiter", "vLLM's own fused decode takes this layer")
     wanted = x.provider_setting
@@ -71,6 +78,30 @@ def decide_qk_cache(x: QkCacheInputs) -> LayerDecision:
             return LayerDecision(FusionState.APPLIED, name,
                                  f"{name}: {why}; {x.num_heads} heads, {x.absorb} absorption")
     missing = "; ".join(f"{n}: {x.provider_missing.get(n)}" for n in candidates)
+    return LayerDecision(FusionState.REFUSED, None, f"no provider can run here ({missing})")
+
+
+def decide_absorb(x: QkCacheInputs, qk: LayerDecision, provider_setting: str,
+                  provider_missing: dict[str, str | None]) -> LayerDecision:
+    """absorb_qk_cache: the qk_cache conditions, a bf16 W_UK_T, and no vLLM-owned fused decode to
+    defer to (auto mode keeps vLLM's own path where it applies)."""
+    if x.stock_mode:
+        return LayerDecision(FusionState.FORCED_STOCK, None, "stock mode: the absorption is its own launch")
+    refusal = _refusal(x)
+    if refusal:
+        return LayerDecision(FusionState.REFUSED, None, refusal)
+    if x.absorb != "bf16":
+        return LayerDecision(FusionState.REFUSED, None,
+                             f"the {x.absorb} W_UK absorption (quantised weights) is not folded; only a bf16 W_UK_T")
+    if qk.state is FusionState.UPSTREAM and provider_setting == "auto":
+        return LayerDecision(FusionState.DISABLED, None,
+                             "deferred: vLLM's own fused decode owns this layer (it keeps its own absorption)")
+    candidates = ("triton",) if provider_setting == "auto" else (provider_setting,)
+    for name in candidates:
+        if provider_missing.get(name, "unknown") is None:
+            return LayerDecision(FusionState.APPLIED, name,
+                                 f"{name}: decode batches of <= {ABSORB_MAX_TOKENS} tokens, {x.num_heads} heads")
+    missing = "; ".join(f"{n}: {provider_missing.get(n)}" for n in candidates)
     return LayerDecision(FusionState.REFUSED, None, f"no provider can run here ({missing})")
 
 
@@ -113,33 +144,53 @@ def absorb_w_uk(attn: Any, variant: str, q_nope_t: torch.Tensor) -> torch.Tensor
 
 @dataclass
 class QkCacheSite:
-    """One layer's qk_cache decision and what its fused path needs."""
+    """One layer's decode decisions (qk_cache, absorb_qk_cache) and what their fused paths need."""
 
     decision: LayerDecision
+    absorb_decision: LayerDecision
     absorb: str
     fmt: Fp8Format | None
     context: ContextGetter | None
     on_effective: Callable[[], None]
+    on_absorb_effective: Callable[[], None]
 
-    def fused_decode(self, attn: Any, q: torch.Tensor, kv_c_normed: torch.Tensor,
+    @property
+    def overlay_fuses(self) -> bool:
+        return FusionState.APPLIED in (self.decision.state, self.absorb_decision.state)
+
+    def path_for(self, attn_metadata: Any, slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
+                 q_dcp_replicated: torch.Tensor | None) -> str | None:
+        """The one decision per batch: "absorb", "qk_cache", or None for the stock path."""
+        if not self.overlay_fuses or not batch_fusable(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated):
+            return None
+        if self.absorb_decision.state is FusionState.APPLIED and attn_metadata.num_actual_tokens <= ABSORB_MAX_TOKENS:
+            return "absorb"
+        return "qk_cache" if self.decision.state is FusionState.APPLIED else None
+
+    def fused_decode(self, path: str, attn: Any, q: torch.Tensor, kv_c_normed: torch.Tensor,
                      k_pe: torch.Tensor, output_shape: Any, attn_metadata: Any,
                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """The decode-only MLA step with one fused launch in place of the KV write, the concat
-        and the query quant; the rest (absorb, MQA kernel, V up-projection) is stock's."""
-        assert self.fmt is not None and self.decision.provider is not None
-        self.on_effective()
+        """The decode-only MLA step with one fused launch in place of the KV write, the concat and
+        the query quant ("qk_cache", after the stock W_UK absorption) or of all four ("absorb");
+        the MQA kernel and the V up-projection are stock's."""
+        assert self.fmt is not None
         num_tokens = attn_metadata.num_actual_tokens  # CUDA-graph padding rows are not attended
         q = q[:num_tokens]
         q_nope, q_pe = q.split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
-        ql_nope = absorb_w_uk(attn, self.absorb, q_nope.transpose(0, 1))
         cache = kv_cache if kv_cache.dtype == self.fmt.dtype else kv_cache.view(self.fmt.dtype)
         q_out = torch.empty((num_tokens, q.shape[1], attn.kv_lora_rank + attn.qk_rope_head_dim),
                             dtype=self.fmt.dtype, device=q.device)
-        qk_cache_op.run_provider(
-            self.decision.provider, ql_nope, q_pe, kv_c_normed[:num_tokens],
-            k_pe[:num_tokens].reshape(num_tokens, -1), cache, slot_mapping.flatten()[:num_tokens],
-            attn._k_scale, attn._q_scale, q_out, self.fmt,
-        )
+        kv_c, k_pe, slots = kv_c_normed[:num_tokens], k_pe[:num_tokens].reshape(num_tokens, -1), \
+            slot_mapping.flatten()[:num_tokens]
+        if path == "absorb":
+            self.on_absorb_effective()
+            absorb_op.fused_absorb_qk_cache(q_nope, attn.W_UK_T, q_pe, kv_c, k_pe, cache, slots, attn._k_scale,
+                                            attn._q_scale, q_out=q_out, provider=self.absorb_decision.provider)
+        else:
+            self.on_effective()
+            ql_nope = absorb_w_uk(attn, self.absorb, q_nope.transpose(0, 1))
+            qk_cache_op.run_provider(self.decision.provider, ql_nope, q_pe, kv_c, k_pe, cache, slots,
+                                     attn._k_scale, attn._q_scale, q_out, self.fmt)
         attn_out, _ = attn.impl.forward_mqa(q_out, cache, attn_metadata, attn)
         output = torch.empty(output_shape, dtype=q.dtype, device=q.device)
         attn._v_up_proj(attn_out, out=output[:num_tokens])
@@ -148,11 +199,11 @@ class QkCacheSite:
     def attend(self, attn: Any, stock: Callable[..., torch.Tensor], q: torch.Tensor,
                kv_c_normed: torch.Tensor, k_pe: torch.Tensor, output_shape: Any = None,
                q_dcp_replicated: torch.Tensor | None = None) -> torch.Tensor:
-        """The one site: fused decode when both halves of the predicate hold, else stock."""
-        if self.decision.state is FusionState.APPLIED and self.context is not None:
+        """The one site: a fused decode when the predicate says so for this batch, else stock."""
+        if self.context is not None:
             attn_metadata, _, kv_cache, slot_mapping = self.context(attn.layer_name)
-            if batch_fusable(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated):
-                return self.fused_decode(attn, q, kv_c_normed, k_pe, output_shape,
-                                         attn_metadata, kv_cache, slot_mapping)
-        return stock(q, kv_c_normed, k_pe, output_shape=output_shape,
-                     q_dcp_replicated=q_dcp_replicated)
+            path = self.path_for(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated)
+            if path is not None:
+                return self.fused_decode(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata,
+                                         kv_cache, slot_mapping)
+        return stock(q, kv_c_normed, k_pe, output_shape=output_shape, q_dcp_replicated=q_dcp_replicated)

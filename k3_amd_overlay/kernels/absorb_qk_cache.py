@@ -2,9 +2,11 @@
 absorption (ql_nope = q_nope @ W_UK_T, fp32 accumulate), the ``[ql_nope | q_pe]`` concat, the
 static fp8 query quant, and the fp8 KV-cache write. ql_nope never goes to memory.
 
-Query programs take one head and BLOCK_T tokens: W_UK_T of that head (P x L) is read once per
-token block, a bf16 ``tl.dot`` per BLOCK_N output columns, each column block quantised and stored
-as it comes out. KV programs (one per token) are those of ``kernels/qk_cache.py``."""
+Query programs take one head, BLOCK_T tokens and BLOCK_N of the L output columns: the W_UK_T slice
+they need (P x BLOCK_N) is read by that program only, so the weight read is spread over many
+programs (one program streaming a head's whole W_UK_T was bound by a single SM's bandwidth); one
+bf16 ``tl.dot``, then the quant and the store. KV programs (one per token) are those of
+``kernels/qk_cache.py``."""
 
 from __future__ import annotations
 
@@ -15,8 +17,13 @@ import triton.language as tl
 from k3_amd_overlay.fp8 import Fp8Format
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode
 
-BLOCK_T = 16  # tl.dot needs M >= 16; decode token blocks are padded up to it
-BLOCK_N = 128
+BLOCK_N = 32  # best of 32/64/128 on an H200 at B <= 32 (docs/benchmarks.md)
+
+
+def block_t(num_tokens: int) -> int:
+    """Tokens per program: tl.dot needs at least 16; larger batches take more tokens per program
+    so that each W_UK_T slice is re-read fewer times."""
+    return 16 if num_tokens <= 32 else 32 if num_tokens <= 128 else 64
 
 
 @triton.jit
@@ -29,32 +36,35 @@ def absorb_qk_cache_kernel(
     P: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_MODE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
+    # Query programs: (head, token block, column block of ql_nope); the column-block-0 program also
+    # writes the rope lanes. Then one KV program per token.
     pid = tl.program_id(0)
     token_blocks = tl.cdiv(num_tokens, BLOCK_T)
+    column_blocks: tl.constexpr = L // BLOCK_N
     offs_r = tl.arange(0, R)
-    if pid < num_heads * token_blocks:
-        head = pid // token_blocks
-        tokens = (pid % token_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    if pid < num_heads * token_blocks * column_blocks:
+        column = pid % column_blocks
+        head = pid // (column_blocks * token_blocks)
+        tokens = ((pid // column_blocks) % token_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
         live = (tokens < num_tokens)[:, None]
         t64 = tokens.to(tl.int64)[:, None]
         offs_k = tl.arange(0, P)
+        offs_n = column * BLOCK_N + tl.arange(0, BLOCK_N)
         q_nope = tl.load(q_nope_ptr + t64 * s_qn_t + head * s_qn_h + offs_k[None, :], mask=live, other=0.0)
+        w = tl.load(w_ptr + head.to(tl.int64) * s_w_h + offs_k[:, None] * s_w_k + offs_n[None, :] * s_w_n)
         scale = tl.load(q_scale_ptr)
-        pe = tl.load(q_pe_ptr + t64 * s_qp_t + head * s_qp_h + offs_r[None, :], mask=live, other=0.0)
         inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
+        if DOT_IN_FP32:  # the CPU interpreter mishandles low-precision dots; same products in fp32
+            ql = tl.dot(q_nope.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            ql = tl.dot(q_nope, w)  # fp32 accumulation of exact bf16 products
         out = q_out_ptr + t64 * s_qo_t + head * s_qo_h
-        w_head = w_ptr + head.to(tl.int64) * s_w_h
-        for n0 in tl.static_range(0, L, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            w = tl.load(w_head + offs_k[:, None] * s_w_k + offs_n[None, :] * s_w_n)
-            if DOT_IN_FP32:  # the CPU interpreter mishandles low-precision dots; same products in fp32
-                ql = tl.dot(q_nope.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                ql = tl.dot(q_nope, w)  # fp32 accumulation of exact bf16 products
-            tl.store(out + offs_n[None, :], _fp8_bits(ql, inv, fmax, FP8_MODE), mask=live)
-        tl.store(out + L + offs_r[None, :], _fp8_bits(pe.to(tl.float32), inv, fmax, FP8_MODE), mask=live)
+        tl.store(out + offs_n[None, :], _fp8_bits(ql, inv, fmax, FP8_MODE), mask=live)
+        if column == 0:
+            pe = tl.load(q_pe_ptr + t64 * s_qp_t + head * s_qp_h + offs_r[None, :], mask=live, other=0.0)
+            tl.store(out + L + offs_r[None, :], _fp8_bits(pe.to(tl.float32), inv, fmax, FP8_MODE), mask=live)
     else:
-        t = (pid - num_heads * token_blocks).to(tl.int64)
+        t = (pid - num_heads * token_blocks * column_blocks).to(tl.int64)
         offs_l = tl.arange(0, L)
         slot = tl.load(slot_ptr + t)
         scale = tl.load(k_scale_ptr)
@@ -76,14 +86,15 @@ def absorb_qk_cache(q_nope: torch.Tensor, w_uk_t: torch.Tensor, q_pe: torch.Tens
     """Launch on validated inputs (power-of-two P, L, R; k_pe 2-D; uint8 views of cache and q_out)."""
     num_tokens, num_heads, nope = q_nope.shape
     lora, rope = w_uk_t.shape[-1], q_pe.shape[-1]
-    grid = (num_heads * triton.cdiv(num_tokens, BLOCK_T) + num_tokens,)
+    block_n, tokens_per_program = min(BLOCK_N, lora), block_t(num_tokens)
+    grid = (num_heads * triton.cdiv(num_tokens, tokens_per_program) * (lora // block_n) + num_tokens,)
     absorb_qk_cache_kernel[grid](
         q_nope, w_uk_t, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,
         q_nope.stride(0), q_nope.stride(1), w_uk_t.stride(0), w_uk_t.stride(1), w_uk_t.stride(2),
         q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0),
         cache_bytes.stride(1), q_out_bytes.stride(0), q_out_bytes.stride(1),
         num_tokens, num_heads, cache_bytes.shape[1], fmt.fmax,
-        P=nope, L=lora, R=rope, BLOCK_T=BLOCK_T, BLOCK_N=min(BLOCK_N, lora),
+        P=nope, L=lora, R=rope, BLOCK_T=tokens_per_program, BLOCK_N=block_n,
         FP8_MODE=fp8_mode(fmt, q_nope.device), num_warps=4,
         DOT_IN_FP32=q_nope.device.type != "cuda" or q_nope.dtype == torch.float32,
     )

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from k3_amd_overlay.fusions.qk_cache import QkCacheSite, batch_fusable
+from k3_amd_overlay.fusions.qk_cache import QkCacheSite
 from k3_amd_overlay.fusions.qkv_norm import QkvNormSite
 from k3_amd_overlay.fusions.states import FusionState
-from k3_amd_overlay.package import QK_CACHE, QKV_NORM
+from k3_amd_overlay.package import QKV_NORM
 from k3_amd_overlay.targets import attend_hook
-from k3_amd_overlay.targets.layer_state import QK_CACHE_SITE, QKV_NORM_SITE, LayerInstaller
+from k3_amd_overlay.targets.layer_state import DECODE_FUSIONS, QK_CACHE_SITE, QKV_NORM_SITE, LayerInstaller
 
 Wrapped = Callable[..., Any]
 
@@ -28,9 +28,9 @@ def install_layer_sites(installer: LayerInstaller, fusions: frozenset[str],
         if QKV_NORM in fusions:
             upstream = bool(instance.__dict__.get("_use_eager_qk_rmsnorm_fusion", False))
             installer.install_qkv_norm(instance, upstream_fuses=upstream)
-        if QK_CACHE in fusions and qk_cache_via_attend_hook:
+        if fusions & DECODE_FUSIONS and qk_cache_via_attend_hook:
             site = installer.install_qk_cache(instance, upstream_fuses=False)
-            if site.decision.state is FusionState.APPLIED:
+            if site.overlay_fuses:
                 attend_hook.install(instance.mla_attn, site)
 
     return _k3_overlay_install_layer_sites
@@ -57,7 +57,8 @@ def decide_fused_qk_prep(installer: LayerInstaller) -> Callable[..., bool]:
     def _k3_overlay_decide_qk_cache(wrapped: Wrapped, instance: Any, args: tuple[Any, ...],
                                     kwargs: dict[str, Any]) -> bool:
         upstream = bool(wrapped(*args, **kwargs))
-        return installer.install_qk_cache(instance, upstream_fuses=upstream).decision.fused
+        site = installer.install_qk_cache(instance, upstream_fuses=upstream)
+        return site.decision.state is FusionState.UPSTREAM or site.overlay_fuses
 
     return _k3_overlay_decide_qk_cache
 
@@ -80,9 +81,9 @@ def _k3_overlay_fused_decode(wrapped: Wrapped, instance: Any, args: tuple[Any, .
         return wrapped(*args, **kwargs)
     q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache, slot_mapping = _fused_decode_args(
         *args, **kwargs)
-    if site.decision.state is FusionState.APPLIED and batch_fusable(attn_metadata, slot_mapping,
-                                                                    kv_cache, None):
-        return site.fused_decode(instance.mla_attn, q, kv_c_normed, k_pe, output_shape,
+    path = site.path_for(attn_metadata, slot_mapping, kv_cache, None)
+    if path is not None:
+        return site.fused_decode(path, instance.mla_attn, q, kv_c_normed, k_pe, output_shape,
                                  attn_metadata, kv_cache, slot_mapping)
     # Upstream's per-batch test let through a batch the overlay's predicate refuses (it does not
     # today): the stock attention call writes the KV cache and quantises the query itself.

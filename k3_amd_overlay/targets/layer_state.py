@@ -10,15 +10,17 @@ import torch
 
 from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.fp8 import Fp8Format, format_of
-from k3_amd_overlay.fusions.qk_cache import QkCacheInputs, QkCacheSite, decide_qk_cache
+from k3_amd_overlay.fusions.qk_cache import QkCacheInputs, QkCacheSite, decide_absorb, decide_qk_cache
 from k3_amd_overlay.fusions.qkv_norm import QKvNorm, QkvNormInputs, QkvNormSite, decide_qkv_norm
-from k3_amd_overlay.fusions.states import FusionState
-from k3_amd_overlay.ops import aiter_qk_cache, qk_cache, rmsnorm_pair
-from k3_amd_overlay.package import QK_CACHE, QKV_NORM
+from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.ops import absorb_qk_cache, aiter_qk_cache, qk_cache, rmsnorm_pair
+from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import Mode, OverlaySettings
 
 QKV_NORM_SITE = "_k3_overlay_qkv_norm"
 QK_CACHE_SITE = "_k3_overlay_qk_cache"
+DECODE_FUSIONS = frozenset({QK_CACHE, ABSORB_QK_CACHE})  # both act at the one decode site
+NOT_REQUESTED = LayerDecision(FusionState.DISABLED, None, "not requested")
 
 
 def rotation_kind(rotary_emb: Any) -> str:
@@ -115,17 +117,27 @@ class LayerInstaller:
             quant_query_input=bool(getattr(impl, "supports_quant_query_input", False)),
             upstream_fuses=upstream_fuses,
         )
-        decision = decide_qk_cache(inputs)
-        fused = decision.state is FusionState.APPLIED
-        if fused and decision.provider == "aiter":
+        requested = self.settings.requested
+        decision = decide_qk_cache(inputs) if requested(QK_CACHE) else NOT_REQUESTED
+        absorb = NOT_REQUESTED
+        if requested(ABSORB_QK_CACHE):
+            absorb = decide_absorb(inputs, decision, self.settings.provider(ABSORB_QK_CACHE),
+                                   {} if self.stock else absorb_qk_cache.provider_missing(layer_device(wrapper)))
+        if decision.state is FusionState.APPLIED and decision.provider == "aiter":
             aiter_qk_cache.reserve_zero_positions(layer_device(wrapper), max_batched_tokens())
         site = QkCacheSite(
             decision=decision,
+            absorb_decision=absorb,
             absorb=inputs.absorb,
-            fmt=vllm_fp8_format() if fused else None,
-            context=get_attention_context if fused else None,
+            fmt=None,
+            context=None,
             on_effective=self.evidence.effective_hook(QK_CACHE, attn.layer_name),
+            on_absorb_effective=self.evidence.effective_hook(ABSORB_QK_CACHE, attn.layer_name),
         )
+        if site.overlay_fuses:
+            site.fmt, site.context = vllm_fp8_format(), get_attention_context
         setattr(wrapper, QK_CACHE_SITE, site)
-        self.evidence.note_layer(QK_CACHE, decision)
+        for fusion, layer_decision in ((QK_CACHE, decision), (ABSORB_QK_CACHE, absorb)):
+            if requested(fusion):
+                self.evidence.note_layer(fusion, layer_decision)
         return site

@@ -15,9 +15,9 @@ import torch
 
 from k3_amd_overlay.fusions.qkv_norm import QkvNormSite
 from k3_amd_overlay.fusions.states import FusionState
-from k3_amd_overlay.package import QK_CACHE, QKV_NORM
+from k3_amd_overlay.package import QKV_NORM
 from k3_amd_overlay.targets import attend_hook
-from k3_amd_overlay.targets.layer_state import QKV_NORM_SITE, LayerInstaller
+from k3_amd_overlay.targets.layer_state import DECODE_FUSIONS, QKV_NORM_SITE, LayerInstaller
 
 
 def k3_wrapper_class(base: type, installer: LayerInstaller, fusions: frozenset[str]) -> type:
@@ -30,9 +30,9 @@ def k3_wrapper_class(base: type, installer: LayerInstaller, fusions: frozenset[s
             super().__init__(*args, **kwargs)
             if QKV_NORM in fusions:
                 installer.install_qkv_norm(self, upstream_fuses=False)
-            if QK_CACHE in fusions:
+            if fusions & DECODE_FUSIONS:
                 site = installer.install_qk_cache(self, upstream_fuses=False)
-                if site.decision.state is FusionState.APPLIED:
+                if site.overlay_fuses:
                     attend_hook.install(self.mla_attn, site)
 
         def _normalize_q_kv(self, q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,11 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from k3_amd_overlay.engine import PatchSpec
-from k3_amd_overlay.package import QK_CACHE, QKV_NORM
+from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import Mode
 from k3_amd_overlay.targets import k3_wrapper
 from k3_amd_overlay.targets import sources as src
-from k3_amd_overlay.targets.layer_state import LayerInstaller
+from k3_amd_overlay.targets.layer_state import DECODE_FUSIONS, LayerInstaller
 from k3_amd_overlay.targets.plain_wrapper import k3_wrapper_class
 
 LINEAR_MODULE = "vllm.models.kimi_k3.amd.linear"
@@ -91,6 +91,11 @@ ATTEND_SEAM = (
            lambda s: src.params(src.find_function(s.tree(src.ATTENTION), "get_attention_context"))
            == ("layer_name",)),
 )
+K3_ATTEND_SEAM = (
+    Anchor(f"{src.K3_MLA}: {K3_WRAPPER}.forward calls self.mla_attn",
+           lambda s: src.calls(_k3_method(s, "forward"), "self.mla_attn")),
+    *ATTEND_SEAM,
+)
 SHARED_FRONT_END = (
     Anchor(f"{src.SHARED_MLA}: {SHARED_WRAPPER}.forward(positions, hidden_states, llama_4_scaling)",
            lambda s: src.params(src.find_method(src.find_class(s.tree(src.SHARED_MLA), SHARED_WRAPPER),
@@ -121,24 +126,25 @@ def _build_decode_shape(installer: LayerInstaller, fusions: frozenset[str]) -> l
     specs = []
     if QKV_NORM in fusions:
         specs += [_init_spec(installer, frozenset({QKV_NORM}), attend_hook=False), _normalize_spec()]
-    if QK_CACHE in fusions:
+    decode = tuple(sorted(fusions & DECODE_FUSIONS))
+    if decode:
         specs += [
             PatchSpec(key="k3_wrapper.fused_qk_prep_supported", module=K3_MLA_MODULE,
-                      attribute=f"{K3_WRAPPER}._fused_qk_prep_supported", fusions=(QK_CACHE,),
+                      attribute=f"{K3_WRAPPER}._fused_qk_prep_supported", fusions=decode,
                       wrapper=k3_wrapper.decide_fused_qk_prep(installer), params=()),
             PatchSpec(key="k3_wrapper.fused_decode", module=K3_MLA_MODULE,
-                      attribute=f"{K3_WRAPPER}._fused_decode", fusions=(QK_CACHE,),
+                      attribute=f"{K3_WRAPPER}._fused_decode", fusions=decode,
                       wrapper=k3_wrapper.fused_decode_wrapper, params=FUSED_DECODE_PARAMS),
         ]
     return specs
 
 
 def _build_norm_shape(installer: LayerInstaller, fusions: frozenset[str]) -> list[PatchSpec]:
-    # No upstream fused decode to disable: in stock mode qk_cache needs no patch at all.
-    hooked = fusions if installer.settings.mode is Mode.AUTO else fusions - {QK_CACHE}
+    # No upstream fused decode to disable: in stock mode the decode fusions need no patch at all.
+    hooked = fusions if installer.settings.mode is Mode.AUTO else fusions - DECODE_FUSIONS
     if not hooked:
         return []
-    specs = [_init_spec(installer, hooked, attend_hook=QK_CACHE in hooked)]
+    specs = [_init_spec(installer, hooked, attend_hook=bool(hooked & DECODE_FUSIONS))]
     if QKV_NORM in hooked:
         specs.append(_normalize_spec())
     return specs
@@ -169,20 +175,19 @@ K3_DECODE_WRAPPER = VllmShape(
     name="k3_decode_wrapper",
     releases="0.32-0.33",
     identity=(K3_WRAPPER_EXISTS, _linear_uses(K3_WRAPPER), FUSED_DECODE_SEAM[2]),
-    fusion_anchors={QKV_NORM: NORMALIZE_SEAM, QK_CACHE: FUSED_DECODE_SEAM + ATTEND_SEAM[1:2]},
+    fusion_anchors={QKV_NORM: NORMALIZE_SEAM, QK_CACHE: FUSED_DECODE_SEAM + ATTEND_SEAM[1:2],
+                    ABSORB_QK_CACHE: FUSED_DECODE_SEAM + ATTEND_SEAM[1:2]},
     upstream={QKV_NORM: "AITER dual RMSNorm when AITER is on",
-              QK_CACHE: "AITER fused decode when AITER MLA is on, kv_lora_rank*heads >= 2048, no fp8 BMM"},
+              QK_CACHE: "AITER fused decode when AITER MLA is on, kv_lora_rank*heads >= 2048, no fp8 BMM",
+              ABSORB_QK_CACHE: ""},
     build=_build_decode_shape,
 )
 K3_NORM_WRAPPER = VllmShape(
     name="k3_norm_wrapper",
     releases="0.30-0.31",
     identity=(K3_WRAPPER_EXISTS, _linear_uses(K3_WRAPPER), NO_UPSTREAM_DECODE),
-    fusion_anchors={QKV_NORM: NORMALIZE_SEAM,
-                    QK_CACHE: (Anchor(f"{src.K3_MLA}: {K3_WRAPPER}.forward calls self.mla_attn",
-                                      lambda s: src.calls(_k3_method(s, "forward"), "self.mla_attn")),
-                               *ATTEND_SEAM)},
-    upstream={QKV_NORM: "AITER dual RMSNorm when AITER is on", QK_CACHE: ""},
+    fusion_anchors={QKV_NORM: NORMALIZE_SEAM, QK_CACHE: K3_ATTEND_SEAM, ABSORB_QK_CACHE: K3_ATTEND_SEAM},
+    upstream={QKV_NORM: "AITER dual RMSNorm when AITER is on", QK_CACHE: "", ABSORB_QK_CACHE: ""},
     build=_build_norm_shape,
 )
 PLAIN_WRAPPER = VllmShape(
@@ -194,8 +199,8 @@ PLAIN_WRAPPER = VllmShape(
         _linear_uses(SHARED_WRAPPER),
         Anchor(f"{src.LINEAR}: no {K3_WRAPPER}", lambda s: not src.mentions(s.tree(src.LINEAR), K3_WRAPPER)),
     ),
-    fusion_anchors={QKV_NORM: SHARED_FRONT_END, QK_CACHE: ATTEND_SEAM},
-    upstream={QKV_NORM: "", QK_CACHE: ""},
+    fusion_anchors={QKV_NORM: SHARED_FRONT_END, QK_CACHE: ATTEND_SEAM, ABSORB_QK_CACHE: ATTEND_SEAM},
+    upstream={QKV_NORM: "", QK_CACHE: "", ABSORB_QK_CACHE: ""},
     build=_build_plain_shape,
 )
 VLLM_SHAPES: tuple[VllmShape, ...] = (K3_DECODE_WRAPPER, K3_NORM_WRAPPER, PLAIN_WRAPPER)
