@@ -17,6 +17,6 @@ QK_CACHE = "qk_cache"
 ABSORB_QK_CACHE = "absorb_qk_cache"
 FUSIONS: tuple[str, ...] = (QKV_NORM, QK_CACHE, ABSORB_QK_CACHE)
 # Decode batches up to this many tokens take the absorbed path (W_UK folded into the fused launch)
-# when absorb_qk_cache is on: it beat bmm + qk_cache by 1.28-1.84x there on an H200, by less above
-# (docs/benchmarks.md).
+# when absorb_qk_cache is on: on an H200 it beat bmm + qk_cache by 1.25-1.86x there and by
+# 0.99-1.46x above (docs/benchmarks.md), so larger batches take the qk_cache path.
 ABSORB_MAX_TOKENS = 64
