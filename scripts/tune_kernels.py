@@ -16,20 +16,8 @@ import triton.language as tl
 
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits
+from k3_amd_overlay.kernels.rmsnorm_pair import _norm_rows
 from k3_amd_overlay.ops import reference
-
-
-@triton.jit
-def _norm_rows(x_ptr, out_ptr, w_ptr, x_stride, out_stride, row0, n_rows, eps,
-               N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    rows = row0 + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
-    mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + r64 * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
-    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r64 * out_stride + cols[None, :], (x * inv[:, None] * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from k3_amd_overlay.fp8 import Fp8Format
-from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode
+from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row
 
 BLOCK_N = 32  # best of 32/64/128 on an H200 at B <= 32 (docs/benchmarks.md)
 
@@ -64,19 +64,8 @@ def absorb_qk_cache_kernel(
             pe = tl.load(q_pe_ptr + t64 * s_qp_t + head * s_qp_h + offs_r[None, :], mask=live, other=0.0)
             tl.store(out + L + offs_r[None, :], _fp8_bits(pe.to(tl.float32), inv, fmax, FP8_MODE), mask=live)
     else:
-        t = (pid - num_heads * token_blocks * column_blocks).to(tl.int64)
-        offs_l = tl.arange(0, L)
-        slot = tl.load(slot_ptr + t)
-        scale = tl.load(k_scale_ptr)
-        kv = tl.load(kv_c_ptr + t * s_kv_t + offs_l)
-        kpe = tl.load(k_pe_ptr + t * s_kpe_t + offs_r)
-        inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
-        write_l = (offs_l * 0).to(tl.int64) + slot >= 0
-        write_r = (offs_r * 0).to(tl.int64) + slot >= 0
-        slot = tl.maximum(slot, 0)
-        row = cache_ptr + (slot // block_size) * s_c_blk + (slot % block_size) * s_c_row
-        tl.store(row + offs_l, _fp8_bits(kv.to(tl.float32), inv, fmax, FP8_MODE), mask=write_l)
-        tl.store(row + L + offs_r, _fp8_bits(kpe.to(tl.float32), inv, fmax, FP8_MODE), mask=write_r)
+        write_kv_row((pid - num_heads * token_blocks * column_blocks).to(tl.int64), kv_c_ptr, k_pe_ptr, cache_ptr,
+                     slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, L, R, FP8_MODE)
 
 
 def absorb_qk_cache(q_nope: torch.Tensor, w_uk_t: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,

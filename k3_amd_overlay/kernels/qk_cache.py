@@ -57,6 +57,29 @@ def _fp8_bits(x, inv_scale, fmax, FP8_MODE: tl.constexpr):
 
 
 @triton.jit
+def write_kv_row(t, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row,
+                 block_size, fmax, L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr,
+                 BLOCK_R: tl.constexpr, FP8_MODE: tl.constexpr):
+    """Token t's latent row [kv_c | k_pe] into the cache at its slot, when the slot is >= 0. The slot,
+    the scale and the row are loaded together (no dependent round trip before the store); a
+    negative slot masks the store off, so padding rows write nothing."""
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    slot = tl.load(slot_ptr + t)
+    scale = tl.load(k_scale_ptr)
+    kv = tl.load(kv_c_ptr + t * s_kv_t + offs_l, mask=offs_l < L)
+    kpe = tl.load(k_pe_ptr + t * s_kpe_t + offs_r, mask=offs_r < R)
+    inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
+    # the slot test is broadcast to a vector mask (the interpreter rejects scalar & vector)
+    write_l = (offs_l < L) & ((offs_l * 0).to(tl.int64) + slot >= 0)
+    write_r = (offs_r < R) & ((offs_r * 0).to(tl.int64) + slot >= 0)
+    slot = tl.maximum(slot, 0)
+    row = cache_ptr + (slot // block_size) * s_c_blk + (slot % block_size) * s_c_row
+    tl.store(row + offs_l, _fp8_bits(kv.to(tl.float32), inv, fmax, FP8_MODE), mask=write_l)
+    tl.store(row + L + offs_r, _fp8_bits(kpe.to(tl.float32), inv, fmax, FP8_MODE), mask=write_r)
+
+
+@triton.jit
 def qk_cache_kernel(
     ql_nope_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_scale_ptr,
     q_out_ptr,
@@ -88,20 +111,8 @@ def qk_cache_kernel(
         tl.store(out + L + offs_r[None, :], _fp8_bits(pe.to(tl.float32), inv, fmax, FP8_MODE),
                  mask=live & mask_r[None, :])
     else:
-        # The slot, the scale and the row are loaded together (no dependent round trip before
-        # the store); a negative slot masks the store off, so padding rows write nothing.
-        slot = tl.load(slot_ptr + t)
-        scale = tl.load(k_scale_ptr)
-        kv = tl.load(kv_c_ptr + t * s_kv_t + offs_l, mask=mask_l)
-        kpe = tl.load(k_pe_ptr + t * s_kpe_t + offs_r, mask=mask_r)
-        inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
-        # the slot test is broadcast to a vector mask (the interpreter rejects scalar & vector)
-        write_l = mask_l & ((offs_l * 0).to(tl.int64) + slot >= 0)
-        write_r = mask_r & ((offs_r * 0).to(tl.int64) + slot >= 0)
-        slot = tl.maximum(slot, 0)
-        row = cache_ptr + (slot // block_size) * s_c_blk + (slot % block_size) * s_c_row
-        tl.store(row + offs_l, _fp8_bits(kv.to(tl.float32), inv, fmax, FP8_MODE), mask=write_l)
-        tl.store(row + L + offs_r, _fp8_bits(kpe.to(tl.float32), inv, fmax, FP8_MODE), mask=write_r)
+        write_kv_row(t, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row,
+                     block_size, fmax, L, R, BLOCK_L, BLOCK_R, FP8_MODE)
 
 
 def qk_cache(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
