@@ -61,6 +61,7 @@ def qk_cache_by_tp(shape_upstream: str) -> list[dict[str, Any]]:
 
 def selftest(device: torch.device) -> list[dict[str, Any]]:
     """Every provider this device can run, against the reference, on fresh random K3 inputs."""
+    from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
     from k3_amd_overlay.ops import qk_cache as qk_op
     from k3_amd_overlay.ops import reference, rmsnorm_pair
 
@@ -93,6 +94,23 @@ def selftest(device: torch.device) -> list[dict[str, Any]]:
             cache = torch.zeros(8, 16, k3.LATENT_ROW, dtype=torch.uint8, device=device)
             q_out = qk_op.fused_qk_cache(ql, q_pe, kv_c, k_pe, cache, slots, *scales, provider=name, kv_format=fmt.name)
             outs[name] = (cache, q_out.view(torch.uint8)[slots >= 0])
+        absorb_outs = {}
+        w_uk_t = (torch.randn(k3.KV_LORA_RANK, heads, k3.QK_NOPE_HEAD_DIM, device=device) / 8).to(torch.bfloat16)
+        q_nope = (torch.randn(tokens, heads, k3.QK_NOPE_HEAD_DIM, device=device) * 2).to(torch.bfloat16)
+        for name, missing in absorb_op.provider_missing(device).items():
+            if missing:
+                results.append({"op": ABSORB_QK_CACHE, "format": fmt.name, "provider": name, "ran": False,
+                                "why not": missing})
+                continue
+            cache = torch.zeros(8, 16, k3.LATENT_ROW, dtype=torch.uint8, device=device)
+            q_out = absorb_op.fused_absorb_qk_cache(q_nope, w_uk_t.permute(1, 2, 0), q_pe, kv_c, k_pe, cache, slots,
+                                                    *scales, provider=name, kv_format=fmt.name)
+            absorb_outs[name] = q_out.view(torch.uint8)[slots >= 0]
+        for name, q_bits in absorb_outs.items():
+            same = (q_bits == absorb_outs["reference"]).float().mean().item()
+            results.append({"op": ABSORB_QK_CACHE, "format": fmt.name, "provider": name, "ran": True,
+                            "identical query bytes": round(same, 5),
+                            "pass": same > (0.9 if device.type == "cpu" else 0.99)})
         for name, (cache, q_bits) in outs.items():
             same = (cache == outs["reference"][0]).float().mean().item() * 0.5 + \
                 (q_bits == outs["reference"][1]).float().mean().item() * 0.5
