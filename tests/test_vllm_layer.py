@@ -288,3 +288,29 @@ def test_large_decode_batches_take_the_qk_cache_path(tmp_path):
         assert activation.evidence.fusion("absorb_qk_cache")["effective"] is False
     finally:
         ctx.__exit__(None, None, None)
+
+
+def test_named_absorb_provider_overrides_vllms_own_decode(tmp_path, monkeypatch):
+    """Where vLLM owns the decode (0.32+, AITER MLA on, 4 heads) auto mode defers the absorbed
+    path; naming its provider overrides, and the absorbed path is the one that runs."""
+    if shape_name() != "k3_decode_wrapper":
+        pytest.skip("this vLLM has no fused decode of its own (< 0.32)")
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    monkeypatch.setattr(rocm_aiter_ops, "is_mla_enabled", classmethod(lambda cls: True))
+    standin = AiterStandIn(fmt=harness.fp8_format())
+    standin.install()
+    try:
+        spec = harness.LayerSpec(num_heads=4, kv_cache_dtype="fp8", **K3_LAYER)
+        for provider, absorb_state, aiter_calls in (("auto", "disabled", 1), ("reference", "applied", 0)):
+            with overlay(tmp_path / provider, K3_AMD_OVERLAY="qk_cache,absorb_qk_cache",
+                         K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER=provider) as activation:
+                layer = harness.build_layer(spec, next_layer_index(), seed=5)
+                standin.calls.clear()
+                harness.run(layer, harness.decode_batch([layer], [5, 40]))
+                entry = activation.evidence.fusion("absorb_qk_cache")
+                assert (entry["state"], entry["effective"]) == (absorb_state, absorb_state == "applied")
+                assert activation.evidence.fusion("qk_cache")["state"] == "upstream"
+                assert len(standin.calls) == aiter_calls and layer.kv_writes == []
+    finally:
+        standin.uninstall()

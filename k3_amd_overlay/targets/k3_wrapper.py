@@ -71,20 +71,20 @@ def _fused_decode_args(q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.T
 
 def _k3_overlay_fused_decode(wrapped: Wrapped, instance: Any, args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> torch.Tensor:
-    """Route ``_fused_decode`` by the layer's qk_cache decision: upstream's own code where it
-    owns the layer, the overlay's fused decode where the overlay extends it."""
+    """Route ``_fused_decode`` by the layer's decisions: the overlay's fused decode where it takes
+    the batch (it extends vLLM, or a provider was named), vLLM's own code where vLLM owns it."""
     site: QkCacheSite | None = instance.__dict__.get(QK_CACHE_SITE)
     if site is None:
-        return wrapped(*args, **kwargs)
-    if site.decision.state is FusionState.UPSTREAM:
-        site.on_effective()
         return wrapped(*args, **kwargs)
     q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache, slot_mapping = _fused_decode_args(
         *args, **kwargs)
     path = site.path_for(attn_metadata, slot_mapping, kv_cache, None)
-    if path is not None:
+    if path is not None:  # the overlay's own decision for this batch comes first
         return site.fused_decode(path, instance.mla_attn, q, kv_c_normed, k_pe, output_shape,
                                  attn_metadata, kv_cache, slot_mapping)
+    if site.decision.state is FusionState.UPSTREAM:
+        site.on_effective()
+        return wrapped(*args, **kwargs)
     # Upstream's per-batch test let through a batch the overlay's predicate refuses (it does not
     # today): the stock attention call writes the KV cache and quantises the query itself.
     return instance.mla_attn(q, kv_c_normed, k_pe, output_shape=output_shape)
