@@ -128,13 +128,12 @@ def layer_check(settings: Any) -> dict[str, Any]:
     from k3_amd_overlay import activation
     from k3_amd_overlay.testing import layer_harness as harness
 
-    note = None
-    if settings.provider(QK_CACHE) == "auto":
-        # The Triton interpreter mis-rounds fp8 casts (reference/triton-fp8-casts.md): on CPU the
-        # layer check runs qk_cache through the reference provider; the self-test above and the
-        # GPU tests check the Triton kernel's bytes.
-        settings = dataclasses.replace(settings, providers={**settings.providers, QK_CACHE: "reference"})
-        note = "qk_cache provider set to 'reference' for this CPU layer check (Triton interpreter fp8 rounding)"
+    # The Triton interpreter mis-rounds fp8 casts (reference/triton-fp8-casts.md): on CPU the layer
+    # check runs the decode fusions through their reference providers; the self-test above and the
+    # GPU tests check the Triton kernels' bytes.
+    overridden = [f for f in (QK_CACHE, ABSORB_QK_CACHE) if settings.provider(f) == "auto"]
+    settings = dataclasses.replace(settings, providers={**settings.providers, **dict.fromkeys(overridden, "reference")})
+    note = f"{', '.join(overridden)} provider set to 'reference' for this CPU layer check" if overridden else None
     spec = harness.LayerSpec(kv_cache_dtype="fp8")
     stock = harness.build_layer(spec, 0, seed=3)
     active = activation.activate(settings)

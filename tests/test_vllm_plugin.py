@@ -3,6 +3,7 @@ each switch value; strict and non-strict against simulated drift; Ray forwarding
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -251,3 +252,17 @@ def test_live_check_follows_the_process(tmp_path):
     time.sleep(0.1)
     gone = subprocess.run([*check, "stock"], capture_output=True, text=True)
     assert gone.returncode == 1 and "stale, ignored" in gone.stdout
+
+
+def test_doctor_main_job_is_healthy(tmp_path):
+    """README's first command: the doctor with the overlay on, on CPU with this vLLM."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
+    env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1", K3_AMD_OVERLAY="1",
+               K3_AMD_OVERLAY_MARKER_DIR=str(tmp_path / "markers"))
+    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.cli", "doctor", "--json"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert report["layer check"]["pass"] is True and report["patched"]
+    assert {f["state"] for f in report["layer check"]["fusions"].values()} == {"applied"}
+    assert all(r["pass"] for r in report["self-test"] if r.get("ran"))
