@@ -126,14 +126,13 @@ class Activation:
         try:
             self.engine.apply(specs, module)
         except AnchorError as exc:
+            self.live = False  # hooks of modules imported later must not patch a half-reverted overlay
             self.engine.revert_all()
             fusions = sorted({f for s in self.specs_by_module.values() for spec in s for f in spec.fusions})
             message = f"live anchor check failed in {module_name}: {exc}; every overlay patch reverted"
             if self.settings.strict:
-                self.live = False
                 raise OverlayActivationError(
                     f"k3-amd-overlay (vLLM {vllm_version()}): {message}; {_how_to_proceed()}") from exc
-            self.live = False
             self.refuse(fusions, message)
 
     def stop(self) -> list[str]:
