@@ -20,6 +20,7 @@ from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM,
 from k3_amd_overlay.settings import SWITCH, SettingsError, load_settings
 
 UPSTREAM_MIN_LATENT_HEADS = 2048  # vLLM 0.32+ fuses qk_cache only when kv_lora_rank * heads >= this
+K3_ABSORB_WIDTHS = (k3.QK_NOPE_HEAD_DIM, k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM)  # P, L, R of the absorbed op
 
 
 def _version(dist: str) -> str | None:
@@ -97,7 +98,7 @@ def selftest(device: torch.device) -> list[dict[str, Any]]:
         absorb_outs = {}
         w_uk_t = (torch.randn(k3.KV_LORA_RANK, heads, k3.QK_NOPE_HEAD_DIM, device=device) / 8).to(torch.bfloat16)
         q_nope = (torch.randn(tokens, heads, k3.QK_NOPE_HEAD_DIM, device=device) * 2).to(torch.bfloat16)
-        for name, missing in absorb_op.provider_missing(device).items():
+        for name, missing in absorb_op.provider_missing(device, *K3_ABSORB_WIDTHS).items():
             if missing:
                 results.append({"op": ABSORB_QK_CACHE, "format": fmt.name, "provider": name, "ran": False,
                                 "why not": missing})
@@ -195,7 +196,7 @@ def run_doctor(switch: str | None = None, layer_check_wanted: bool = True) -> tu
     report["providers here"] = {
         QKV_NORM: rmsnorm_pair.provider_missing(device, k3.RMS_NORM_EPS, k3.RMS_NORM_EPS),
         QK_CACHE: qk_op.provider_missing(device),
-        ABSORB_QK_CACHE: absorb_op.provider_missing(device),
+        ABSORB_QK_CACHE: absorb_op.provider_missing(device, *K3_ABSORB_WIDTHS),
     }
     report["self-test"] = selftest(device)
     healthy &= all(r.get("pass", True) for r in report["self-test"])

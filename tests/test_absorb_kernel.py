@@ -126,3 +126,17 @@ def test_absorb_graph_replay_with_new_inputs():
                                     inputs[4], case.k_scale, case.q_scale, provider="reference", kv_format="e4m3fn")
         valid = inputs[4] >= 0
         assert (q_out.view(torch.uint8)[valid] != ref.view(torch.uint8)[valid]).float().mean() < 0.002
+
+
+def test_non_power_of_two_widths_make_the_triton_provider_unavailable():
+    """The decision reads the same availability as the op: a layer with P, L or R not a power of
+    two is refused the Triton path with the reason, instead of reaching the kernel."""
+    from k3_amd_overlay.ops import ProviderUnavailable, absorb_qk_cache
+
+    missing = absorb_qk_cache.provider_missing(DEVICE, 96, 512, 64)
+    assert "power-of-two P, L, R (got 96, 512, 64)" in missing["triton"] and missing["reference"] is None
+    case, q_nope, w = absorb_case(2, 3, E4M3FN)
+    with pytest.raises(ProviderUnavailable, match="power-of-two"):
+        fused_absorb_qk_cache(q_nope[..., :96], w[:, :96], case.q_pe, case.kv_c, case.k_pe,
+                              torch.zeros(case.cache_shape, dtype=torch.uint8, device=DEVICE), case.slot_mapping,
+                              case.k_scale, case.q_scale, kv_format="e4m3fn", provider="triton")

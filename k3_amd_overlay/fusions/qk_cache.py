@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from k3_amd_overlay.fp8 import FUSABLE_KV_CACHE_DTYPES, Fp8Format
-from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.fusions.states import FusionState, LayerDecision, choose_provider
 from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
 from k3_amd_overlay.ops import qk_cache as qk_cache_op
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS
@@ -70,15 +70,8 @@ def decide_qk_cache(x: QkCacheInputs) -> LayerDecision:
         return LayerDecision(FusionState.REFUSED, None, refusal)
     if x.upstream_fuses and x.provider_setting == "auto":
         return LayerDecision(FusionState.UPSTREAM, "aiter", "vLLM's own fused decode takes this layer")
-    wanted = x.provider_setting
-    candidates = qk_cache_op.FUSED_PROVIDERS if wanted == "auto" else (wanted,)
-    for name in candidates:
-        if x.provider_missing.get(name) is None:
-            why = "forced by setting" if wanted != "auto" else "first available fused provider"
-            return LayerDecision(FusionState.APPLIED, name,
-                                 f"{name}: {why}; {x.num_heads} heads, {x.absorb} absorption")
-    missing = "; ".join(f"{n}: {x.provider_missing.get(n)}" for n in candidates)
-    return LayerDecision(FusionState.REFUSED, None, f"no provider can run here ({missing})")
+    return choose_provider(qk_cache_op.FUSED_PROVIDERS, x.provider_setting, x.provider_missing,
+                           f"{x.num_heads} heads, {x.absorb} absorption")
 
 
 def decide_absorb(x: QkCacheInputs, qk: LayerDecision, provider_setting: str,
@@ -96,13 +89,8 @@ def decide_absorb(x: QkCacheInputs, qk: LayerDecision, provider_setting: str,
     if qk.state is FusionState.UPSTREAM and provider_setting == "auto":
         return LayerDecision(FusionState.DISABLED, None,
                              "deferred: vLLM's own fused decode owns this layer (it keeps its own absorption)")
-    candidates = ("triton",) if provider_setting == "auto" else (provider_setting,)
-    for name in candidates:
-        if provider_missing.get(name, "unknown") is None:
-            return LayerDecision(FusionState.APPLIED, name,
-                                 f"{name}: decode batches of <= {ABSORB_MAX_TOKENS} tokens, {x.num_heads} heads")
-    missing = "; ".join(f"{n}: {provider_missing.get(n)}" for n in candidates)
-    return LayerDecision(FusionState.REFUSED, None, f"no provider can run here ({missing})")
+    return choose_provider(absorb_op.FUSED_PROVIDERS, provider_setting, provider_missing,
+                           f"decode batches of <= {ABSORB_MAX_TOKENS} tokens, {x.num_heads} heads")
 
 
 def batch_fusable(attn_metadata: Any, slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -184,8 +172,8 @@ class QkCacheSite:
             slot_mapping.flatten()[:num_tokens]
         if path == "absorb":
             self.on_absorb_effective()
-            absorb_op.fused_absorb_qk_cache(q_nope, attn.W_UK_T, q_pe, kv_c, k_pe, cache, slots, attn._k_scale,
-                                            attn._q_scale, q_out=q_out, provider=self.absorb_decision.provider)
+            absorb_op.run_provider(self.absorb_decision.provider, q_nope, attn.W_UK_T, q_pe, kv_c, k_pe, cache, slots,
+                                   attn._k_scale, attn._q_scale, q_out, self.fmt)
         else:
             self.on_effective()
             ql_nope = absorb_w_uk(attn, self.absorb, q_nope.transpose(0, 1))

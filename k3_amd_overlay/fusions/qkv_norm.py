@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.fusions.states import FusionState, LayerDecision, choose_provider
 from k3_amd_overlay.ops import rmsnorm_pair
 
 TwoNorms = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -35,14 +35,7 @@ def decide_qkv_norm(inputs: QkvNormInputs) -> LayerDecision:
         return LayerDecision(FusionState.REFUSED, None, "no q norm (q_lora_rank is None)")
     if inputs.upstream_fuses and inputs.provider_setting == "auto":
         return LayerDecision(FusionState.UPSTREAM, "aiter", "vLLM's AITER dual RMSNorm is on")
-    wanted = inputs.provider_setting
-    candidates = rmsnorm_pair.FUSED_PROVIDERS if wanted == "auto" else (wanted,)
-    for name in candidates:
-        if inputs.provider_missing.get(name, "unknown") is None:
-            why = "forced by setting" if wanted != "auto" else "first available fused provider"
-            return LayerDecision(FusionState.APPLIED, name, f"{name}: {why}")
-    missing = "; ".join(f"{n}: {inputs.provider_missing.get(n)}" for n in candidates)
-    return LayerDecision(FusionState.REFUSED, None, f"no provider can run here ({missing})")
+    return choose_provider(rmsnorm_pair.FUSED_PROVIDERS, inputs.provider_setting, inputs.provider_missing)
 
 
 class QKvNorm:

@@ -30,3 +30,17 @@ class LayerDecision:
     @property
     def fused(self) -> bool:
         return self.state in FUSED_STATES
+
+
+def choose_provider(fused_providers: tuple[str, ...], setting: str, missing: dict[str, str | None],
+                    detail: str = "") -> LayerDecision:
+    """The overlay's own path with the provider ``setting`` names, or for ``auto`` the first of
+    ``fused_providers`` that can run (``missing[name]`` is None); refused, with every reason, if none."""
+    candidates = fused_providers if setting == "auto" else (setting,)
+    suffix = f"; {detail}" if detail else ""
+    for name in candidates:
+        if missing.get(name, "unknown") is None:
+            why = "forced by setting" if setting != "auto" else "first available fused provider"
+            return LayerDecision(FusionState.APPLIED, name, f"{name}: {why}{suffix}")
+    reasons = "; ".join(f"{n}: {missing.get(n)}" for n in candidates)
+    return LayerDecision(FusionState.REFUSED, None, f"no provider can run here ({reasons})")

@@ -6,20 +6,26 @@ from __future__ import annotations
 
 import torch
 
+from k3_amd_overlay.fp8 import Fp8Format
 from k3_amd_overlay.ops import qk_cache as qk_cache_op
 from k3_amd_overlay.ops import reference
 from k3_amd_overlay.ops.availability import first_available, triton_missing
 
 OP = "fused_absorb_qk_cache"
-PROVIDERS = ("triton", "reference")
-
-
-def provider_missing(device: torch.device) -> dict[str, str | None]:
-    return {"triton": triton_missing(device), "reference": None}
+FUSED_PROVIDERS = ("triton",)
+PROVIDERS = (*FUSED_PROVIDERS, "reference")
 
 
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def provider_missing(device: torch.device, nope: int, lora: int, rope: int) -> dict[str, str | None]:
+    """For each provider, why it cannot run for tensors on ``device`` at these widths (None: it can)."""
+    triton = triton_missing(device)
+    if triton is None and not all(_pow2(n) for n in (nope, lora, rope)):
+        triton = f"the Triton kernel needs power-of-two P, L, R (got {nope}, {lora}, {rope})"
+    return {"triton": triton, "reference": None}
 
 
 def fused_absorb_qk_cache(
@@ -53,30 +59,27 @@ def fused_absorb_qk_cache(
     if w_uk_t.dtype != q_nope.dtype or w_uk_t.device != q_nope.device:
         raise ValueError(f"{OP}: W_UK_T ({w_uk_t.dtype}, {w_uk_t.device}) must match q_nope "
                          f"({q_nope.dtype}, {q_nope.device}); the fp8 BMM variant is not supported")
-    if q_nope.shape[-1] > 1 and q_nope.stride(-1) != 1:
-        raise ValueError(f"{OP}: q_nope needs unit stride in its last dim, got strides {q_nope.stride()}")
-    lora = w_uk_t.shape[2]
     call = qk_cache_op.check_inputs(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
-                                    kv_format, lora=lora)
-    shape = (tokens, heads, lora + call.rope)
-    if q_out is None:
-        q_out = torch.empty(shape, dtype=call.fmt.dtype, device=q_nope.device)
-    elif tuple(q_out.shape) != shape or q_out.dtype != call.fmt.dtype or q_out.stride(-1) != 1:
-        raise ValueError(f"{OP}: q_out must be {call.fmt.dtype} {list(shape)} with unit last stride, "
-                         f"got {q_out.dtype} {list(q_out.shape)}")
-    missing = provider_missing(q_nope.device)
-    if not all(_pow2(n) for n in (nope, lora, call.rope)):
-        missing["triton"] = f"the Triton kernel needs power-of-two P, L, R (got {nope}, {lora}, {call.rope})"
-    name = first_available(missing, provider, OP)
-    if tokens == 0:
-        return q_out
+                                    kv_format, lora=w_uk_t.shape[2])
+    q_out = qk_cache_op.q_out_for(call, q_out, q_nope.device, OP)
+    name = first_available(provider_missing(q_nope.device, nope, call.lora, call.rope), provider, OP)
+    if tokens:
+        run_provider(name, q_nope, w_uk_t, q_pe, kv_c, call.k_pe, call.kv_cache, slot_mapping, k_scale, q_scale,
+                     q_out, call.fmt)
+    return q_out
+
+
+def run_provider(name: str, q_nope: torch.Tensor, w_uk_t: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+                 k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
+                 q_scale: torch.Tensor, q_out: torch.Tensor, fmt: Fp8Format) -> None:
+    """Run one already-chosen provider on checked inputs (k_pe 2-D, cache in its fp8 dtype): the
+    per-layer hot path calls this."""
     if name == "reference":
         ql_nope = torch.bmm(q_nope.transpose(0, 1).float(), w_uk_t.float()).transpose(0, 1)
-        reference.qk_cache_reference(ql_nope, q_pe.float(), kv_c, call.k_pe, call.kv_cache, slot_mapping,
-                                     k_scale, q_scale, q_out, call.fmt)
+        reference.qk_cache_reference(ql_nope, q_pe.float(), kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
+                                     q_out, fmt)
     else:
         from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
 
-        absorb_qk_cache(q_nope, w_uk_t, q_pe, kv_c, call.k_pe, call.kv_cache.view(torch.uint8), slot_mapping,
-                        k_scale, q_scale, q_out.view(torch.uint8), call.fmt)
-    return q_out
+        absorb_qk_cache(q_nope, w_uk_t, q_pe, kv_c, k_pe, kv_cache.view(torch.uint8), slot_mapping, k_scale,
+                        q_scale, q_out.view(torch.uint8), fmt)

@@ -48,12 +48,13 @@ def check_inputs(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, 
                  q_scale: torch.Tensor, kv_format: str | None, *, lora: int | None = None) -> QkCacheCall:
     """Check the contract; ``lora`` is given when ``ql_nope`` is not materialised (the absorbed op
     passes its q_nope [T, H, P] for the token, head, dtype, stride and device checks)."""
+    query = "ql_nope" if lora is None else "q_nope"
     if ql_nope.dim() != 3:
-        raise _fail(f"ql_nope must be [T, H, L], got shape {tuple(ql_nope.shape)}")
+        raise _fail(f"{query} must be [T, H, {'L' if lora is None else 'P'}], got shape {tuple(ql_nope.shape)}")
     num_tokens, num_heads, width = ql_nope.shape
     lora = width if lora is None else lora
     if ql_nope.dtype not in QUERY_DTYPES:
-        raise _fail(f"ql_nope dtype {ql_nope.dtype} not supported; allowed: {QUERY_DTYPES}")
+        raise _fail(f"{query} dtype {ql_nope.dtype} not supported; allowed: {QUERY_DTYPES}")
     if q_pe.dim() != 3 or tuple(q_pe.shape[:2]) != (num_tokens, num_heads):
         raise _fail(f"q_pe must be [T={num_tokens}, H={num_heads}, R], got {tuple(q_pe.shape)}")
     rope = q_pe.shape[2]
@@ -65,8 +66,8 @@ def check_inputs(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, 
         raise _fail(f"k_pe must be [T={num_tokens}, R={rope}] or [T, 1, R], got {tuple(k_pe.shape)}")
     for name, x in (("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe)):
         if x.dtype != ql_nope.dtype:
-            raise _fail(f"{name} dtype {x.dtype} must match ql_nope's {ql_nope.dtype}")
-    for name, x in (("ql_nope", ql_nope), ("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe)):
+            raise _fail(f"{name} dtype {x.dtype} must match {query}'s {ql_nope.dtype}")
+    for name, x in ((query, ql_nope), ("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe)):
         if x.shape[-1] > 1 and x.stride(-1) != 1:
             raise _fail(f"{name} needs unit stride in its last dim, got strides {x.stride()}")
     if kv_cache.dim() != 3 or kv_cache.shape[2] != lora + rope:
@@ -94,8 +95,19 @@ def check_inputs(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, 
     for name, x in (("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
                     ("slot_mapping", slot_mapping), ("k_scale", k_scale), ("q_scale", q_scale)):
         if x.device != ql_nope.device:
-            raise _fail(f"{name} is on {x.device}, ql_nope on {ql_nope.device}")
+            raise _fail(f"{name} is on {x.device}, {query} on {ql_nope.device}")
     return QkCacheCall(num_tokens, num_heads, lora, rope, fmt, k_pe, kv_cache)
+
+
+def q_out_for(call: QkCacheCall, q_out: torch.Tensor | None, device: torch.device, op: str) -> torch.Tensor:
+    """The given q_out, checked ([T, H, L + R] in the cache's fp8 dtype, unit last stride), or a new one."""
+    shape = (call.num_tokens, call.num_heads, call.lora + call.rope)
+    if q_out is None:
+        return torch.empty(shape, dtype=call.fmt.dtype, device=device)
+    if tuple(q_out.shape) != shape or q_out.dtype != call.fmt.dtype or q_out.stride(-1) != 1:
+        raise ValueError(f"{op}: q_out must be {call.fmt.dtype} {list(shape)} with unit last stride, "
+                         f"got {q_out.dtype} {list(q_out.shape)} strides {q_out.stride()}")
+    return q_out
 
 
 def fused_qk_cache(
@@ -124,12 +136,7 @@ def fused_qk_cache(
     fp8 dtype is allocated unless given. ``provider``: auto, reference, triton or aiter.
     """
     call = check_inputs(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale, kv_format)
-    shape = (call.num_tokens, call.num_heads, call.lora + call.rope)
-    if q_out is None:
-        q_out = torch.empty(shape, dtype=call.fmt.dtype, device=ql_nope.device)
-    elif tuple(q_out.shape) != shape or q_out.dtype != call.fmt.dtype or q_out.stride(-1) != 1:
-        raise _fail(f"q_out must be {call.fmt.dtype} {list(shape)} with unit last stride, "
-                    f"got {q_out.dtype} {list(q_out.shape)} strides {q_out.stride()}")
+    q_out = q_out_for(call, q_out, ql_nope.device, OP)
     name = first_available(provider_missing(ql_nope.device), provider, OP)
     if call.num_tokens:
         run_provider(name, ql_nope, q_pe, kv_c, call.k_pe, call.kv_cache, slot_mapping, k_scale,

@@ -18,6 +18,19 @@ from k3_amd_overlay.targets.layer_state import DECODE_FUSIONS, QK_CACHE_SITE, QK
 Wrapped = Callable[..., Any]
 
 
+def install_sites(installer: LayerInstaller, wrapper: Any, fusions: frozenset[str],
+                  decode_via_attend_hook: bool) -> None:
+    """Attach a freshly built K3 layer's per-layer sites (every vLLM shape comes through here). The
+    decode site goes on the layer's MLAAttention where vLLM has no fused-decode helper to wrap."""
+    if QKV_NORM in fusions:
+        upstream = bool(wrapper.__dict__.get("_use_eager_qk_rmsnorm_fusion", False))
+        installer.install_qkv_norm(wrapper, upstream_fuses=upstream)
+    if fusions & DECODE_FUSIONS and decode_via_attend_hook:
+        site = installer.install_qk_cache(wrapper, upstream_fuses=False)
+        if site.overlay_fuses:
+            attend_hook.install(wrapper.mla_attn, site)
+
+
 def install_layer_sites(installer: LayerInstaller, fusions: frozenset[str],
                         qk_cache_via_attend_hook: bool) -> Callable[..., None]:
     """Wrap ``__init__``: after upstream builds the layer, attach the overlay's per-layer sites."""
@@ -25,13 +38,7 @@ def install_layer_sites(installer: LayerInstaller, fusions: frozenset[str],
     def _k3_overlay_install_layer_sites(wrapped: Wrapped, instance: Any, args: tuple[Any, ...],
                                         kwargs: dict[str, Any]) -> None:
         wrapped(*args, **kwargs)
-        if QKV_NORM in fusions:
-            upstream = bool(instance.__dict__.get("_use_eager_qk_rmsnorm_fusion", False))
-            installer.install_qkv_norm(instance, upstream_fuses=upstream)
-        if fusions & DECODE_FUSIONS and qk_cache_via_attend_hook:
-            site = installer.install_qk_cache(instance, upstream_fuses=False)
-            if site.overlay_fuses:
-                attend_hook.install(instance.mla_attn, site)
+        install_sites(installer, instance, fusions, qk_cache_via_attend_hook)
 
     return _k3_overlay_install_layer_sites
 

@@ -122,7 +122,9 @@ class LayerInstaller:
         absorb = NOT_REQUESTED
         if requested(ABSORB_QK_CACHE):
             absorb = decide_absorb(inputs, decision, self.settings.provider(ABSORB_QK_CACHE),
-                                   {} if self.stock else absorb_qk_cache.provider_missing(layer_device(wrapper)))
+                                   {} if self.stock else absorb_qk_cache.provider_missing(
+                                       layer_device(wrapper), attn.qk_nope_head_dim, attn.kv_lora_rank,
+                                       attn.qk_rope_head_dim))
         if decision.state is FusionState.APPLIED and decision.provider == "aiter":
             aiter_qk_cache.reserve_zero_positions(layer_device(wrapper), max_batched_tokens())
         site = QkCacheSite(

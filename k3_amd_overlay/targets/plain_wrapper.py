@@ -15,9 +15,8 @@ import torch
 
 from k3_amd_overlay.fusions.qkv_norm import QkvNormSite
 from k3_amd_overlay.fusions.states import FusionState
-from k3_amd_overlay.package import QKV_NORM
-from k3_amd_overlay.targets import attend_hook
-from k3_amd_overlay.targets.layer_state import DECODE_FUSIONS, QKV_NORM_SITE, LayerInstaller
+from k3_amd_overlay.targets.k3_wrapper import install_sites
+from k3_amd_overlay.targets.layer_state import QKV_NORM_SITE, LayerInstaller
 
 
 def k3_wrapper_class(base: type, installer: LayerInstaller, fusions: frozenset[str]) -> type:
@@ -28,12 +27,7 @@ def k3_wrapper_class(base: type, installer: LayerInstaller, fusions: frozenset[s
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            if QKV_NORM in fusions:
-                installer.install_qkv_norm(self, upstream_fuses=False)
-            if fusions & DECODE_FUSIONS:
-                site = installer.install_qk_cache(self, upstream_fuses=False)
-                if site.overlay_fuses:
-                    attend_hook.install(self.mla_attn, site)
+            install_sites(installer, self, fusions, decode_via_attend_hook=True)
 
         def _normalize_q_kv(self, q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             site: QkvNormSite = self.__dict__[QKV_NORM_SITE]
