@@ -15,13 +15,14 @@ from typing import Any
 import wrapt
 
 from k3_amd_overlay.engine import AnchorError, PatchEngine, PatchSpec
-from k3_amd_overlay.evidence import Evidence, vllm_version
+from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.fusions.states import FusionState
-from k3_amd_overlay.package import SUPPORTED_VLLM, SUPPORTED_VLLM_BELOW, SUPPORTED_VLLM_MIN
+from k3_amd_overlay.package import SUPPORTED_VLLM
 from k3_amd_overlay.settings import ENV_PREFIX, STRICT, SWITCH, Mode, OverlaySettings, load_settings
 from k3_amd_overlay.targets import sources
 from k3_amd_overlay.targets.layer_state import LayerInstaller
 from k3_amd_overlay.targets.shapes import VllmShape, recognise
+from k3_amd_overlay.versions import in_supported_range, installed_vllm_version
 
 logger = logging.getLogger("vllm.k3_amd_overlay")
 RAY_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
@@ -35,18 +36,6 @@ def _how_to_proceed() -> str:
     return (f"to serve without the overlay set {SWITCH}=0; to serve with what can be installed "
             f"and record the rest as refused set {STRICT}=0; or install a k3-amd-overlay that "
             f"supports this vLLM")
-
-
-def _version_tuple(version: str | None) -> tuple[int, ...] | None:
-    if not version:
-        return None
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts) or None
 
 
 def forward_switch_to_ray() -> None:
@@ -75,10 +64,9 @@ class Activation:
 
     def start(self) -> None:
         forward_switch_to_ray()
-        version = vllm_version()
-        parsed = _version_tuple(version)
+        version = installed_vllm_version()
         requested = sorted(self.settings.fusions)
-        if parsed is None or not (SUPPORTED_VLLM_MIN <= parsed[:2] < SUPPORTED_VLLM_BELOW):
+        if not in_supported_range(version):
             problem = f"vLLM {version} is outside the supported range ({SUPPORTED_VLLM})"
             if self.settings.strict:
                 raise OverlayActivationError(f"k3-amd-overlay: {problem}; {_how_to_proceed()}")
@@ -132,7 +120,7 @@ class Activation:
             message = f"live anchor check failed in {module_name}: {exc}; every overlay patch reverted"
             if self.settings.strict:
                 raise OverlayActivationError(
-                    f"k3-amd-overlay (vLLM {vllm_version()}): {message}; {_how_to_proceed()}") from exc
+                    f"k3-amd-overlay (vLLM {installed_vllm_version()}): {message}; {_how_to_proceed()}") from exc
             self.refuse(fusions, message)
 
     def stop(self) -> list[str]:

@@ -75,7 +75,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             elif not m.live:
                 notes.append(f"note {m.path}: pid {m.record['pid']} is gone (or its pid was reused); stale, ignored")
         require_effective = not args.no_effective
-    verdict = judge(records, args.expect, wanted, require_effective)
+    verdict = judge(records, args.expect, wanted, require_effective, static=args.static)
     if args.json:
         print(json.dumps({"expect": args.expect, "holds": verdict.holds, "lines": verdict.lines,
                           "notes": notes, "records": records}, indent=1))

@@ -4,6 +4,7 @@ one log line through the ``vllm`` logger hierarchy and as a JSON marker file."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -11,32 +12,54 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from k3_amd_overlay import markers
-from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.fusions.states import FUSED_STATE_VALUES, FusionState, LayerDecision
 from k3_amd_overlay.package import FUSIONS, __version__
+from k3_amd_overlay.phases import Phase, current_phase
 from k3_amd_overlay.settings import Mode, OverlaySettings
+from k3_amd_overlay.versions import installed_vllm_version
 
-SCHEMA = 1
+SCHEMA = 2
 logger = logging.getLogger("vllm.k3_amd_overlay")
+API_SERVER_MODULE_FILE = os.path.join("entrypoints", "openai", "api_server.py")
+# Marker rewrites for run counts: at these counts, then at most every MARKER_INTERVAL_S seconds.
+MARKER_INTERVAL_S = 2.0
 
 
-def vllm_version() -> str | None:
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
+# `vllm` CLI commands that only talk to a server or print: they never build a model, so they
+# leave no evidence (a client would otherwise be counted by `check` as a vLLM process).
+CLI_CLIENT_COMMANDS = (("bench", "serve"), ("chat",), ("complete",), ("collect-env",), ("--version",),
+                       ("-v",), ("--help",), ("-h",))
+PROCESS_NAME_ROLES = (("EngineCore", "engine-core"), ("Worker", "worker"), ("ApiServer", "api-server"),
+                      ("APIServer", "api-server"))
 
 
-def process_role() -> str:
-    name = multiprocessing.current_process().name
-    title = " ".join(sys.argv[:1])
-    for needle, role in (("EngineCore", "engine-core"), ("Worker", "worker"), ("APIServer", "api-server")):
-        if needle in name or needle in title:
+def _vllm_command(argv: list[str]) -> list[str] | None:
+    """The arguments after ``vllm`` when this process is the ``vllm`` CLI, else None."""
+    return argv[1:] if argv and os.path.basename(argv[0]) == "vllm" else None
+
+
+def is_cli_client(argv: list[str] | None = None) -> bool:
+    command = _vllm_command(sys.argv if argv is None else argv)
+    return command is not None and any(tuple(command[:len(c)]) == c for c in CLI_CLIENT_COMMANDS)
+
+
+def process_role(argv: list[str] | None = None, name: str | None = None) -> str:
+    """engine-core, worker, api-server (``vllm serve`` or the OpenAI server module), cli-client,
+    or main (an offline engine: ``LLM``, ``vllm bench throughput``, a script)."""
+    argv = sys.argv if argv is None else argv
+    name = multiprocessing.current_process().name if name is None else name
+    for needle, role in PROCESS_NAME_ROLES:
+        if needle in name:
             return role
+    if is_cli_client(argv):
+        return "cli-client"
+    command = _vllm_command(argv)
+    if (command and command[0] == "serve") or (argv and argv[0].endswith(API_SERVER_MODULE_FILE)):
+        return "api-server"
     return "main" if name == "MainProcess" else name
 
 
@@ -49,6 +72,9 @@ class Evidence:
         self.marker_error: str | None = None
         self._directory: Path | None = None
         self._effective_layers: dict[str, set[str]] = {f: set() for f in FUSIONS}
+        self._counting_layer: dict[str, str] = {}
+        self._last_write = 0.0
+        self._flush_registered = False
         pid = os.getpid()
         self.record: dict[str, Any] = {
             "schema": SCHEMA,
@@ -57,7 +83,7 @@ class Evidence:
             "role": process_role(),
             "process_name": multiprocessing.current_process().name,
             "overlay_version": __version__,
-            "vllm_version": vllm_version(),
+            "vllm_version": installed_vllm_version(),
             "mode": settings.mode.value,
             "switch": settings.raw,
             "strict": settings.strict,
@@ -65,8 +91,9 @@ class Evidence:
             "patches": [],
             "fusions": {
                 f: {"state": self._initial_state(settings, f).value, "provider": None,
-                    "reason": self._initial_reason(settings, f), "layers": 0,
-                    "effective": False, "effective_layers": 0}
+                    "reason": self._initial_reason(settings, f), "layers": 0, "layer_states": {},
+                    "effective": False, "effective_layers": 0,
+                    "runs": {p.value: 0 for p in Phase}, "captured_sizes": []}
                 for f in FUSIONS
             },
         }
@@ -79,7 +106,7 @@ class Evidence:
     def _initial_state(settings: OverlaySettings, fusion: str) -> FusionState:
         if not settings.requested(fusion):
             return FusionState.DISABLED
-        return FusionState.FORCED_STOCK if settings.mode is Mode.STOCK else FusionState.APPLIED
+        return FusionState.FORCED_STOCK if settings.mode is Mode.STOCK else FusionState.PENDING
 
     @staticmethod
     def _initial_reason(settings: OverlaySettings, fusion: str) -> str:
@@ -105,8 +132,9 @@ class Evidence:
             self._write()
 
     def note_layer(self, name: str, decision: LayerDecision) -> None:
-        """A K3 MLA layer was built and decided; the first decision sets the fusion's state, a
-        later layer that decides differently is recorded as mixed."""
+        """A K3 MLA layer was built and decided: tally it by state (with that state's reason); the
+        first decision sets the fusion's state, a later layer that decides differently makes it
+        mixed (the tally says how many layers went which way)."""
         with self._lock:
             entry = self.fusion(name)
             summary = (decision.state.value, decision.provider, decision.reason)
@@ -115,26 +143,83 @@ class Evidence:
             elif summary != (entry["state"], entry["provider"], entry["reason"]):
                 entry["reason"] = f"mixed across layers; latest: {decision.state.value} ({decision.reason})"
             entry["layers"] += 1
+            tally = entry["layer_states"].setdefault(decision.state.value, {"layers": 0, "reason": ""})
+            tally["layers"] += 1
+            tally["reason"] = decision.reason
             self._write()
 
-    def effective_hook(self, fusion: str, layer: str) -> Callable[[], None]:
-        """A callable for one layer's fused site: the first call records that the fused path ran
-        (no device work, safe under graph capture); later calls cost one attribute test."""
+    def effective_hook(self, fusion: str, layer: str) -> Callable[[int], None]:
+        """A callable for one layer's fused site, given the batch's token count. Its first call
+        records that the fused path ran on this layer. The first layer to run a fusion also counts
+        every batch by phase (warm-up, graph capture with the captured size, served), so the
+        counts are batches, not layer calls. No device work: safe under graph capture."""
         done = False
 
-        def mark() -> None:
+        def mark(num_tokens: int = 0) -> None:
             nonlocal done
-            if done:
+            if done and self._counting_layer.get(fusion) != layer:
                 return
-            done = True
+            phase = current_phase()
             with self._lock:
-                layers = self._effective_layers[fusion]
-                layers.add(layer)
-                entry = self.fusion(fusion)
-                entry.update(effective=True, effective_layers=len(layers))
-                self._write()
+                if not done:
+                    done = True
+                    layers = self._effective_layers[fusion]
+                    layers.add(layer)
+                    self.fusion(fusion).update(effective=True, effective_layers=len(layers))
+                    self._counting_layer.setdefault(fusion, layer)
+                    force = True
+                else:
+                    force = False
+                if self._counting_layer[fusion] == layer:
+                    force = self._count(fusion, phase, num_tokens) or force
+                if force or time.monotonic() - self._last_write >= MARKER_INTERVAL_S:
+                    self._write()
 
         return mark
+
+    def _count(self, fusion: str, phase: Phase, num_tokens: int) -> bool:
+        """Count one batch; True where the marker must be rewritten now (a new captured size, or a
+        count reaching a power of two)."""
+        entry = self.fusion(fusion)
+        runs = entry["runs"]
+        runs[phase.value] += 1
+        if not self._flush_registered:
+            self._flush_registered = True
+            atexit.register(self.flush)
+        if phase is Phase.CAPTURE and num_tokens not in entry["captured_sizes"]:
+            entry["captured_sizes"] = sorted([*entry["captured_sizes"], num_tokens])
+            return True
+        count = runs[phase.value]
+        return count & (count - 1) == 0
+
+    def flush(self) -> None:
+        with self._lock:
+            self._write()
+
+    def layer_summary(self) -> list[tuple[int, str]]:
+        """Per requested fusion, how its layers were decided: (log level, line). A fusion requested
+        but fused on no layer is a warning."""
+        lines = []
+        for name, entry in self.record["fusions"].items():
+            tallies = entry["layer_states"]
+            if not tallies:
+                continue
+            total = entry["layers"]
+            parts = [f"{state} on {t['layers']}/{total} layers ({t['reason']})" for state, t in tallies.items()]
+            fused = sum(t["layers"] for state, t in tallies.items() if state in FUSED_STATE_VALUES)
+            level = logging.INFO
+            text = f"{name}=" + "; ".join(parts)
+            if self.record["mode"] == Mode.AUTO.value and FusionState.DISABLED.value not in tallies and fused == 0:
+                level = logging.WARNING
+                text += " -- requested but fused on no layer: this process runs it stock"
+            lines.append((level, text))
+        return lines
+
+    def publish_layers(self) -> None:
+        """Log the layer summary once a model's layers are built (called per model built)."""
+        prefix = f"k3-amd-overlay: pid={self.record['pid']} role={self.record['role']} layers built: "
+        for level, line in self.layer_summary():
+            _emit(level, prefix + line)
 
     def _write(self) -> None:
         self.record["updated"] = time.time()

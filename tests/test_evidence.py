@@ -15,7 +15,7 @@ import pytest
 
 from k3_amd_overlay import evidence as evidence_module
 from k3_amd_overlay import markers
-from k3_amd_overlay.evidence import Evidence
+from k3_amd_overlay.evidence import Evidence, process_role
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.settings import load_settings
 from k3_amd_overlay.verdict import judge
@@ -106,9 +106,27 @@ def test_effective_hook_records_once_and_counts_layers(tmp_path):
     evidence = Evidence(settings_for(tmp_path))
     hooks = [evidence.effective_hook("qk_cache", f"layer.{i}") for i in range(3)]
     for hook in hooks * 5:
-        hook()
+        hook(4)
     entry = json.loads(evidence.marker_path.read_text())["fusions"]["qk_cache"]
     assert entry["effective"] is True and entry["effective_layers"] == 3
+    # batches are counted at one layer: 5 batches through 3 layers are 5 batches, not 15
+    assert entry["runs"] == {"warmup": 0, "capture": 0, "served": 5}
+
+
+def _dummy_run(hook):  # named as vLLM's model runner names its own dummy batches
+    hook(8)
+
+
+def test_runs_are_counted_by_phase(tmp_path):
+    evidence = Evidence(settings_for(tmp_path))
+    hook = evidence.effective_hook("qkv_norm", "layer.0")
+    _dummy_run(hook)
+    _dummy_run(hook)
+    hook(3)
+    entry = evidence.fusion("qkv_norm")
+    assert entry["runs"] == {"warmup": 2, "capture": 0, "served": 1}
+    evidence.flush()
+    assert json.loads(evidence.marker_path.read_text())["fusions"]["qkv_norm"]["runs"]["served"] == 1
 
 
 def test_layer_decisions_set_state_and_flag_mixed(tmp_path):
@@ -118,18 +136,57 @@ def test_layer_decisions_set_state_and_flag_mixed(tmp_path):
     assert evidence.fusion("qkv_norm")["layers"] == 2 and evidence.fusion("qkv_norm")["provider"] == "triton"
     evidence.note_layer("qkv_norm", LayerDecision(FusionState.REFUSED, None, "no provider"))
     assert evidence.fusion("qkv_norm")["reason"].startswith("mixed across layers")
+    assert evidence.fusion("qkv_norm")["layer_states"] == {
+        "applied": {"layers": 2, "reason": "ok"}, "refused": {"layers": 1, "reason": "no provider"}}
 
 
-def record(mode, qkv, qk, effective=True, pid=1):
-    return {"pid": pid, "role": "worker", "vllm_version": "0.33.0", "mode": mode,
-            "fusions": {"qkv_norm": {"state": qkv, "provider": "triton", "reason": "r", "effective": effective},
-                        "qk_cache": {"state": qk, "provider": "aiter", "reason": "r", "effective": effective}}}
+def test_layer_summary_warns_when_a_requested_fusion_fuses_on_no_layer(tmp_path):
+    evidence = Evidence(settings_for(tmp_path))
+    for _ in range(2):
+        evidence.note_layer("qk_cache", LayerDecision(FusionState.REFUSED, None, "kv cache dtype 'auto'"))
+        evidence.note_layer("qkv_norm", LayerDecision(FusionState.APPLIED, "reference", "forced"))
+    lines = dict((line.split("=")[0], (level, line)) for level, line in evidence.layer_summary())
+    assert lines["qk_cache"] == (logging.WARNING, "qk_cache=refused on 2/2 layers (kv cache dtype 'auto') "
+                                 "-- requested but fused on no layer: this process runs it stock")
+    assert lines["qkv_norm"] == (logging.INFO, "qkv_norm=applied on 2/2 layers (forced)")
+
+
+@pytest.mark.parametrize("argv,name,role", [
+    (["/venv/bin/vllm", "serve", "model"], "MainProcess", "api-server"),
+    (["/venv/lib/python3.11/site-packages/vllm/entrypoints/openai/api_server.py", "--model", "m"],
+     "MainProcess", "api-server"),
+    (["/venv/bin/vllm", "serve", "model"], "EngineCore_DP0", "engine-core"),
+    (["/venv/bin/vllm", "serve", "model"], "VllmWorker-0", "worker"),
+    (["/venv/bin/vllm", "serve", "model"], "ApiServer_1", "api-server"),
+    (["/venv/bin/vllm", "bench", "serve", "--model", "m"], "MainProcess", "cli-client"),
+    (["/venv/bin/vllm", "--version"], "MainProcess", "cli-client"),
+    (["/venv/bin/vllm", "collect-env"], "MainProcess", "cli-client"),
+    (["/venv/bin/vllm", "bench", "throughput", "--model", "m"], "MainProcess", "main"),
+    (["script.py"], "MainProcess", "main"),
+])
+def test_process_roles(argv, name, role):
+    assert process_role(argv, name) == role
+
+
+def record(mode, qkv, qk, effective=True, pid=1, layers=2, served=3, captured=(), warmup=5, role="worker"):
+    runs = {"warmup": warmup if effective else 0, "capture": len(captured), "served": served if effective else 0}
+    entry = {"provider": "triton", "reason": "r", "effective": effective, "layers": layers,
+             "runs": runs, "captured_sizes": list(captured)}
+    return {"pid": pid, "role": role, "vllm_version": "0.33.0", "mode": mode,
+            "fusions": {"qkv_norm": {"state": qkv, **entry}, "qk_cache": {"state": qk, **entry}}}
 
 
 @pytest.mark.parametrize("records,expect,holds", [
     ([record("auto", "applied", "upstream")], "fused", True),
     ([record("auto", "applied", "upstream", effective=False)], "fused", False),
+    ([record("auto", "applied", "upstream", served=0)], "fused", False),  # warm-up batches only
+    ([record("auto", "applied", "upstream", served=0, captured=(1, 2, 4))], "fused", True),
     ([record("auto", "applied", "refused")], "fused", False),
+    ([record("auto", "pending", "pending", layers=0, effective=False, role="api-server"),
+      record("auto", "applied", "applied", pid=2)], "fused", True),
+    ([record("auto", "pending", "pending", layers=0, effective=False, role="api-server")], "fused", False),
+    ([record("stock", "forced-stock", "forced-stock", layers=0, effective=False, role="api-server"),
+      record("auto", "applied", "applied", pid=2)], "fused", False),
     ([record("off", "disabled", "disabled")], "fused", False),
     ([record("off", "disabled", "disabled")], "stock", False),
     ([record("stock", "forced-stock", "forced-stock", effective=False)], "stock", True),
@@ -140,6 +197,16 @@ def record(mode, qkv, qk, effective=True, pid=1):
 ])
 def test_check_verdicts(records, expect, holds):
     assert judge(records, expect, ["qkv_norm", "qk_cache"], require_effective=True).holds is holds
+
+
+def test_check_says_what_it_proved():
+    lines = judge([record("auto", "applied", "upstream", served=7, captured=(1, 2))], "fused", ["qk_cache"],
+                  require_effective=True).lines
+    assert lines[-1] == ("ok   qk_cache: served traffic took the fused path: captured in 2 graphs (pid 1: sizes 1, 2), "
+                         "which replay it for served batches of those sizes; 7 eager batches after startup (pid 1: 7)")
+    lines = judge([record("auto", "applied", "upstream", served=0)], "fused", ["qk_cache"],
+                  require_effective=True).lines
+    assert lines[-1].startswith("FAIL qk_cache: its fused path ran only in vLLM's own warm-up batches (5)")
 
 
 def test_check_reads_live_markers_and_ignores_dead_ones(tmp_path):

@@ -16,14 +16,14 @@ from vllm_support import run_vllm_process, shape_name
 pytestmark = pytest.mark.vllm
 
 EXPECTED_PATCHES = {
-    "plain_wrapper": ["linear.mla_wrapper"],
-    "k3_norm_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv"],
+    "plain_wrapper": ["linear.mla_wrapper", "linear.report_layers"],
+    "k3_norm_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv", "linear.report_layers"],
     "k3_decode_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv",
-                          "k3_wrapper.fused_qk_prep_supported", "k3_wrapper.fused_decode"],
+                          "k3_wrapper.fused_qk_prep_supported", "k3_wrapper.fused_decode", "linear.report_layers"],
 }
 STOCK_PATCHES = {
     "plain_wrapper": [],
-    "k3_norm_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv"],
+    "k3_norm_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv", "linear.report_layers"],
     "k3_decode_wrapper": EXPECTED_PATCHES["k3_decode_wrapper"],
 }
 
@@ -169,7 +169,7 @@ import vllm.models.kimi_k3.amd.linear
     else:
         assert res is not None, proc.stderr[-3000:]
         assert res["fusions"]["qkv_norm"][0] == "refused" and "lacks the anchors" in res["fusions"]["qkv_norm"][1]
-        assert res["fusions"]["qk_cache"][0] == "applied"
+        assert res["fusions"]["qk_cache"][0] == "pending"
         assert "k3_wrapper.normalize_q_kv" not in res["applied"]
 
 
@@ -245,7 +245,7 @@ def test_live_check_follows_the_process(tmp_path):
         check = [sys.executable, "-m", "k3_amd_overlay.cli", "check", "--marker-dir", str(markers), "--expect"]
         assert subprocess.run([*check, "stock"], capture_output=True, text=True).returncode == 0
         fused = subprocess.run([*check, "fused"], capture_output=True, text=True)
-        assert fused.returncode == 1 and "forced-stock" in fused.stdout
+        assert fused.returncode == 1 and "overlay in stock mode" in fused.stdout
     finally:
         server.kill()
         server.wait()

@@ -20,6 +20,7 @@ from k3_amd_overlay.fp8 import FUSABLE_KV_CACHE_DTYPES, Fp8Format
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision, choose_provider
 from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
 from k3_amd_overlay.ops import qk_cache as qk_cache_op
+from k3_amd_overlay.ops.reference import absorb_w_uk_reference
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS
 
 ABSORB_VARIANTS = ("bf16", "fp8", "fp4", "amx")
@@ -124,10 +125,7 @@ def absorb_w_uk(attn: Any, variant: str, q_nope_t: torch.Tensor) -> torch.Tensor
         return rocm_aiter_ops.triton_fp8_bmm(
             q_nope_t, attn.W_K, attn.W_K_scale, group_size=128, transpose_bm=True
         )
-    num_heads, num_tokens, _ = q_nope_t.shape
-    ql_nope = q_nope_t.new_empty((num_tokens, num_heads, attn.W_UK_T.shape[-1]))
-    torch.bmm(q_nope_t, attn.W_UK_T, out=ql_nope.transpose(0, 1))
-    return ql_nope
+    return absorb_w_uk_reference(q_nope_t.transpose(0, 1), attn.W_UK_T)
 
 
 @dataclass
@@ -139,8 +137,8 @@ class QkCacheSite:
     absorb: str
     fmt: Fp8Format | None
     context: ContextGetter | None
-    on_effective: Callable[[], None]
-    on_absorb_effective: Callable[[], None]
+    on_effective: Callable[[int], None]  # given the batch's (padded) token count
+    on_absorb_effective: Callable[[int], None]
 
     @property
     def overlay_fuses(self) -> bool:
@@ -162,6 +160,7 @@ class QkCacheSite:
         the query quant ("qk_cache", after the stock W_UK absorption) or of all four ("absorb");
         the MQA kernel and the V up-projection are stock's."""
         assert self.fmt is not None
+        batch_rows = q.shape[0]  # with CUDA-graph padding: the captured graph's size
         num_tokens = attn_metadata.num_actual_tokens  # CUDA-graph padding rows are not attended
         q = q[:num_tokens]
         q_nope, q_pe = q.split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
@@ -171,11 +170,11 @@ class QkCacheSite:
         kv_c, k_pe, slots = kv_c_normed[:num_tokens], k_pe[:num_tokens].reshape(num_tokens, -1), \
             slot_mapping.flatten()[:num_tokens]
         if path == "absorb":
-            self.on_absorb_effective()
+            self.on_absorb_effective(batch_rows)
             absorb_op.run_provider(self.absorb_decision.provider, q_nope, attn.W_UK_T, q_pe, kv_c, k_pe, cache, slots,
                                    attn._k_scale, attn._q_scale, q_out, self.fmt)
         else:
-            self.on_effective()
+            self.on_effective(batch_rows)
             ql_nope = absorb_w_uk(attn, self.absorb, q_nope.transpose(0, 1))
             qk_cache_op.run_provider(self.decision.provider, ql_nope, q_pe, kv_c, k_pe, cache, slots,
                                      attn._k_scale, attn._q_scale, q_out, self.fmt)

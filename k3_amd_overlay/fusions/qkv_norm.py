@@ -61,7 +61,7 @@ class QkvNormSite:
 
     decision: LayerDecision
     q_kv_norm: QKvNorm | None
-    on_effective: Callable[[], None]
+    on_effective: Callable[[int], None]  # given the batch's token count
 
     def normalize(self, q_norm: Any, kv_norm: Any, upstream: TwoNorms | None,
                   q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,10 +71,10 @@ class QkvNormSite:
         if state is FusionState.APPLIED and self.q_kv_norm is not None:
             if torch.compiler.is_compiling():
                 return q_norm(q_c), kv_norm(kv_c)
-            self.on_effective()
+            self.on_effective(q_c.shape[0])
             return self.q_kv_norm(q_c, kv_c)
         if state is FusionState.UPSTREAM and upstream is not None:
             if not torch.compiler.is_compiling():
-                self.on_effective()
+                self.on_effective(q_c.shape[0])
             return upstream(q_c, kv_c)
         return q_norm(q_c), kv_norm(kv_c)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 
 class FusionState(str, enum.Enum):
+    PENDING = "pending"  # patched; decided per layer when K3 MLA layers are built (none yet here)
     APPLIED = "applied"  # the overlay's fused path is installed
     UPSTREAM = "upstream"  # this vLLM's own fused code is in effect; the overlay only watches
     FORCED_STOCK = "forced-stock"  # stock mode: the overlay made sure the unfused path runs
@@ -16,6 +17,7 @@ class FusionState(str, enum.Enum):
 
 
 FUSED_STATES = frozenset({FusionState.APPLIED, FusionState.UPSTREAM})
+FUSED_STATE_VALUES = frozenset(s.value for s in FUSED_STATES)
 
 
 @dataclass(frozen=True)

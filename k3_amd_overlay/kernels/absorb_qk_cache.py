@@ -1,6 +1,7 @@
 """Triton kernel for the whole decode query path after q_b_proj, in one launch: the W_UK
-absorption (ql_nope = q_nope @ W_UK_T, fp32 accumulate), the ``[ql_nope | q_pe]`` concat, the
-static fp8 query quant, and the fp8 KV-cache write. ql_nope never goes to memory.
+absorption (ql_nope = q_nope @ W_UK_T, fp32 accumulate, rounded to the query dtype as vLLM's
+``torch.bmm`` output is), the ``[ql_nope | q_pe]`` concat, the static fp8 query quant, and the fp8
+KV-cache write. ql_nope never goes to memory.
 
 Query programs take one head, BLOCK_T tokens and BLOCK_N of the L output columns: the W_UK_T slice
 they need (P x BLOCK_N) is read by that program only, so the weight read is spread over many
@@ -16,6 +17,7 @@ import triton.language as tl
 
 from k3_amd_overlay.fp8 import Fp8Format
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row
+from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
 
 BLOCK_N = 32  # best of 32/64/128 on an H200 at B <= 32 (docs/benchmarks.md)
 
@@ -34,7 +36,7 @@ def absorb_qk_cache_kernel(
     s_qo_t, s_qo_h,
     num_tokens, num_heads, block_size, fmax,
     P: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_MODE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    FP8_MODE: tl.constexpr, DOT_IN_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     # Query programs: (head, token block, column block of ql_nope); the column-block-0 program also
     # writes the rope lanes. Then one KV program per token.
@@ -58,6 +60,9 @@ def absorb_qk_cache_kernel(
             ql = tl.dot(q_nope.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             ql = tl.dot(q_nope, w)  # fp32 accumulation of exact bf16 products
+        # Round to the query dtype first, as the stock path's bmm output is, so that the fp8 codes
+        # match stock's except where the two fp32 sums straddle a rounding boundary.
+        ql = to_dtype_rne(ql, q_nope_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
         out = q_out_ptr + t64 * s_qo_t + head * s_qo_h
         tl.store(out + offs_n[None, :], _fp8_bits(ql, inv, fmax, FP8_MODE), mask=live)
         if column == 0:
@@ -86,4 +91,5 @@ def absorb_qk_cache(q_nope: torch.Tensor, w_uk_t: torch.Tensor, q_pe: torch.Tens
         P=nope, L=lora, R=rope, BLOCK_T=tokens_per_program, BLOCK_N=block_n,
         FP8_MODE=fp8_mode(fmt, q_nope.device), num_warps=4,
         DOT_IN_FP32=q_nope.device.type != "cuda" or q_nope.dtype == torch.float32,
+        EMULATE_BF16=emulate_bf16(q_nope.device),
     )

@@ -43,12 +43,14 @@ def fused_absorb_qk_cache(
     provider: str = "auto",
     kv_format: str | None = None,
 ) -> torch.Tensor:
-    """``fused_qk_cache`` with ``ql_nope = q_nope @ W_UK_T`` computed inside, in fp32.
+    """``fused_qk_cache`` with ``ql_nope = q_nope @ W_UK_T`` computed inside.
 
     q_nope [T, H, P] (rows and heads may be strided, unit last stride), W_UK_T [H, P, L] in the
     query dtype (any strides: vLLM's is a permuted view). The other arguments and the stored
-    values are those of ``fused_qk_cache``, with ``ql_nope`` the fp32 product (not rounded to the
-    query dtype first). ``provider``: auto, triton or reference.
+    values are those of ``fused_qk_cache``, with ``ql_nope`` the product accumulated in fp32 and
+    rounded to the query dtype, as the stock path's ``torch.bmm`` output is (so the codes match
+    stock's but where the two fp32 sums straddle a rounding boundary). ``provider``: auto, triton
+    or reference (which is the stock path's own bmm, bit for bit).
     """
     if q_nope.dim() != 3 or w_uk_t.dim() != 3:
         raise ValueError(f"{OP}: q_nope must be [T, H, P] and W_UK_T [H, P, L], got {tuple(q_nope.shape)} "
@@ -75,8 +77,8 @@ def run_provider(name: str, q_nope: torch.Tensor, w_uk_t: torch.Tensor, q_pe: to
     """Run one already-chosen provider on checked inputs (k_pe 2-D, cache in its fp8 dtype): the
     per-layer hot path calls this."""
     if name == "reference":
-        ql_nope = torch.bmm(q_nope.transpose(0, 1).float(), w_uk_t.float()).transpose(0, 1)
-        reference.qk_cache_reference(ql_nope, q_pe.float(), kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
+        ql_nope = reference.absorb_w_uk_reference(q_nope, w_uk_t)
+        reference.qk_cache_reference(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
                                      q_out, fmt)
     else:
         from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache

@@ -9,10 +9,13 @@ from k3_amd_overlay.fp8 import Fp8Format
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x**2, -1) + eps) * weight``, accumulated in fp32, returned in x's dtype."""
+    """``x * rsqrt(mean(x**2, -1) + eps)`` in fp32, rounded to the weight's dtype, times the
+    weight in that dtype, returned in x's dtype: the rounding of vLLM's RMSNorm (its native op,
+    ``vllm/ir/ops/layernorm.py`` in 0.32, and its CUDA/HIP kernel both round the normalised
+    value before the weight multiply), so a fused norm can match the two norms it replaces."""
     xf = x.float()
     inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (xf * inv_rms * weight.float()).to(x.dtype)
+    return ((xf * inv_rms).to(weight.dtype) * weight).to(x.dtype)
 
 
 def rmsnorm_pair_reference(
@@ -24,6 +27,15 @@ def rmsnorm_pair_reference(
     kv_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return rmsnorm_reference(q_c, q_weight, q_eps), rmsnorm_reference(kv_c, kv_weight, kv_eps)
+
+
+def absorb_w_uk_reference(q_nope: torch.Tensor, w_uk_t: torch.Tensor) -> torch.Tensor:
+    """ql_nope [T, H, L] = q_nope [T, H, P] @ W_UK_T [H, P, L] per head, in the query dtype: the
+    same ``torch.bmm`` call, into the same token-major layout, as vLLM's stock decode path."""
+    tokens, heads, _ = q_nope.shape
+    ql_nope = q_nope.new_empty((tokens, heads, w_uk_t.shape[-1]))
+    torch.bmm(q_nope.transpose(0, 1), w_uk_t, out=ql_nope.transpose(0, 1))
+    return ql_nope
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:

@@ -43,6 +43,19 @@ def install_layer_sites(installer: LayerInstaller, fusions: frozenset[str],
     return _k3_overlay_install_layer_sites
 
 
+def report_layers(installer: LayerInstaller) -> Callable[..., None]:
+    """Wrap the K3 text model's ``__init__``: once upstream has built every decoder layer of this
+    model, log how each fusion was decided across them (a warning where a requested fusion fused
+    on no layer). Per-layer decisions otherwise reach only the marker."""
+
+    def _k3_overlay_report_layers(wrapped: Wrapped, instance: Any, args: tuple[Any, ...],
+                                  kwargs: dict[str, Any]) -> None:
+        wrapped(*args, **kwargs)
+        installer.evidence.publish_layers()
+
+    return _k3_overlay_report_layers
+
+
 def _q_c_kv_c(q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q_c, kv_c
 
@@ -90,7 +103,7 @@ def _k3_overlay_fused_decode(wrapped: Wrapped, instance: Any, args: tuple[Any, .
         return site.fused_decode(path, instance.mla_attn, q, kv_c_normed, k_pe, output_shape,
                                  attn_metadata, kv_cache, slot_mapping)
     if site.decision.state is FusionState.UPSTREAM:
-        site.on_effective()
+        site.on_effective(q.shape[0])
         return wrapped(*args, **kwargs)
     # Upstream's per-batch test let through a batch the overlay's predicate refuses (it does not
     # today): the stock attention call writes the KV cache and quantises the query itself.

@@ -19,6 +19,7 @@ LINEAR_MODULE = "vllm.models.kimi_k3.amd.linear"
 K3_MLA_MODULE = "vllm.models.kimi_k3.amd.mla"
 SHARED_MLA_MODULE = "vllm.model_executor.layers.mla"
 K3_WRAPPER = "KimiK3MultiHeadLatentAttentionWrapper"
+TEXT_MODEL = "KimiLinearModel"  # the K3 (and Kimi-Linear) text model: builds every decoder layer
 SHARED_WRAPPER = "MultiHeadLatentAttentionWrapper"
 FUSED_DECODE_PARAMS = ("q", "kv_c_normed", "k_pe", "positions", "output_shape", "attn_metadata",
                        "layer", "kv_cache", "slot_mapping")
@@ -57,6 +58,8 @@ def _linear_uses(name: str) -> Anchor:
     )
 
 
+TEXT_MODEL_EXISTS = Anchor(f"{src.LINEAR}: class {TEXT_MODEL}",
+                           lambda s: src.find_class(s.tree(src.LINEAR), TEXT_MODEL) is not None)
 K3_WRAPPER_EXISTS = Anchor(f"{src.K3_MLA}: class {K3_WRAPPER}", lambda s: _k3_class(s) is not None)
 NORMALIZE_SEAM = (
     Anchor(f"{src.K3_MLA}: {K3_WRAPPER}._normalize_q_kv(q_c, kv_c)",
@@ -116,6 +119,15 @@ def _init_spec(installer: LayerInstaller, fusions: frozenset[str], attend_hook: 
     )
 
 
+def _report_spec(installer: LayerInstaller, specs: list[PatchSpec]) -> list[PatchSpec]:
+    """Where anything decides per layer, log the decisions once the text model is built."""
+    if not specs:
+        return []
+    fusions = tuple(sorted({f for spec in specs for f in spec.fusions}))
+    return [PatchSpec(key="linear.report_layers", module=LINEAR_MODULE, attribute=f"{TEXT_MODEL}.__init__",
+                      fusions=fusions, wrapper=k3_wrapper.report_layers(installer))]
+
+
 def _normalize_spec() -> PatchSpec:
     return PatchSpec(key="k3_wrapper.normalize_q_kv", module=K3_MLA_MODULE,
                      attribute=f"{K3_WRAPPER}._normalize_q_kv", fusions=(QKV_NORM,),
@@ -136,7 +148,7 @@ def _build_decode_shape(installer: LayerInstaller, fusions: frozenset[str]) -> l
                       attribute=f"{K3_WRAPPER}._fused_decode", fusions=decode,
                       wrapper=k3_wrapper.fused_decode_wrapper, params=FUSED_DECODE_PARAMS),
         ]
-    return specs
+    return specs + _report_spec(installer, specs)
 
 
 def _build_norm_shape(installer: LayerInstaller, fusions: frozenset[str]) -> list[PatchSpec]:
@@ -147,19 +159,20 @@ def _build_norm_shape(installer: LayerInstaller, fusions: frozenset[str]) -> lis
     specs = [_init_spec(installer, hooked, attend_hook=bool(hooked & DECODE_FUSIONS))]
     if QKV_NORM in hooked:
         specs.append(_normalize_spec())
-    return specs
+    return specs + _report_spec(installer, specs)
 
 
 def _build_plain_shape(installer: LayerInstaller, fusions: frozenset[str]) -> list[PatchSpec]:
     # Nothing upstream is fused here: stock mode patches nothing.
     if installer.settings.mode is not Mode.AUTO or not fusions:
         return []
-    return [PatchSpec(
+    specs = [PatchSpec(
         key="linear.mla_wrapper", module=LINEAR_MODULE, attribute=SHARED_WRAPPER,
         fusions=tuple(sorted(fusions)),
         replace=lambda original: k3_wrapper_class(original, installer, fusions),
         guard=_no_oot_replacement,
     )]
+    return specs + _report_spec(installer, specs)
 
 
 def _no_oot_replacement(module: object) -> str | None:
@@ -174,7 +187,7 @@ def _no_oot_replacement(module: object) -> str | None:
 K3_DECODE_WRAPPER = VllmShape(
     name="k3_decode_wrapper",
     releases="0.32-0.33",
-    identity=(K3_WRAPPER_EXISTS, _linear_uses(K3_WRAPPER), FUSED_DECODE_SEAM[2]),
+    identity=(K3_WRAPPER_EXISTS, _linear_uses(K3_WRAPPER), FUSED_DECODE_SEAM[2], TEXT_MODEL_EXISTS),
     fusion_anchors={QKV_NORM: NORMALIZE_SEAM, QK_CACHE: FUSED_DECODE_SEAM + ATTEND_SEAM[1:2],
                     ABSORB_QK_CACHE: FUSED_DECODE_SEAM + ATTEND_SEAM[1:2]},
     upstream={QKV_NORM: "AITER dual RMSNorm when AITER is on",
@@ -185,7 +198,7 @@ K3_DECODE_WRAPPER = VllmShape(
 K3_NORM_WRAPPER = VllmShape(
     name="k3_norm_wrapper",
     releases="0.30-0.31",
-    identity=(K3_WRAPPER_EXISTS, _linear_uses(K3_WRAPPER), NO_UPSTREAM_DECODE),
+    identity=(K3_WRAPPER_EXISTS, _linear_uses(K3_WRAPPER), NO_UPSTREAM_DECODE, TEXT_MODEL_EXISTS),
     fusion_anchors={QKV_NORM: NORMALIZE_SEAM, QK_CACHE: K3_ATTEND_SEAM, ABSORB_QK_CACHE: K3_ATTEND_SEAM},
     upstream={QKV_NORM: "AITER dual RMSNorm when AITER is on", QK_CACHE: "", ABSORB_QK_CACHE: ""},
     build=_build_norm_shape,
@@ -198,6 +211,7 @@ PLAIN_WRAPPER = VllmShape(
                lambda s: src.imports_name(s.tree(src.LINEAR), SHARED_MLA_MODULE, SHARED_WRAPPER)),
         _linear_uses(SHARED_WRAPPER),
         Anchor(f"{src.LINEAR}: no {K3_WRAPPER}", lambda s: not src.mentions(s.tree(src.LINEAR), K3_WRAPPER)),
+        TEXT_MODEL_EXISTS,
     ),
     fusion_anchors={QKV_NORM: SHARED_FRONT_END, QK_CACHE: ATTEND_SEAM, ABSORB_QK_CACHE: ATTEND_SEAM},
     upstream={QKV_NORM: "", QK_CACHE: "", ABSORB_QK_CACHE: ""},

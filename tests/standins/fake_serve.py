@@ -10,7 +10,7 @@ import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from k3_amd_overlay.evidence import Evidence
-from k3_amd_overlay.fusions.states import FusionState
+from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.settings import Mode, load_settings
 
 port = int(sys.argv[sys.argv.index("--port") + 1])
@@ -21,8 +21,10 @@ settings = load_settings(env)
 evidence = Evidence(settings)
 for fusion in settings.fusions:
     if settings.mode is Mode.AUTO:
-        evidence.set_fusion(fusion, FusionState.APPLIED, "stand-in", provider="standin")
-        evidence.effective_hook(fusion, "model.layers.3.self_attn.attn")()
+        evidence.note_layer(fusion, LayerDecision(FusionState.APPLIED, "standin", "stand-in"))
+        evidence.effective_hook(fusion, "model.layers.3.self_attn.attn")(1)
+    else:
+        evidence.note_layer(fusion, LayerDecision(FusionState.FORCED_STOCK, None, "stock mode"))
 evidence.publish()
 
 

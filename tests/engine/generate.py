@@ -1,0 +1,29 @@
+"""Offline greedy generation on the real vLLM engine (``vllm.LLM``) for the A/B tests: prints one
+``RESULT=`` JSON line with each prompt's tokens and their logprobs.
+
+    python generate.py CHECKPOINT [MAX_TOKENS]
+"""
+
+import json
+import sys
+
+PROMPTS = ["The quick brown fox", "One plus one is", "Kimi reads long documents", "The cache holds keys"]
+
+
+def main() -> None:
+    from engine_args import llm_kwargs
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=sys.argv[1], **llm_kwargs())
+    max_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0))
+    result = []
+    for out in outputs:
+        completion = out.outputs[0]
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids, strict=True)]
+        result.append({"tokens": list(completion.token_ids), "logprobs": logprobs})
+    print("RESULT=" + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
