@@ -20,6 +20,7 @@ from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import SUPPORTED_VLLM
 from k3_amd_overlay.settings import ENV_PREFIX, STRICT, SWITCH, Mode, OverlaySettings, load_settings
 from k3_amd_overlay.targets import sources
+from k3_amd_overlay.targets.defects import present_defects
 from k3_amd_overlay.targets.layer_state import LayerInstaller
 from k3_amd_overlay.targets.shapes import VllmShape, recognise
 from k3_amd_overlay.versions import in_supported_range, installed_vllm_version
@@ -71,7 +72,11 @@ class Activation:
             if self.settings.strict:
                 raise OverlayActivationError(f"k3-amd-overlay: {problem}; {_how_to_proceed()}")
             logger.warning("k3-amd-overlay: %s; probing anyway (%s=0)", problem, STRICT)
-        found = recognise(sources.VllmSources(sources.vllm_root()))
+        vllm_sources = sources.VllmSources(sources.vllm_root())
+        found = recognise(vllm_sources)
+        self.evidence.set_upstream_defects([
+            {"name": d.name, "what": d.what, "when": d.when, "triggered": d.triggered(os.environ)}
+            for d in present_defects(vllm_sources)])
         if found.shape is None:
             detail = "; ".join(f"{name}: missing {', '.join(miss)}" for name, miss in found.missing_identity.items())
             message = f"k3-amd-overlay does not recognise the K3 AMD code of vLLM {version} ({detail})"

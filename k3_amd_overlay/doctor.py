@@ -178,9 +178,11 @@ def run_doctor(switch: str | None = None, layer_check_wanted: bool = True) -> tu
     healthy = True
     if importlib.util.find_spec("vllm") is not None:
         from k3_amd_overlay.targets import sources
+        from k3_amd_overlay.targets.defects import present_defects
         from k3_amd_overlay.targets.shapes import recognise
 
-        found = recognise(sources.VllmSources(sources.vllm_root()))
+        vllm_sources = sources.VllmSources(sources.vllm_root())
+        found = recognise(vllm_sources)
         shape = found.shape
         report["vllm shape"] = {
             "recognised": shape.name if shape else None,
@@ -188,6 +190,9 @@ def run_doctor(switch: str | None = None, layer_check_wanted: bool = True) -> tu
             "this vLLM fuses by itself": shape.upstream if shape else {},
             "anchors missing per fusion": found.missing_for_fusion,
             "shapes not matched": found.missing_identity,
+            "known vLLM defects in this release": [
+                f"{d.describe()}; {'TRIGGERED by this environment' if d.triggered(env) else 'not triggered here'}"
+                for d in present_defects(vllm_sources)] or "none known",
         }
         by_tp = qk_cache_by_tp(shape.upstream[QK_CACHE] if shape else "")
         report["qk_cache by tensor-parallel size (K3, 96 heads)"] = by_tp
@@ -204,6 +209,10 @@ def run_doctor(switch: str | None = None, layer_check_wanted: bool = True) -> tu
         QK_CACHE: qk_op.provider_missing(device),
         ABSORB_QK_CACHE: absorb_op.provider_missing(device, *K3_ABSORB_WIDTHS),
     }
+    if importlib.util.find_spec("vllm") is not None:  # in a vLLM process AITER follows vLLM's switch
+        from k3_amd_overlay.targets.layer_state import with_vllm_aiter_switch
+
+        report["providers here"] = {f: with_vllm_aiter_switch(m) for f, m in report["providers here"].items()}
     report["self-test"] = selftest(device)
     healthy &= all(r.get("pass", True) for r in report["self-test"])
     if settings.enabled and importlib.util.find_spec("vllm") is not None:

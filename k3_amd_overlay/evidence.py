@@ -89,6 +89,7 @@ class Evidence:
             "strict": settings.strict,
             "vllm_shape": shape,
             "patches": [],
+            "upstream_defects": [],
             "fusions": {
                 f: {"state": self._initial_state(settings, f).value, "provider": None,
                     "reason": self._initial_reason(settings, f), "layers": 0, "layer_states": {},
@@ -124,6 +125,17 @@ class Evidence:
             self.record["vllm_shape"] = shape
             self.record["patches"] = patches
             self._write()
+
+    def set_upstream_defects(self, defects: list[dict[str, Any]]) -> None:
+        """Known defects of this vLLM's own K3 code (targets/defects.py), and whether this
+        process's environment triggers them."""
+        with self._lock:
+            self.record["upstream_defects"] = defects
+            self._write()
+        for defect in defects:
+            if defect["triggered"]:
+                _emit(logging.WARNING, f"k3-amd-overlay: this vLLM has a known defect that this environment "
+                                       f"triggers, with or without the overlay: {defect['name']}: {defect['what']}")
 
     def set_fusion(self, name: str, state: FusionState, reason: str, provider: str | None = None) -> None:
         with self._lock:

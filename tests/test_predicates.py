@@ -87,6 +87,7 @@ def standin():
 def test_every_combination_runs_rope_once_writes_kv_once_and_fuses_exactly_when_decided(
         standin, tmp_path, monkeypatch):
     monkeypatch.setattr(layer_state, "vllm_fp8_format", lambda: E4M3FN)
+    monkeypatch.setattr(layer_state, "vllm_aiter_missing", lambda: None)  # a ROCm process with AITER on
     fused_count = 0
     for provider, kv_dtype, rotation, pcp, hisparse, dcp, batch_kind, heads in COMBOS:
         if provider == "triton" and not (kv_dtype == "fp8" and batch_kind == "decode" and heads in (1, 12)):
@@ -189,3 +190,38 @@ def test_absorb_decisions(absorb, qk_state, setting, missing, state):
 def test_qkv_norm_decisions(stock, has_q, upstream, setting, missing, state, provider):
     decision = decide_qkv_norm(QkvNormInputs(stock, has_q, upstream, setting, missing))
     assert (decision.state, decision.provider) == (state, provider)
+
+
+def _site(qk_state, absorb_state, upstream):
+    decision = qk.LayerDecision
+    return qk.QkCacheSite(decision(qk_state, None, ""), decision(absorb_state, None, ""), "bf16", None, None,
+                          lambda n: None, lambda n: None, upstream_fuses=upstream)
+
+
+@pytest.mark.parametrize("qk_state,absorb_state,upstream,keeps,branch_on", [
+    # absorb_qk_cache alone, refused (the fp4 BMM variant): vLLM's own fused decode stays on
+    (FusionState.DISABLED, FusionState.REFUSED, True, True, True),
+    # absorb_qk_cache alone, applied: vLLM keeps every batch the absorbed launch does not take
+    (FusionState.DISABLED, FusionState.APPLIED, True, True, True),
+    # qk_cache named but refused where vLLM fuses: vLLM keeps it
+    (FusionState.REFUSED, FusionState.DISABLED, True, True, True),
+    (FusionState.UPSTREAM, FusionState.DISABLED, True, True, True),
+    # stock mode: everything off
+    (FusionState.FORCED_STOCK, FusionState.FORCED_STOCK, True, False, False),
+    # vLLM does not fuse the layer: the branch is on only where the overlay fuses
+    (FusionState.DISABLED, FusionState.APPLIED, False, False, True),
+    (FusionState.REFUSED, FusionState.REFUSED, False, False, False),
+])
+def test_fused_decode_branch_follows_vllm_where_the_overlay_does_not_act(qk_state, absorb_state, upstream, keeps,
+                                                                        branch_on):
+    site = _site(qk_state, absorb_state, upstream)
+    assert (site.upstream_keeps, site.fused_decode_on) == (keeps, branch_on)
+
+
+def test_a_layer_vllm_fuses_stays_vllms_in_auto_mode_whatever_the_overlay_would_refuse():
+    inputs = qk.QkCacheInputs(False, "auto", {"aiter": None}, "fp8", "none", 1, False, False, None, 4, "fp8",
+                              False, True)
+    assert qk.decide_qk_cache(inputs).state is FusionState.UPSTREAM
+    named = qk.decide_qk_cache(qk.QkCacheInputs(False, "triton", {"triton": None}, "fp8", "none", 1, False, False,
+                                                None, 4, "bf16", False, True))
+    assert named.state is FusionState.REFUSED and named.reason.endswith("vLLM's own fused decode keeps the layer")

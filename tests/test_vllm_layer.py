@@ -16,6 +16,7 @@ from k3_amd_overlay.testing.aiter_standin import AiterStandIn
 
 pytestmark = pytest.mark.vllm
 if HAS_VLLM:
+    from k3_amd_overlay.targets import layer_state
     from k3_amd_overlay.testing import layer_harness as harness
 
 SEQ_LENS = [5, 17, 30, 9]
@@ -33,9 +34,20 @@ def written_rows(layer):
     return layer.attn.kv_cache.view(-1, layer.spec.latent).ne(0).any(dim=1)
 
 
+def aiter_on(monkeypatch, mla: bool = False) -> None:
+    """vLLM's AITER switches as a ROCm server with VLLM_ROCM_USE_AITER=1 (and AITER MLA) sees them."""
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    monkeypatch.setattr(rocm_aiter_ops, "is_enabled", classmethod(lambda cls: True))
+    if mla:
+        monkeypatch.setattr(rocm_aiter_ops, "is_mla_enabled", classmethod(lambda cls: True))
+
+
 @pytest.mark.parametrize("provider", ["reference", "triton", "aiter"])
-def test_qk_cache_decode_matches_stock(provider, tmp_path):
+def test_qk_cache_decode_matches_stock(provider, tmp_path, monkeypatch):
     standin = AiterStandIn(fmt=harness.fp8_format()) if provider == "aiter" else None
+    # the overlay's view of vLLM's AITER switch (vLLM's own AITER norm stays off: its op is not here)
+    monkeypatch.setattr(layer_state, "vllm_aiter_missing", lambda: None)
     if standin:
         standin.install()
     spec = harness.LayerSpec(kv_cache_dtype="fp8")
@@ -192,18 +204,36 @@ def test_upstream_norm_fusion_owned_forced_stock_or_overridden(switch, provider,
 K3_LAYER = dict(kv_lora=512, rope=64, nope=128, v=128, hidden=256, q_lora=96, num_blocks=12, gate=False)
 
 
+def vllm_defects() -> list[str]:
+    from k3_amd_overlay.targets import sources
+    from k3_amd_overlay.targets.defects import present_defects
+
+    return [d.name for d in present_defects(sources.VllmSources(sources.vllm_root()))]
+
+
+def skip_where_vllm_cannot_build_a_fused_decode_layer() -> None:
+    """vLLM's own fused decode at >= 4 heads with a bf16 W_UK_T needs a vLLM whose check does not
+    read W_UK_T before loading (0.32's does: test_vllm_032_defect_is_named_not_worsened)."""
+    if shape_name() != "k3_decode_wrapper":
+        pytest.skip("this vLLM has no fused decode of its own (< 0.32)")
+    if vllm_defects():
+        pytest.skip(f"this vLLM cannot build such a layer at all: {', '.join(vllm_defects())}")
+
+
 @pytest.mark.parametrize("heads,switch,state,provider", [
     (4, "qk_cache", "upstream", "aiter"),  # kv_lora_rank * heads = 2048: vLLM's own fused decode
     (4, "stock", "forced-stock", None),  # the A/B baseline: vLLM's fusion switched off
     (3, "qk_cache", "applied", "aiter"),  # TP32: vLLM refuses, the overlay extends it (zero positions)
 ])
 def test_upstream_decode_fusion_owned_forced_stock_or_extended(heads, switch, state, provider, tmp_path,
-                                                              monkeypatch):
-    if shape_name() != "k3_decode_wrapper":
+                                                              monkeypatch, aiter_dual_norm_standin):
+    if heads >= 4:
+        skip_where_vllm_cannot_build_a_fused_decode_layer()
+    elif shape_name() != "k3_decode_wrapper":
         pytest.skip("this vLLM has no fused decode of its own (< 0.32)")
     from vllm._aiter_ops import rocm_aiter_ops
 
-    monkeypatch.setattr(rocm_aiter_ops, "is_mla_enabled", classmethod(lambda cls: True))
+    aiter_on(monkeypatch, mla=True)
     standin = AiterStandIn(fmt=harness.fp8_format())
     standin.install()
     spec = harness.LayerSpec(num_heads=heads, kv_cache_dtype="fp8", **K3_LAYER)
@@ -293,8 +323,7 @@ def test_large_decode_batches_take_the_qk_cache_path(tmp_path):
 def test_named_absorb_provider_overrides_vllms_own_decode(tmp_path, monkeypatch):
     """Where vLLM owns the decode (0.32+, AITER MLA on, 4 heads) auto mode defers the absorbed
     path; naming its provider overrides, and the absorbed path is the one that runs."""
-    if shape_name() != "k3_decode_wrapper":
-        pytest.skip("this vLLM has no fused decode of its own (< 0.32)")
+    skip_where_vllm_cannot_build_a_fused_decode_layer()
     from vllm._aiter_ops import rocm_aiter_ops
 
     monkeypatch.setattr(rocm_aiter_ops, "is_mla_enabled", classmethod(lambda cls: True))
@@ -314,3 +343,98 @@ def test_named_absorb_provider_overrides_vllms_own_decode(tmp_path, monkeypatch)
                 assert len(standin.calls) == aiter_calls and layer.kv_writes == []
     finally:
         standin.uninstall()
+
+
+def test_absorb_alone_leaves_vllms_own_fused_decode_what_it_does_not_take(tmp_path, monkeypatch):
+    """K3_AMD_OVERLAY=absorb_qk_cache on a layer vLLM fuses itself (0.32+, AITER MLA on, 4 heads):
+    batches the absorbed launch takes (<= ABSORB_MAX_TOKENS) are the overlay's; a larger decode
+    batch runs vLLM's own fused decode, as without the overlay, never the stock attention call."""
+    skip_where_vllm_cannot_build_a_fused_decode_layer()
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    from k3_amd_overlay.package import ABSORB_MAX_TOKENS
+
+    monkeypatch.setattr(rocm_aiter_ops, "is_mla_enabled", classmethod(lambda cls: True))
+    standin = AiterStandIn(fmt=harness.fp8_format())
+    standin.install()
+    try:
+        spec = harness.LayerSpec(num_heads=4, kv_cache_dtype="fp8",
+                                 **{**K3_LAYER, "num_blocks": 2 * (ABSORB_MAX_TOKENS + 2)})
+        with overlay(tmp_path, K3_AMD_OVERLAY="absorb_qk_cache",
+                     K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER="reference") as activation:
+            layer = harness.build_layer(spec, next_layer_index(), seed=5)
+            assert layer.wrapper._fused_qk_prep is True
+            standin.calls.clear()
+            harness.run(layer, harness.decode_batch([layer], [2] * (ABSORB_MAX_TOKENS + 1)))
+            assert len(standin.calls) == 1 and layer.kv_writes == []  # vLLM's own fused decode
+            assert activation.evidence.fusion("absorb_qk_cache")["effective"] is False
+            harness.run(layer, harness.decode_batch([layer], [5, 40]))
+            assert len(standin.calls) == 1 and layer.kv_writes == []  # the absorbed launch
+            assert activation.evidence.fusion("absorb_qk_cache")["effective"] is True
+            assert activation.evidence.fusion("qk_cache")["state"] == "disabled"
+            assert activation.evidence.fusion("qk_cache")["effective"] is False
+    finally:
+        standin.uninstall()
+
+
+def test_aiter_providers_follow_vllms_aiter_switch(tmp_path, monkeypatch):
+    """vLLM registers its AITER ops whenever AITER is installed; with VLLM_ROCM_USE_AITER off the
+    overlay's aiter providers (qk_cache's and qkv_norm's, through the same gate) are unavailable,
+    and say why."""
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    from k3_amd_overlay.targets.layer_state import with_vllm_aiter_switch
+
+    standin = AiterStandIn(fmt=harness.fp8_format())
+    standin.install()
+    try:
+        spec = harness.LayerSpec(kv_cache_dtype="fp8", gate=False)
+        for enabled, state in ((False, "refused"), (True, "applied")):
+            monkeypatch.setattr(rocm_aiter_ops, "is_enabled", classmethod(lambda cls, on=enabled: on))
+            with overlay(tmp_path / str(enabled), K3_AMD_OVERLAY="qk_cache",
+                         K3_AMD_OVERLAY_QK_CACHE_PROVIDER="aiter") as activation:
+                harness.build_layer(spec, next_layer_index())
+                entry = activation.evidence.fusion("qk_cache")
+                assert entry["state"] == state, entry
+                assert ("vLLM has AITER switched off" in entry["reason"]) is not enabled, entry
+            norm = with_vllm_aiter_switch({"aiter": None, "triton": None})
+            assert norm == {"aiter": None if enabled else layer_state.AITER_SWITCHED_OFF, "triton": None}
+    finally:
+        standin.uninstall()
+
+
+def test_known_vllm_defects_are_recognised_in_the_releases_that_have_them():
+    from k3_amd_overlay.versions import installed_vllm_version
+
+    expected = ["vllm-k3-fused-qk-prep-reads-W_UK_T-before-load"] if installed_vllm_version().startswith("0.32") else []
+    assert vllm_defects() == expected
+
+
+@pytest.mark.parametrize("switch", [None, "1", "stock", "qkv_norm"])
+def test_vllm_032_defect_is_named_not_worsened(switch, tmp_path, monkeypatch, aiter_dual_norm_standin):
+    """vLLM 0.32 with AITER MLA on and the fp8 BMM off cannot build a 4-head K3 layer: it reads
+    W_UK_T before the weights exist. The overlay leaves that failure exactly as it is (same
+    exception, in every mode), names the defect on it, and records it in the marker."""
+    if "vllm-k3-fused-qk-prep-reads-W_UK_T-before-load" not in vllm_defects():
+        pytest.skip("this vLLM does not have the defect")
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    aiter_on(monkeypatch, mla=True)
+    monkeypatch.setattr(rocm_aiter_ops, "is_fp8bmm_enabled", classmethod(lambda cls: False))
+    monkeypatch.setattr(rocm_aiter_ops, "is_fp4bmm_enabled", classmethod(lambda cls: False))
+    for name, value in (("VLLM_ROCM_USE_AITER", "1"), ("VLLM_ROCM_USE_AITER_FP8BMM", "0"),
+                        ("VLLM_ROCM_USE_AITER_FP4BMM", "0")):
+        monkeypatch.setenv(name, value)
+    spec = harness.LayerSpec(num_heads=4, kv_cache_dtype="fp8", **K3_LAYER)
+    if switch is None:
+        with pytest.raises(AttributeError, match="W_UK_T"):
+            harness.build_layer(spec, next_layer_index())
+        return
+    with overlay(tmp_path, K3_AMD_OVERLAY=switch) as activation:
+        with pytest.raises(AttributeError, match="W_UK_T") as failure:
+            harness.build_layer(spec, next_layer_index())
+        defects = activation.evidence.record["upstream_defects"]
+        assert [(d["name"], d["triggered"]) for d in defects] == [("vllm-k3-fused-qk-prep-reads-W_UK_T-before-load",
+                                                                   True)]
+    decode_patched = switch != "qkv_norm"  # qkv_norm alone leaves vLLM's decode check unwrapped
+    assert any("a known vLLM defect" in note for note in getattr(failure.value, "__notes__", [])) is decode_patched

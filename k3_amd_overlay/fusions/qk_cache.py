@@ -63,16 +63,23 @@ def _refusal(x: QkCacheInputs) -> str | None:
     return next((reason for refused, reason in refusals if refused), None)
 
 
+UPSTREAM_KEEPS = "; vLLM's own fused decode keeps the layer"
+
+
 def decide_qk_cache(x: QkCacheInputs) -> LayerDecision:
+    """Stock mode forces the three launches; in auto mode a layer vLLM's own fused decode takes
+    stays vLLM's (its own predicate has accepted it); else the overlay's refusals, then a
+    provider. Where the overlay refuses a layer vLLM fuses, vLLM's fused decode keeps it."""
     if x.stock_mode:
         return LayerDecision(FusionState.FORCED_STOCK, None, "stock mode: three launches")
-    refusal = _refusal(x)
-    if refusal:
-        return LayerDecision(FusionState.REFUSED, None, refusal)
     if x.upstream_fuses and x.provider_setting == "auto":
         return LayerDecision(FusionState.UPSTREAM, "aiter", "vLLM's own fused decode takes this layer")
-    return choose_provider(qk_cache_op.FUSED_PROVIDERS, x.provider_setting, x.provider_missing,
-                           f"{x.num_heads} heads, {x.absorb} absorption")
+    refusal = _refusal(x)
+    decision = LayerDecision(FusionState.REFUSED, None, refusal) if refusal else choose_provider(
+        qk_cache_op.FUSED_PROVIDERS, x.provider_setting, x.provider_missing, f"{x.num_heads} heads, {x.absorb} absorption")
+    if decision.state is FusionState.REFUSED and x.upstream_fuses:
+        return LayerDecision(decision.state, None, decision.reason + UPSTREAM_KEEPS)
+    return decision
 
 
 def decide_absorb(x: QkCacheInputs, qk: LayerDecision, provider_setting: str,
@@ -139,10 +146,24 @@ class QkCacheSite:
     context: ContextGetter | None
     on_effective: Callable[[int], None]  # given the batch's (padded) token count
     on_absorb_effective: Callable[[int], None]
+    upstream_fuses: bool = False  # vLLM's own fused decode accepted this layer (0.32+)
 
     @property
     def overlay_fuses(self) -> bool:
         return FusionState.APPLIED in (self.decision.state, self.absorb_decision.state)
+
+    @property
+    def upstream_keeps(self) -> bool:
+        """vLLM's own fused decode runs every batch the overlay does not take: whatever the overlay
+        was not asked for, or refused, keeps doing exactly what vLLM does; only stock mode stops it."""
+        return self.upstream_fuses and FusionState.FORCED_STOCK not in (self.decision.state,
+                                                                        self.absorb_decision.state)
+
+    @property
+    def fused_decode_on(self) -> bool:
+        """The answer for vLLM's ``_fused_qk_prep_supported``: its fused-decode branch is taken where
+        vLLM's own fused decode keeps the layer or the overlay fuses it."""
+        return self.upstream_keeps or self.overlay_fuses
 
     def path_for(self, attn_metadata: Any, slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
                  q_dcp_replicated: torch.Tensor | None) -> str | None:

@@ -13,6 +13,7 @@ from k3_amd_overlay.fusions.qkv_norm import QkvNormSite
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import QKV_NORM
 from k3_amd_overlay.targets import attend_hook
+from k3_amd_overlay.targets.defects import W_UK_T_BEFORE_LOAD
 from k3_amd_overlay.targets.layer_state import DECODE_FUSIONS, QK_CACHE_SITE, QKV_NORM_SITE, LayerInstaller
 
 Wrapped = Callable[..., Any]
@@ -76,9 +77,14 @@ def decide_fused_qk_prep(installer: LayerInstaller) -> Callable[..., bool]:
 
     def _k3_overlay_decide_qk_cache(wrapped: Wrapped, instance: Any, args: tuple[Any, ...],
                                     kwargs: dict[str, Any]) -> bool:
-        upstream = bool(wrapped(*args, **kwargs))
-        site = installer.install_qk_cache(instance, upstream_fuses=upstream)
-        return site.decision.state is FusionState.UPSTREAM or site.overlay_fuses
+        try:
+            upstream = bool(wrapped(*args, **kwargs))
+        except AttributeError as exc:  # vLLM's own defect, as it fails without the overlay: name it
+            if "W_UK_T" in str(exc):
+                exc.add_note(f"k3-amd-overlay: a known vLLM defect, not the overlay's: "
+                             f"{W_UK_T_BEFORE_LOAD.describe()}")
+            raise
+        return installer.install_qk_cache(instance, upstream_fuses=upstream).fused_decode_on
 
     return _k3_overlay_decide_qk_cache
 
@@ -102,11 +108,13 @@ def _k3_overlay_fused_decode(wrapped: Wrapped, instance: Any, args: tuple[Any, .
     if path is not None:  # the overlay's own decision for this batch comes first
         return site.fused_decode(path, instance.mla_attn, q, kv_c_normed, k_pe, output_shape,
                                  attn_metadata, kv_cache, slot_mapping)
-    if site.decision.state is FusionState.UPSTREAM:
-        site.on_effective(q.shape[0])
+    if site.upstream_keeps:  # a batch the overlay does not take, on a layer vLLM fuses: vLLM's own
+        if site.decision.state is FusionState.UPSTREAM:
+            site.on_effective(q.shape[0])
         return wrapped(*args, **kwargs)
-    # Upstream's per-batch test let through a batch the overlay's predicate refuses (it does not
-    # today): the stock attention call writes the KV cache and quantises the query itself.
+    # The overlay turned the branch on for a batch its per-batch predicate refuses (e.g. over the
+    # absorbed path's token limit with qk_cache not requested): the stock attention call writes the
+    # KV cache and quantises the query itself.
     return instance.mla_attn(q, kv_c_normed, k_pe, output_shape=output_shape)
 
 

@@ -59,6 +59,27 @@ def max_batched_tokens() -> int:
         return 0
 
 
+AITER_SWITCHED_OFF = ("vLLM has AITER switched off (rocm_aiter_ops.is_enabled() is False: VLLM_ROCM_USE_AITER "
+                      "is unset or 0, or this is not a supported ROCm GPU)")
+
+
+def vllm_aiter_missing() -> str | None:
+    """AITER providers follow vLLM's own master switch: vLLM registers its AITER ops whenever AITER
+    is installed, whatever VLLM_ROCM_USE_AITER says, so an op being present proves nothing."""
+    try:
+        from vllm._aiter_ops import rocm_aiter_ops
+    except ImportError:  # the ops used without vLLM: no switch to follow
+        return None
+    return None if rocm_aiter_ops.is_enabled() else AITER_SWITCHED_OFF
+
+
+def with_vllm_aiter_switch(missing: dict[str, str | None]) -> dict[str, str | None]:
+    """``missing`` with the aiter provider also refused while vLLM has AITER off."""
+    if missing.get("aiter", "absent") is None:
+        return {**missing, "aiter": vllm_aiter_missing()}
+    return missing
+
+
 def get_attention_context(layer_name: str) -> tuple[Any, Any, torch.Tensor, torch.Tensor | None]:
     from vllm.model_executor.layers.attention.attention import get_attention_context as vllm_ctx
 
@@ -85,11 +106,11 @@ class LayerInstaller:
             has_q_norm=has_q,
             upstream_fuses=upstream_fuses,
             provider_setting=self.settings.provider(QKV_NORM),
-            provider_missing=rmsnorm_pair.provider_missing(
+            provider_missing=with_vllm_aiter_switch(rmsnorm_pair.provider_missing(
                 layer_device(wrapper),
                 q_norm.variance_epsilon if has_q else 0.0,
                 kv_norm.variance_epsilon,
-            ) if has_q and not self.stock else {},
+            )) if has_q and not self.stock else {},
         )
         decision = decide_qkv_norm(inputs)
         callback = QKvNorm(q_norm, kv_norm, decision.provider) if decision.state is FusionState.APPLIED else None
@@ -105,7 +126,8 @@ class LayerInstaller:
         inputs = QkCacheInputs(
             stock_mode=self.stock,
             provider_setting=self.settings.provider(QK_CACHE),
-            provider_missing={} if self.stock else qk_cache.provider_missing(layer_device(wrapper)),
+            provider_missing={} if self.stock else with_vllm_aiter_switch(qk_cache.provider_missing(
+                layer_device(wrapper))),
             kv_cache_dtype=str(attn.kv_cache_dtype),
             rotation=rotation_kind(wrapper.rotary_emb),
             dcp_world_size=int(getattr(impl, "dcp_world_size", 1) or 1),
@@ -135,6 +157,7 @@ class LayerInstaller:
             context=None,
             on_effective=self.evidence.effective_hook(QK_CACHE, attn.layer_name),
             on_absorb_effective=self.evidence.effective_hook(ABSORB_QK_CACHE, attn.layer_name),
+            upstream_fuses=upstream_fuses,
         )
         if site.overlay_fuses:
             site.fmt, site.context = vllm_fp8_format(), get_attention_context

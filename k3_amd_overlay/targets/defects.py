@@ -1,0 +1,62 @@
+"""Known defects of vLLM's own K3 AMD code that a deployment can hit with or without the overlay:
+recognised by probing the source (as the shapes are), recorded in the marker, shown by the doctor,
+and named on the exception when one fires. The overlay does not work around them: it must not
+make them worse, and it says whose code failed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from k3_amd_overlay.targets import sources as src
+
+K3_WRAPPER = "KimiK3MultiHeadLatentAttentionWrapper"
+
+
+@dataclass(frozen=True)
+class UpstreamDefect:
+    name: str
+    present: Callable[[src.VllmSources], bool]  # this vLLM's source has it
+    triggered: Callable[[Mapping[str, str]], bool]  # the environment that makes it fire
+    when: str  # the trigger, in words
+    what: str  # what fails, and the way out
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.what} (fires when {self.when})"
+
+
+def _fused_qk_prep_reads_w_uk_t(s: src.VllmSources) -> bool:
+    wrapper = src.find_class(s.tree(src.K3_MLA), K3_WRAPPER)
+    method = src.find_method(wrapper, "_fused_qk_prep_supported")
+    return src.mentions(method, "W_UK_T") and src.calls(src.find_method(wrapper, "__init__"),
+                                                        "self._fused_qk_prep_supported")
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    return env.get(name, "1" if default else "0").strip().lower() in ("1", "true")
+
+
+W_UK_T_BEFORE_LOAD = UpstreamDefect(
+    name="vllm-k3-fused-qk-prep-reads-W_UK_T-before-load",
+    present=_fused_qk_prep_reads_w_uk_t,
+    triggered=lambda env: (_flag(env, "VLLM_ROCM_USE_AITER", False) and _flag(env, "VLLM_ROCM_USE_AITER_MLA", True)
+                           and not _flag(env, "VLLM_ROCM_USE_AITER_FP8BMM", True)
+                           and not _flag(env, "VLLM_ROCM_USE_AITER_FP4BMM", True)),
+    when="VLLM_ROCM_USE_AITER=1 with AITER MLA on and VLLM_ROCM_USE_AITER_FP8BMM=0, fp4 BMM off, at >= 4 heads "
+         "per rank",
+    what=(f"vLLM's {K3_WRAPPER}.__init__ calls _fused_qk_prep_supported(), which reads attn.W_UK_T before the "
+          "weights are loaded (W_UK_T does not exist yet): building the model fails with AttributeError, with "
+          "or without this overlay; keep VLLM_ROCM_USE_AITER_FP8BMM on (vLLM then never fuses the decode itself) "
+          "or use a vLLM whose check does not read W_UK_T (0.33)"),
+)
+UPSTREAM_DEFECTS: tuple[UpstreamDefect, ...] = (W_UK_T_BEFORE_LOAD,)
+
+
+def present_defects(sources: src.VllmSources) -> list[UpstreamDefect]:
+    return [d for d in UPSTREAM_DEFECTS if d.present(sources)]
+
+
+def triggered_defects(sources: src.VllmSources, env: Mapping[str, str] | None = None) -> list[UpstreamDefect]:
+    env = os.environ if env is None else env
+    return [d for d in present_defects(sources) if d.triggered(env)]
