@@ -75,8 +75,9 @@ def decide_qk_cache(x: QkCacheInputs) -> LayerDecision:
     if x.upstream_fuses and x.provider_setting == "auto":
         return LayerDecision(FusionState.UPSTREAM, "aiter", "vLLM's own fused decode takes this layer")
     refusal = _refusal(x)
+    detail = f"{x.num_heads} heads, {x.absorb} absorption"
     decision = LayerDecision(FusionState.REFUSED, None, refusal) if refusal else choose_provider(
-        qk_cache_op.FUSED_PROVIDERS, x.provider_setting, x.provider_missing, f"{x.num_heads} heads, {x.absorb} absorption")
+        qk_cache_op.FUSED_PROVIDERS, x.provider_setting, x.provider_missing, detail)
     if decision.state is FusionState.REFUSED and x.upstream_fuses:
         return LayerDecision(decision.state, None, decision.reason + UPSTREAM_KEEPS)
     return decision
