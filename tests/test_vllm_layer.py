@@ -438,3 +438,40 @@ def test_vllm_032_defect_is_named_not_worsened(switch, tmp_path, monkeypatch, ai
                                                                    True)]
     decode_patched = switch != "qkv_norm"  # qkv_norm alone leaves vLLM's decode check unwrapped
     assert any("a known vLLM defect" in note for note in getattr(failure.value, "__notes__", [])) is decode_patched
+
+
+# --- torch.compile: vLLM's STOCK_TORCH_COMPILE mode traces the whole model with fullgraph=True ----
+
+def test_whole_model_compilation_runs_exactly_vllms_code(tmp_path, monkeypatch):
+    """vLLM's STOCK_TORCH_COMPILE mode compiles the whole model with fullgraph=True. Dynamo does not
+    trace into wrapt's wrappers (it calls the wrapped vLLM method itself), so the decision is made
+    when the layer is built: every fusion is refused with the reason, vLLM's own fused-decode
+    check keeps vLLM's answer, and the compiled layer traces without a graph break and computes
+    exactly what the stock layer does; no fused path runs or is recorded."""
+    from vllm.config.compilation import CompilationMode
+
+    monkeypatch.setattr(harness.vllm_config().compilation_config, "mode", CompilationMode.STOCK_TORCH_COMPILE)
+    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    stock, fused, activation, ctx = build_pair(
+        spec, {"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_QKV_NORM_PROVIDER": "reference",
+               "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "reference", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": "reference"},
+        tmp_path)
+    try:
+        for fusion in ("qkv_norm", "qk_cache", "absorb_qk_cache"):
+            entry = activation.evidence.fusion(fusion)
+            assert entry["state"] == "refused" and "STOCK_TORCH_COMPILE" in entry["reason"], (fusion, entry)
+        if hasattr(fused.wrapper, "_fused_qk_prep"):
+            assert fused.wrapper._fused_qk_prep is stock.wrapper._fused_qk_prep
+        torch._dynamo.reset()
+        for layer in (stock, fused):
+            layer.module.forward = torch.compile(layer.module.forward, fullgraph=True, backend="eager")
+        batch = harness.decode_batch([stock, fused], SEQ_LENS, padding=2)
+        out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+        n = batch.num_tokens
+        assert torch.equal(out_fused[:n], out_stock[:n])
+        assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
+        for fusion in ("qkv_norm", "qk_cache", "absorb_qk_cache"):
+            assert activation.evidence.fusion(fusion)["effective"] is False, fusion
+    finally:
+        torch._dynamo.reset()
+        ctx.__exit__(None, None, None)

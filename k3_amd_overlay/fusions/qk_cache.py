@@ -17,13 +17,14 @@ from typing import Any
 import torch
 
 from k3_amd_overlay.fp8 import FUSABLE_KV_CACHE_DTYPES, Fp8Format
-from k3_amd_overlay.fusions.states import FusionState, LayerDecision, choose_provider
+from k3_amd_overlay.fusions.states import TRACED_WHOLE, FusionState, LayerDecision, choose_provider
 from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
 from k3_amd_overlay.ops import qk_cache as qk_cache_op
 from k3_amd_overlay.ops.reference import absorb_w_uk_reference
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS
 
 ABSORB_VARIANTS = ("bf16", "fp8", "fp4", "amx")
+
 ContextGetter = Callable[[str], tuple[Any, Any, torch.Tensor, torch.Tensor | None]]
 
 
@@ -44,6 +45,7 @@ class QkCacheInputs:
     absorb: str  # which W_UK absorption this layer runs: one of ABSORB_VARIANTS
     quant_query_input: bool  # the attention backend takes an fp8 query (stock quantises it too)
     upstream_fuses: bool  # this vLLM's own fused decode takes this layer
+    traced_whole: bool = False  # vLLM compiles the whole model (STOCK_TORCH_COMPILE, fullgraph)
 
 
 def _refusal(x: QkCacheInputs) -> str | None:
@@ -59,6 +61,7 @@ def _refusal(x: QkCacheInputs) -> str | None:
         (x.num_heads < 1, f"{x.num_heads} heads per rank"),
         (x.absorb == "amx", "the AMX (CPU) W_UK absorption is not reproduced"),
         (not x.quant_query_input, "the attention backend does not take an fp8 query"),
+        (x.traced_whole, TRACED_WHOLE),
     ]
     return next((reason for refused, reason in refusals if refused), None)
 
@@ -208,8 +211,9 @@ class QkCacheSite:
     def attend(self, attn: Any, stock: Callable[..., torch.Tensor], q: torch.Tensor,
                kv_c_normed: torch.Tensor, k_pe: torch.Tensor, output_shape: Any = None,
                q_dcp_replicated: torch.Tensor | None = None) -> torch.Tensor:
-        """The one site: a fused decode when the predicate says so for this batch, else stock."""
-        if self.context is not None:
+        """The one site: a fused decode when the predicate says so for this batch, else stock.
+        Under torch.compile tracing it stands down to the stock call (no evidence hook either)."""
+        if self.context is not None and not torch.compiler.is_compiling():
             attn_metadata, _, kv_cache, slot_mapping = self.context(attn.layer_name)
             path = self.path_for(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated)
             if path is not None:

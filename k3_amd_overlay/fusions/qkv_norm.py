@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from k3_amd_overlay.fusions.states import FusionState, LayerDecision, choose_provider
+from k3_amd_overlay.fusions.states import TRACED_WHOLE, FusionState, LayerDecision, choose_provider
 from k3_amd_overlay.ops import rmsnorm_pair
 
 TwoNorms = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -26,6 +26,7 @@ class QkvNormInputs:
     upstream_fuses: bool  # this vLLM's own dual-norm fusion is on for this layer
     provider_setting: str  # auto or a provider name
     provider_missing: dict[str, str | None]  # from ops.rmsnorm_pair.provider_missing
+    traced_whole: bool = False  # vLLM compiles the whole model (STOCK_TORCH_COMPILE, fullgraph)
 
 
 def decide_qkv_norm(inputs: QkvNormInputs) -> LayerDecision:
@@ -33,6 +34,8 @@ def decide_qkv_norm(inputs: QkvNormInputs) -> LayerDecision:
         return LayerDecision(FusionState.FORCED_STOCK, None, "stock mode: two separate RMSNorms")
     if not inputs.has_q_norm:
         return LayerDecision(FusionState.REFUSED, None, "no q norm (q_lora_rank is None)")
+    if inputs.traced_whole and not inputs.upstream_fuses:
+        return LayerDecision(FusionState.REFUSED, None, TRACED_WHOLE)
     if inputs.upstream_fuses and inputs.provider_setting == "auto":
         return LayerDecision(FusionState.UPSTREAM, "aiter", "vLLM's AITER dual RMSNorm is on")
     return choose_provider(rmsnorm_pair.FUSED_PROVIDERS, inputs.provider_setting, inputs.provider_missing)

@@ -18,6 +18,9 @@ class FusionState(str, enum.Enum):
 
 FUSED_STATES = frozenset({FusionState.APPLIED, FusionState.UPSTREAM})
 FUSED_STATE_VALUES = frozenset(s.value for s in FUSED_STATES)
+# Why a layer is refused when vLLM compiles the whole model: one reason for every fusion.
+TRACED_WHOLE = ("vLLM compiles the whole model (STOCK_TORCH_COMPILE, fullgraph=True): the overlay's sites stand "
+                "down under tracing, so the compiled graph holds the stock path")
 
 
 @dataclass(frozen=True)

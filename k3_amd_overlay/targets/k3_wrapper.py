@@ -104,6 +104,10 @@ def _k3_overlay_fused_decode(wrapped: Wrapped, instance: Any, args: tuple[Any, .
         return wrapped(*args, **kwargs)
     q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache, slot_mapping = _fused_decode_args(
         *args, **kwargs)
+    if torch.compiler.is_compiling():  # stand down under tracing: vLLM's own path, or stock
+        if site.upstream_keeps:
+            return wrapped(*args, **kwargs)
+        return instance.mla_attn(q, kv_c_normed, k_pe, output_shape=output_shape)
     path = site.path_for(attn_metadata, slot_mapping, kv_cache, None)
     if path is not None:  # the overlay's own decision for this batch comes first
         return site.fused_decode(path, instance.mla_attn, q, kv_c_normed, k_pe, output_shape,

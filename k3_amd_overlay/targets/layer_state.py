@@ -80,6 +80,18 @@ def with_vllm_aiter_switch(missing: dict[str, str | None]) -> dict[str, str | No
     return missing
 
 
+def whole_model_compiled() -> bool:
+    """vLLM's STOCK_TORCH_COMPILE mode: the whole model goes through ``torch.compile(fullgraph=True)``
+    (vLLM 0.29-0.33's model runner), so every site of the overlay is traced once, and stands down."""
+    try:
+        from vllm.config import get_current_vllm_config
+        from vllm.config.compilation import CompilationMode
+
+        return get_current_vllm_config().compilation_config.mode == CompilationMode.STOCK_TORCH_COMPILE
+    except Exception:  # no config in context (tests, doctor): nothing is compiled
+        return False
+
+
 def get_attention_context(layer_name: str) -> tuple[Any, Any, torch.Tensor, torch.Tensor | None]:
     from vllm.model_executor.layers.attention.attention import get_attention_context as vllm_ctx
 
@@ -111,6 +123,7 @@ class LayerInstaller:
                 q_norm.variance_epsilon if has_q else 0.0,
                 kv_norm.variance_epsilon,
             )) if has_q and not self.stock else {},
+            traced_whole=whole_model_compiled(),
         )
         decision = decide_qkv_norm(inputs)
         callback = QKvNorm(q_norm, kv_norm, decision.provider) if decision.state is FusionState.APPLIED else None
@@ -138,6 +151,7 @@ class LayerInstaller:
             absorb=absorb_variant(attn),
             quant_query_input=bool(getattr(impl, "supports_quant_query_input", False)),
             upstream_fuses=upstream_fuses,
+            traced_whole=whole_model_compiled(),
         )
         requested = self.settings.requested
         decision = decide_qk_cache(inputs) if requested(QK_CACHE) else NOT_REQUESTED
