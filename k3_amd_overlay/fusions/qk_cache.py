@@ -26,6 +26,9 @@ from k3_amd_overlay.package import ABSORB_MAX_TOKENS
 ABSORB_VARIANTS = ("bf16", "fp8", "fp4", "amx")
 
 ContextGetter = Callable[[str], tuple[Any, Any, torch.Tensor, torch.Tensor | None]]
+# Runs one layer's attention step between the KV connector's hooks (wait_for_layer_load before,
+# save_kv_layer after), as vLLM runs its stock attention call: (layer name, the step) -> its output.
+KvTransfer = Callable[[str, Callable[[], torch.Tensor]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ class QkCacheSite:
     on_effective: Callable[[int], None]  # given the batch's (padded) token count
     on_absorb_effective: Callable[[int], None]
     upstream_fuses: bool = False  # vLLM's own fused decode accepted this layer (0.32+)
+    kv_transfer: KvTransfer | None = None  # vLLM's KV-connector hooks (disaggregation, offloading)
 
     @property
     def overlay_fuses(self) -> bool:
@@ -183,7 +187,18 @@ class QkCacheSite:
                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
         """The decode-only MLA step with one fused launch in place of the KV write, the concat and
         the query quant ("qk_cache", after the stock W_UK absorption) or of all four ("absorb");
-        the MQA kernel and the V up-projection are stock's."""
+        the MQA kernel and the V up-projection are stock's. A configured KV connector's per-layer
+        hooks run around it, as around vLLM's stock attention call."""
+
+        def step() -> torch.Tensor:
+            return self._fused_step(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache,
+                                    slot_mapping)
+
+        return self.kv_transfer(attn.layer_name, step) if self.kv_transfer is not None else step()
+
+    def _fused_step(self, path: str, attn: Any, q: torch.Tensor, kv_c_normed: torch.Tensor,
+                    k_pe: torch.Tensor, output_shape: Any, attn_metadata: Any,
+                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
         assert self.fmt is not None
         batch_rows = q.shape[0]  # with CUDA-graph padding: the captured graph's size
         num_tokens = attn_metadata.num_actual_tokens  # CUDA-graph padding rows are not attended

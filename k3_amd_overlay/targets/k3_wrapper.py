@@ -112,10 +112,12 @@ def _k3_overlay_fused_decode(wrapped: Wrapped, instance: Any, args: tuple[Any, .
     if path is not None:  # the overlay's own decision for this batch comes first
         return site.fused_decode(path, instance.mla_attn, q, kv_c_normed, k_pe, output_shape,
                                  attn_metadata, kv_cache, slot_mapping)
-    if site.upstream_keeps:  # a batch the overlay does not take, on a layer vLLM fuses: vLLM's own
-        if site.decision.state is FusionState.UPSTREAM:
-            site.on_effective(q.shape[0])
-        return wrapped(*args, **kwargs)
+    if site.upstream_keeps:  # a batch the overlay does not take, on a layer vLLM fuses: vLLM's own,
+        if site.decision.state is FusionState.UPSTREAM:  # between the KV connector's hooks that vLLM's
+            site.on_effective(q.shape[0])  # own fused decode skips (the stock attention op runs them)
+        if site.kv_transfer is None:
+            return wrapped(*args, **kwargs)
+        return site.kv_transfer(instance.mla_attn.layer_name, lambda: wrapped(*args, **kwargs))
     # The overlay turned the branch on for a batch its per-batch predicate refuses (e.g. over the
     # absorbed path's token limit with qk_cache not requested): the stock attention call writes the
     # KV cache and quantises the query itself.

@@ -92,6 +92,21 @@ def whole_model_compiled() -> bool:
         return False
 
 
+def kv_transfer_hooks() -> Any:
+    """vLLM's own KV-connector decorator (``maybe_transfer_kv_layer``, which wraps the stock MLA
+    attention op) around a one-argument step: the fused decode runs between the same
+    ``wait_for_layer_load`` and ``save_kv_layer`` calls, and is a plain call without a connector."""
+    try:
+        from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+    except ImportError:  # no vLLM (the ops' own tests): no connector either
+        return None
+
+    def _k3_overlay_fused_attention(layer_name: str, step: Any) -> Any:
+        return step()
+
+    return maybe_transfer_kv_layer(_k3_overlay_fused_attention)
+
+
 def get_attention_context(layer_name: str) -> tuple[Any, Any, torch.Tensor, torch.Tensor | None]:
     from vllm.model_executor.layers.attention.attention import get_attention_context as vllm_ctx
 
@@ -173,6 +188,7 @@ class LayerInstaller:
             on_absorb_effective=self.evidence.effective_hook(ABSORB_QK_CACHE, attn.layer_name),
             upstream_fuses=upstream_fuses,
         )
+        site.kv_transfer = kv_transfer_hooks()
         if site.overlay_fuses:
             site.fmt, site.context = vllm_fp8_format(), get_attention_context
         setattr(wrapper, QK_CACHE_SITE, site)

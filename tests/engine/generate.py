@@ -5,6 +5,7 @@
 """
 
 import json
+import os
 import sys
 
 PROMPTS = ["The quick brown fox", "One plus one is", "Kimi reads long documents", "The cache holds keys"]
@@ -14,7 +15,11 @@ def main() -> None:
     from engine_args import llm_kwargs
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=sys.argv[1], **llm_kwargs())
+    kwargs = llm_kwargs()
+    if os.environ.get("K3ENGINE_KV_CONNECTOR"):  # the test kit's recording connector
+        kwargs["kv_transfer_config"] = {"kv_connector": "RecordingConnector", "kv_role": "kv_both",
+                                        "kv_connector_module_path": "k3_engine_testkit"}
+    llm = LLM(model=sys.argv[1], **kwargs)
     max_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 16
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0))
     result = []

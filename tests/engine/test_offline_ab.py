@@ -8,6 +8,8 @@ tests/test_absorb_kernel.py.)"""
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +95,23 @@ def test_stock_arm_evidence(results):
 def test_worker_logs_layer_outcomes(results):
     log = results["qk_cache"]["log"]
     assert "layers built: qk_cache=applied on 2/2 layers" in log, log[-3000:]
+
+
+def test_kv_connector_sees_every_layer_step_on_the_fused_path(checkpoint, tmp_path):
+    """A configured KV connector (vLLM's real kv_transfer_config loading the test kit's recording
+    connector) gets the same wait_for_layer_load / save_kv_layer calls, per layer, with the decode
+    fusions on as with the overlay off: a disaggregated decode instance never reads KV that has not
+    arrived. And the outputs stay bit-identical."""
+    runs = {}
+    for name, switch in (("off", None), ("fused", "qk_cache,absorb_qk_cache")):
+        log = tmp_path / f"{name}-connector.jsonl"
+        runs[name] = run_offline(checkpoint, switch, tmp_path / name, K3ENGINE_KV_CONNECTOR="1",
+                                 K3ENGINE_CONNECTOR_LOG=str(log))
+        assert runs[name]["returncode"] == 0, runs[name]["log"][-4000:]
+        events = [json.loads(line) for line in log.read_text().splitlines()]
+        runs[name]["hooks"] = Counter((e["event"], e["layer"]) for e in events)
+    assert runs["fused"]["outputs"] == runs["off"]["outputs"]
+    assert runs["fused"]["hooks"] == runs["off"]["hooks"]
+    assert sum(runs["off"]["hooks"].values()) > 4 * 2 * 2  # every step of both layers, both hooks
+    worker = layer_records(runs["fused"]["records"])[0]
+    assert worker["fusions"]["absorb_qk_cache"]["runs"]["served"] > 0
