@@ -68,3 +68,27 @@ def test_rmsnorm_pair_graph_replay_with_new_inputs():
         kv.copy_(nkv)
         graph.replay()
         assert rmsnorm_problems(outs, reference_pair(q, kv, q_w, kv_w, 1e-5, 1e-6)) == []
+
+
+def test_aiter_tables_built_before_a_capture_with_no_eager_warm_up_hold_their_values():
+    """The AITER provider's identity table and zero positions, built when the layer is built, are
+    read correctly by a graph captured before any eager call; a table first asked for inside a
+    capture is refused instead of being built there (where its contents would exist only in the
+    graph: on an H200 that gave cos = 0)."""
+    from k3_amd_overlay.ops import aiter_qk_cache
+
+    device = torch.device("cuda")
+    aiter_qk_cache.reserve_identity_table(device, torch.bfloat16, 64)
+    aiter_qk_cache.reserve_zero_positions(device, 64)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cos, sin = aiter_qk_cache.identity_rope_table(device, torch.bfloat16, 64)
+        positions = aiter_qk_cache.zero_positions(device, 8)
+        total = cos[positions].float().sum() + 2 * sin[positions].float().sum() + positions.sum()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert total.item() == 8 * 32
+    with pytest.raises(aiter_qk_cache.BuiltInsideCapture):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            aiter_qk_cache.identity_rope_table(device, torch.float16, 64)

@@ -96,3 +96,20 @@ def test_an_ignored_eps_is_caught():
     kv = kv * 1e-3  # small rows, so eps matters
     got = fused_q_kv_rmsnorm(q, kv, q_w, kv_w, 1e-5, 1e-5, provider="triton")
     assert rmsnorm_problems(got, reference_pair(q, kv, q_w, kv_w, 1e-5, 1e-2))
+
+
+def test_aiter_tables_are_never_built_inside_a_capture(monkeypatch):
+    """CPU stand-in for a capture (tests/test_gpu_graphs.py has the real one): once a capture is
+    under way, a table or buffer not built before is refused; those built before are served."""
+    from k3_amd_overlay.ops import aiter_qk_cache
+
+    cpu = torch.device("cpu")
+    aiter_qk_cache.reserve_identity_table(cpu, torch.bfloat16, 64)
+    aiter_qk_cache.reserve_zero_positions(cpu, 16)
+    monkeypatch.setattr(aiter_qk_cache, "_capturing", lambda device: True)
+    cos, sin = aiter_qk_cache.identity_rope_table(cpu, torch.bfloat16, 64)
+    assert cos.eq(1).all() and sin.eq(0).all() and aiter_qk_cache.zero_positions(cpu, 16).eq(0).all()
+    with pytest.raises(aiter_qk_cache.BuiltInsideCapture, match="identity rope table"):
+        aiter_qk_cache.identity_rope_table(cpu, torch.float16, 64)
+    with pytest.raises(aiter_qk_cache.BuiltInsideCapture, match="zero-positions buffer"):
+        aiter_qk_cache.zero_positions(cpu, 10_000_000)

@@ -225,3 +225,36 @@ def test_a_layer_vllm_fuses_stays_vllms_in_auto_mode_whatever_the_overlay_would_
     named = qk.decide_qk_cache(qk.QkCacheInputs(False, "triton", {"triton": None}, "fp8", "none", 1, False, False,
                                                 None, 4, "bf16", False, True))
     assert named.state is FusionState.REFUSED and named.reason.endswith("vLLM's own fused decode keeps the layer")
+
+
+def test_fp8_query_is_a_view_of_the_backends_padded_buffer(tmp_path, monkeypatch):
+    """Where the backend pads query heads (AITER MLA to 16) the fused path allocates the padded
+    buffer and hands the backend a view of it: the backend's zero-copy branch, not 1-4 copies per
+    layer per step. The values in the real heads are the same as with an unpadded buffer."""
+    monkeypatch.setattr(layer_state, "vllm_fp8_format", lambda: E4M3FN)
+    seen = {}
+    for padded in (0, 16):
+        settings = load_settings({"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "reference",
+                                  "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path)})
+        installer = layer_state.LayerInstaller(settings, Evidence(settings))
+        torch.manual_seed(0)  # the same W_UK_T for both layers
+        wrapper, attn, stock = make_layer(3, "fp8", "none", False, False, 1, [], [])
+        site = installer.install_qk_cache(wrapper, upstream_fuses=False)
+        site.query_heads = padded
+        queries = []
+        def forward_mqa(q, cache, md, layer, queries=queries):
+            queries.append(q)
+            return torch.zeros(q.shape[0], 3, L), None
+
+        attn.impl.forward_mqa = forward_mqa
+        md, cache = metadata("decode", 4), torch.zeros(4, 8, L + R, dtype=torch.uint8)
+        slots = torch.tensor([3, 9, 17, 30])
+        site.context = lambda name, md=md, cache=cache, slots=slots: (md, attn, cache, slots)
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(4, 3, NOPE + R, generator=gen).to(torch.bfloat16)
+        kv_c, k_pe = torch.randn(4, L, generator=gen).to(torch.bfloat16), torch.randn(4, 1, R, generator=gen)
+        site.attend(attn, stock, q, kv_c, k_pe.to(torch.bfloat16), output_shape=(4, 12))
+        seen[padded] = queries[0]
+    assert seen[0].is_contiguous() and tuple(seen[0].shape) == (4, 3, L + R)
+    assert tuple(seen[16].shape) == (4, 3, L + R) and seen[16].stride(0) == 16 * (L + R)
+    assert torch.equal(seen[16].view(torch.uint8), seen[0].view(torch.uint8))

@@ -475,3 +475,34 @@ def test_whole_model_compilation_runs_exactly_vllms_code(tmp_path, monkeypatch):
     finally:
         torch._dynamo.reset()
         ctx.__exit__(None, None, None)
+
+
+def test_a_layer_on_the_aiter_provider_builds_its_tables_when_built(tmp_path, monkeypatch):
+    from k3_amd_overlay.ops import aiter_qk_cache
+
+    monkeypatch.setattr(layer_state, "vllm_aiter_missing", lambda: None)
+    monkeypatch.setattr(aiter_qk_cache, "_identity_tables", {})
+    standin = AiterStandIn(fmt=harness.fp8_format())
+    standin.install()
+    try:
+        spec = harness.LayerSpec(kv_cache_dtype="fp8")
+        with overlay(tmp_path, K3_AMD_OVERLAY="qk_cache", K3_AMD_OVERLAY_QK_CACHE_PROVIDER="aiter"):
+            harness.build_layer(spec, next_layer_index())
+            assert list(aiter_qk_cache._identity_tables) == [(torch.device("cpu"), spec.dtype, spec.rope)]
+    finally:
+        standin.uninstall()
+
+
+@pytest.mark.parametrize("heads", [1, 3, 4, 12, 16])
+def test_query_heads_follow_the_aiter_backends_own_padding(heads):
+    """The padded head count comes from vLLM's own AiterMLAHelper, and is used only where that
+    vLLM's backend takes a padded view without copying (0.33: head counts that do not divide 16)."""
+    from types import SimpleNamespace
+
+    from k3_amd_overlay.versions import installed_vllm_version
+
+    aiter_impl = type("AiterMLAImpl", (), {"__module__": layer_state.AITER_MLA_MODULE})()
+    other_impl = type("CPUMLAImpl", (), {"__module__": "vllm.v1.attention.backends.mla.cpu_mla"})()
+    zero_copy = installed_vllm_version().startswith("0.33") and 16 % heads != 0
+    assert layer_state.padded_query_heads(SimpleNamespace(impl=aiter_impl), heads) == (16 if zero_copy else heads)
+    assert layer_state.padded_query_heads(SimpleNamespace(impl=other_impl), heads) == heads

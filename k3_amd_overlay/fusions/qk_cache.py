@@ -155,6 +155,7 @@ class QkCacheSite:
     on_absorb_effective: Callable[[int], None]
     upstream_fuses: bool = False  # vLLM's own fused decode accepted this layer (0.32+)
     kv_transfer: KvTransfer | None = None  # vLLM's KV-connector hooks (disaggregation, offloading)
+    query_heads: int = 0  # heads the fp8 query buffer is allocated with (> the layer's: backend padding)
 
     @property
     def overlay_fuses(self) -> bool:
@@ -205,8 +206,11 @@ class QkCacheSite:
         q = q[:num_tokens]
         q_nope, q_pe = q.split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
         cache = kv_cache if kv_cache.dtype == self.fmt.dtype else kv_cache.view(self.fmt.dtype)
-        q_out = torch.empty((num_tokens, q.shape[1], attn.kv_lora_rank + attn.qk_rope_head_dim),
-                            dtype=self.fmt.dtype, device=q.device)
+        # Where the backend pads the query heads (AITER MLA), the query is a view of a buffer that wide,
+        # which the backend takes without copying.
+        heads = q.shape[1]
+        q_out = torch.empty((num_tokens, max(self.query_heads, heads), attn.kv_lora_rank + attn.qk_rope_head_dim),
+                            dtype=self.fmt.dtype, device=q.device)[:, :heads]
         kv_c, k_pe, slots = kv_c_normed[:num_tokens], k_pe[:num_tokens].reshape(num_tokens, -1), \
             slot_mapping.flatten()[:num_tokens]
         if path == "absorb":

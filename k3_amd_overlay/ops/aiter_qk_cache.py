@@ -63,22 +63,44 @@ def op_arity(op: Callable[..., Any]) -> int:
         return AITER_BASE_ARITY
 
 
-def identity_rope_table(device: torch.device, dtype: torch.dtype, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row of cos = 1, sin = 0, made once per (device, dtype, rope_dim) and shared."""
+class BuiltInsideCapture(RuntimeError):
+    """A table or buffer the fused path needs was not built before a CUDA/HIP-graph capture: built
+    inside one, its contents exist only in the graph (on an H200: cos = 0), so it is never built there."""
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _not_inside_capture(device: torch.device, what: str) -> None:
+    if _capturing(device):
+        raise BuiltInsideCapture(f"{what} on {device} was not built before graph capture; build it when the "
+                                 "layer is built (reserve_identity_table / reserve_zero_positions)")
+
+
+def reserve_identity_table(device: torch.device, dtype: torch.dtype, rope_dim: int) -> None:
+    """Build the one-row cos = 1, sin = 0 table for (device, dtype, rope_dim), eagerly, once."""
     key = (device, dtype, rope_dim)
     if key not in _identity_tables:
+        _not_inside_capture(device, f"the identity rope table ({dtype}, {rope_dim})")
         half = rope_dim // 2
         _identity_tables[key] = (
             torch.ones(1, half, dtype=dtype, device=device),
             torch.zeros(1, half, dtype=dtype, device=device),
         )
-    return _identity_tables[key]
+
+
+def identity_rope_table(device: torch.device, dtype: torch.dtype, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared one-row identity table (built here if need be, but never inside a capture)."""
+    reserve_identity_table(device, dtype, rope_dim)
+    return _identity_tables[(device, dtype, rope_dim)]
 
 
 def reserve_zero_positions(device: torch.device, num_tokens: int) -> None:
-    """Size the shared zero-positions buffer of a device ahead of graph capture."""
+    """Size the shared zero-positions buffer of a device, eagerly (ahead of any graph capture)."""
     held = _zero_positions.get(device)
     if held is None or held.numel() < num_tokens:
+        _not_inside_capture(device, f"the zero-positions buffer for {num_tokens} tokens")
         _zero_positions[device] = torch.zeros(max(num_tokens, 1), dtype=torch.int64, device=device)
 
 

@@ -92,6 +92,28 @@ def whole_model_compiled() -> bool:
         return False
 
 
+AITER_MLA_MODULE = "vllm.v1.attention.backends.mla.rocm_aiter_mla"
+
+
+def padded_query_heads(attn: Any, num_heads: int) -> int:
+    """How many query heads to allocate the fp8 query with: the attention backend's own padded
+    count where the backend pads (AITER MLA: ``AiterMLAHelper.get_actual_mla_num_heads``) and takes
+    a view of a buffer that wide without copying (vLLM 0.33's ``get_mla_padded_q``, asked with a
+    one-token probe); else the layer's own head count (the backend copies whatever it is given)."""
+    if type(attn.impl).__module__ != AITER_MLA_MODULE:
+        return num_heads
+    try:
+        from vllm.v1.attention.backends.mla.rocm_aiter_mla import AiterMLAHelper
+    except ImportError:
+        return num_heads
+    padded = int(AiterMLAHelper.get_actual_mla_num_heads(num_heads))
+    if padded == num_heads:
+        return num_heads
+    probe = torch.empty(1, padded, 1)[:, :num_heads]
+    zero_copy = AiterMLAHelper.get_mla_padded_q(num_heads, probe).data_ptr() == probe.data_ptr()
+    return padded if zero_copy else num_heads
+
+
 def kv_transfer_hooks() -> Any:
     """vLLM's own KV-connector decorator (``maybe_transfer_kv_layer``, which wraps the stock MLA
     attention op) around a one-argument step: the fused decode runs between the same
@@ -177,7 +199,10 @@ class LayerInstaller:
                                        layer_device(wrapper), attn.qk_nope_head_dim, attn.kv_lora_rank,
                                        attn.qk_rope_head_dim))
         if decision.state is FusionState.APPLIED and decision.provider == "aiter":
+            # every table and buffer the fused path reads, built now, never inside a graph capture
             aiter_qk_cache.reserve_zero_positions(layer_device(wrapper), max_batched_tokens())
+            aiter_qk_cache.reserve_identity_table(layer_device(wrapper), wrapper.kv_a_layernorm.weight.dtype,
+                                                  attn.qk_rope_head_dim)
         site = QkCacheSite(
             decision=decision,
             absorb_decision=absorb,
@@ -189,6 +214,7 @@ class LayerInstaller:
             upstream_fuses=upstream_fuses,
         )
         site.kv_transfer = kv_transfer_hooks()
+        site.query_heads = padded_query_heads(attn, inputs.num_heads)
         if site.overlay_fuses:
             site.fmt, site.context = vllm_fp8_format(), get_attention_context
         setattr(wrapper, QK_CACHE_SITE, site)
