@@ -90,6 +90,7 @@ class Evidence:
             "vllm_shape": shape,
             "patches": [],
             "upstream_defects": [],
+            "coverage": {},
             "fusions": {
                 f: {"state": self._initial_state(settings, f).value, "provider": None,
                     "reason": self._initial_reason(settings, f), "layers": 0, "layer_states": {},
@@ -125,6 +126,14 @@ class Evidence:
             self.record["vllm_shape"] = shape
             self.record["patches"] = patches
             self._write()
+
+    def set_coverage(self, coverage: dict[str, Any]) -> None:
+        """What the process serves and what the overlay does not cover there (targets/layer_state)."""
+        with self._lock:
+            self.record["coverage"] = coverage
+            self._write()
+        for gap in coverage.get("not_covered", []):
+            _emit(logging.WARNING, f"k3-amd-overlay: not covered in this process: {gap}")
 
     def set_upstream_defects(self, defects: list[dict[str, Any]]) -> None:
         """Known defects of this vLLM's own K3 code (targets/defects.py), and whether this

@@ -506,3 +506,20 @@ def test_query_heads_follow_the_aiter_backends_own_padding(heads):
     zero_copy = installed_vllm_version().startswith("0.33") and 16 % heads != 0
     assert layer_state.padded_query_heads(SimpleNamespace(impl=aiter_impl), heads) == (16 if zero_copy else heads)
     assert layer_state.padded_query_heads(SimpleNamespace(impl=other_impl), heads) == heads
+
+
+@pytest.mark.parametrize("method,gaps", [(None, 0), ("mtp", 0), ("dspark", 1)])
+def test_coverage_names_the_model_and_what_is_not_covered(method, gaps, monkeypatch):
+    from types import SimpleNamespace
+
+    import vllm.config
+
+    hf_config = SimpleNamespace(architectures=["KimiK3ForConditionalGeneration"])
+    config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config),
+                             speculative_config=method and SimpleNamespace(method=method))
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: config)
+    coverage = layer_state.model_coverage()
+    assert coverage["architectures"] == ["KimiK3ForConditionalGeneration"] and coverage["speculative_method"] == method
+    assert len(coverage["not_covered"]) == gaps
+    if gaps:
+        assert "DSpark" in coverage["not_covered"][0]

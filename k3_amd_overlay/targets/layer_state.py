@@ -129,6 +129,26 @@ def kv_transfer_hooks() -> Any:
     return maybe_transfer_kv_layer(_k3_overlay_fused_attention)
 
 
+DSPARK_NOT_COVERED = ("the DSpark drafter (speculative method 'dspark', K3DSparkModel) builds vLLM's NVIDIA MLA, "
+                      "not the K3 AMD layers the overlay patches: its decode runs stock")
+
+
+def model_coverage() -> dict[str, Any]:
+    """What this process serves, for the marker: the model's architectures (Kimi-K3, or Kimi-Linear,
+    whose MLA layers are the same ``amd/linear.py`` class and take the same fusions), the
+    speculative method (MTP draft layers are K3 AMD layers and are covered) and what is not covered."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        config = get_current_vllm_config()
+        architectures = list(getattr(config.model_config.hf_config, "architectures", None) or [])
+        method = getattr(config.speculative_config, "method", None) if config.speculative_config else None
+    except Exception:  # no model config in context (tests, doctor)
+        return {}
+    return {"architectures": architectures, "speculative_method": method,
+            "not_covered": [DSPARK_NOT_COVERED] if method == "dspark" else []}
+
+
 def get_attention_context(layer_name: str) -> tuple[Any, Any, torch.Tensor, torch.Tensor | None]:
     from vllm.model_executor.layers.attention.attention import get_attention_context as vllm_ctx
 
@@ -141,12 +161,19 @@ class LayerInstaller:
 
     settings: OverlaySettings
     evidence: Evidence
+    coverage_recorded: bool = False
+
+    def record_coverage(self) -> None:
+        if not self.coverage_recorded:
+            self.coverage_recorded = True
+            self.evidence.set_coverage(model_coverage())
 
     @property
     def stock(self) -> bool:
         return self.settings.mode is Mode.STOCK
 
     def install_qkv_norm(self, wrapper: Any, upstream_fuses: bool) -> QkvNormSite:
+        self.record_coverage()
         q_norm = wrapper.q_a_layernorm
         kv_norm = wrapper.kv_a_layernorm
         has_q = q_norm is not None
@@ -171,6 +198,7 @@ class LayerInstaller:
         return site
 
     def install_qk_cache(self, wrapper: Any, upstream_fuses: bool) -> QkCacheSite:
+        self.record_coverage()
         attn = wrapper.mla_attn
         impl = attn.impl
         inputs = QkCacheInputs(

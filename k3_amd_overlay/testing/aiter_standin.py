@@ -111,13 +111,13 @@ class AiterStandIn:
             "arity": 14 + len(extra), "slot_mapping": slot_mapping.clone(),
         })
         self._compute(q_nope, q_pe, kv2, pe2, kv_cache, q_out, slot_mapping, k_scale, q_scale,
-                      positions, cos_cache, sin_cache, is_neox, compute_all_q_rope, clamps)
+                      positions, cos_cache, sin_cache, is_neox, compute_all_q_rope, clamps, is_nope_first)
 
     def _compute(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
                  k_pe: torch.Tensor, kv_cache: torch.Tensor, q_out: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor, q_scale: torch.Tensor,
                  positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-                 is_neox: bool, compute_all_q_rope: bool, clamps: bool) -> None:
+                 is_neox: bool, compute_all_q_rope: bool, clamps: bool, is_nope_first: bool = True) -> None:
         tokens = q_nope.shape[0]
         pos = positions[:tokens]
         if clamps:
@@ -145,15 +145,18 @@ class AiterStandIn:
         def rope_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             return (x * (1.0 / scale.float().reshape(-1)[0])).to(dtype) if fp8 else x.to(dtype)
 
+        def ordered(nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+            # AITER's layout switch: [nope | rope] when is_nope_first, else [rope | nope]
+            return torch.cat([nope, rope] if is_nope_first else [rope, nope], dim=-1)
+
         rows = (slot_mapping >= 0) | compute_all_q_rope
-        q_vals = torch.cat([nope_cast(q_nope, q_scale, q_out.dtype),
-                            rope_cast(rotate(q_pe.float()), q_scale, q_out.dtype)], dim=-1)
+        q_vals = ordered(nope_cast(q_nope, q_scale, q_out.dtype), rope_cast(rotate(q_pe.float()), q_scale, q_out.dtype))
         q_out[rows] = q_vals[rows]
         valid = (slot_mapping >= 0).nonzero().squeeze(1)
         slots = slot_mapping[valid]
         block_size = kv_cache.shape[1]
-        kv_vals = torch.cat([nope_cast(kv_c, k_scale, kv_cache.dtype),
-                             rope_cast(rotate(k_pe.float()), k_scale, kv_cache.dtype)], dim=-1)
+        kv_vals = ordered(nope_cast(kv_c, k_scale, kv_cache.dtype), rope_cast(rotate(k_pe.float()), k_scale,
+                                                                             kv_cache.dtype))
         kv_cache[slots // block_size, slots % block_size] = kv_vals[valid]
 
     def install(self) -> None:

@@ -60,7 +60,9 @@ def test_fused_arm_evidence(results, arm, fusions):
     roles = sorted(r["role"] for r in records)
     assert "main" in roles and len(layer_records(records)) == 1, roles
     worker = layer_records(records)[0]
-    assert worker["vllm_version"] == "0.32.0+cpu" or worker["vllm_version"].startswith("0.32.0")
+    assert worker["vllm_version"].startswith("0.32.0")
+    assert worker["coverage"] == {"architectures": ["KimiK3ForConditionalGeneration"], "speculative_method": None,
+                                  "not_covered": []}
     for fusion in fusions:
         entry = worker["fusions"][fusion]
         assert entry["state"] == "applied" and entry["provider"] == "reference", entry
@@ -115,3 +117,20 @@ def test_kv_connector_sees_every_layer_step_on_the_fused_path(checkpoint, tmp_pa
     assert sum(runs["off"]["hooks"].values()) > 4 * 2 * 2  # every step of both layers, both hooks
     worker = layer_records(runs["fused"]["records"])[0]
     assert worker["fusions"]["absorb_qk_cache"]["runs"]["served"] > 0
+
+
+def test_kimi_linear_is_in_scope_and_recorded(tmp_path_factory):
+    """Kimi-Linear (KimiLinearForCausalLM) builds the same amd/linear.py MLA layers as Kimi-K3: it is
+    deliberately in scope, takes the same fusions, bit-identical to off, and the marker names it."""
+    from tiny_k3 import write_checkpoint
+
+    root = tmp_path_factory.mktemp("kimi-linear")
+    checkpoint = write_checkpoint(root / "checkpoint", architecture="KimiLinearForCausalLM")
+    off = run_offline(checkpoint, None, root / "off")
+    fused = run_offline(checkpoint, "qk_cache,qkv_norm", root / "fused")
+    assert off["returncode"] == 0 and fused["returncode"] == 0, fused["log"][-4000:]
+    assert fused["outputs"] == off["outputs"]
+    worker = layer_records(fused["records"])[0]
+    assert worker["coverage"]["architectures"] == ["KimiLinearForCausalLM"]
+    assert worker["fusions"]["qk_cache"]["state"] == "applied" and worker["fusions"]["qk_cache"]["layers"] == 2
+    assert worker["fusions"]["qk_cache"]["runs"]["served"] > 0

@@ -48,8 +48,9 @@ def _train_tokenizer(target: Path) -> int:
     return tokenizer.get_vocab_size()
 
 
-def write_checkpoint(target: Path) -> Path:
-    """Write the checkpoint's files into ``target`` (created) and return it."""
+def write_checkpoint(target: Path, architecture: str = "KimiK3ForConditionalGeneration") -> Path:
+    """Write the checkpoint's files into ``target`` (created) and return it: Kimi-K3 by default, or
+    ``KimiLinearForCausalLM`` (Kimi-Linear: the same ``amd/linear.py`` MLA layers, no vision)."""
     target.mkdir(parents=True, exist_ok=True)
     vocab = _train_tokenizer(target)
     ids = {name: i for i, name in enumerate(SPECIALS)}
@@ -79,6 +80,8 @@ def write_checkpoint(target: Path) -> Path:
         "bos_token_id": ids["<|bos|>"], "eos_token_id": ids["<|eos|>"],
         "torch_dtype": "bfloat16", "tie_word_embeddings": False,
     }
+    if architecture == "KimiLinearForCausalLM":
+        config = {**text_config, "architectures": [architecture], "layer_types": ["full_attention"] * LAYERS}
     (target / "config.json").write_text(json.dumps(config, indent=1))
     (target / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": ids["<|bos|>"], "eos_token_id": ids["<|eos|>"]}))

@@ -1,0 +1,336 @@
+"""Realistic faults that the rest of the suite once let through, one test each (each fails with its
+fault planted, passes on the code): the check's verdicts, the decode predicate and its per-batch
+choice, the norm callback, the per-layer readings, the older shapes' seams, the AITER call, the
+activation lifecycle, markers and the census."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import HAS_VLLM
+
+from k3_amd_overlay import census, markers
+from k3_amd_overlay.evidence import Evidence
+from k3_amd_overlay.fusions import qk_cache as qk
+from k3_amd_overlay.fusions.qkv_norm import QKvNorm, QkvNormSite
+from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.ops.reference import rmsnorm_reference
+from k3_amd_overlay.package import ABSORB_MAX_TOKENS
+from k3_amd_overlay.settings import load_settings
+from k3_amd_overlay.targets import attend_hook, layer_state
+from k3_amd_overlay.verdict import judge
+
+APPLIED = LayerDecision(FusionState.APPLIED, "reference", "")
+
+
+def entry(state, served=0, warmup=0, effective=None, layers=2):
+    effective = bool(served or warmup) if effective is None else effective
+    return {"state": state, "provider": "reference", "reason": "r", "layers": layers, "effective": effective,
+            "runs": {"warmup": warmup, "capture": 0, "served": served}, "captured_sizes": []}
+
+
+def record(mode, **fusions):
+    return {"pid": 7, "role": "worker", "vllm_version": "0.33.0", "mode": mode, "fusions": fusions}
+
+
+# --- verdict.py ------------------------------------------------------------------------------
+
+def test_fused_needs_each_fusion_to_have_served_not_one_of_them():
+    rec = record("auto", qkv_norm=entry("applied", served=3), qk_cache=entry("applied"))
+    verdict = judge([rec], "fused", None, require_effective=True)
+    assert not verdict.holds
+    assert any(line.startswith("FAIL qk_cache: no process has run its fused path yet") for line in verdict.lines)
+
+
+def test_stock_fails_where_a_fused_path_ran_even_in_stock_mode():
+    rec = record("stock", qkv_norm=entry("forced-stock", served=1), qk_cache=entry("forced-stock"))
+    verdict = judge([rec], "stock", None, require_effective=True)
+    assert not verdict.holds and any("its fused path ran" in line for line in verdict.lines)
+
+
+def test_a_refused_fusion_stays_in_the_requested_set():
+    rec = record("auto", qkv_norm=entry("applied", served=3), qk_cache=entry("refused"),
+                 absorb_qk_cache=entry("disabled"))
+    verdict = judge([rec], "fused", None, require_effective=True)
+    assert not verdict.holds and any(line.startswith("FAIL") and "qk_cache=refused" in line for line in verdict.lines)
+
+
+# --- fusions/qk_cache.py: the per-batch half of the predicate --------------------------------
+
+def site(hooks: list) -> qk.QkCacheSite:
+    return qk.QkCacheSite(APPLIED, APPLIED, "bf16", None, None, lambda n: hooks.append(("qk", n)),
+                          lambda n: hooks.append(("absorb", n)))
+
+
+def batch(tokens, decode=None):
+    return SimpleNamespace(num_actual_tokens=tokens, num_decode_tokens=tokens if decode is None else decode)
+
+
+def test_consulting_the_per_batch_choice_marks_nothing():
+    hooks: list = []
+    s = site(hooks)
+    assert s.path_for(batch(6, decode=3), torch.zeros(6), torch.zeros(4), None) is None
+    assert s.path_for(batch(6), torch.zeros(6), torch.zeros(4), None) == "absorb"
+    assert hooks == []  # only the fused decode itself records that it ran
+
+
+def test_absorb_takes_batches_up_to_and_including_its_limit():
+    s = site([])
+    slots, cache = torch.zeros(ABSORB_MAX_TOKENS + 1), torch.zeros(4)
+    assert s.path_for(batch(ABSORB_MAX_TOKENS), slots, cache, None) == "absorb"
+    assert s.path_for(batch(ABSORB_MAX_TOKENS + 1), slots, cache, None) == "qk_cache"
+
+
+def test_no_cache_or_a_replicated_dcp_query_is_never_fused():
+    assert not qk.batch_fusable(batch(4), torch.zeros(4), torch.zeros(0), None)
+    assert not qk.batch_fusable(batch(4), torch.zeros(4), torch.zeros(4), torch.zeros(4))
+    assert qk.batch_fusable(batch(4), torch.zeros(4), torch.zeros(4), None)
+
+
+def test_decode_site_stands_down_under_fullgraph_tracing(tmp_path):
+    hooks: list = []
+    s = site(hooks)
+    s.context = lambda name: (batch(2), None, torch.zeros(4), torch.zeros(2))
+    attn = SimpleNamespace(layer_name="layer.0")
+
+    def stock(q, kv, pe, output_shape=None, q_dcp_replicated=None):
+        return q * 2
+
+    traced = torch.compile(lambda q: s.attend(attn, stock, q, q, q, output_shape=(2, 2)), fullgraph=True,
+                           backend="eager")
+    torch._dynamo.reset()
+    try:
+        assert torch.equal(traced(torch.ones(2, 2)), torch.full((2, 2), 2.0))
+    finally:
+        torch._dynamo.reset()
+    assert hooks == []
+
+
+# --- fusions/qkv_norm.py -------------------------------------------------------------------
+
+def norms(q_eps=1e-2, kv_eps=1e-6):
+    q_norm = SimpleNamespace(weight=(1 + 0.1 * torch.randn(64)).to(torch.bfloat16), variance_epsilon=q_eps)
+    kv_norm = SimpleNamespace(weight=(1 + 0.1 * torch.randn(32)).to(torch.bfloat16), variance_epsilon=kv_eps)
+    return q_norm, kv_norm
+
+
+def test_the_norm_callback_uses_each_norms_own_eps():
+    q_norm, kv_norm = norms()
+    q_c, kv_c = (torch.randn(5, 64) * 0.05).to(torch.bfloat16), (torch.randn(5, 32) * 0.05).to(torch.bfloat16)
+    got_q, got_kv = QKvNorm(q_norm, kv_norm, "reference")(q_c, kv_c)
+    assert torch.equal(got_q, rmsnorm_reference(q_c, q_norm.weight, 1e-2))
+    assert torch.equal(got_kv, rmsnorm_reference(kv_c, kv_norm.weight, 1e-6))
+
+
+def test_norm_site_stands_down_under_fullgraph_tracing():
+    q_norm, kv_norm = norms()
+    calls: list = []
+    norm_site = QkvNormSite(APPLIED, QKvNorm(q_norm, kv_norm, "reference"), calls.append)
+
+    def two_norms(x, w, eps):
+        return rmsnorm_reference(x, w, eps)
+
+    q_mod = lambda x: two_norms(x, q_norm.weight, q_norm.variance_epsilon)  # noqa: E731
+    kv_mod = lambda x: two_norms(x, kv_norm.weight, kv_norm.variance_epsilon)  # noqa: E731
+    traced = torch.compile(lambda a, b: norm_site.normalize(q_mod, kv_mod, None, a, b), fullgraph=True,
+                           backend="eager")
+    torch._dynamo.reset()
+    try:
+        traced(torch.randn(3, 64).to(torch.bfloat16), torch.randn(3, 32).to(torch.bfloat16))
+    finally:
+        torch._dynamo.reset()
+    assert calls == []
+
+
+# --- targets/layer_state.py --------------------------------------------------------------------
+
+def test_the_absorption_variant_is_read_fp4_first_as_vllm_does():
+    both = SimpleNamespace(is_aiter_triton_fp4_bmm_enabled=True, is_aiter_triton_fp8_bmm_enabled=True)
+    assert layer_state.absorb_variant(both) == "fp4"
+
+
+def test_norm_providers_are_judged_with_both_eps(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(layer_state.rmsnorm_pair, "provider_missing",
+                        lambda device, q_eps, kv_eps: seen.append((q_eps, kv_eps)) or {"reference": None})
+    settings = load_settings({"K3_AMD_OVERLAY": "qkv_norm", "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path)})
+    q_norm, kv_norm = norms(q_eps=1e-5, kv_eps=1e-3)
+    wrapper = SimpleNamespace(q_a_layernorm=SimpleNamespace(**vars(q_norm)), kv_a_layernorm=kv_norm,
+                              mla_attn=SimpleNamespace(layer_name="layer.0"))
+    layer_state.LayerInstaller(settings, Evidence(settings)).install_qkv_norm(wrapper, upstream_fuses=False)
+    assert seen == [(1e-5, 1e-3)]
+
+
+# --- the older shapes' seams ---------------------------------------------------------------------
+
+def test_the_plain_wrapper_front_end_is_never_taken_with_a_rotary_embedding():
+    from k3_amd_overlay.targets.plain_wrapper import k3_wrapper_class
+
+    cls = k3_wrapper_class(type("SharedWrapper", (), {}), None, frozenset())
+    layer = SimpleNamespace(q_lora_rank=1536, rotary_emb=None, indexer=None, is_sparse=False, dcp_q_replicate=False)
+    layer.__dict__[layer_state.QKV_NORM_SITE] = QkvNormSite(APPLIED, None, lambda n: None)
+    assert cls._k3_front_end(layer) is True
+    layer.rotary_emb = object()  # a real rotation: RoPE must run, so the stock forward does
+    assert cls._k3_front_end(layer) is False
+
+
+def test_the_decode_hook_passes_the_dcp_query_to_the_stock_call():
+    seen = {}
+
+    class Attention:
+        def forward(self, q, kv_c_normed, k_pe, output_shape=None, q_dcp_replicated=None):
+            seen["q_dcp_replicated"] = q_dcp_replicated
+            return q
+
+    attn = Attention()
+    attend_hook.install(attn, qk.QkCacheSite(APPLIED, APPLIED, "bf16", None, None, lambda n: None, lambda n: None))
+    replicated = torch.ones(1)
+    attn.forward(torch.zeros(1), torch.zeros(1), torch.zeros(1), output_shape=(1,), q_dcp_replicated=replicated)
+    assert seen["q_dcp_replicated"] is replicated
+
+
+# --- ops/aiter_qk_cache.py: the AITER call's layout -------------------------------------------
+
+def test_aiter_is_asked_for_the_nope_first_layout(monkeypatch):
+    from k3_amd_overlay.fp8 import E4M3FN
+    from k3_amd_overlay.ops import aiter_qk_cache
+    from k3_amd_overlay.testing.aiter_standin import AiterStandIn
+
+    standin = AiterStandIn(fmt=E4M3FN)
+    standin.install()
+    try:
+        received = []
+        original = standin.op
+        monkeypatch.setattr(standin, "op", lambda *args: received.append(args[13]) or original(*args))
+        t, h = 3, 2
+        q_out = torch.empty(t, h, 576, dtype=E4M3FN.dtype)
+        cache = torch.zeros(2, 16, 576, dtype=E4M3FN.dtype)
+        one = torch.ones(1)
+        aiter_qk_cache.run(torch.randn(t, h, 512).bfloat16(), torch.randn(t, h, 64).bfloat16(),
+                           torch.randn(t, 512).bfloat16(), torch.randn(t, 64).bfloat16(), cache,
+                           torch.tensor([0, 5, 9]), one, one, q_out)
+        assert received == [True]
+    finally:
+        standin.uninstall()
+
+
+def test_the_aiter_standin_holds_the_layout_argument_to_its_meaning():
+    """With is_nope_first=False AITER writes [rope | nope]: the stand-in computes that too, so a
+    provider that asked for it would fail every parity test."""
+    from k3_amd_overlay.fp8 import E4M3FN
+    from k3_amd_overlay.testing.aiter_standin import AiterStandIn
+
+    standin = AiterStandIn(fmt=E4M3FN)
+    t, h = 2, 1
+    nope, rope = torch.full((t, h, 512), 2.0).bfloat16(), torch.full((t, h, 64), -1.0).bfloat16()
+    outs = []
+    for nope_first in (True, False):
+        q_out = torch.empty(t, h, 576, dtype=E4M3FN.dtype)
+        standin.op(nope, rope, torch.zeros(t, 512).bfloat16(), torch.zeros(t, 64).bfloat16(),
+                   torch.zeros(2, 16, 576, dtype=E4M3FN.dtype), q_out, torch.tensor([0, 1]), torch.ones(1),
+                   torch.ones(1), torch.zeros(t, dtype=torch.int64), torch.ones(1, 32).bfloat16(),
+                   torch.zeros(1, 32).bfloat16(), True, nope_first)
+        outs.append(q_out.float())
+    assert outs[0][..., 0].eq(2).all() and outs[1][..., 0].eq(-1).all()
+
+
+# --- activation.py and plugin.py ----------------------------------------------------------------
+
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs a real vLLM")
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_strict_mode_stops_startup_for_a_vllm_outside_the_range(tmp_path, monkeypatch):
+    from k3_amd_overlay import activation
+
+    monkeypatch.setattr(activation, "installed_vllm_version", lambda: "0.28.0")
+    for strict, raises in (("1", True), ("0", False)):
+        settings = load_settings({"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_STRICT": strict,
+                                  "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path)})
+        try:
+            if raises:
+                with pytest.raises(activation.OverlayActivationError, match=r"vLLM 0\.28\.0 is outside"):
+                    activation.activate(settings)
+            else:
+                assert activation.activate(settings) is not None
+        finally:
+            activation.deactivate()
+
+
+DEACTIVATE_THEN_IMPORT = """
+import json, os, sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import k3_amd_overlay, wrapt
+activation = __import__("k3_amd_overlay.activation", fromlist=["active"]).active()
+k3_amd_overlay.deactivate()
+import vllm.models.kimi_k3.amd.linear as linear
+wrapped = [k for k, v in vars(linear).items() if isinstance(v, wrapt.FunctionWrapper)]
+mla = sys.modules.get("vllm.models.kimi_k3.amd.mla")
+cls = getattr(mla, "KimiK3MultiHeadLatentAttentionWrapper", None)
+wrapped += [k for k, v in (vars(cls).items() if cls else []) if isinstance(v, wrapt.FunctionWrapper)]
+replaced = getattr(linear, "MultiHeadLatentAttentionWrapper", None)
+marker = json.load(open(os.path.join(os.environ["K3_AMD_OVERLAY_MARKER_DIR"], f"{os.getpid()}.json")))
+print("RESULT=" + json.dumps({"wrapped": wrapped, "replaced": getattr(replaced, "__name__", None),
+                               "states": sorted({f["state"] for f in marker["fusions"].values()}),
+                               "ray": os.environ.get("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY")}))
+"""
+
+
+def run_python(code, tmp_path, **env):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
+    environ.pop("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", None)
+    environ.update(VLLM_TARGET_DEVICE="cpu", K3_AMD_OVERLAY_MARKER_DIR=str(tmp_path / "m"), **env)
+    proc = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=300)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT=")), None)
+    assert line, proc.stderr[-3000:]
+    return json.loads(line[len("RESULT="):])
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_deactivate_stops_the_hooks_and_says_so_in_the_marker(tmp_path):
+    result = run_python(DEACTIVATE_THEN_IMPORT, tmp_path, K3_AMD_OVERLAY="1")
+    assert result["wrapped"] == [] and result["replaced"] != "K3OverlayMLAWrapper"
+    assert result["states"] == ["disabled"]
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_the_plugin_switched_off_changes_no_environment(tmp_path):
+    code = ("import json, os\nfrom vllm.plugins import load_general_plugins\nload_general_plugins()\n"
+            "print('RESULT=' + json.dumps(os.environ.get('VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY')))")
+    assert run_python(code, tmp_path, K3_AMD_OVERLAY="0") is None
+
+
+# --- markers.py and census.py ------------------------------------------------------------------
+
+def test_a_reused_pid_is_not_alive():
+    pid = os.getpid()
+    assert markers.is_alive(pid, markers.process_start_ticks(pid))
+    assert not markers.is_alive(pid, markers.process_start_ticks(pid) + 1)
+
+
+def test_a_group_writable_marker_directory_is_refused(tmp_path):
+    directory = tmp_path / "m"
+    directory.mkdir()
+    os.chmod(directory, 0o770)
+    with pytest.raises(markers.MarkerDirError, match="writable by group or others"):
+        markers.ensure_marker_dir(directory)
+
+
+def test_the_census_counts_gpu_op_events(tmp_path):
+    trace = tmp_path / "rank0.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "gpu_op", "name": "qk_cache_kernel", "ts": 0, "dur": 2.0},
+        {"ph": "X", "cat": "kernel", "name": "qk_cache_kernel", "ts": 5, "dur": 3.0},
+        {"ph": "X", "cat": "cpu_op", "name": "qk_cache_kernel", "ts": 9, "dur": 9.0},
+    ]}))
+    assert census.read_census([trace]).matching("qk_cache_kernel").count == 2
