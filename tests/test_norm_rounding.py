@@ -40,14 +40,48 @@ def test_reference_is_vllms_rmsnorm_bit_for_bit(dtype):
             assert (single_rounding(x, w, eps) != stock).float().mean() > 0.05
 
 
+def exact_sum_inputs(tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Activations in multiples of 0.5 within [-4, 4]: their squares, and every partial sum of a
+    row, are exact in fp32, so the variance is the same in any summation order."""
+    gen = torch.Generator().manual_seed(tokens)
+    latent = (torch.randint(-8, 9, (tokens, 1536 + 512 + 64), generator=gen) * 0.5).to(dtype).to(DEVICE)
+    q_w = (1 + 0.3 * torch.randn(1536, generator=gen)).to(dtype).to(DEVICE)
+    kv_w = (1 + 0.3 * torch.randn(512, generator=gen)).to(dtype).to(DEVICE)
+    return latent[:, :1536], latent[:, 1536:2048], q_w, kv_w
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [1, 7, 64, 512, 4096])
-def test_triton_pair_rounds_like_vllms_rmsnorm(dtype, tokens):
-    q, kv, q_w, kv_w = rmsnorm_inputs(tokens, dtype, DEVICE)
+def test_triton_pair_rounds_like_vllms_rmsnorm_bit_for_bit(dtype, tokens):
+    """Where the variance does not depend on the summation order, the Triton kernel and vLLM's
+    RMSNorm formula (torch on the same GPU) agree on every bit: the roundings are the same, and
+    so is rsqrt (libdevice's, as torch's CUDA op)."""
+    q, kv, q_w, kv_w = exact_sum_inputs(tokens, dtype)
     q_eps, kv_eps = k3.RMS_NORM_EPS, 1e-3
     got_q, got_kv = fused_q_kv_rmsnorm(q, kv, q_w, kv_w, q_eps, kv_eps, provider="triton")
-    want_q, want_kv = rmsnorm_reference(q, q_w, q_eps), rmsnorm_reference(kv, kv_w, kv_eps)
-    mismatches = int((got_q != want_q).sum()) + int((got_kv != want_kv).sum())
-    assert mismatches == 0, f"{mismatches} of {got_q.numel() + got_kv.numel()} elements differ"
-    assert not torch.equal(single_rounding(q, q_w, q_eps), got_q)
+    assert torch.equal(got_q, rmsnorm_reference(q, q_w, q_eps))
+    assert torch.equal(got_kv, rmsnorm_reference(kv, kv_w, kv_eps))
+    assert not torch.equal(single_rounding(q, q_w, q_eps), got_q)  # the fault this catches
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [64, 4096])
+def test_triton_pair_on_random_inputs_differs_only_by_the_fp32_sum_order(dtype, tokens):
+    """On random activations the fp32 sum of squares is added up in another order by torch's CUDA
+    reduction than by Triton's tree (measured on an H200: the variance differs in the last bit on
+    about a quarter of the rows), which moves at most 1e-4 of the outputs by one unit in the last
+    place of the normalised value (so by at most two in the output, after the weight multiply);
+    the single rounding this replaced moved about a quarter of them."""
+    q, kv, q_w, kv_w = rmsnorm_inputs(tokens, dtype, DEVICE)
+    got = fused_q_kv_rmsnorm(q, kv, q_w, kv_w, k3.RMS_NORM_EPS, 1e-3, provider="triton")
+    want = (rmsnorm_reference(q, q_w, k3.RMS_NORM_EPS), rmsnorm_reference(kv, kv_w, 1e-3))
+    for g, w in zip(got, want, strict=True):
+        differ = g != w
+        assert differ.float().mean().item() <= 1e-4
+        # within two representable steps of vLLM's value
+        w_d, g_d = w[differ].float(), g[differ].float()
+        step = torch.nextafter(w[differ].abs(), torch.full_like(w[differ], float("inf"))).float() - w_d.abs()
+        assert ((g_d - w_d).abs() <= 2 * step).all()
+    assert (single_rounding(q, q_w, k3.RMS_NORM_EPS) != want[0]).float().mean().item() > 0.05

@@ -523,3 +523,26 @@ def test_coverage_names_the_model_and_what_is_not_covered(method, gaps, monkeypa
     assert len(coverage["not_covered"]) == gaps
     if gaps:
         assert "DSpark" in coverage["not_covered"][0]
+
+
+def test_a_batch_the_overlay_leaves_on_a_layer_vllm_does_not_fuse_runs_the_stock_call(tmp_path, monkeypatch,
+                                                                                     aiter_dual_norm_standin):
+    """0.32+: at 3 heads per rank vLLM does not fuse the decode; absorb_qk_cache alone turns vLLM's
+    fused-decode branch on, and a decode batch over its token limit is then neither the overlay's
+    nor vLLM's: the stock attention call runs it (KV write and all), exactly as stock."""
+    if shape_name() != "k3_decode_wrapper":
+        pytest.skip("this vLLM has no fused decode of its own (< 0.32)")
+    from k3_amd_overlay.package import ABSORB_MAX_TOKENS
+
+    aiter_on(monkeypatch, mla=True)
+    blocks = 2 * (ABSORB_MAX_TOKENS + 2)
+    spec = harness.LayerSpec(num_heads=3, kv_cache_dtype="fp8", **{**K3_LAYER, "num_blocks": blocks})
+    stock = harness.build_layer(spec, next_layer_index(), seed=5)
+    with overlay(tmp_path, K3_AMD_OVERLAY="absorb_qk_cache", K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER="reference"):
+        fused = harness.build_layer(spec, next_layer_index(), seed=5)
+        assert fused.wrapper._fused_qk_prep is True and stock.wrapper._fused_qk_prep is False
+        batch = harness.decode_batch([stock, fused], [2] * (ABSORB_MAX_TOKENS + 1))
+        out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+    n = batch.num_tokens
+    assert fused.kv_writes == [n] and torch.equal(out_fused[:n], out_stock[:n])
+    assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
