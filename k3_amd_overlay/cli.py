@@ -75,7 +75,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             elif not m.live:
                 notes.append(f"note {m.path}: pid {m.record['pid']} is gone (or its pid was reused); stale, ignored")
         require_effective = not args.no_effective
-    verdict = judge(records, args.expect, wanted, require_effective, static=args.static)
+    verdict = judge(records, args.expect, wanted, require_effective, static=args.static,
+                    allow_mixed=args.allow_mixed)
     if args.json:
         print(json.dumps({"expect": args.expect, "holds": verdict.holds, "lines": verdict.lines,
                           "notes": notes, "records": records}, indent=1))
@@ -140,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="judge a fresh process (vLLM plugin loading + K3 AMD import) instead of live markers")
     check.add_argument("--no-effective", action="store_true",
                        help="for --expect fused: do not require that a fused path has run yet")
+    check.add_argument("--allow-mixed", action="store_true",
+                       help="for --expect fused: accept a process where only some layers took a fusion")
     check.add_argument("--marker-dir", help=f"default: ${MARKER_DIR} or the per-user directory")
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_check)

@@ -16,7 +16,15 @@ import torch
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import FP8_FORMATS, device_format
-from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, SUPPORTED_VLLM, __version__
+from k3_amd_overlay.package import (
+    ABSORB_MAX_TOKENS,
+    ABSORB_QK_CACHE,
+    FUSIONS,
+    QK_CACHE,
+    QKV_NORM,
+    SUPPORTED_VLLM,
+    __version__,
+)
 from k3_amd_overlay.settings import SWITCH, SettingsError, load_settings
 
 UPSTREAM_MIN_LATENT_HEADS = 2048  # vLLM 0.32+ fuses qk_cache only when kv_lora_rank * heads >= this
@@ -141,23 +149,34 @@ def layer_check(settings: Any) -> dict[str, Any]:
     overridden = [f for f in (QK_CACHE, ABSORB_QK_CACHE) if settings.provider(f) == "auto"]
     settings = dataclasses.replace(settings, providers={**settings.providers, **dict.fromkeys(overridden, "reference")})
     note = f"{', '.join(overridden)} provider set to 'reference' for this CPU layer check" if overridden else None
-    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    spec = harness.LayerSpec(kv_cache_dtype="fp8", num_blocks=2 * (ABSORB_MAX_TOKENS + 2))
     stock = harness.build_layer(spec, 0, seed=3)
     active = activation.activate(settings)
     fused = harness.build_layer(spec, 1, seed=3)
-    batch = harness.decode_batch([stock, fused], [5, 17, 30, 9], padding=2)
-    out_stock, out_fused = harness.run(stock, batch)[:4], harness.run(fused, batch)[:4]
-    rel = ((out_fused.float() - out_stock.float()).norm() / out_stock.float().norm()).item()
-    same_cache = (stock.attn.kv_cache == fused.attn.kv_cache).float().mean().item()
+    # a small decode batch (the absorbed launch where absorb_qk_cache applies, else qk_cache's) and
+    # one over the absorbed path's limit (qk_cache's launch): every decode path this switch has
+    batches = [harness.decode_batch([stock, fused], [5, 17, 30, 9], padding=2),
+               harness.decode_batch([stock, fused], [2] * (ABSORB_MAX_TOKENS + 1), seed=2)]
+    rel, same_cache = 0.0, True
+    for batch in batches:
+        n = batch.num_tokens
+        out_stock, out_fused = harness.run(stock, batch)[:n], harness.run(fused, batch)[:n]
+        rel = max(rel, ((out_fused.float() - out_stock.float()).norm() / out_stock.float().norm()).item())
+        same_cache &= bool(torch.equal(stock.attn.kv_cache, fused.attn.kv_cache))
     record = active.evidence.record["fusions"] if active else {}
+    not_run = [f for f in settings.fusions
+               if record.get(f, {}).get("state") == "applied" and not record[f].get("effective")]
     return {
         "layer": f"{type(fused.module).__module__}.{type(fused.module).__name__}",
         "wrapper": type(fused.wrapper).__name__, "attention": type(fused.attn).__name__,
-        "relative output difference": rel, "identical cache bytes": same_cache,
+        "decode batches (tokens)": [b.num_tokens for b in batches],
+        "relative output difference (max)": rel, "identical cache bytes": same_cache,
         "stock KV writes (stock layer / overlay layer)": [len(stock.kv_writes), len(fused.kv_writes)],
         "stock concat+quant launches (stock / overlay)": [stock.concat_quant_calls, fused.concat_quant_calls],
         "fusions": {f: {k: record[f][k] for k in ("state", "provider", "reason", "effective")} for f in record},
-        "pass": rel < 0.02 and same_cache > 0.99 and not fused.kv_writes and fused.concat_quant_calls == 0,
+        "applied but never ran": not_run,
+        "pass": (rel < 0.02 and same_cache and not fused.kv_writes and fused.concat_quant_calls == 0
+                 and not not_run),
         **({"note": note} if note else {}),
     }
 

@@ -71,8 +71,18 @@ class _Proof:
         return "; ".join(parts)
 
 
+def mixed(entry: dict[str, Any]) -> str | None:
+    """How a fusion's layers split, where some took the fused path and some did not (else None)."""
+    tallies = entry.get("layer_states") or {}
+    fused = [s for s in tallies if s in FUSED_STATE_VALUES]
+    if not fused or len(fused) == len(tallies):
+        return None
+    total = sum(t["layers"] for t in tallies.values())
+    return ", ".join(f"{s} on {t['layers']}/{total} ({t['reason']})" for s, t in tallies.items())
+
+
 def judge(records: Iterable[dict[str, Any]], expect: str, fusions: Iterable[str] | None,
-          require_effective: bool, static: bool = False) -> Verdict:
+          require_effective: bool, static: bool = False, allow_mixed: bool = False) -> Verdict:
     """``fused`` holds where every process runs the overlay on (auto), each process that built K3
     MLA layers has each fusion applied (the overlay's) or upstream (this vLLM's own), some process
     built layers, and, with ``require_effective``, each fusion's fused path served traffic: it was
@@ -80,6 +90,7 @@ def judge(records: Iterable[dict[str, Any]], expect: str, fusions: Iterable[str]
     warm-up batches (profile run, warm-up, dummy batches) prove nothing about served traffic.
     ``stock`` holds only where every process runs the overlay in stock mode, each fusion forced
     stock and its fused path never run. A process with the overlay off proves neither.
+    A process whose layers split (some fused, some not) is not a fused arm unless ``allow_mixed``.
     ``fusions`` None: each process's requested ones (those not ``disabled``). ``static``: the
     record of a fresh process that loaded the plugin and imported the K3 code but built no layer:
     ``fused`` then holds where each fusion is patched (``pending``) or already decided fused."""
@@ -123,6 +134,12 @@ def judge(records: Iterable[dict[str, Any]], expect: str, fusions: Iterable[str]
             if expect == "fused":
                 accepted = FUSED_STATE_VALUES | ({FusionState.PENDING.value} if static else set())
                 good = mode == Mode.AUTO.value and state in accepted
+                split = mixed(entry)
+                if split and good:
+                    described += f"; mixed across layers: {split}"
+                    good = allow_mixed
+                    if not allow_mixed:
+                        described += " (pass --allow-mixed to accept a partly fused process)"
             else:
                 good = mode == Mode.STOCK.value and state == FusionState.FORCED_STOCK.value and not _ran(entry)
                 if _ran(entry):

@@ -63,6 +63,15 @@ def test_a_trace_made_here_by_torch_profiler(tmp_path):
     result = census.read_census([path])
     assert list(result.ranks) == ["0"] and result.launches() == 0  # CPU ops are not GPU kernels
     assert census.check_expectations(result, [("qk_cache_kernel", 0)]) == []
+    # the same real export with one op re-labelled a GPU kernel: exactly that one is counted, so
+    # the zero above is the reader telling CPU ops apart, not a reader that counts nothing
+    data = json.loads(path.read_text())
+    op = next(e for e in data["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "cpu_op")
+    op["cat"] = "kernel"
+    relabelled = tmp_path / "gpu_rank0.json"
+    relabelled.write_text(json.dumps(data))
+    counted = census.read_census([relabelled])
+    assert counted.launches() == 1 and counted.matching(op["name"]).count == 1
 
 
 @pytest.mark.parametrize("content,message", [

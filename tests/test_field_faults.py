@@ -334,3 +334,16 @@ def test_the_census_counts_gpu_op_events(tmp_path):
         {"ph": "X", "cat": "cpu_op", "name": "qk_cache_kernel", "ts": 9, "dur": 9.0},
     ]}))
     assert census.read_census([trace]).matching("qk_cache_kernel").count == 2
+
+
+def test_a_partly_fused_process_is_not_a_fused_arm_unless_told_so():
+    """One layer applied and 23 refused: before, the first layer's state decided and check held."""
+    split = entry("applied", served=3)
+    split["layer_states"] = {"applied": {"layers": 1, "reason": "triton"}, "refused": {"layers": 23, "reason": "x"}}
+    rec = record("auto", qkv_norm=split)
+    verdict = judge([rec], "fused", ["qkv_norm"], require_effective=True)
+    assert not verdict.holds
+    assert any("mixed across layers: applied on 1/24 (triton), refused on 23/24 (x)" in line for line in verdict.lines)
+    assert judge([rec], "fused", ["qkv_norm"], require_effective=True, allow_mixed=True).holds
+    split["layer_states"] = {"applied": {"layers": 24, "reason": "triton"}}
+    assert judge([rec], "fused", ["qkv_norm"], require_effective=True).holds

@@ -18,6 +18,7 @@ from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.fusions import qk_cache as qk
 from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
 from k3_amd_overlay.fusions.states import FusionState
+from k3_amd_overlay.ops.reference import quantize_fp8
 from k3_amd_overlay.settings import load_settings
 from k3_amd_overlay.targets import layer_state
 from k3_amd_overlay.testing.aiter_standin import AiterStandIn
@@ -50,7 +51,13 @@ def make_layer(heads, kv_dtype, rotation, pcp, hisparse, dcp, rope_log, stock_wr
         impl=SimpleNamespace(dcp_world_size=dcp, supports_quant_query_input=True),
         is_aiter_triton_fp4_bmm_enabled=False, is_aiter_triton_fp8_bmm_enabled=False,
     )
-    attn.impl.forward_mqa = lambda q, cache, md, layer: (torch.zeros(q.shape[0], heads, L, dtype=torch.bfloat16), None)
+    attn.queries = []  # what the fused path hands the MQA kernel
+
+    def forward_mqa(q, cache, md, layer):
+        attn.queries.append(q.clone())
+        return torch.zeros(q.shape[0], heads, L, dtype=torch.bfloat16), None
+
+    attn.impl.forward_mqa = forward_mqa
     attn._v_up_proj = lambda x, out: out.zero_()
     rotary = None if rotation == "none" else Rotary(rotation == "identity", rope_log)
     wrapper = SimpleNamespace(
@@ -60,6 +67,8 @@ def make_layer(heads, kv_dtype, rotation, pcp, hisparse, dcp, rope_log, stock_wr
 
     def stock(q, kv_c, k_pe, output_shape=None, q_dcp_replicated=None):
         stock_writes.append("stock")
+        if getattr(attn, "stock_kv_write", None):  # the stock path writes the KV rows itself
+            attn.stock_kv_write(kv_c, k_pe)
         return torch.zeros(output_shape)
 
     return wrapper, attn, stock
@@ -70,6 +79,20 @@ def metadata(kind, tokens):
         return None
     decode = {"decode": tokens, "prefill": 0, "mixed": tokens // 2, "empty": 0}[kind]
     return SimpleNamespace(num_actual_tokens=tokens, num_decode_tokens=decode)
+
+
+def write_rows(cache, kv_c, k_pe, slots, k_scale):
+    """What the stock KV write stores: fp8([kv_c | k_pe] / k_scale) at each valid slot."""
+    valid = slots >= 0
+    rows = quantize_fp8(torch.cat([kv_c, k_pe.reshape(kv_c.shape[0], R)], dim=-1)[valid], k_scale, E4M3FN)
+    flat = cache.view(-1, L + R)
+    flat[slots[valid]] = rows.view(torch.uint8)
+
+
+def expected_cache(kv_c, k_pe, slots, k_scale):
+    want = torch.zeros(4, 8, L + R, dtype=torch.uint8)
+    write_rows(want, kv_c, k_pe, slots, k_scale)
+    return want
 
 
 COMBOS = list(itertools.product(PROVIDERS, KV_DTYPES, ROTATIONS, [False, True], [False, True],
@@ -103,6 +126,8 @@ def test_every_combination_runs_rope_once_writes_kv_once_and_fuses_exactly_when_
         cache = torch.zeros(4, 8, L + R, dtype=torch.uint8)
         slots = torch.tensor([3, -1, 17, 9, 30, 22][:tokens], dtype=torch.int64)
         site.context = lambda name, md=md, cache=cache, slots=slots: (md, attn, cache, slots)
+        attn.stock_kv_write = lambda kv_c, k_pe, cache=cache, slots=slots: write_rows(cache, kv_c, k_pe, slots,
+                                                                                      attn._k_scale)
         standin.calls.clear()
         # the wrapper's own steps, as vLLM runs them: the rotation (if any), then the attention call
         q = torch.randn(tokens, heads, NOPE + R).to(torch.bfloat16)
@@ -121,13 +146,24 @@ def test_every_combination_runs_rope_once_writes_kv_once_and_fuses_exactly_when_
         fused = not stock_writes
         assert fused == expect_fused, combo
         fused_count += fused
-        # every token's KV exactly once: by the stock attention call, or by the fused provider
-        written_rows = int(cache.view(-1, L + R).ne(0).any(dim=1).sum())
-        valid = int((slots >= 0).sum())
-        if fused:
-            assert written_rows == valid and not stock_writes, combo
+        # every token's KV exactly once, in its own slot, with its own value: by the stock attention
+        # call (which writes it itself) or by the fused provider, never both, never neither
+        assert stock_writes == ([] if fused else ["stock"]), combo
+        want = expected_cache(kv_c, k_pe, slots, attn._k_scale)
+        if provider == "triton":  # the interpreter's e4m3fn cast is off by a code: slots only
+            assert torch.equal(cache.view(-1, L + R).ne(0).any(1), want.view(-1, L + R).ne(0).any(1)), combo
         else:
-            assert written_rows == 0 and stock_writes == ["stock"], combo
+            assert torch.equal(cache, want), combo
+        # the query the MQA kernel got: [ql_nope | q_pe] quantised once with q_scale, fused path only
+        if fused and provider != "triton":
+            ql_nope = torch.bmm(q[..., :NOPE].transpose(0, 1), attn.W_UK_T).transpose(0, 1)
+            want_q = quantize_fp8(torch.cat([ql_nope, q[..., NOPE:]], dim=-1), attn._q_scale, E4M3FN)
+            rows = slots >= 0  # AITER writes the query of tokens with a slot only (padding rows have none)
+            assert torch.equal(attn.queries[0].view(torch.uint8)[rows], want_q.view(torch.uint8)[rows]), combo
+        assert len(attn.queries) == int(fused), combo
+        # and the evidence says whether the fused path ran, on which batches
+        entry = installer.evidence.fusion("qk_cache")
+        assert (entry["effective"], entry["runs"]["served"]) == (fused, int(fused)), combo
         # RoPE exactly once where a rotation exists, never a real one inside the fused path
         assert rope_log == ([] if rotation == "none" else [rotation]), combo
         if provider == "aiter" and fused:

@@ -273,7 +273,8 @@ def test_deactivate_restores_identical_objects(tmp_path):
     for now, before in zip(after, targets, strict=False):
         assert all(now[k] is before[k] for k in before)
         assert set(now) == set(before)
-    assert FusionState.DISABLED.value == "disabled"
+    states = {f: e["state"] for f, e in activation.evidence.record["fusions"].items()}
+    assert states == dict.fromkeys(states, FusionState.DISABLED.value)  # and the evidence says so
 
 
 # --- absorb_qk_cache: the W_UK absorption folded into the fused launch -------------------------

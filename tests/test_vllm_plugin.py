@@ -265,4 +265,10 @@ def test_doctor_main_job_is_healthy(tmp_path):
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert report["layer check"]["pass"] is True and report["patched"]
     assert {f["state"] for f in report["layer check"]["fusions"].values()} == {"applied"}
+    # both decode paths ran (a 4-token batch through the absorbed launch, 65 tokens through
+    # qk_cache's) and every fusion the switch asked for took its fused path; the cache is identical
+    assert {f: e["effective"] for f, e in report["layer check"]["fusions"].items()} == {
+        "qkv_norm": True, "qk_cache": True, "absorb_qk_cache": True}
+    assert report["layer check"]["identical cache bytes"] is True
+    assert report["layer check"]["applied but never ran"] == []
     assert all(r["pass"] for r in report["self-test"] if r.get("ran"))
