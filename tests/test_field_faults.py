@@ -347,3 +347,31 @@ def test_a_partly_fused_process_is_not_a_fused_arm_unless_told_so():
     assert judge([rec], "fused", ["qkv_norm"], require_effective=True, allow_mixed=True).holds
     split["layer_states"] = {"applied": {"layers": 24, "reason": "triton"}}
     assert judge([rec], "fused", ["qkv_norm"], require_effective=True).holds
+
+
+# --- one guarantee per test (each was caught only inside the big enumeration) -------------------
+
+BASE = dict(stock_mode=False, provider_setting="auto", provider_missing={"aiter": None}, kv_cache_dtype="fp8",
+            rotation="none", dcp_world_size=1, pcp=False, hisparse=False, q_pad_num_heads=None, num_heads=12,
+            absorb="bf16", quant_query_input=True, upstream_fuses=False)
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"dcp_world_size": 2}, "DCP is on (world size 2)"),
+    ({"pcp": True}, "PCP is on"),
+    ({"hisparse": True}, "HiSparse is on"),
+    ({"rotation": "real"}, "a real rotary embedding"),
+    ({"kv_cache_dtype": "auto"}, "not a plain fp8 cache"),
+])
+def test_each_static_refusal_on_its_own(change, reason):
+    assert qk.decide_qk_cache(qk.QkCacheInputs(**BASE)).state is FusionState.APPLIED
+    decision = qk.decide_qk_cache(qk.QkCacheInputs(**{**BASE, **change}))
+    assert decision.state is FusionState.REFUSED and reason in decision.reason
+
+
+@pytest.mark.parametrize("decode,actual,fusable", [(4, 4, True), (3, 4, False), (0, 0, False), (0, 4, False)])
+def test_only_decode_only_batches_are_fused(decode, actual, fusable):
+    md = SimpleNamespace(num_decode_tokens=decode, num_actual_tokens=actual)
+    assert qk.batch_fusable(md, torch.zeros(actual), torch.zeros(4), None) is fusable
+    assert not qk.batch_fusable(None, torch.zeros(actual), torch.zeros(4), None)
+    assert not qk.batch_fusable(md, None, torch.zeros(4), None)
