@@ -92,3 +92,33 @@ def test_aiter_tables_built_before_a_capture_with_no_eager_warm_up_hold_their_va
     with pytest.raises(aiter_qk_cache.BuiltInsideCapture):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             aiter_qk_cache.identity_rope_table(device, torch.float16, 64)
+
+
+def _dummy_run(hook, size):  # named as vLLM's model runner names its own warm-up batches
+    hook(size)
+
+
+def test_fused_runs_are_told_apart_warm_up_capture_and_served(tmp_path):
+    """On a GPU the evidence hook sees a CUDA-graph capture through the stream's capture state:
+    a run inside vLLM's warm-up counts as warm-up, one inside a capture as the captured graph's
+    size, an eager one as served; a graph replay does not run the hook at all."""
+    from k3_amd_overlay.evidence import Evidence
+    from k3_amd_overlay.settings import load_settings
+
+    settings = load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path / "m")})
+    evidence = Evidence(settings)
+    hook = evidence.effective_hook("qk_cache", "layer.0")
+    x = torch.zeros(8, device="cuda")
+    _dummy_run(hook, 8)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hook(8)
+        y = x + 1
+    for _ in range(3):
+        graph.replay()
+    hook(5)
+    torch.cuda.synchronize()
+    entry = evidence.fusion("qk_cache")
+    assert entry["runs"] == {"warmup": 1, "capture": 1, "served": 1} and entry["captured_sizes"] == [8]
+    assert y.sum().item() == 8
