@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Mutation testing of the patch layer and the proof with mutmut (2.5.1), against real vLLM on CPU.
+# Mutates a fresh clone of this checkout (never the working tree); for each mutant it runs the
+# tests that cover that module, with the clone first on PYTHONPATH so the mutated source is the
+# one imported (in subprocesses too); prints the kill ratio per module and every survivor's diff.
+# Not part of CI (hours for the whole list on 2 cores); results go to docs/verification.md.
+#   scripts/mutants.sh [MODULE ...]      default: every module below; e.g. scripts/mutants.sh verdict.py
+# Environment: K3OVL_MUTANTS_VLLM (default 0.33.0), K3OVL_VENV_ROOT (as scripts/setup_venvs.sh).
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+venv_root=${K3OVL_VENV_ROOT:-$repo/.venvs}
+version=${K3OVL_MUTANTS_VLLM:-0.33.0}
+venv="$venv_root/vllm-$version"
+tool="$venv_root/mutmut"
+
+# module (under k3_amd_overlay/) -> the tests that cover it
+declare -A TESTS=(
+  [fusions/qk_cache.py]="test_field_faults.py test_predicates.py test_vllm_layer.py"
+  [fusions/qkv_norm.py]="test_field_faults.py test_predicates.py test_vllm_layer.py"
+  [fusions/states.py]="test_predicates.py test_evidence.py"
+  [targets/k3_wrapper.py]="test_vllm_layer.py test_field_faults.py"
+  [targets/layer_state.py]="test_field_faults.py test_predicates.py test_vllm_layer.py"
+  [targets/plain_wrapper.py]="test_field_faults.py test_vllm_layer.py"
+  [targets/attend_hook.py]="test_field_faults.py test_vllm_layer.py"
+  [targets/shapes.py]="test_vllm_plugin.py test_package.py"
+  [targets/defects.py]="test_vllm_layer.py"
+  [engine.py]="test_engine.py"
+  [activation.py]="test_field_faults.py test_vllm_plugin.py"
+  [settings.py]="test_settings.py"
+  [verdict.py]="test_evidence.py test_field_faults.py"
+  [markers.py]="test_evidence.py test_field_faults.py"
+  [evidence.py]="test_evidence.py"
+  [phases.py]="test_evidence.py"
+  [census.py]="test_census.py test_field_faults.py"
+)
+if [ $# -gt 0 ]; then modules=("$@"); else mapfile -t modules < <(printf '%s\n' "${!TESTS[@]}" | sort); fi
+
+"$repo/scripts/setup_venvs.sh" "$version" 2>&1 | grep -v "WARNING: Location" || exit 1
+if [ ! -x "$tool/bin/mutmut" ]; then
+  python3 -m venv "$tool" && "$tool/bin/python" -m pip install -q --disable-pip-version-check "mutmut==2.5.1" \
+    2>&1 | grep -v "WARNING: Location"
+fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+git clone -q "$repo" "$work/clone"
+cd "$work/clone" || exit 1
+
+report=()
+for module in "${modules[@]}"; do
+  tests=${TESTS[$module]:-}
+  [ -n "$tests" ] || { echo "unknown module $module; known: ${!TESTS[*]}" >&2; exit 2; }
+  targets=$(for t in $tests; do printf '%s ' "$work/clone/tests/$t"; done)
+  runner="env PYTHONPATH=$work/clone VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $venv/bin/python -m pytest -x -q -p no:cacheprovider $targets"
+  rm -f .mutmut-cache
+  echo "=== k3_amd_overlay/$module against $tests"
+  "$tool/bin/mutmut" run --paths-to-mutate "k3_amd_overlay/$module" --runner "$runner" --no-progress >/dev/null 2>&1
+  read -r total survived ids < <("$tool/bin/python" - <<'PY'
+import sqlite3
+db = sqlite3.connect(".mutmut-cache")
+rows = db.execute("select id, status from Mutant").fetchall()
+bad = [str(i) for i, status in rows if status in ("bad_survived", "bad_timeout")]
+print(len(rows), len(bad), ",".join(bad) or "-")
+PY
+)
+  for id in ${ids//,/ }; do [ "$id" = "-" ] || "$tool/bin/mutmut" show "$id"; done
+  report+=("k3_amd_overlay/$module: $((total - survived))/$total mutants killed")
+done
+echo
+echo "mutmut 2.5.1, vLLM $version, $(date -u +%F):"
+printf '%s\n' "${report[@]}"
