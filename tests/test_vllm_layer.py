@@ -524,12 +524,13 @@ def test_coverage_names_the_model_and_what_is_not_covered(method, gaps, monkeypa
 
     import vllm.config
 
-    hf_config = SimpleNamespace(architectures=["KimiK3ForConditionalGeneration"])
-    config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config),
-                             speculative_config=method and SimpleNamespace(method=method))
+    hf_config = SimpleNamespace(architectures=["KimiLinearForCausalLM"])
+    model_config = SimpleNamespace(hf_config=hf_config, architecture="KimiK3ForConditionalGeneration")
+    config = SimpleNamespace(model_config=model_config, speculative_config=method and SimpleNamespace(method=method))
     monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: config)
     coverage = layer_state.model_coverage()
-    assert coverage["architectures"] == ["KimiK3ForConditionalGeneration"] and coverage["speculative_method"] == method
+    assert coverage["architecture"] == "KimiK3ForConditionalGeneration" and coverage["speculative_method"] == method
+    assert coverage["text_model"] == ["KimiLinearForCausalLM"]
     assert len(coverage["not_covered"]) == gaps
     if gaps:
         assert "DSpark" in coverage["not_covered"][0]

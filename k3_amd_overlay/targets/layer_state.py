@@ -141,11 +141,15 @@ def model_coverage() -> dict[str, Any]:
         from vllm.config import get_current_vllm_config
 
         config = get_current_vllm_config()
-        architectures = list(getattr(config.model_config.hf_config, "architectures", None) or [])
+        model_config = config.model_config
+        # the text model's config while its layers are built (a copy made for the language model);
+        # ``architecture`` is what vLLM serves, the top-level class (ModelConfig keeps it in the copy)
+        text = list(getattr(model_config.hf_config, "architectures", None) or [])
+        served = getattr(model_config, "architecture", None) or (text[0] if text else None)
         method = getattr(config.speculative_config, "method", None) if config.speculative_config else None
     except Exception:  # no model config in context (tests, doctor)
         return {}
-    return {"architectures": architectures, "speculative_method": method,
+    return {"architecture": served, "text_model": text, "speculative_method": method,
             "not_covered": [DSPARK_NOT_COVERED] if method == "dspark" else []}
 
 

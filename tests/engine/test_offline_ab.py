@@ -61,7 +61,8 @@ def test_fused_arm_evidence(results, arm, fusions):
     assert "main" in roles and len(layer_records(records)) == 1, roles
     worker = layer_records(records)[0]
     assert worker["vllm_version"].startswith("0.32.0")
-    assert worker["coverage"] == {"architectures": ["KimiK3ForConditionalGeneration"], "speculative_method": None,
+    assert worker["coverage"] == {"architecture": "KimiK3ForConditionalGeneration",
+                                  "text_model": ["KimiLinearForCausalLM"], "speculative_method": None,
                                   "not_covered": []}
     for fusion in fusions:
         entry = worker["fusions"][fusion]
@@ -131,6 +132,6 @@ def test_kimi_linear_is_in_scope_and_recorded(tmp_path_factory):
     assert off["returncode"] == 0 and fused["returncode"] == 0, fused["log"][-4000:]
     assert fused["outputs"] == off["outputs"]
     worker = layer_records(fused["records"])[0]
-    assert worker["coverage"]["architectures"] == ["KimiLinearForCausalLM"]
+    assert worker["coverage"]["architecture"] == "KimiLinearForCausalLM"
     assert worker["fusions"]["qk_cache"]["state"] == "applied" and worker["fusions"]["qk_cache"]["layers"] == 2
     assert worker["fusions"]["qk_cache"]["runs"]["served"] > 0
