@@ -10,11 +10,12 @@ import os
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 
 from k3_amd_overlay import evidence as evidence_module
-from k3_amd_overlay import markers
+from k3_amd_overlay import markers, phases
 from k3_amd_overlay.evidence import Evidence, process_role
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.settings import load_settings
@@ -223,3 +224,24 @@ def test_check_reads_live_markers_and_ignores_dead_ones(tmp_path):
 
     assert main(["check", "--expect", "stock", "--marker-dir", str(directory)]) == 0
     assert main(["check", "--expect", "fused", "--marker-dir", str(directory)]) == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", sorted(phases.WARMUP_FRAMES))
+def test_each_warm_up_name_is_a_method_of_vllms_workers_and_marks_a_warm_up_batch(name):
+    """Every name the phase test looks for is a method vLLM's model runners or workers define
+    (0.29-0.33, read from the installed source), and a batch run under it counts as warm-up."""
+    import pathlib
+
+    import vllm
+
+    workers = pathlib.Path(vllm.__file__).parent / "v1" / "worker"
+    defined = any(f"def {name}(" in path.read_text() for path in workers.rglob("*.py"))
+    assert defined, f"{name} is not a method of this vLLM's workers"
+
+    def batch_runner():
+        return phases.current_phase()
+
+    runner = types.FunctionType(batch_runner.__code__.replace(co_name=name), batch_runner.__globals__)
+    assert runner() is phases.Phase.WARMUP
+    assert batch_runner() is phases.Phase.SERVED
