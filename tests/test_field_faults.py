@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import HAS_VLLM
+from vllm_support import run_vllm_process
 
 from k3_amd_overlay import census, markers
 from k3_amd_overlay.evidence import Evidence
@@ -265,11 +264,9 @@ def test_strict_mode_stops_startup_for_a_vllm_outside_the_range(tmp_path, monkey
 
 
 DEACTIVATE_THEN_IMPORT = """
-import json, os, sys
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 import k3_amd_overlay, wrapt
-activation = __import__("k3_amd_overlay.activation", fromlist=["active"]).active()
 k3_amd_overlay.deactivate()
 import vllm.models.kimi_k3.amd.linear as linear
 wrapped = [k for k, v in vars(linear).items() if isinstance(v, wrapt.FunctionWrapper)]
@@ -278,26 +275,23 @@ cls = getattr(mla, "KimiK3MultiHeadLatentAttentionWrapper", None)
 wrapped += [k for k, v in (vars(cls).items() if cls else []) if isinstance(v, wrapt.FunctionWrapper)]
 replaced = getattr(linear, "MultiHeadLatentAttentionWrapper", None)
 marker = json.load(open(os.path.join(os.environ["K3_AMD_OVERLAY_MARKER_DIR"], f"{os.getpid()}.json")))
-print("RESULT=" + json.dumps({"wrapped": wrapped, "replaced": getattr(replaced, "__name__", None),
-                               "states": sorted({f["state"] for f in marker["fusions"].values()}),
-                               "ray": os.environ.get("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY")}))
+result(wrapped=wrapped, replaced=getattr(replaced, "__name__", None),
+       states=sorted({f["state"] for f in marker["fusions"].values()}))
 """
-
-
-def run_python(code, tmp_path, **env):
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
-    environ.pop("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", None)
-    environ.update(VLLM_TARGET_DEVICE="cpu", K3_AMD_OVERLAY_MARKER_DIR=str(tmp_path / "m"), **env)
-    proc = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=300)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT=")), None)
-    assert line, proc.stderr[-3000:]
-    return json.loads(line[len("RESULT="):])
+RAY_VARIABLE_AROUND_PLUGIN_LOADING = """
+os.environ.pop("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", None)  # as a fresh shell has it (not pytest's)
+before = os.environ.get("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY")
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+result(before=before, after=os.environ.get("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"))
+"""
 
 
 @needs_vllm
 @pytest.mark.vllm
 def test_deactivate_stops_the_hooks_and_says_so_in_the_marker(tmp_path):
-    result = run_python(DEACTIVATE_THEN_IMPORT, tmp_path, K3_AMD_OVERLAY="1")
+    proc, result = run_vllm_process(DEACTIVATE_THEN_IMPORT, tmp_path, K3_AMD_OVERLAY="1")
+    assert result is not None, proc.stderr[-3000:]
     assert result["wrapped"] == [] and result["replaced"] != "K3OverlayMLAWrapper"
     assert result["states"] == ["disabled"]
 
@@ -305,9 +299,9 @@ def test_deactivate_stops_the_hooks_and_says_so_in_the_marker(tmp_path):
 @needs_vllm
 @pytest.mark.vllm
 def test_the_plugin_switched_off_changes_no_environment(tmp_path):
-    code = ("import json, os\nfrom vllm.plugins import load_general_plugins\nload_general_plugins()\n"
-            "print('RESULT=' + json.dumps(os.environ.get('VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY')))")
-    assert run_python(code, tmp_path, K3_AMD_OVERLAY="0") is None
+    proc, result = run_vllm_process(RAY_VARIABLE_AROUND_PLUGIN_LOADING, tmp_path, K3_AMD_OVERLAY="0")
+    assert result is not None, proc.stderr[-3000:]
+    assert result["after"] == result["before"]
 
 
 # --- markers.py and census.py ------------------------------------------------------------------

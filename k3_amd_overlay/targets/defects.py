@@ -5,13 +5,12 @@ make them worse, and it says whose code failed."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from k3_amd_overlay.targets import sources as src
 
-K3_WRAPPER = "KimiK3MultiHeadLatentAttentionWrapper"
+K3_WRAPPER = src.K3_WRAPPER
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,3 @@ UPSTREAM_DEFECTS: tuple[UpstreamDefect, ...] = (W_UK_T_BEFORE_LOAD,)
 def present_defects(sources: src.VllmSources) -> list[UpstreamDefect]:
     return [d for d in UPSTREAM_DEFECTS if d.present(sources)]
 
-
-def triggered_defects(sources: src.VllmSources, env: Mapping[str, str] | None = None) -> list[UpstreamDefect]:
-    env = os.environ if env is None else env
-    return [d for d in present_defects(sources) if d.triggered(env)]

@@ -3,6 +3,7 @@ install the per-layer sites. Runs in vLLM processes only, when each K3 MLA layer
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,13 @@ def padded_query_heads(attn: Any, num_heads: int) -> int:
     one-token probe); else the layer's own head count (the backend copies whatever it is given)."""
     if type(attn.impl).__module__ != AITER_MLA_MODULE:
         return num_heads
+    return _aiter_zero_copy_heads(num_heads)
+
+
+@functools.cache
+def _aiter_zero_copy_heads(num_heads: int) -> int:
+    """The AITER MLA backend's padded head count for ``num_heads`` where it takes a padded view
+    without copying, else ``num_heads`` (asked once per head count, not per layer)."""
     try:
         from vllm.v1.attention.backends.mla.rocm_aiter_mla import AiterMLAHelper
     except ImportError:
@@ -114,10 +122,12 @@ def padded_query_heads(attn: Any, num_heads: int) -> int:
     return padded if zero_copy else num_heads
 
 
+@functools.cache
 def kv_transfer_hooks() -> Any:
     """vLLM's own KV-connector decorator (``maybe_transfer_kv_layer``, which wraps the stock MLA
     attention op) around a one-argument step: the fused decode runs between the same
-    ``wait_for_layer_load`` and ``save_kv_layer`` calls, and is a plain call without a connector."""
+    ``wait_for_layer_load`` and ``save_kv_layer`` calls, and is a plain call without a connector.
+    Made once per process and shared by every layer."""
     try:
         from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
     except ImportError:  # no vLLM (the ops' own tests): no connector either
@@ -134,9 +144,10 @@ DSPARK_NOT_COVERED = ("the DSpark drafter (speculative method 'dspark', K3DSpark
 
 
 def model_coverage() -> dict[str, Any]:
-    """What this process serves, for the marker: the model's architectures (Kimi-K3, or Kimi-Linear,
-    whose MLA layers are the same ``amd/linear.py`` class and take the same fusions), the
-    speculative method (MTP draft layers are K3 AMD layers and are covered) and what is not covered."""
+    """What this process serves, for the marker: the served architecture (Kimi-K3, or Kimi-Linear,
+    whose MLA layers are the same ``amd/linear.py`` class and take the same fusions), the text model
+    that builds the layers, the speculative method (MTP draft layers are K3 AMD layers and are
+    covered) and what is not covered."""
     try:
         from vllm.config import get_current_vllm_config
 

@@ -18,7 +18,7 @@ from k3_amd_overlay.targets.plain_wrapper import k3_wrapper_class
 LINEAR_MODULE = "vllm.models.kimi_k3.amd.linear"
 K3_MLA_MODULE = "vllm.models.kimi_k3.amd.mla"
 SHARED_MLA_MODULE = "vllm.model_executor.layers.mla"
-K3_WRAPPER = "KimiK3MultiHeadLatentAttentionWrapper"
+K3_WRAPPER = src.K3_WRAPPER
 TEXT_MODEL = "KimiLinearModel"  # the K3 (and Kimi-Linear) text model: builds every decoder layer
 SHARED_WRAPPER = "MultiHeadLatentAttentionWrapper"
 FUSED_DECODE_PARAMS = ("q", "kv_c_normed", "k_pe", "positions", "output_shape", "attn_metadata",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 LINEAR = "models/kimi_k3/amd/linear.py"
 K3_MLA = "models/kimi_k3/amd/mla.py"
+K3_WRAPPER = "KimiK3MultiHeadLatentAttentionWrapper"  # the K3-only MLA wrapper class in K3_MLA (0.30+)
 SHARED_MLA = "model_executor/layers/mla.py"
 MLA_ATTENTION = "model_executor/layers/attention/mla_attention.py"
 ATTENTION = "model_executor/layers/attention/attention.py"
