@@ -144,7 +144,8 @@ SERVING_METRICS: tuple[tuple[str, str, bool], ...] = (
 
 
 def spread_pct(values: Sequence[float]) -> float:
-    """max - min over the repeats, as a percentage of their mean (the seed study's ±rng)."""
+    """max - min over the repeats, as a percentage of their mean: the ±rng of the serving A/B in
+    the vLLM pull request "[ROCm][Kimi-K3][Perf] Fuse MLA decode KV-cache write and Q-prep via AITER"."""
     mean = statistics.fmean(values)
     return 100.0 * (max(values) - min(values)) / mean if mean else 0.0
 

@@ -143,7 +143,7 @@ def layer_check(settings: Any) -> dict[str, Any]:
     from k3_amd_overlay import activation
     from k3_amd_overlay.testing import layer_harness as harness
 
-    # The Triton interpreter mis-rounds fp8 casts (reference/triton-fp8-casts.md): on CPU the layer
+    # The Triton interpreter mis-rounds fp8 casts (Triton 3.x's numpy-based casts): on CPU the layer
     # check runs the decode fusions through their reference providers; the self-test above and the
     # GPU tests check the Triton kernels' bytes.
     overridden = [f for f in (QK_CACHE, ABSORB_QK_CACHE) if settings.provider(f) == "auto"]

@@ -111,7 +111,7 @@ def _value_problems(name: str, got: torch.Tensor, want: torch.Tensor, fmt: Fp8Fo
     if max_code_diff == 0:
         bad = ~(both_nan | (g == w))
     else:
-        # Triton's CPU interpreter mis-rounds fp8 casts and garbles NaN (reference/triton-fp8-casts.md):
+        # Triton's CPU interpreter mis-rounds fp8 casts and garbles NaN (Triton 3.x's numpy-based casts):
         # accept a same-sign value within a factor of two (or both subnormal) there; bit equality is
         # checked on a GPU.
         close = w.isnan() | (g == w) | ((g - w).abs() <= 2.0**-6) | (

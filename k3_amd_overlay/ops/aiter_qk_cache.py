@@ -1,11 +1,12 @@
 """The AITER provider of ``fused_qk_cache``: AITER's ``fused_qk_rope_concat_and_cache_mla`` fed
 an identity rotation. AITER is imported lazily, on first use, never at module import.
 
-Contract kept (reference/aiter-kernels.md): the cos/sin tables are one row of ones/zeros in the
-query dtype; positions is an int64 buffer of zeros, so no AITER kernel or version reads past that
-row (the general decode kernel and every kernel before v0.1.20 do not clamp positions);
-slot_mapping is int64 and exactly the tokens handed in (the launch grid is its length); the KV
-cache is passed in the fp8 dtype, never as uint8; q_out is fp8 like the cache."""
+Contract kept (AITER's ``aiter.ops.cache.fused_qk_rope_concat_and_cache_mla``, v0.1.9 to
+v0.1.20): the cos/sin tables are one row of ones/zeros in the query dtype; positions is an int64
+buffer of zeros, so no AITER kernel or version reads past that row (the general decode kernel and
+every kernel before v0.1.20 do not clamp positions); slot_mapping is int64 and exactly the tokens
+handed in (the launch grid is its length); the KV cache is passed in the fp8 dtype, never as uint8;
+q_out is fp8 like the cache."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A stand-in for AITER's ``fused_qk_rope_concat_and_cache_mla`` (``aiter.ops.cache``), for
 machines without ROCm. It records each call, checks every argument against AITER's contract
-(reference/aiter-kernels.md: dtypes, shapes, strides, which decode kernel the shape selects and
+(dtypes, shapes, strides, which decode kernel the shape selects and
 whether that kernel, in the AITER version modelled, clamps positions) and computes the result
 with AITER's semantics: nope lanes clamped, rope lanes rotated and cast without a clamp, rows
 with a negative slot leave q_out and the cache untouched."""

@@ -4,7 +4,8 @@ KimiMLAAttention``) on a CPU machine, stock or with the overlay, and compare the
 What is real: vLLM's layer classes, its K3 wrapper and MLAAttention, the weight post-processing,
 the front end (projections, norms), the W_UK absorption, vLLM's own static fp8 query quant, the
 V up-projection, the forward context and the overlay's patches. What is replaced, because CUDA
-wheels on CPU cannot run it (reference/vllm-cpu-forward.md): the *attention core* only, i.e.
+wheels on CPU cannot run it (they ship no CPU ``_C.mla_decode_kvcache``): the *attention core*
+only, i.e.
 the decode kernel ``impl.forward_mqa`` (a torch reference that dequantises with the layer's
 scales) and, for an fp8 cache, the KV-cache write ``impl.do_kv_cache_update`` (a torch reference
 of ``concat_and_cache_mla``: x / k_scale, saturated) with ``supports_quant_query_input`` on, as
