@@ -21,7 +21,7 @@ from k3_amd_overlay.package import SUPPORTED_VLLM
 from k3_amd_overlay.settings import ENV_PREFIX, STRICT, SWITCH, Mode, OverlaySettings, load_settings
 from k3_amd_overlay.targets import sources
 from k3_amd_overlay.targets.defects import present_defects
-from k3_amd_overlay.targets.layer_state import LayerInstaller
+from k3_amd_overlay.targets.installer import LayerInstaller
 from k3_amd_overlay.targets.shapes import VllmShape, recognise
 from k3_amd_overlay.versions import in_supported_range, installed_vllm_version
 

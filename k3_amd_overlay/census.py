@@ -19,26 +19,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay.kernels.names import ABSORB_QK_CACHE_KERNEL, QK_CACHE_KERNEL, RMSNORM_PAIR_KERNEL
+from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
+
 # One table of the kernels each fusion removes and adds, matched as substrings of the full
 # kernel name: AITER's, vLLM's and the overlay's own.
 FUSION_KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
-    "qk_cache": {
+    QK_CACHE: {
         "removes": ("concat_and_cache_mla", "CatArrayBatchedCopy", "scaled_quant",
                     "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal"),
-        "adds": ("fuse_qk_rope_concat_and_cache_mla", "qk_cache_kernel"),
+        "adds": ("fuse_qk_rope_concat_and_cache_mla", QK_CACHE_KERNEL),
     },
-    "absorb_qk_cache": {
+    ABSORB_QK_CACHE: {
         "removes": ("concat_and_cache_mla", "CatArrayBatchedCopy", "scaled_quant",
-                    "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal", "qk_cache_kernel", "bmm", "gemm", "Cijk_"),
-        "adds": ("absorb_qk_cache_kernel",),
+                    "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal", QK_CACHE_KERNEL, "bmm", "gemm", "Cijk_"),
+        "adds": (ABSORB_QK_CACHE_KERNEL,),
     },
-    "qkv_norm": {
+    QKV_NORM: {
         "removes": ("rms_norm_kernel", "rmsnorm_kernel"),
-        "adds": ("fused_qk_rmsnorm", "FusedQKVRMSNormKernel", "rmsnorm_pair_kernel"),
+        "adds": ("fused_qk_rmsnorm", "FusedQKVRMSNormKernel", RMSNORM_PAIR_KERNEL),
     },
 }
 KERNEL_CATEGORIES = frozenset({"kernel", "gpu_op"})
-K3_MLA_LAYERS = 24
 
 
 class TraceError(ValueError):

@@ -12,10 +12,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from k3_amd_overlay import markers
+from k3_amd_overlay import k3, markers
 from k3_amd_overlay.package import FUSIONS, __version__
+from k3_amd_overlay.record import MarkerRecord, RecordError
 from k3_amd_overlay.settings import MARKER_DIR
 from k3_amd_overlay.verdict import judge
 
@@ -26,7 +26,7 @@ load_general_plugins()
 import vllm.models.kimi_k3.amd.linear  # noqa: F401  (fires the overlay's post-import hooks)
 from k3_amd_overlay.activation import active
 activation = active()
-record = activation.evidence.record if activation else {"pid": 0, "mode": "off", "fusions": {}}
+record = activation.evidence.record.to_json() if activation else {"pid": 0, "mode": "off", "fusions": {}}
 print("K3_AMD_OVERLAY_RECORD=" + json.dumps(record))
 """
 
@@ -41,7 +41,7 @@ def _fusions(value: str | None) -> list[str] | None:
     return names
 
 
-def static_record(timeout: float = 600.0) -> tuple[dict[str, Any] | None, str]:
+def static_record(timeout: float = 600.0) -> tuple[MarkerRecord | None, str]:
     """Load vLLM's general plugins and import the K3 AMD code in a fresh subprocess with the
     current environment (markers to a throwaway directory); return its evidence record."""
     with tempfile.TemporaryDirectory(prefix="k3ovl-static-") as tmp:
@@ -51,7 +51,10 @@ def static_record(timeout: float = 600.0) -> tuple[dict[str, Any] | None, str]:
                               text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("K3_AMD_OVERLAY_RECORD="):
-            return json.loads(line.split("=", 1)[1]), proc.stderr
+            try:
+                return MarkerRecord.from_json(json.loads(line.split("=", 1)[1])), proc.stderr
+            except (ValueError, RecordError) as exc:
+                return None, f"unreadable record from the static probe: {exc}"
     return None, (proc.stderr or proc.stdout)[-4000:]
 
 
@@ -73,13 +76,13 @@ def cmd_check(args: argparse.Namespace) -> int:
             if m.error:
                 notes.append(f"note {m.path}: {m.error}")
             elif not m.live:
-                notes.append(f"note {m.path}: pid {m.record['pid']} is gone (or its pid was reused); stale, ignored")
+                notes.append(f"note {m.path}: pid {m.record.pid} is gone (or its pid was reused); stale, ignored")
         require_effective = not args.no_effective
     verdict = judge(records, args.expect, wanted, require_effective, static=args.static,
                     allow_mixed=args.allow_mixed)
     if args.json:
         print(json.dumps({"expect": args.expect, "holds": verdict.holds, "lines": verdict.lines,
-                          "notes": notes, "records": records}, indent=1))
+                          "notes": notes, "records": [r.to_json() for r in records]}, indent=1))
     else:
         for line in notes + verdict.lines:
             print(line)
@@ -91,7 +94,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from k3_amd_overlay.doctor import run_doctor
 
-    report, healthy = run_doctor(switch=args.switch, layer_check_wanted=not args.no_layer_check)
+    report, healthy = run_doctor(switch=args.switch)
     if args.json:
         print(json.dumps(report, indent=1, default=str))
     else:
@@ -152,13 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     census.add_argument("--expect", action="append", metavar="NAME=COUNT",
                         help="fail unless kernels matching NAME ran exactly COUNT times on every rank")
     census.add_argument("--steps", type=int, help="decode steps in the window: per-step and per-layer figures")
-    census.add_argument("--layers", type=int, default=24, help="MLA layers of the model (K3: 24)")
+    census.add_argument("--layers", type=int, default=k3.MLA_LAYERS,
+                        help=f"MLA layers of the model (K3: {k3.MLA_LAYERS})")
     census.add_argument("--json", action="store_true")
     census.set_defaults(func=cmd_census)
     doctor = sub.add_parser("doctor", help="versions, GPU, what each fusion would do here and why, self-tests")
     doctor.add_argument("--switch", help="judge this K3_AMD_OVERLAY value instead of the environment's")
-    doctor.add_argument("--no-layer-check", action="store_true",
-                        help="skip building a real K3 MLA layer stock and overlaid (CPU vLLM only)")
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=cmd_doctor)
     return parser

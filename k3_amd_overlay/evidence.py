@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from k3_amd_overlay import markers
-from k3_amd_overlay.fusions.states import FUSED_STATE_VALUES, FusionState, LayerDecision
+from k3_amd_overlay.fusions.states import FUSED_STATES, FusionState, LayerDecision
 from k3_amd_overlay.package import FUSIONS, __version__
 from k3_amd_overlay.phases import Phase, current_phase
+from k3_amd_overlay.record import FusionEntry, LayerTally, MarkerRecord
 from k3_amd_overlay.settings import Mode, OverlaySettings
 from k3_amd_overlay.versions import installed_vllm_version
 
-SCHEMA = 2
 logger = logging.getLogger("vllm.k3_amd_overlay")
 API_SERVER_MODULE_FILE = os.path.join("entrypoints", "openai", "api_server.py")
 # Marker rewrites for run counts: at these counts, then at most every MARKER_INTERVAL_S seconds.
@@ -76,29 +76,20 @@ class Evidence:
         self._last_write = 0.0
         self._flush_registered = False
         pid = os.getpid()
-        self.record: dict[str, Any] = {
-            "schema": SCHEMA,
-            "pid": pid,
-            "start_ticks": markers.process_start_ticks(pid),
-            "role": process_role(),
-            "process_name": multiprocessing.current_process().name,
-            "overlay_version": __version__,
-            "vllm_version": installed_vllm_version(),
-            "mode": settings.mode.value,
-            "switch": settings.raw,
-            "strict": settings.strict,
-            "vllm_shape": shape,
-            "patches": [],
-            "upstream_defects": [],
-            "coverage": {},
-            "fusions": {
-                f: {"state": self._initial_state(settings, f).value, "provider": None,
-                    "reason": self._initial_reason(settings, f), "layers": 0, "layer_states": {},
-                    "effective": False, "effective_layers": 0,
-                    "runs": {p.value: 0 for p in Phase}, "captured_sizes": []}
-                for f in FUSIONS
-            },
-        }
+        self.record = MarkerRecord(
+            pid=pid,
+            mode=settings.mode,
+            fusions={f: FusionEntry(self._initial_state(settings, f), reason=self._initial_reason(settings, f))
+                     for f in FUSIONS},
+            start_ticks=markers.process_start_ticks(pid),
+            role=process_role(),
+            process_name=multiprocessing.current_process().name,
+            overlay_version=__version__,
+            vllm_version=installed_vllm_version(),
+            switch=settings.raw,
+            strict=settings.strict,
+            vllm_shape=shape,
+        )
         try:
             self._directory = markers.ensure_marker_dir(settings.marker_dir)
         except markers.MarkerDirError as exc:
@@ -118,19 +109,19 @@ class Evidence:
             return "stock mode"
         return "patched; decided per layer when K3 MLA layers are built"
 
-    def fusion(self, name: str) -> dict[str, Any]:
-        return self.record["fusions"][name]
+    def fusion(self, name: str) -> FusionEntry:
+        return self.record.fusions[name]
 
     def set_shape(self, shape: str | None, patches: list[str]) -> None:
         with self._lock:
-            self.record["vllm_shape"] = shape
-            self.record["patches"] = patches
+            self.record.vllm_shape = shape
+            self.record.patches = patches
             self._write()
 
     def set_coverage(self, coverage: dict[str, Any]) -> None:
-        """What the process serves and what the overlay does not cover there (targets/layer_state)."""
+        """What the process serves and what the overlay does not cover there (targets/vllm_env.py)."""
         with self._lock:
-            self.record["coverage"] = coverage
+            self.record.coverage = coverage
             self._write()
         for gap in coverage.get("not_covered", []):
             _emit(logging.WARNING, f"k3-amd-overlay: not covered in this process: {gap}")
@@ -139,7 +130,7 @@ class Evidence:
         """Known defects of this vLLM's own K3 code (targets/defects.py), and whether this
         process's environment triggers them."""
         with self._lock:
-            self.record["upstream_defects"] = defects
+            self.record.upstream_defects = defects
             self._write()
         for defect in defects:
             if defect["triggered"]:
@@ -149,7 +140,7 @@ class Evidence:
     def set_fusion(self, name: str, state: FusionState, reason: str, provider: str | None = None) -> None:
         with self._lock:
             entry = self.fusion(name)
-            entry.update(state=state.value, reason=reason, provider=provider)
+            entry.state, entry.reason, entry.provider = state, reason, provider
             self._write()
 
     def note_layer(self, name: str, decision: LayerDecision) -> None:
@@ -158,15 +149,15 @@ class Evidence:
         mixed (the tally says how many layers went which way)."""
         with self._lock:
             entry = self.fusion(name)
-            summary = (decision.state.value, decision.provider, decision.reason)
-            if entry["layers"] == 0:
-                entry.update(state=decision.state.value, provider=decision.provider, reason=decision.reason)
-            elif summary != (entry["state"], entry["provider"], entry["reason"]):
-                entry["reason"] = f"mixed across layers; latest: {decision.state.value} ({decision.reason})"
-            entry["layers"] += 1
-            tally = entry["layer_states"].setdefault(decision.state.value, {"layers": 0, "reason": ""})
-            tally["layers"] += 1
-            tally["reason"] = decision.reason
+            summary = (decision.state, decision.provider, decision.reason)
+            if entry.layers == 0:
+                entry.state, entry.provider, entry.reason = summary
+            elif summary != (entry.state, entry.provider, entry.reason):
+                entry.reason = f"mixed across layers; latest: {decision.state.value} ({decision.reason})"
+            entry.layers += 1
+            tally = entry.layer_states.setdefault(decision.state, LayerTally())
+            tally.layers += 1
+            tally.reason = decision.reason
             self._write()
 
     def effective_hook(self, fusion: str, layer: str) -> Callable[[int], None]:
@@ -186,7 +177,8 @@ class Evidence:
                     done = True
                     layers = self._effective_layers[fusion]
                     layers.add(layer)
-                    self.fusion(fusion).update(effective=True, effective_layers=len(layers))
+                    entry = self.fusion(fusion)
+                    entry.effective, entry.effective_layers = True, len(layers)
                     self._counting_layer.setdefault(fusion, layer)
                     force = True
                 else:
@@ -202,15 +194,14 @@ class Evidence:
         """Count one batch; True where the marker must be rewritten now (a new captured size, or a
         count reaching a power of two)."""
         entry = self.fusion(fusion)
-        runs = entry["runs"]
-        runs[phase.value] += 1
+        entry.runs[phase] += 1
         if not self._flush_registered:
             self._flush_registered = True
             atexit.register(self.flush)
-        if phase is Phase.CAPTURE and num_tokens not in entry["captured_sizes"]:
-            entry["captured_sizes"] = sorted([*entry["captured_sizes"], num_tokens])
+        if phase is Phase.CAPTURE and num_tokens not in entry.captured_sizes:
+            entry.captured_sizes = sorted([*entry.captured_sizes, num_tokens])
             return True
-        count = runs[phase.value]
+        count = entry.runs[phase]
         return count & (count - 1) == 0
 
     def flush(self) -> None:
@@ -221,16 +212,16 @@ class Evidence:
         """Per requested fusion, how its layers were decided: (log level, line). A fusion requested
         but fused on no layer is a warning."""
         lines = []
-        for name, entry in self.record["fusions"].items():
-            tallies = entry["layer_states"]
+        for name, entry in self.record.fusions.items():
+            tallies = entry.layer_states
             if not tallies:
                 continue
-            total = entry["layers"]
-            parts = [f"{state} on {t['layers']}/{total} layers ({t['reason']})" for state, t in tallies.items()]
-            fused = sum(t["layers"] for state, t in tallies.items() if state in FUSED_STATE_VALUES)
+            total = entry.layers
+            parts = [f"{state.value} on {t.layers}/{total} layers ({t.reason})" for state, t in tallies.items()]
+            fused = sum(t.layers for state, t in tallies.items() if state in FUSED_STATES)
             level = logging.INFO
             text = f"{name}=" + "; ".join(parts)
-            if self.record["mode"] == Mode.AUTO.value and FusionState.DISABLED.value not in tallies and fused == 0:
+            if self.record.mode is Mode.AUTO and FusionState.DISABLED not in tallies and fused == 0:
                 level = logging.WARNING
                 text += " -- requested but fused on no layer: this process runs it stock"
             lines.append((level, text))
@@ -238,16 +229,16 @@ class Evidence:
 
     def publish_layers(self) -> None:
         """Log the layer summary once a model's layers are built (called per model built)."""
-        prefix = f"k3-amd-overlay: pid={self.record['pid']} role={self.record['role']} layers built: "
+        prefix = f"k3-amd-overlay: pid={self.record.pid} role={self.record.role} layers built: "
         for level, line in self.layer_summary():
             _emit(level, prefix + line)
 
     def _write(self) -> None:
-        self.record["updated"] = time.time()
+        self.record.updated = time.time()
         if self._directory is None:
             return
         try:
-            self.marker_path = markers.write_marker(self._directory, self.record["pid"], self.record)
+            self.marker_path = markers.write_marker(self._directory, self.record.pid, self.record.to_json())
         except OSError as exc:  # serving must never fail over evidence
             if self.marker_error is None:
                 self.marker_error = f"marker write failed in {self._directory}: {exc}"
@@ -261,12 +252,12 @@ class Evidence:
     def summary_line(self) -> str:
         r = self.record
         parts = [
-            f"k3-amd-overlay {r['overlay_version']}: pid={r['pid']} role={r['role']}",
-            f"vllm={r['vllm_version']} mode={r['mode']} shape={r['vllm_shape']}",
+            f"k3-amd-overlay {r.overlay_version}: pid={r.pid} role={r.role}",
+            f"vllm={r.vllm_version} mode={r.mode.value} shape={r.vllm_shape}",
         ]
-        for name, entry in r["fusions"].items():
-            provider = f" provider={entry['provider']}" if entry["provider"] else ""
-            parts.append(f"{name}={entry['state']}{provider} ({entry['reason']})")
+        for name, entry in r.fusions.items():
+            provider = f" provider={entry.provider}" if entry.provider else ""
+            parts.append(f"{name}={entry.state.value}{provider} ({entry.reason})")
         parts.append(f"marker={self.marker_path}" if self.marker_path else f"marker-error={self.marker_error}")
         return " | ".join(parts)
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay.record import MarkerRecord, RecordError
+
 MARKER_SUFFIX = ".json"
 
 
@@ -92,7 +94,7 @@ def is_alive(pid: int, start_ticks: int | None) -> bool:
 @dataclass(frozen=True)
 class MarkerFile:
     path: Path
-    record: dict[str, Any] | None
+    record: MarkerRecord | None
     error: str | None
     live: bool
 
@@ -101,10 +103,9 @@ def read_markers(directory: Path) -> list[MarkerFile]:
     found = []
     for path in sorted(directory.glob(f"*{MARKER_SUFFIX}")):
         try:
-            record = json.loads(path.read_text())
-            pid = int(record["pid"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            record = MarkerRecord.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, RecordError) as exc:
             found.append(MarkerFile(path, None, f"unreadable marker: {exc}", False))
             continue
-        found.append(MarkerFile(path, record, None, is_alive(pid, record.get("start_ticks"))))
+        found.append(MarkerFile(path, record, None, is_alive(record.pid, record.start_ticks)))
     return found

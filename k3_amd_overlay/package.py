@@ -14,6 +14,16 @@ QKV_NORM = "qkv_norm"
 QK_CACHE = "qk_cache"
 ABSORB_QK_CACHE = "absorb_qk_cache"
 FUSIONS: tuple[str, ...] = (QKV_NORM, QK_CACHE, ABSORB_QK_CACHE)
+
+REFERENCE = "reference"  # the plain-torch provider each fused op is checked against
+AUTO = "auto"  # a provider setting: the first fused provider that can run here
+# Each fusion's fused providers, in ``auto``'s order of preference.
+FUSED_PROVIDERS: dict[str, tuple[str, ...]] = {
+    QKV_NORM: ("aiter", "triton", "vllm"),
+    QK_CACHE: ("aiter", "triton"),
+    ABSORB_QK_CACHE: ("triton",),
+}
+PROVIDERS: dict[str, tuple[str, ...]] = {f: (*fused, REFERENCE) for f, fused in FUSED_PROVIDERS.items()}
 # Decode batches up to this many tokens take the absorbed path (W_UK folded into the fused launch)
 # when absorb_qk_cache is on: on an H200 it beat bmm + qk_cache by 1.25-1.86x there and by
 # 0.99-1.46x above (docs/benchmarks.md), so larger batches take the qk_cache path.

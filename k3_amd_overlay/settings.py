@@ -18,18 +18,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM
+from k3_amd_overlay.package import AUTO, FUSIONS, PROVIDERS
 
 SWITCH = "K3_AMD_OVERLAY"
 STRICT = "K3_AMD_OVERLAY_STRICT"
 MARKER_DIR = "K3_AMD_OVERLAY_MARKER_DIR"
 ENV_PREFIX = SWITCH  # every variable of the overlay starts with this; Ray forwarding relies on it
 
-PROVIDERS: dict[str, tuple[str, ...]] = {
-    QKV_NORM: ("auto", "reference", "triton", "vllm", "aiter"),
-    QK_CACHE: ("auto", "reference", "triton", "aiter"),
-    ABSORB_QK_CACHE: ("auto", "reference", "triton"),
-}
+PROVIDER_SETTINGS: dict[str, tuple[str, ...]] = {f: (AUTO, *names) for f, names in PROVIDERS.items()}
 
 
 def provider_variable(fusion: str) -> str:
@@ -69,7 +65,7 @@ class OverlaySettings:
         return fusion in self.fusions
 
     def provider(self, fusion: str) -> str:
-        return self.providers.get(fusion, "auto")
+        return self.providers.get(fusion, AUTO)
 
 
 def _valid_switch_values() -> str:
@@ -105,12 +101,12 @@ def _parse_strict(raw: str | None) -> bool:
 
 def _parse_provider(fusion: str, raw: str | None) -> str:
     if raw is None:
-        return "auto"
+        return AUTO
     value = raw.strip()
-    if value not in PROVIDERS[fusion]:
+    if value not in PROVIDER_SETTINGS[fusion]:
         raise SettingsError(
             f"{provider_variable(fusion)}={raw!r} is not valid; "
-            f"allowed: {', '.join(PROVIDERS[fusion])}"
+            f"allowed: {', '.join(PROVIDER_SETTINGS[fusion])}"
         )
     return value
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from k3_amd_overlay.fusions.states import FUSED_STATE_VALUES, FusionState
+from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE
 from k3_amd_overlay.phases import Phase
+from k3_amd_overlay.record import FusionEntry, MarkerRecord
 from k3_amd_overlay.settings import Mode
 
 
@@ -26,15 +26,6 @@ class Verdict:
         self.lines.append(f"ok   {line}")
 
 
-def builds_layers(record: dict[str, Any]) -> bool:
-    """Whether this process built any K3 MLA layer (an API server never does)."""
-    return any(e.get("layers", 0) > 0 for e in record.get("fusions", {}).values())
-
-
-def _ran(entry: dict[str, Any]) -> bool:
-    return bool(entry.get("effective")) or any(entry.get("runs", {}).values())
-
-
 # A fusion whose one launch also does another's work: absorb_qk_cache's launch writes the KV cache
 # and quantises the concatenated query too, so its runs prove qk_cache's fusion ran as well.
 DOES_THE_WORK_OF = {ABSORB_QK_CACHE: QK_CACHE}
@@ -48,14 +39,13 @@ class _Proof:
     served: list[tuple[str, int]] = field(default_factory=list)  # (where, eager served batches)
     warmup: int = 0
 
-    def add(self, pid: int, entry: dict[str, Any], via: str | None = None) -> None:
-        runs = entry.get("runs", {})
+    def add(self, pid: int, entry: FusionEntry, via: str | None = None) -> None:
         where = f"pid {pid}" + (f" in the {via} launch" if via else "")
-        if entry.get("captured_sizes"):
-            self.captured.append((where, list(entry["captured_sizes"])))
-        if runs.get(Phase.SERVED.value):
-            self.served.append((where, runs[Phase.SERVED.value]))
-        self.warmup += runs.get(Phase.WARMUP.value, 0)
+        if entry.captured_sizes:
+            self.captured.append((where, list(entry.captured_sizes)))
+        if entry.runs[Phase.SERVED]:
+            self.served.append((where, entry.runs[Phase.SERVED]))
+        self.warmup += entry.runs[Phase.WARMUP]
 
     def describe(self) -> str:
         parts = []
@@ -71,17 +61,10 @@ class _Proof:
         return "; ".join(parts)
 
 
-def mixed(entry: dict[str, Any]) -> str | None:
-    """How a fusion's layers split, where some took the fused path and some did not (else None)."""
-    tallies = entry.get("layer_states") or {}
-    fused = [s for s in tallies if s in FUSED_STATE_VALUES]
-    if not fused or len(fused) == len(tallies):
-        return None
-    total = sum(t["layers"] for t in tallies.values())
-    return ", ".join(f"{s} on {t['layers']}/{total} ({t['reason']})" for s, t in tallies.items())
+NOT_RECORDED = FusionEntry(FusionState.DISABLED, reason="not in this process's record")
 
 
-def judge(records: Iterable[dict[str, Any]], expect: str, fusions: Iterable[str] | None,
+def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] | None,
           require_effective: bool, static: bool = False, allow_mixed: bool = False) -> Verdict:
     """``fused`` holds where every process runs the overlay on (auto), each process that built K3
     MLA layers has each fusion applied (the overlay's) or upstream (this vLLM's own), some process
@@ -95,7 +78,7 @@ def judge(records: Iterable[dict[str, Any]], expect: str, fusions: Iterable[str]
     record of a fresh process that loaded the plugin and imported the K3 code but built no layer:
     ``fused`` then holds where each fusion is patched (``pending``) or already decided fused."""
     verdict = Verdict()
-    records = [r for r in records if r.get("role") != "cli-client"]
+    records = [r for r in records if r.role != "cli-client"]
     named = list(fusions) if fusions is not None else None
     if not records:
         verdict.fail("no live vLLM process has left overlay evidence (is the server up, the plugin "
@@ -104,45 +87,43 @@ def judge(records: Iterable[dict[str, Any]], expect: str, fusions: Iterable[str]
     proofs: dict[str, _Proof] = {}
     any_layers = False
     for record in records:
-        who = f"pid {record['pid']} ({record.get('role')}, vLLM {record.get('vllm_version')})"
-        mode = record.get("mode")
-        entries = record.get("fusions", {})
-        if mode == Mode.OFF.value:
+        who = f"pid {record.pid} ({record.role}, vLLM {record.vllm_version})"
+        mode = record.mode
+        entries = record.fusions
+        if mode is Mode.OFF:
             verdict.fail(f"{who}: overlay off: proves neither fused nor stock")
             continue
         wanted = named if named is not None else [
-            f for f, e in entries.items() if e.get("state") != FusionState.DISABLED.value]
-        has_layers = builds_layers(record)
+            f for f, e in entries.items() if e.state is not FusionState.DISABLED]
+        has_layers = record.builds_layers()
         any_layers = any_layers or has_layers
         if expect == "fused" and not has_layers and not static:
-            if mode == Mode.AUTO.value:
+            if mode is Mode.AUTO:
                 verdict.ok(f"{who}: overlay on ({', '.join(wanted)}); builds no K3 MLA layer, nothing to fuse here")
             else:
-                verdict.fail(f"{who}: overlay in {mode} mode")
+                verdict.fail(f"{who}: overlay in {mode.value} mode")
             continue
         for fusion in wanted:
-            entry = entries.get(fusion, {})
+            entry = entries.get(fusion, NOT_RECORDED)
             proof = proofs.setdefault(fusion, _Proof())
-            proof.add(record["pid"], entry)
+            proof.add(record.pid, entry)
             for doer, covered in DOES_THE_WORK_OF.items():
-                if covered == fusion and entries.get(doer, {}).get("state") in FUSED_STATE_VALUES:
-                    proof.add(record["pid"], entries[doer], via=doer)
-            state, provider, reason = entry.get("state"), entry.get("provider"), entry.get("reason")
-            layers = entry.get("layers", 0)
-            described = (f"{who}: {fusion}={state}" + (f" provider={provider}" if provider else "")
+                if covered == fusion and doer in entries and entries[doer].fused:
+                    proof.add(record.pid, entries[doer], via=doer)
+            state, provider, reason, layers = entry.state, entry.provider, entry.reason, entry.layers
+            described = (f"{who}: {fusion}={state.value}" + (f" provider={provider}" if provider else "")
                          + (f" on {layers} layer{'s' if layers != 1 else ''}" if layers else "") + f" ({reason})")
             if expect == "fused":
-                accepted = FUSED_STATE_VALUES | ({FusionState.PENDING.value} if static else set())
-                good = mode == Mode.AUTO.value and state in accepted
-                split = mixed(entry)
+                good = mode is Mode.AUTO and (entry.fused or (static and state is FusionState.PENDING))
+                split = entry.mixed()
                 if split and good:
                     described += f"; mixed across layers: {split}"
                     good = allow_mixed
                     if not allow_mixed:
                         described += " (pass --allow-mixed to accept a partly fused process)"
             else:
-                good = mode == Mode.STOCK.value and state == FusionState.FORCED_STOCK.value and not _ran(entry)
-                if _ran(entry):
+                good = mode is Mode.STOCK and state is FusionState.FORCED_STOCK and not entry.ran
+                if entry.ran:
                     described += "; its fused path ran"
             (verdict.ok if good else verdict.fail)(described)
     if expect == "fused" and not any_layers and not static:

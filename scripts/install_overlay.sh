@@ -8,6 +8,7 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 [ $# -gt 0 ] || { echo "usage: $0 VENV [VENV ...]" >&2; exit 2; }
 dist=$(mktemp -d)
 trap 'rm -rf "$dist"' EXIT
+rm -rf "$repo/build"  # setuptools builds in-tree: a stale build/ would ship modules since removed
 "$1/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps -w "$dist" "$repo" 2>&1 | grep -v "WARNING: Location" || true
 wheel=$(ls "$dist"/k3_amd_overlay-*.whl)
 for venv in "$@"; do

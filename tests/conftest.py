@@ -1,24 +1,12 @@
-"""Test session setup: on a machine without a GPU the overlay's Triton kernels run under the
-Triton interpreter (set before anything imports triton); vLLM, when installed, runs on CPU."""
+"""Test session setup (tests/machine.py decides GPU or interpreter, vLLM or not) and the fixtures
+shared across test files: the AITER stand-in and the real-vLLM layer session."""
 
-import os
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
-import torch
-
-HAS_GPU = torch.cuda.is_available()
-if not HAS_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-
-try:
-    import vllm  # noqa: F401
-
-    HAS_VLLM = True
-except ImportError:
-    HAS_VLLM = False
-
-DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
+from aiter_standin import AiterStandIn
+from machine import HAS_GPU, HAS_VLLM
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -29,3 +17,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "vllm" in item.keywords and not HAS_VLLM:
             item.add_marker(skip_vllm)
+
+
+@pytest.fixture
+def aiter_standin(monkeypatch: pytest.MonkeyPatch) -> Callable[..., AiterStandIn]:
+    """``aiter_standin(version=..., fmt=...)``: AITER's op replaced by the stand-in
+    (tests/aiter_standin.py) for this test; everything it changed is undone after it."""
+
+    def install(**kwargs: Any) -> AiterStandIn:
+        return AiterStandIn(**kwargs).install(monkeypatch)
+
+    return install
+
+
+@pytest.fixture(scope="session")
+def vllm_layer_session() -> Iterator[None]:
+    """The vLLM config, process group and CPU attention core that tests/layer_harness.py builds
+    layers in, opened once per session and closed (every change undone) at its end."""
+    if not HAS_VLLM:
+        yield
+        return
+    import layer_harness
+
+    with layer_harness.session():
+        yield

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, HAS_GPU
+from machine import DEVICE, HAS_GPU
 from parity import POISON_A, POISON_B, make_qk_case
 
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format

@@ -15,11 +15,17 @@ import types
 import pytest
 
 from k3_amd_overlay import evidence as evidence_module
-from k3_amd_overlay import markers, phases
+from k3_amd_overlay import markers, phases, verdict
 from k3_amd_overlay.evidence import Evidence, process_role
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.record import LayerTally, MarkerRecord
 from k3_amd_overlay.settings import load_settings
-from k3_amd_overlay.verdict import judge
+
+
+def judge(records, *args, **kwargs):
+    """The verdict on marker contents, read as ``check`` reads a marker file."""
+    return verdict.judge([MarkerRecord.from_json(r) for r in records], *args, **kwargs)
+
 
 
 def settings_for(tmp_path, switch="1"):
@@ -73,7 +79,7 @@ def test_write_failure_is_reported_once_and_serving_goes_on(tmp_path, emitted):
     evidence.set_fusion("qk_cache", FusionState.REFUSED, "x")
     evidence.set_fusion("qk_cache", FusionState.REFUSED, "y")
     assert sum("marker write failed" in line for _, line in emitted) == 1
-    assert evidence.fusion("qk_cache")["reason"] == "y"
+    assert evidence.fusion("qk_cache").reason == "y"
 
 
 def _writer(directory: str, worker: int) -> None:
@@ -108,10 +114,10 @@ def test_effective_hook_records_once_and_counts_layers(tmp_path):
     hooks = [evidence.effective_hook("qk_cache", f"layer.{i}") for i in range(3)]
     for hook in hooks * 5:
         hook(4)
-    entry = json.loads(evidence.marker_path.read_text())["fusions"]["qk_cache"]
-    assert entry["effective"] is True and entry["effective_layers"] == 3
+    entry = MarkerRecord.from_json(json.loads(evidence.marker_path.read_text())).fusions["qk_cache"]
+    assert entry.effective is True and entry.effective_layers == 3
     # batches are counted at one layer: 5 batches through 3 layers are 5 batches, not 15
-    assert entry["runs"] == {"warmup": 0, "capture": 0, "served": 5}
+    assert entry.runs == {"warmup": 0, "capture": 0, "served": 5}
 
 
 def _dummy_run(hook):  # named as vLLM's model runner names its own dummy batches
@@ -125,7 +131,7 @@ def test_runs_are_counted_by_phase(tmp_path):
     _dummy_run(hook)
     hook(3)
     entry = evidence.fusion("qkv_norm")
-    assert entry["runs"] == {"warmup": 2, "capture": 0, "served": 1}
+    assert entry.runs == {"warmup": 2, "capture": 0, "served": 1}
     evidence.flush()
     assert json.loads(evidence.marker_path.read_text())["fusions"]["qkv_norm"]["runs"]["served"] == 1
 
@@ -134,11 +140,11 @@ def test_layer_decisions_set_state_and_flag_mixed(tmp_path):
     evidence = Evidence(settings_for(tmp_path))
     evidence.note_layer("qkv_norm", LayerDecision(FusionState.APPLIED, "triton", "ok"))
     evidence.note_layer("qkv_norm", LayerDecision(FusionState.APPLIED, "triton", "ok"))
-    assert evidence.fusion("qkv_norm")["layers"] == 2 and evidence.fusion("qkv_norm")["provider"] == "triton"
+    assert evidence.fusion("qkv_norm").layers == 2 and evidence.fusion("qkv_norm").provider == "triton"
     evidence.note_layer("qkv_norm", LayerDecision(FusionState.REFUSED, None, "no provider"))
-    assert evidence.fusion("qkv_norm")["reason"].startswith("mixed across layers")
-    assert evidence.fusion("qkv_norm")["layer_states"] == {
-        "applied": {"layers": 2, "reason": "ok"}, "refused": {"layers": 1, "reason": "no provider"}}
+    assert evidence.fusion("qkv_norm").reason.startswith("mixed across layers")
+    assert evidence.fusion("qkv_norm").layer_states == {
+        FusionState.APPLIED: LayerTally(2, "ok"), FusionState.REFUSED: LayerTally(1, "no provider")}
 
 
 def test_layer_summary_warns_when_a_requested_fusion_fuses_on_no_layer(tmp_path):

@@ -11,21 +11,26 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HAS_VLLM
+from machine import HAS_VLLM
 from vllm_support import run_vllm_process
 
-from k3_amd_overlay import census, markers
+from k3_amd_overlay import census, markers, verdict
 from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.fusions import qk_cache as qk
-from k3_amd_overlay.fusions.qkv_norm import QKvNorm, QkvNormSite
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.ops.reference import rmsnorm_reference
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS
+from k3_amd_overlay.record import MarkerRecord
 from k3_amd_overlay.settings import load_settings
-from k3_amd_overlay.targets import attend_hook, layer_state
-from k3_amd_overlay.verdict import judge
+from k3_amd_overlay.targets import attend_hook, decode, installer
+from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormCallback, QkvNormSite
 
 APPLIED = LayerDecision(FusionState.APPLIED, "reference", "")
+
+def judge(records, *args, **kwargs):
+    """The verdict on marker contents, read as ``check`` reads a marker file."""
+    return verdict.judge([MarkerRecord.from_json(r) for r in records], *args, **kwargs)
+
 
 
 def entry(state, served=0, warmup=0, effective=None, layers=2):
@@ -62,9 +67,13 @@ def test_a_refused_fusion_stays_in_the_requested_set():
 
 # --- fusions/qk_cache.py: the per-batch half of the predicate --------------------------------
 
-def site(hooks: list) -> qk.QkCacheSite:
-    return qk.QkCacheSite(APPLIED, APPLIED, "bf16", None, None, lambda n: hooks.append(("qk", n)),
-                          lambda n: hooks.append(("absorb", n)))
+def site(hooks: list) -> decode.DecodeSite:
+    return decode.DecodeSite(qk.DecodePlan(APPLIED, APPLIED), lambda n: hooks.append(("qk", n)),
+                             lambda n: hooks.append(("absorb", n)))
+
+
+def fusable(*batch_args) -> bool:
+    return qk.batch_fusable(decode.batch_facts(*batch_args))
 
 
 def batch(tokens, decode=None):
@@ -87,9 +96,9 @@ def test_absorb_takes_batches_up_to_and_including_its_limit():
 
 
 def test_no_cache_or_a_replicated_dcp_query_is_never_fused():
-    assert not qk.batch_fusable(batch(4), torch.zeros(4), torch.zeros(0), None)
-    assert not qk.batch_fusable(batch(4), torch.zeros(4), torch.zeros(4), torch.zeros(4))
-    assert qk.batch_fusable(batch(4), torch.zeros(4), torch.zeros(4), None)
+    assert not fusable(batch(4), torch.zeros(4), torch.zeros(0), None)
+    assert not fusable(batch(4), torch.zeros(4), torch.zeros(4), torch.zeros(4))
+    assert fusable(batch(4), torch.zeros(4), torch.zeros(4), None)
 
 
 def test_decode_site_stands_down_under_fullgraph_tracing(tmp_path):
@@ -111,7 +120,7 @@ def test_decode_site_stands_down_under_fullgraph_tracing(tmp_path):
     assert hooks == []
 
 
-# --- fusions/qkv_norm.py -------------------------------------------------------------------
+# --- targets/norm.py -----------------------------------------------------------------------
 
 def norms(q_eps=1e-2, kv_eps=1e-6):
     q_norm = SimpleNamespace(weight=(1 + 0.1 * torch.randn(64)).to(torch.bfloat16), variance_epsilon=q_eps)
@@ -122,7 +131,7 @@ def norms(q_eps=1e-2, kv_eps=1e-6):
 def test_the_norm_callback_uses_each_norms_own_eps():
     q_norm, kv_norm = norms()
     q_c, kv_c = (torch.randn(5, 64) * 0.05).to(torch.bfloat16), (torch.randn(5, 32) * 0.05).to(torch.bfloat16)
-    got_q, got_kv = QKvNorm(q_norm, kv_norm, "reference")(q_c, kv_c)
+    got_q, got_kv = QkvNormCallback(q_norm, kv_norm, "reference")(q_c, kv_c)
     assert torch.equal(got_q, rmsnorm_reference(q_c, q_norm.weight, 1e-2))
     assert torch.equal(got_kv, rmsnorm_reference(kv_c, kv_norm.weight, 1e-6))
 
@@ -130,7 +139,7 @@ def test_the_norm_callback_uses_each_norms_own_eps():
 def test_norm_site_stands_down_under_fullgraph_tracing():
     q_norm, kv_norm = norms()
     calls: list = []
-    norm_site = QkvNormSite(APPLIED, QKvNorm(q_norm, kv_norm, "reference"), calls.append)
+    norm_site = QkvNormSite(APPLIED, QkvNormCallback(q_norm, kv_norm, "reference"), calls.append)
 
     def two_norms(x, w, eps):
         return rmsnorm_reference(x, w, eps)
@@ -147,22 +156,22 @@ def test_norm_site_stands_down_under_fullgraph_tracing():
     assert calls == []
 
 
-# --- targets/layer_state.py --------------------------------------------------------------------
+# --- targets/installer.py ----------------------------------------------------------------------
 
 def test_the_absorption_variant_is_read_fp4_first_as_vllm_does():
     both = SimpleNamespace(is_aiter_triton_fp4_bmm_enabled=True, is_aiter_triton_fp8_bmm_enabled=True)
-    assert layer_state.absorb_variant(both) == "fp4"
+    assert installer.absorb_variant(both) == "fp4"
 
 
 def test_norm_providers_are_judged_with_both_eps(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(layer_state.rmsnorm_pair, "provider_missing",
+    monkeypatch.setattr(installer.rmsnorm_pair, "provider_missing",
                         lambda device, q_eps, kv_eps: seen.append((q_eps, kv_eps)) or {"reference": None})
     settings = load_settings({"K3_AMD_OVERLAY": "qkv_norm", "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path)})
     q_norm, kv_norm = norms(q_eps=1e-5, kv_eps=1e-3)
     wrapper = SimpleNamespace(q_a_layernorm=SimpleNamespace(**vars(q_norm)), kv_a_layernorm=kv_norm,
                               mla_attn=SimpleNamespace(layer_name="layer.0"))
-    layer_state.LayerInstaller(settings, Evidence(settings)).install_qkv_norm(wrapper, upstream_fuses=False)
+    installer.LayerInstaller(settings, Evidence(settings)).install_qkv_norm(wrapper, upstream_fuses=False)
     assert seen == [(1e-5, 1e-3)]
 
 
@@ -173,7 +182,7 @@ def test_the_plain_wrapper_front_end_is_never_taken_with_a_rotary_embedding():
 
     cls = k3_wrapper_class(type("SharedWrapper", (), {}), None, frozenset())
     layer = SimpleNamespace(q_lora_rank=1536, rotary_emb=None, indexer=None, is_sparse=False, dcp_q_replicate=False)
-    layer.__dict__[layer_state.QKV_NORM_SITE] = QkvNormSite(APPLIED, None, lambda n: None)
+    layer.__dict__[QKV_NORM_SITE] = QkvNormSite(APPLIED, None, lambda n: None)
     assert cls._k3_front_end(layer) is True
     layer.rotary_emb = object()  # a real rotation: RoPE must run, so the stock forward does
     assert cls._k3_front_end(layer) is False
@@ -188,7 +197,7 @@ def test_the_decode_hook_passes_the_dcp_query_to_the_stock_call():
             return q
 
     attn = Attention()
-    attend_hook.install(attn, qk.QkCacheSite(APPLIED, APPLIED, "bf16", None, None, lambda n: None, lambda n: None))
+    attend_hook.install(attn, decode.DecodeSite(qk.DecodePlan(APPLIED, APPLIED), lambda n: None, lambda n: None))
     replicated = torch.ones(1)
     attn.forward(torch.zeros(1), torch.zeros(1), torch.zeros(1), output_shape=(1,), q_dcp_replicated=replicated)
     assert seen["q_dcp_replicated"] is replicated
@@ -196,34 +205,30 @@ def test_the_decode_hook_passes_the_dcp_query_to_the_stock_call():
 
 # --- ops/aiter_qk_cache.py: the AITER call's layout -------------------------------------------
 
-def test_aiter_is_asked_for_the_nope_first_layout(monkeypatch):
+def test_aiter_is_asked_for_the_nope_first_layout(monkeypatch, aiter_standin):
     from k3_amd_overlay.fp8 import E4M3FN
     from k3_amd_overlay.ops import aiter_qk_cache
-    from k3_amd_overlay.testing.aiter_standin import AiterStandIn
 
-    standin = AiterStandIn(fmt=E4M3FN)
-    standin.install()
-    try:
-        received = []
-        original = standin.op
-        monkeypatch.setattr(standin, "op", lambda *args: received.append(args[13]) or original(*args))
-        t, h = 3, 2
-        q_out = torch.empty(t, h, 576, dtype=E4M3FN.dtype)
-        cache = torch.zeros(2, 16, 576, dtype=E4M3FN.dtype)
-        one = torch.ones(1)
-        aiter_qk_cache.run(torch.randn(t, h, 512).bfloat16(), torch.randn(t, h, 64).bfloat16(),
-                           torch.randn(t, 512).bfloat16(), torch.randn(t, 64).bfloat16(), cache,
-                           torch.tensor([0, 5, 9]), one, one, q_out)
-        assert received == [True]
-    finally:
-        standin.uninstall()
+    standin = aiter_standin(fmt=E4M3FN)
+    received = []
+    original = standin.op
+    monkeypatch.setattr(standin, "op", lambda *args: received.append(args[13]) or original(*args))
+    t, h = 3, 2
+    q_out = torch.empty(t, h, 576, dtype=E4M3FN.dtype)
+    cache = torch.zeros(2, 16, 576, dtype=E4M3FN.dtype)
+    one = torch.ones(1)
+    aiter_qk_cache.run(torch.randn(t, h, 512).bfloat16(), torch.randn(t, h, 64).bfloat16(),
+                       torch.randn(t, 512).bfloat16(), torch.randn(t, 64).bfloat16(), cache,
+                       torch.tensor([0, 5, 9]), one, one, q_out)
+    assert received == [True]
 
 
 def test_the_aiter_standin_holds_the_layout_argument_to_its_meaning():
     """With is_nope_first=False AITER writes [rope | nope]: the stand-in computes that too, so a
     provider that asked for it would fail every parity test."""
+    from aiter_standin import AiterStandIn
+
     from k3_amd_overlay.fp8 import E4M3FN
-    from k3_amd_overlay.testing.aiter_standin import AiterStandIn
 
     standin = AiterStandIn(fmt=E4M3FN)
     t, h = 2, 1
@@ -346,15 +351,15 @@ def test_a_partly_fused_process_is_not_a_fused_arm_unless_told_so():
 # --- one guarantee per test (each was caught only inside the big enumeration) -------------------
 
 BASE = dict(stock_mode=False, provider_setting="auto", provider_missing={"aiter": None}, kv_cache_dtype="fp8",
-            rotation="none", dcp_world_size=1, pcp=False, hisparse=False, q_pad_num_heads=None, num_heads=12,
-            absorb="bf16", quant_query_input=True, upstream_fuses=False)
+            rotation=qk.Rotation.NONE, dcp_world_size=1, pcp=False, hisparse=False, q_pad_num_heads=None, num_heads=12,
+            absorb=qk.AbsorbVariant.BF16, quant_query_input=True, upstream_fuses=False)
 
 
 @pytest.mark.parametrize("change,reason", [
     ({"dcp_world_size": 2}, "DCP is on (world size 2)"),
     ({"pcp": True}, "PCP is on"),
     ({"hisparse": True}, "HiSparse is on"),
-    ({"rotation": "real"}, "a real rotary embedding"),
+    ({"rotation": qk.Rotation.REAL}, "a real rotary embedding"),
     ({"kv_cache_dtype": "auto"}, "not a plain fp8 cache"),
 ])
 def test_each_static_refusal_on_its_own(change, reason):
@@ -363,9 +368,9 @@ def test_each_static_refusal_on_its_own(change, reason):
     assert decision.state is FusionState.REFUSED and reason in decision.reason
 
 
-@pytest.mark.parametrize("decode,actual,fusable", [(4, 4, True), (3, 4, False), (0, 0, False), (0, 4, False)])
-def test_only_decode_only_batches_are_fused(decode, actual, fusable):
+@pytest.mark.parametrize("decode,actual,expected", [(4, 4, True), (3, 4, False), (0, 0, False), (0, 4, False)])
+def test_only_decode_only_batches_are_fused(decode, actual, expected):
     md = SimpleNamespace(num_decode_tokens=decode, num_actual_tokens=actual)
-    assert qk.batch_fusable(md, torch.zeros(actual), torch.zeros(4), None) is fusable
-    assert not qk.batch_fusable(None, torch.zeros(actual), torch.zeros(4), None)
-    assert not qk.batch_fusable(md, None, torch.zeros(4), None)
+    assert fusable(md, torch.zeros(actual), torch.zeros(4), None) is expected
+    assert not fusable(None, torch.zeros(actual), torch.zeros(4), None)
+    assert not fusable(md, None, torch.zeros(4), None)

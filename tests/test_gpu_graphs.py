@@ -120,5 +120,5 @@ def test_fused_runs_are_told_apart_warm_up_capture_and_served(tmp_path):
     hook(5)
     torch.cuda.synchronize()
     entry = evidence.fusion("qk_cache")
-    assert entry["runs"] == {"warmup": 1, "capture": 1, "served": 1} and entry["captured_sizes"] == [8]
+    assert entry.runs == {"warmup": 1, "capture": 1, "served": 1} and entry.captured_sizes == [8]
     assert y.sum().item() == 8

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, HAS_GPU
+from machine import DEVICE, HAS_GPU
 from parity import (
     code_tolerance,
     make_qk_case,
@@ -20,7 +20,6 @@ from parity import (
 
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, FP8_FORMATS
 from k3_amd_overlay.ops import ProviderUnavailable, fused_q_kv_rmsnorm, fused_qk_cache
-from k3_amd_overlay.testing.aiter_standin import AiterStandIn
 
 FORMATS = [E4M3FN, E4M3FNUZ]
 
@@ -44,39 +43,31 @@ def test_qk_cache_triton_matches_reference(fmt, block_size, heads, tokens):
 @pytest.mark.parametrize("version", [(0, 1, 19), (0, 1, 20)], ids=["aiter-0.1.19", "aiter-0.1.20"])
 @pytest.mark.parametrize("heads,block_size", [(1, 16), (3, 16), (12, 1), (12, 16), (16, 1536)])
 @pytest.mark.parametrize("tokens", [0, 1, 7, 300])
-def test_qk_cache_aiter_standin_matches_reference(fmt, version, heads, block_size, tokens):
+def test_qk_cache_aiter_standin_matches_reference(fmt, version, heads, block_size, tokens, aiter_standin):
     """The AITER provider keeps AITER's contract (the stand-in raises otherwise) on every kernel
     AITER would pick, on AITER versions with and without the position clamp."""
-    standin = AiterStandIn(version=version, fmt=fmt)
-    standin.install()
-    try:
-        case = make_qk_case(tokens, heads, fmt, block_size=block_size, extremes=False, device="cpu")
-        assert qk_cache_problems(case, run_provider("aiter")) == []
-        assert all(call["identity"] and call["positions_max"] in (0, None) for call in standin.calls)
-        assert {call["arity"] for call in standin.calls} <= {15 if version >= (0, 1, 20) else 14}
-    finally:
-        standin.uninstall()
+    standin = aiter_standin(version=version, fmt=fmt)
+    case = make_qk_case(tokens, heads, fmt, block_size=block_size, extremes=False, device="cpu")
+    assert qk_cache_problems(case, run_provider("aiter")) == []
+    assert all(call["identity"] and call["positions_max"] in (0, None) for call in standin.calls)
+    assert {call["arity"] for call in standin.calls} <= {15 if version >= (0, 1, 20) else 14}
 
 
-def test_aiter_rope_lanes_are_not_clamped_by_aiter():
+def test_aiter_rope_lanes_are_not_clamped_by_aiter(aiter_standin):
     """A documented difference: AITER's rope lanes skip the clamp, so an overflowing q_pe value
     becomes NaN there (fp8 e4m3fn has no inf) where the spec and the Triton kernel saturate."""
-    standin = AiterStandIn(fmt=E4M3FN)
-    standin.install()
-    try:
-        case = make_qk_case(4, 12, E4M3FN, extremes=True, padding_every=0)
-        out = fused_qk_cache(case.ql_nope, case.q_pe, case.kv_c, case.k_pe,
-                             torch.zeros(case.cache_shape, dtype=torch.uint8), case.slot_mapping,
-                             case.k_scale, case.q_scale, provider="aiter", kv_format="e4m3fn")
-        ref = fused_qk_cache(case.ql_nope, case.q_pe, case.kv_c, case.k_pe,
-                             torch.zeros(case.cache_shape, dtype=torch.uint8), case.slot_mapping,
-                             case.k_scale, case.q_scale, provider="reference", kv_format="e4m3fn")
-        inf_lanes = case.q_pe.isinf()
-        assert out[..., 512:].float()[inf_lanes].isnan().all()
-        assert ref[..., 512:].float()[inf_lanes].abs().eq(448).all()
-        assert torch.equal(out[..., :512].view(torch.uint8), ref[..., :512].view(torch.uint8))
-    finally:
-        standin.uninstall()
+    aiter_standin(fmt=E4M3FN)
+    case = make_qk_case(4, 12, E4M3FN, extremes=True, padding_every=0)
+    out = fused_qk_cache(case.ql_nope, case.q_pe, case.kv_c, case.k_pe,
+                         torch.zeros(case.cache_shape, dtype=torch.uint8), case.slot_mapping,
+                         case.k_scale, case.q_scale, provider="aiter", kv_format="e4m3fn")
+    ref = fused_qk_cache(case.ql_nope, case.q_pe, case.kv_c, case.k_pe,
+                         torch.zeros(case.cache_shape, dtype=torch.uint8), case.slot_mapping,
+                         case.k_scale, case.q_scale, provider="reference", kv_format="e4m3fn")
+    inf_lanes = case.q_pe.isinf()
+    assert out[..., 512:].float()[inf_lanes].isnan().all()
+    assert ref[..., 512:].float()[inf_lanes].abs().eq(448).all()
+    assert torch.equal(out[..., :512].view(torch.uint8), ref[..., :512].view(torch.uint8))
 
 
 def test_qk_cache_errors_name_the_value_and_what_is_allowed():

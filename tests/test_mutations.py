@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
+from machine import DEVICE
 from parity import (
     code_tolerance,
     make_qk_case,
@@ -19,7 +19,6 @@ from parity import (
 
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ
 from k3_amd_overlay.ops import aiter_qk_cache, fused_q_kv_rmsnorm
-from k3_amd_overlay.testing.aiter_standin import AiterStandIn
 
 TRITON = run_provider("triton")
 
@@ -61,11 +60,10 @@ def test_divided_instead_of_multiplied_scale_is_caught():
 
 
 @pytest.mark.parametrize("fault", ["cos_half", "rotation_twice"])
-def test_a_rotation_in_the_aiter_path_is_caught(fault, monkeypatch):
+def test_a_rotation_in_the_aiter_path_is_caught(fault, monkeypatch, aiter_standin):
     """The identity table is what keeps AITER's RoPE a no-op: cos 0.5 (or a real rotation,
     applied on top of the one the model already did) changes the rope lanes."""
-    standin = AiterStandIn(fmt=E4M3FN)
-    standin.install()
+    aiter_standin(fmt=E4M3FN)
     original = aiter_qk_cache.identity_rope_table
 
     def bad_table(device, dtype, rope_dim):
@@ -76,13 +74,10 @@ def test_a_rotation_in_the_aiter_path_is_caught(fault, monkeypatch):
         return angle.cos().to(dtype)[None], angle.sin().to(dtype)[None]
 
     monkeypatch.setattr(aiter_qk_cache, "identity_rope_table", bad_table)
-    try:
-        case = make_qk_case(5, 12, E4M3FN, extremes=False)
-        problems = qk_cache_problems(case, run_provider("aiter"))
-        assert any(p.startswith("q_out:") for p in problems)
-        assert any(p.startswith("cache:") for p in problems)
-    finally:
-        standin.uninstall()
+    case = make_qk_case(5, 12, E4M3FN, extremes=False)
+    problems = qk_cache_problems(case, run_provider("aiter"))
+    assert any(p.startswith("q_out:") for p in problems)
+    assert any(p.startswith("cache:") for p in problems)
 
 
 def test_swapped_norm_weights_are_caught():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
+from machine import DEVICE
 from parity import rmsnorm_inputs
 
 from k3_amd_overlay import k3

@@ -42,7 +42,7 @@ def test_tests_run_against_the_installed_wheel():
 def _all_specs() -> list[PatchSpec]:
     from k3_amd_overlay.evidence import Evidence
     from k3_amd_overlay.settings import load_settings
-    from k3_amd_overlay.targets.layer_state import LayerInstaller
+    from k3_amd_overlay.targets.installer import LayerInstaller
     from k3_amd_overlay.targets.shapes import VLLM_SHAPES
 
     specs = []
@@ -58,10 +58,21 @@ def _all_specs() -> list[PatchSpec]:
 def test_every_patch_has_a_register_entry_and_every_entry_a_patch():
     text = (DOCS / "patches.md").read_text()
     entries = dict(re.findall(r"^### `([^`]+)`\n(.*?)(?=^### |\Z)", text, flags=re.S | re.M))
-    keys = {spec.key for _, spec in _all_specs()}
+    from k3_amd_overlay.targets import attend_hook
+
+    keys = {spec.key for _, spec in _all_specs()} | {attend_hook.REGISTER_KEY}  # the per-instance class swap
     assert set(entries) == keys
     for key, body in entries.items():
         for field in ("**Target**", "**vLLM**", "**Why**", "**How**", "**Mirrors upstream**", "**Remove when**"):
             assert field in body, f"{key}: missing {field}"
     for shape, spec in _all_specs():
         assert spec.target.split(":")[1] in entries[spec.key], (shape, spec.key)
+
+
+def test_the_package_ships_no_test_scaffolding():
+    """Stand-ins and harnesses live under tests/; nothing in the wheel exists only for tests."""
+    package = Path(k3_amd_overlay.__file__).resolve().parent
+    names = {p.relative_to(package).as_posix() for p in package.rglob("*.py")}
+    assert not any("testing" in n or "standin" in n or "harness" in n for n in names), sorted(names)
+    source = "\n".join(p.read_text() for p in package.rglob("*.py"))
+    assert "k3_standin" not in source and "pytest" not in source

@@ -1,6 +1,6 @@
 """The qk_cache predicate and its one site, enumerated over every combination of provider x
 kv-cache dtype x rotation x PCP x HiSparse x DCP x batch mix x heads per rank, driving the
-overlay's real control flow (LayerInstaller -> QkCacheSite.attend -> the real provider) with
+overlay's real control flow (LayerInstaller -> DecodeSite.attend -> the real provider) with
 recording stand-ins for the vLLM layer: the fused path runs exactly when the predicate says so,
 RoPE is applied exactly once wherever a rotation exists, every token's KV is written exactly
 once, and AITER is always called with zero positions and an identity table."""
@@ -20,8 +20,8 @@ from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.ops.reference import quantize_fp8
 from k3_amd_overlay.settings import load_settings
-from k3_amd_overlay.targets import layer_state
-from k3_amd_overlay.testing.aiter_standin import AiterStandIn
+from k3_amd_overlay.targets import installer as installer_module
+from k3_amd_overlay.targets import vllm_env
 
 L, R, NOPE = 32, 16, 8
 PROVIDERS = ["reference", "aiter", "triton"]
@@ -99,25 +99,30 @@ COMBOS = list(itertools.product(PROVIDERS, KV_DTYPES, ROTATIONS, [False, True], 
                                 [1, 2], BATCHES, HEADS))
 
 
-@pytest.fixture(scope="module")
-def standin():
-    aiter = AiterStandIn(fmt=E4M3FN)
-    aiter.install()
-    yield aiter
-    aiter.uninstall()
+@pytest.fixture
+def standin(aiter_standin):
+    return aiter_standin(fmt=E4M3FN)
+
+
+def inputs(**changes) -> qk.QkCacheInputs:
+    """The static inputs of a layer the overlay fuses, with ``changes``."""
+    base = dict(stock_mode=False, provider_setting="auto", provider_missing={"aiter": None}, kv_cache_dtype="fp8",
+                rotation=qk.Rotation.NONE, dcp_world_size=1, pcp=False, hisparse=False, q_pad_num_heads=None,
+                num_heads=3, absorb=qk.AbsorbVariant.BF16, quant_query_input=True, upstream_fuses=False)
+    return qk.QkCacheInputs(**{**base, **changes})
 
 
 def test_every_combination_runs_rope_once_writes_kv_once_and_fuses_exactly_when_decided(
         standin, tmp_path, monkeypatch):
-    monkeypatch.setattr(layer_state, "vllm_fp8_format", lambda: E4M3FN)
-    monkeypatch.setattr(layer_state, "vllm_aiter_missing", lambda: None)  # a ROCm process with AITER on
+    monkeypatch.setattr(vllm_env, "vllm_fp8_format", lambda: E4M3FN)
+    monkeypatch.setattr(vllm_env, "vllm_aiter_missing", lambda: None)  # a ROCm process with AITER on
     fused_count = 0
     for provider, kv_dtype, rotation, pcp, hisparse, dcp, batch_kind, heads in COMBOS:
         if provider == "triton" and not (kv_dtype == "fp8" and batch_kind == "decode" and heads in (1, 12)):
             continue  # the interpreter is slow: Triton covers the fused cases only, at two head counts
         settings = load_settings({"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": provider,
                                   "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path)})
-        installer = layer_state.LayerInstaller(settings, Evidence(settings))
+        installer = installer_module.LayerInstaller(settings, Evidence(settings))
         rope_log, stock_writes = [], []
         wrapper, attn, stock = make_layer(heads, kv_dtype, rotation, pcp, hisparse, dcp, rope_log, stock_writes)
         site = installer.install_qk_cache(wrapper, upstream_fuses=False)
@@ -141,7 +146,7 @@ def test_every_combination_runs_rope_once_writes_kv_once_and_fuses_exactly_when_
         combo = (provider, kv_dtype, rotation, pcp, hisparse, dcp, batch_kind, heads)
         fusable_static = (kv_dtype in ("fp8", "fp8_e4m3") and rotation != "real" and not pcp
                           and not hisparse and dcp == 1)
-        assert site.decision.fused == fusable_static, combo
+        assert site.plan.decision.fused == fusable_static, combo
         expect_fused = fusable_static and batch_kind == "decode"
         fused = not stock_writes
         assert fused == expect_fused, combo
@@ -163,7 +168,7 @@ def test_every_combination_runs_rope_once_writes_kv_once_and_fuses_exactly_when_
         assert len(attn.queries) == int(fused), combo
         # and the evidence says whether the fused path ran, on which batches
         entry = installer.evidence.fusion("qk_cache")
-        assert (entry["effective"], entry["runs"]["served"]) == (fused, int(fused)), combo
+        assert (entry.effective, entry.runs["served"]) == (fused, int(fused)), combo
         # RoPE exactly once where a rotation exists, never a real one inside the fused path
         assert rope_log == ([] if rotation == "none" else [rotation]), combo
         if provider == "aiter" and fused:
@@ -179,25 +184,20 @@ def test_every_combination_runs_rope_once_writes_kv_once_and_fuses_exactly_when_
     (False, "auto", False, FusionState.APPLIED), (True, "auto", True, FusionState.FORCED_STOCK),
 ])
 def test_qk_cache_ownership(upstream, setting, stock, state):
-    inputs = qk.QkCacheInputs(stock, setting, {"aiter": "no", "triton": None, "reference": None}, "fp8",
-                              "none", 1, False, False, None, 3, "bf16", True, upstream)
-    assert qk.decide_qk_cache(inputs).state is state
+    layer = inputs(stock_mode=stock, provider_setting=setting,
+                   provider_missing={"aiter": "no", "triton": None, "reference": None}, upstream_fuses=upstream)
+    assert qk.decide_qk_cache(layer).state is state
 
 
 @pytest.mark.parametrize("absorb,fused", [("bf16", True), ("fp8", True), ("fp4", True), ("amx", False)])
 def test_absorption_variants(absorb, fused):
-    inputs = qk.QkCacheInputs(False, "auto", {"aiter": None}, "fp8", "none", 1, False, False, None, 3,
-                              absorb, True, False)
-    assert qk.decide_qk_cache(inputs).fused is fused
+    assert qk.decide_qk_cache(inputs(absorb=qk.AbsorbVariant(absorb))).fused is fused
 
 
 def test_head_padding_and_quant_query_are_refused_with_reasons():
-    base = dict(stock_mode=False, provider_setting="auto", provider_missing={"aiter": None},
-                kv_cache_dtype="fp8", rotation="none", dcp_world_size=1, pcp=False, hisparse=False,
-                num_heads=12, absorb="bf16", upstream_fuses=False)
-    padded = qk.decide_qk_cache(qk.QkCacheInputs(q_pad_num_heads=16, quant_query_input=True, **base))
+    padded = qk.decide_qk_cache(inputs(num_heads=12, q_pad_num_heads=16))
     assert padded.state is FusionState.REFUSED and "padded to 16" in padded.reason
-    no_fp8_q = qk.decide_qk_cache(qk.QkCacheInputs(q_pad_num_heads=None, quant_query_input=False, **base))
+    no_fp8_q = qk.decide_qk_cache(inputs(num_heads=12, quant_query_input=False))
     assert no_fp8_q.state is FusionState.REFUSED and "fp8 query" in no_fp8_q.reason
 
 
@@ -209,8 +209,8 @@ def test_head_padding_and_quant_query_are_refused_with_reasons():
     ("bf16", FusionState.APPLIED, "auto", {"triton": "no GPU"}, FusionState.REFUSED),
 ])
 def test_absorb_decisions(absorb, qk_state, setting, missing, state):
-    inputs = qk.QkCacheInputs(False, "auto", {}, "fp8", "none", 1, False, False, None, 12, absorb, True, False)
-    decision = qk.decide_absorb(inputs, qk.LayerDecision(qk_state, None, ""), setting, missing)
+    layer = inputs(provider_missing={}, num_heads=12, absorb=qk.AbsorbVariant(absorb))
+    decision = qk.decide_absorb(layer, qk.LayerDecision(qk_state, None, ""), setting, missing)
     assert decision.state is state, decision.reason
 
 
@@ -228,10 +228,9 @@ def test_qkv_norm_decisions(stock, has_q, upstream, setting, missing, state, pro
     assert (decision.state, decision.provider) == (state, provider)
 
 
-def _site(qk_state, absorb_state, upstream):
+def _plan(qk_state, absorb_state, upstream):
     decision = qk.LayerDecision
-    return qk.QkCacheSite(decision(qk_state, None, ""), decision(absorb_state, None, ""), "bf16", None, None,
-                          lambda n: None, lambda n: None, upstream_fuses=upstream)
+    return qk.DecodePlan(decision(qk_state, None, ""), decision(absorb_state, None, ""), upstream_fuses=upstream)
 
 
 @pytest.mark.parametrize("qk_state,absorb_state,upstream,keeps,branch_on", [
@@ -250,16 +249,15 @@ def _site(qk_state, absorb_state, upstream):
 ])
 def test_fused_decode_branch_follows_vllm_where_the_overlay_does_not_act(qk_state, absorb_state, upstream, keeps,
                                                                         branch_on):
-    site = _site(qk_state, absorb_state, upstream)
-    assert (site.upstream_keeps, site.fused_decode_on) == (keeps, branch_on)
+    plan = _plan(qk_state, absorb_state, upstream)
+    assert (plan.upstream_keeps, plan.fused_decode_on) == (keeps, branch_on)
 
 
 def test_a_layer_vllm_fuses_stays_vllms_in_auto_mode_whatever_the_overlay_would_refuse():
-    inputs = qk.QkCacheInputs(False, "auto", {"aiter": None}, "fp8", "none", 1, False, False, None, 4, "fp8",
-                              False, True)
-    assert qk.decide_qk_cache(inputs).state is FusionState.UPSTREAM
-    named = qk.decide_qk_cache(qk.QkCacheInputs(False, "triton", {"triton": None}, "fp8", "none", 1, False, False,
-                                                None, 4, "bf16", False, True))
+    layer = inputs(num_heads=4, absorb=qk.AbsorbVariant.FP8, quant_query_input=False, upstream_fuses=True)
+    assert qk.decide_qk_cache(layer).state is FusionState.UPSTREAM
+    named = qk.decide_qk_cache(inputs(provider_setting="triton", provider_missing={"triton": None}, num_heads=4,
+                                      quant_query_input=False, upstream_fuses=True))
     assert named.state is FusionState.REFUSED and named.reason.endswith("vLLM's own fused decode keeps the layer")
 
 
@@ -267,12 +265,12 @@ def test_fp8_query_is_a_view_of_the_backends_padded_buffer(tmp_path, monkeypatch
     """Where the backend pads query heads (AITER MLA to 16) the fused path allocates the padded
     buffer and hands the backend a view of it: the backend's zero-copy branch, not 1-4 copies per
     layer per step. The values in the real heads are the same as with an unpadded buffer."""
-    monkeypatch.setattr(layer_state, "vllm_fp8_format", lambda: E4M3FN)
+    monkeypatch.setattr(vllm_env, "vllm_fp8_format", lambda: E4M3FN)
     seen = {}
     for padded in (0, 16):
         settings = load_settings({"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "reference",
                                   "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path)})
-        installer = layer_state.LayerInstaller(settings, Evidence(settings))
+        installer = installer_module.LayerInstaller(settings, Evidence(settings))
         torch.manual_seed(0)  # the same W_UK_T for both layers
         wrapper, attn, stock = make_layer(3, "fp8", "none", False, False, 1, [], [])
         site = installer.install_qk_cache(wrapper, upstream_fuses=False)

@@ -33,7 +33,7 @@ def test_strict_and_providers():
     assert s.strict is False and s.provider("qk_cache") == "triton" and s.provider("qkv_norm") == "auto"
     with pytest.raises(SettingsError, match=r"K3_AMD_OVERLAY_STRICT='yes' is not valid; allowed: '1'"):
         load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_STRICT": "yes"})
-    with pytest.raises(SettingsError, match="allowed: auto, reference, triton, aiter"):
+    with pytest.raises(SettingsError, match="allowed: auto, aiter, triton, reference"):
         load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "vllm"})
 
 

@@ -1,33 +1,41 @@
 """The real KimiMLAAttention of the installed vLLM on CPU, stock against overlaid, on fp8 decode
-batches (the attention core alone is a torch reference there: see k3_amd_overlay/testing/
-layer_harness.py for what is real and what is replaced, and why)."""
+batches (the attention core alone is a torch reference there: see tests/layer_harness.py for what
+is real and what is replaced, and why)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
-from conftest import HAS_VLLM
+from machine import HAS_VLLM
 from parity import reference_pair, rmsnorm_inputs, rmsnorm_problems
 from vllm_support import next_layer_index, overlay, shape_name
 
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.ops import rmsnorm_pair
-from k3_amd_overlay.testing.aiter_standin import AiterStandIn
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("vllm_layer_session")]
 if HAS_VLLM:
-    from k3_amd_overlay.targets import layer_state
-    from k3_amd_overlay.testing import layer_harness as harness
+    import layer_harness as harness
+
+    from k3_amd_overlay.targets import vllm_env
 
 SEQ_LENS = [5, 17, 30, 9]
 
 
-def build_pair(spec, switch_env, tmp_path, seed=7):
-    stock = harness.build_layer(spec, next_layer_index(), seed=seed)
-    ctx = overlay(tmp_path, **switch_env)
-    activation = ctx.__enter__()
-    fused = harness.build_layer(spec, next_layer_index(), seed=seed)
-    return stock, fused, activation, ctx
+@pytest.fixture
+def layer_pair(tmp_path):
+    """``layer_pair(spec, switch_env)``: the same layer (same weights) built stock, then with the
+    overlay activated by exactly these variables; the overlay is deactivated after the test."""
+    with contextlib.ExitStack() as stack:
+        def build(spec, switch_env, seed=7):
+            stock = harness.build_layer(spec, next_layer_index(), seed=seed)
+            activation = stack.enter_context(overlay(tmp_path, **switch_env))
+            fused = harness.build_layer(spec, next_layer_index(), seed=seed)
+            return stock, fused, activation
+
+        yield build
 
 
 def written_rows(layer):
@@ -44,89 +52,76 @@ def aiter_on(monkeypatch, mla: bool = False) -> None:
 
 
 @pytest.mark.parametrize("provider", ["reference", "triton", "aiter"])
-def test_qk_cache_decode_matches_stock(provider, tmp_path, monkeypatch):
-    standin = AiterStandIn(fmt=harness.fp8_format()) if provider == "aiter" else None
+def test_qk_cache_decode_matches_stock(provider, tmp_path, monkeypatch, layer_pair, aiter_standin):
+    standin = aiter_standin(fmt=harness.fp8_format()) if provider == "aiter" else None
     # the overlay's view of vLLM's AITER switch (vLLM's own AITER norm stays off: its op is not here)
-    monkeypatch.setattr(layer_state, "vllm_aiter_missing", lambda: None)
-    if standin:
-        standin.install()
+    monkeypatch.setattr(vllm_env, "vllm_aiter_missing", lambda: None)
     spec = harness.LayerSpec(kv_cache_dtype="fp8")
-    stock, fused, activation, ctx = build_pair(
-        spec, {"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": provider}, tmp_path)
-    try:
-        batch = harness.decode_batch([stock, fused], SEQ_LENS, padding=2)
-        before = fused.attn.kv_cache.clone()
-        out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
-        n = batch.num_tokens
-        entry = activation.evidence.fusion("qk_cache")
-        assert (entry["state"], entry["provider"], entry["effective"]) == ("applied", provider, True)
-        # one fused launch replaced the stock KV write and the stock concat+quant; MQA ran once
-        assert (stock.kv_writes, fused.kv_writes) == ([n], [])
-        assert (stock.concat_quant_calls, fused.concat_quant_calls) == (1, 0)
-        assert fused.mqa_calls == 1
-        # every valid slot written exactly once, nothing else touched, padding rows write nothing
-        slots = batch.slot_mapping[batch.slot_mapping >= 0]
-        changed = (fused.attn.kv_cache != before).any(dim=-1).view(-1)
-        assert set(changed.nonzero().flatten().tolist()) == set(slots.tolist())  # each row, nothing else
-        if provider == "triton":  # the interpreter mis-rounds fp8: bytes may differ by a code
-            rel = ((out_fused[:n].float() - out_stock[:n].float()).norm() / out_stock[:n].float().norm()).item()
-            assert rel < 0.2
-            assert (stock.attn.kv_cache == fused.attn.kv_cache).float().mean() > 0.99
-        else:
-            assert torch.equal(out_fused[:n], out_stock[:n])
-            assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
-        if standin:
-            assert len(standin.calls) == 1 and standin.calls[0]["positions_max"] == 0
-            assert torch.equal(standin.calls[0]["slot_mapping"], batch.slot_mapping[:n])
-    finally:
-        ctx.__exit__(None, None, None)
-        if standin:
-            standin.uninstall()
-
-
-def test_profile_run_and_bf16_cache_stay_stock(tmp_path):
-    spec = harness.LayerSpec(kv_cache_dtype="fp8")
-    stock, fused, activation, ctx = build_pair(
-        spec, {"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "reference"}, tmp_path)
-    try:
-        hidden = torch.randn(3, spec.hidden).to(spec.dtype)
-        assert torch.equal(harness.run(fused, None, hidden), harness.run(stock, None, hidden))
-        assert activation.evidence.fusion("qk_cache")["effective"] is False
-        bf16 = harness.build_layer(harness.LayerSpec(kv_cache_dtype="auto"), next_layer_index())
-        assert activation.evidence.fusion("qk_cache")["reason"].startswith("mixed across layers")
-        assert "not a plain fp8 cache" in activation.evidence.fusion("qk_cache")["reason"]
-        batch = harness.decode_batch([bf16], SEQ_LENS)
-        harness.run(bf16, batch)
-        assert bf16.kv_writes == [len(SEQ_LENS)]  # the stock write ran: nothing fused
-    finally:
-        ctx.__exit__(None, None, None)
-
-
-def test_qkv_norm_layer_matches_stock_with_one_fused_call(tmp_path, monkeypatch):
-    spec = harness.LayerSpec(kv_cache_dtype="fp8")
-    stock, fused, activation, ctx = build_pair(
-        spec, {"K3_AMD_OVERLAY": "qkv_norm", "K3_AMD_OVERLAY_QKV_NORM_PROVIDER": "triton"}, tmp_path)
-    try:
-        calls = {"fused": 0, "q_norm": 0, "kv_norm": 0}
-        original = rmsnorm_pair.run_provider
-
-        def counted(*args, **kwargs):
-            calls["fused"] += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(rmsnorm_pair, "run_provider", counted)
-        fused.module.q_a_layernorm.register_forward_hook(lambda *a: calls.__setitem__("q_norm", calls["q_norm"] + 1))
-        fused.module.kv_a_layernorm.register_forward_hook(lambda *a: calls.__setitem__("kv_norm", calls["kv_norm"] + 1))
-        batch = harness.decode_batch([stock, fused], SEQ_LENS, padding=1)
-        out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
-        n = batch.num_tokens
-        assert calls == {"fused": 1, "q_norm": 0, "kv_norm": 0}
+    stock, fused, activation = layer_pair(
+        spec, {"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": provider})
+    batch = harness.decode_batch([stock, fused], SEQ_LENS, padding=2)
+    before = fused.attn.kv_cache.clone()
+    out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+    n = batch.num_tokens
+    entry = activation.evidence.fusion("qk_cache")
+    assert (entry.state, entry.provider, entry.effective) == ("applied", provider, True)
+    # one fused launch replaced the stock KV write and the stock concat+quant; MQA ran once
+    assert (stock.kv_writes, fused.kv_writes) == ([n], [])
+    assert (stock.concat_quant_calls, fused.concat_quant_calls) == (1, 0)
+    assert fused.mqa_calls == 1
+    # every valid slot written exactly once, nothing else touched, padding rows write nothing
+    slots = batch.slot_mapping[batch.slot_mapping >= 0]
+    changed = (fused.attn.kv_cache != before).any(dim=-1).view(-1)
+    assert set(changed.nonzero().flatten().tolist()) == set(slots.tolist())  # each row, nothing else
+    if provider == "triton":  # the interpreter mis-rounds fp8: bytes may differ by a code
         rel = ((out_fused[:n].float() - out_stock[:n].float()).norm() / out_stock[:n].float().norm()).item()
-        assert rel < 0.02  # vLLM rounds to bf16 before the weight multiply; the fused kernel does not
-        entry = activation.evidence.fusion("qkv_norm")
-        assert (entry["state"], entry["provider"], entry["effective"]) == ("applied", "triton", True)
-    finally:
-        ctx.__exit__(None, None, None)
+        assert rel < 0.2
+        assert (stock.attn.kv_cache == fused.attn.kv_cache).float().mean() > 0.99
+    else:
+        assert torch.equal(out_fused[:n], out_stock[:n])
+        assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
+    if standin:
+        assert len(standin.calls) == 1 and standin.calls[0]["positions_max"] == 0
+        assert torch.equal(standin.calls[0]["slot_mapping"], batch.slot_mapping[:n])
+
+
+def test_profile_run_and_bf16_cache_stay_stock(tmp_path, layer_pair):
+    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    stock, fused, activation = layer_pair(
+        spec, {"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "reference"})
+    hidden = torch.randn(3, spec.hidden).to(spec.dtype)
+    assert torch.equal(harness.run(fused, None, hidden), harness.run(stock, None, hidden))
+    assert activation.evidence.fusion("qk_cache").effective is False
+    bf16 = harness.build_layer(harness.LayerSpec(kv_cache_dtype="auto"), next_layer_index())
+    assert activation.evidence.fusion("qk_cache").reason.startswith("mixed across layers")
+    assert "not a plain fp8 cache" in activation.evidence.fusion("qk_cache").reason
+    batch = harness.decode_batch([bf16], SEQ_LENS)
+    harness.run(bf16, batch)
+    assert bf16.kv_writes == [len(SEQ_LENS)]  # the stock write ran: nothing fused
+
+
+def test_qkv_norm_layer_matches_stock_with_one_fused_call(tmp_path, monkeypatch, layer_pair):
+    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    stock, fused, activation = layer_pair(
+        spec, {"K3_AMD_OVERLAY": "qkv_norm", "K3_AMD_OVERLAY_QKV_NORM_PROVIDER": "triton"})
+    calls = {"fused": 0, "q_norm": 0, "kv_norm": 0}
+    original = rmsnorm_pair.run_provider
+
+    def counted(*args, **kwargs):
+        calls["fused"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(rmsnorm_pair, "run_provider", counted)
+    fused.module.q_a_layernorm.register_forward_hook(lambda *a: calls.__setitem__("q_norm", calls["q_norm"] + 1))
+    fused.module.kv_a_layernorm.register_forward_hook(lambda *a: calls.__setitem__("kv_norm", calls["kv_norm"] + 1))
+    batch = harness.decode_batch([stock, fused], SEQ_LENS, padding=1)
+    out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+    n = batch.num_tokens
+    assert calls == {"fused": 1, "q_norm": 0, "kv_norm": 0}
+    rel = ((out_fused[:n].float() - out_stock[:n].float()).norm() / out_stock[:n].float().norm()).item()
+    assert rel < 0.02  # vLLM rounds to bf16 before the weight multiply; the fused kernel does not
+    entry = activation.evidence.fusion("qkv_norm")
+    assert (entry.state, entry.provider, entry.effective) == ("applied", "triton", True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -203,9 +198,9 @@ def test_upstream_norm_fusion_owned_forced_stock_or_overridden(switch, provider,
                             lambda *a, **k: overlay_calls_seen.append(1) or original(*a, **k))
         aiter_dual_norm_standin.clear()
         harness.run(layer, harness.decode_batch([layer], SEQ_LENS))
-        assert activation.evidence.fusion("qkv_norm")["state"] == state
+        assert activation.evidence.fusion("qkv_norm").state == state
         assert (len(aiter_dual_norm_standin), len(overlay_calls_seen)) == (upstream_calls, overlay_calls)
-        assert activation.evidence.fusion("qkv_norm")["effective"] is (state != "forced-stock")
+        assert activation.evidence.fusion("qkv_norm").effective is (state != "forced-stock")
 
 
 # --- upstream ownership: vLLM 0.32+ fuses the decode itself, refusing fewer than 4 heads --------
@@ -235,7 +230,7 @@ def skip_where_vllm_cannot_build_a_fused_decode_layer() -> None:
     (3, "qk_cache", "applied", "aiter"),  # TP32: vLLM refuses, the overlay extends it (zero positions)
 ])
 def test_upstream_decode_fusion_owned_forced_stock_or_extended(heads, switch, state, provider, tmp_path,
-                                                              monkeypatch, aiter_dual_norm_standin):
+                                                              monkeypatch, aiter_dual_norm_standin, aiter_standin):
     if heads >= 4:
         skip_where_vllm_cannot_build_a_fused_decode_layer()
     elif shape_name() != "k3_decode_wrapper":
@@ -243,28 +238,24 @@ def test_upstream_decode_fusion_owned_forced_stock_or_extended(heads, switch, st
     from vllm._aiter_ops import rocm_aiter_ops
 
     aiter_on(monkeypatch, mla=True)
-    standin = AiterStandIn(fmt=harness.fp8_format())
-    standin.install()
+    standin = aiter_standin(fmt=harness.fp8_format())
     spec = harness.LayerSpec(num_heads=heads, kv_cache_dtype="fp8", **K3_LAYER)
     stock = harness.build_layer(spec, next_layer_index(), seed=5)
-    try:
-        with overlay(tmp_path, K3_AMD_OVERLAY=switch) as activation:
-            fused = harness.build_layer(spec, next_layer_index(), seed=5)
-            batch = harness.decode_batch([stock, fused], [5, 40], padding=1)
-            standin.calls.clear()
-            out_fused = harness.run(fused, batch)
-            entry = activation.evidence.fusion("qk_cache")
-            assert (entry["state"], entry["provider"]) == (state, provider), entry
-            assert len(standin.calls) == (0 if state == "forced-stock" else 1)
-            assert fused.kv_writes == ([2] if state == "forced-stock" else [])
-            if state == "applied":
-                assert standin.calls[0]["positions_max"] == 0  # the overlay never relies on a clamp
-        monkeypatch.setattr(rocm_aiter_ops, "is_mla_enabled", classmethod(lambda cls: False))
-        out_stock = harness.run(stock, batch)
-        assert torch.equal(out_fused[:2], out_stock[:2])
-        assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
-    finally:
-        standin.uninstall()
+    with overlay(tmp_path, K3_AMD_OVERLAY=switch) as activation:
+        fused = harness.build_layer(spec, next_layer_index(), seed=5)
+        batch = harness.decode_batch([stock, fused], [5, 40], padding=1)
+        standin.calls.clear()
+        out_fused = harness.run(fused, batch)
+        entry = activation.evidence.fusion("qk_cache")
+        assert (entry.state, entry.provider) == (state, provider), entry
+        assert len(standin.calls) == (0 if state == "forced-stock" else 1)
+        assert fused.kv_writes == ([2] if state == "forced-stock" else [])
+        if state == "applied":
+            assert standin.calls[0]["positions_max"] == 0  # the overlay never relies on a clamp
+    monkeypatch.setattr(rocm_aiter_ops, "is_mla_enabled", classmethod(lambda cls: False))
+    out_stock = harness.run(stock, batch)
+    assert torch.equal(out_fused[:2], out_stock[:2])
+    assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
 
 
 def test_deactivate_restores_identical_objects(tmp_path):
@@ -282,80 +273,70 @@ def test_deactivate_restores_identical_objects(tmp_path):
     for now, before in zip(after, targets, strict=False):
         assert all(now[k] is before[k] for k in before)
         assert set(now) == set(before)
-    states = {f: e["state"] for f, e in activation.evidence.record["fusions"].items()}
+    states = {f: e.state for f, e in activation.evidence.record.fusions.items()}
     assert states == dict.fromkeys(states, FusionState.DISABLED.value)  # and the evidence says so
 
 
 # --- absorb_qk_cache: the W_UK absorption folded into the fused launch -------------------------
 
 @pytest.mark.parametrize("provider", ["reference", "triton"])
-def test_absorbed_decode_matches_stock(provider, tmp_path):
+def test_absorbed_decode_matches_stock(provider, tmp_path, layer_pair):
     """The absorbed path keeps ql_nope in fp32 (stock rounds it to bf16 before the quant), so a few
     query codes sit one step apart: the output is compared to a tolerance, the cache exactly."""
     spec = harness.LayerSpec(kv_cache_dtype="fp8")
-    stock, fused, activation, ctx = build_pair(
-        spec, {"K3_AMD_OVERLAY": "absorb_qk_cache", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": provider}, tmp_path)
-    try:
-        batch = harness.decode_batch([stock, fused], SEQ_LENS, padding=2)
-        out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
-        n = batch.num_tokens
-        entry = activation.evidence.fusion("absorb_qk_cache")
-        assert (entry["state"], entry["provider"], entry["effective"]) == ("applied", provider, True)
-        assert activation.evidence.fusion("qk_cache")["state"] == "disabled"
-        assert (fused.kv_writes, fused.concat_quant_calls, fused.mqa_calls) == ([], 0, 1)
-        rel = ((out_fused[:n].float() - out_stock[:n].float()).norm() / out_stock[:n].float().norm()).item()
-        assert rel < (0.2 if provider == "triton" else 0.05)
-        if provider == "reference":
-            assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
-    finally:
-        ctx.__exit__(None, None, None)
+    stock, fused, activation = layer_pair(
+        spec, {"K3_AMD_OVERLAY": "absorb_qk_cache", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": provider})
+    batch = harness.decode_batch([stock, fused], SEQ_LENS, padding=2)
+    out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+    n = batch.num_tokens
+    entry = activation.evidence.fusion("absorb_qk_cache")
+    assert (entry.state, entry.provider, entry.effective) == ("applied", provider, True)
+    assert activation.evidence.fusion("qk_cache").state == "disabled"
+    assert (fused.kv_writes, fused.concat_quant_calls, fused.mqa_calls) == ([], 0, 1)
+    rel = ((out_fused[:n].float() - out_stock[:n].float()).norm() / out_stock[:n].float().norm()).item()
+    assert rel < (0.2 if provider == "triton" else 0.05)
+    if provider == "reference":
+        assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
 
 
-def test_large_decode_batches_take_the_qk_cache_path(tmp_path):
+def test_large_decode_batches_take_the_qk_cache_path(tmp_path, layer_pair):
     """Above ABSORB_MAX_TOKENS the absorbed launch is not the faster one: the same layer runs the
     stock absorption and the qk_cache launch instead, bit-identical to stock."""
     from k3_amd_overlay.package import ABSORB_MAX_TOKENS
 
     spec = harness.LayerSpec(kv_cache_dtype="fp8", num_blocks=2 * (ABSORB_MAX_TOKENS + 2))
-    stock, fused, activation, ctx = build_pair(
+    stock, fused, activation = layer_pair(
         spec, {"K3_AMD_OVERLAY": "qk_cache,absorb_qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "reference",
-               "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": "reference"}, tmp_path)
-    try:
-        batch = harness.decode_batch([stock, fused], [2] * (ABSORB_MAX_TOKENS + 1))
-        out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
-        assert torch.equal(out_fused[: batch.num_tokens], out_stock[: batch.num_tokens])
-        assert activation.evidence.fusion("qk_cache")["effective"] is True
-        assert activation.evidence.fusion("absorb_qk_cache")["effective"] is False
-    finally:
-        ctx.__exit__(None, None, None)
+               "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": "reference"})
+    batch = harness.decode_batch([stock, fused], [2] * (ABSORB_MAX_TOKENS + 1))
+    out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+    assert torch.equal(out_fused[: batch.num_tokens], out_stock[: batch.num_tokens])
+    assert activation.evidence.fusion("qk_cache").effective is True
+    assert activation.evidence.fusion("absorb_qk_cache").effective is False
 
 
-def test_named_absorb_provider_overrides_vllms_own_decode(tmp_path, monkeypatch):
+def test_named_absorb_provider_overrides_vllms_own_decode(tmp_path, monkeypatch, aiter_standin):
     """Where vLLM owns the decode (0.32+, AITER MLA on, 4 heads) auto mode defers the absorbed
     path; naming its provider overrides, and the absorbed path is the one that runs."""
     skip_where_vllm_cannot_build_a_fused_decode_layer()
     from vllm._aiter_ops import rocm_aiter_ops
 
     monkeypatch.setattr(rocm_aiter_ops, "is_mla_enabled", classmethod(lambda cls: True))
-    standin = AiterStandIn(fmt=harness.fp8_format())
-    standin.install()
-    try:
-        spec = harness.LayerSpec(num_heads=4, kv_cache_dtype="fp8", **K3_LAYER)
-        for provider, absorb_state, aiter_calls in (("auto", "disabled", 1), ("reference", "applied", 0)):
-            with overlay(tmp_path / provider, K3_AMD_OVERLAY="qk_cache,absorb_qk_cache",
-                         K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER=provider) as activation:
-                layer = harness.build_layer(spec, next_layer_index(), seed=5)
-                standin.calls.clear()
-                harness.run(layer, harness.decode_batch([layer], [5, 40]))
-                entry = activation.evidence.fusion("absorb_qk_cache")
-                assert (entry["state"], entry["effective"]) == (absorb_state, absorb_state == "applied")
-                assert activation.evidence.fusion("qk_cache")["state"] == "upstream"
-                assert len(standin.calls) == aiter_calls and layer.kv_writes == []
-    finally:
-        standin.uninstall()
+    standin = aiter_standin(fmt=harness.fp8_format())
+    spec = harness.LayerSpec(num_heads=4, kv_cache_dtype="fp8", **K3_LAYER)
+    for provider, absorb_state, aiter_calls in (("auto", "disabled", 1), ("reference", "applied", 0)):
+        with overlay(tmp_path / provider, K3_AMD_OVERLAY="qk_cache,absorb_qk_cache",
+                     K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER=provider) as activation:
+            layer = harness.build_layer(spec, next_layer_index(), seed=5)
+            standin.calls.clear()
+            harness.run(layer, harness.decode_batch([layer], [5, 40]))
+            entry = activation.evidence.fusion("absorb_qk_cache")
+            assert (entry.state, entry.effective) == (absorb_state, absorb_state == "applied")
+            assert activation.evidence.fusion("qk_cache").state == "upstream"
+            assert len(standin.calls) == aiter_calls and layer.kv_writes == []
 
 
-def test_absorb_alone_leaves_vllms_own_fused_decode_what_it_does_not_take(tmp_path, monkeypatch):
+def test_absorb_alone_leaves_vllms_own_fused_decode_what_it_does_not_take(tmp_path, monkeypatch, aiter_standin):
     """K3_AMD_OVERLAY=absorb_qk_cache on a layer vLLM fuses itself (0.32+, AITER MLA on, 4 heads):
     batches the absorbed launch takes (<= ABSORB_MAX_TOKENS) are the overlay's; a larger decode
     batch runs vLLM's own fused decode, as without the overlay, never the stock attention call."""
@@ -365,52 +346,44 @@ def test_absorb_alone_leaves_vllms_own_fused_decode_what_it_does_not_take(tmp_pa
     from k3_amd_overlay.package import ABSORB_MAX_TOKENS
 
     monkeypatch.setattr(rocm_aiter_ops, "is_mla_enabled", classmethod(lambda cls: True))
-    standin = AiterStandIn(fmt=harness.fp8_format())
-    standin.install()
-    try:
-        spec = harness.LayerSpec(num_heads=4, kv_cache_dtype="fp8",
-                                 **{**K3_LAYER, "num_blocks": 2 * (ABSORB_MAX_TOKENS + 2)})
-        with overlay(tmp_path, K3_AMD_OVERLAY="absorb_qk_cache",
-                     K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER="reference") as activation:
-            layer = harness.build_layer(spec, next_layer_index(), seed=5)
-            assert layer.wrapper._fused_qk_prep is True
-            standin.calls.clear()
-            harness.run(layer, harness.decode_batch([layer], [2] * (ABSORB_MAX_TOKENS + 1)))
-            assert len(standin.calls) == 1 and layer.kv_writes == []  # vLLM's own fused decode
-            assert activation.evidence.fusion("absorb_qk_cache")["effective"] is False
-            harness.run(layer, harness.decode_batch([layer], [5, 40]))
-            assert len(standin.calls) == 1 and layer.kv_writes == []  # the absorbed launch
-            assert activation.evidence.fusion("absorb_qk_cache")["effective"] is True
-            assert activation.evidence.fusion("qk_cache")["state"] == "disabled"
-            assert activation.evidence.fusion("qk_cache")["effective"] is False
-    finally:
-        standin.uninstall()
+    standin = aiter_standin(fmt=harness.fp8_format())
+    spec = harness.LayerSpec(num_heads=4, kv_cache_dtype="fp8",
+                             **{**K3_LAYER, "num_blocks": 2 * (ABSORB_MAX_TOKENS + 2)})
+    with overlay(tmp_path, K3_AMD_OVERLAY="absorb_qk_cache",
+                 K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER="reference") as activation:
+        layer = harness.build_layer(spec, next_layer_index(), seed=5)
+        assert layer.wrapper._fused_qk_prep is True
+        standin.calls.clear()
+        harness.run(layer, harness.decode_batch([layer], [2] * (ABSORB_MAX_TOKENS + 1)))
+        assert len(standin.calls) == 1 and layer.kv_writes == []  # vLLM's own fused decode
+        assert activation.evidence.fusion("absorb_qk_cache").effective is False
+        harness.run(layer, harness.decode_batch([layer], [5, 40]))
+        assert len(standin.calls) == 1 and layer.kv_writes == []  # the absorbed launch
+        assert activation.evidence.fusion("absorb_qk_cache").effective is True
+        assert activation.evidence.fusion("qk_cache").state == "disabled"
+        assert activation.evidence.fusion("qk_cache").effective is False
 
 
-def test_aiter_providers_follow_vllms_aiter_switch(tmp_path, monkeypatch):
+def test_aiter_providers_follow_vllms_aiter_switch(tmp_path, monkeypatch, aiter_standin):
     """vLLM registers its AITER ops whenever AITER is installed; with VLLM_ROCM_USE_AITER off the
     overlay's aiter providers (qk_cache's and qkv_norm's, through the same gate) are unavailable,
     and say why."""
     from vllm._aiter_ops import rocm_aiter_ops
 
-    from k3_amd_overlay.targets.layer_state import with_vllm_aiter_switch
+    from k3_amd_overlay.targets.vllm_env import with_vllm_aiter_switch
 
-    standin = AiterStandIn(fmt=harness.fp8_format())
-    standin.install()
-    try:
-        spec = harness.LayerSpec(kv_cache_dtype="fp8", gate=False)
-        for enabled, state in ((False, "refused"), (True, "applied")):
-            monkeypatch.setattr(rocm_aiter_ops, "is_enabled", classmethod(lambda cls, on=enabled: on))
-            with overlay(tmp_path / str(enabled), K3_AMD_OVERLAY="qk_cache",
-                         K3_AMD_OVERLAY_QK_CACHE_PROVIDER="aiter") as activation:
-                harness.build_layer(spec, next_layer_index())
-                entry = activation.evidence.fusion("qk_cache")
-                assert entry["state"] == state, entry
-                assert ("vLLM has AITER switched off" in entry["reason"]) is not enabled, entry
-            norm = with_vllm_aiter_switch({"aiter": None, "triton": None})
-            assert norm == {"aiter": None if enabled else layer_state.AITER_SWITCHED_OFF, "triton": None}
-    finally:
-        standin.uninstall()
+    aiter_standin(fmt=harness.fp8_format())
+    spec = harness.LayerSpec(kv_cache_dtype="fp8", gate=False)
+    for enabled, state in ((False, "refused"), (True, "applied")):
+        monkeypatch.setattr(rocm_aiter_ops, "is_enabled", classmethod(lambda cls, on=enabled: on))
+        with overlay(tmp_path / str(enabled), K3_AMD_OVERLAY="qk_cache",
+                     K3_AMD_OVERLAY_QK_CACHE_PROVIDER="aiter") as activation:
+            harness.build_layer(spec, next_layer_index())
+            entry = activation.evidence.fusion("qk_cache")
+            assert entry.state == state, entry
+            assert ("vLLM has AITER switched off" in entry.reason) is not enabled, entry
+        norm = with_vllm_aiter_switch({"aiter": None, "triton": None})
+        assert norm == {"aiter": None if enabled else vllm_env.AITER_SWITCHED_OFF, "triton": None}
 
 
 def test_known_vllm_defects_are_recognised_in_the_releases_that_have_them():
@@ -443,7 +416,7 @@ def test_vllm_032_defect_is_named_not_worsened(switch, tmp_path, monkeypatch, ai
     with overlay(tmp_path, K3_AMD_OVERLAY=switch) as activation:
         with pytest.raises(AttributeError, match="W_UK_T") as failure:
             harness.build_layer(spec, next_layer_index())
-        defects = activation.evidence.record["upstream_defects"]
+        defects = activation.evidence.record.upstream_defects
         assert [(d["name"], d["triggered"]) for d in defects] == [("vllm-k3-fused-qk-prep-reads-W_UK_T-before-load",
                                                                    True)]
     decode_patched = switch != "qkv_norm"  # qkv_norm alone leaves vLLM's decode check unwrapped
@@ -452,7 +425,7 @@ def test_vllm_032_defect_is_named_not_worsened(switch, tmp_path, monkeypatch, ai
 
 # --- torch.compile: vLLM's STOCK_TORCH_COMPILE mode traces the whole model with fullgraph=True ----
 
-def test_whole_model_compilation_runs_exactly_vllms_code(tmp_path, monkeypatch):
+def test_whole_model_compilation_runs_exactly_vllms_code(tmp_path, monkeypatch, layer_pair):
     """vLLM's STOCK_TORCH_COMPILE mode compiles the whole model with fullgraph=True. Dynamo does not
     trace into wrapt's wrappers (it calls the wrapped vLLM method itself), so the decision is made
     when the layer is built: every fusion is refused with the reason, vLLM's own fused-decode
@@ -462,14 +435,13 @@ def test_whole_model_compilation_runs_exactly_vllms_code(tmp_path, monkeypatch):
 
     monkeypatch.setattr(harness.vllm_config().compilation_config, "mode", CompilationMode.STOCK_TORCH_COMPILE)
     spec = harness.LayerSpec(kv_cache_dtype="fp8")
-    stock, fused, activation, ctx = build_pair(
+    stock, fused, activation = layer_pair(
         spec, {"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_QKV_NORM_PROVIDER": "reference",
-               "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "reference", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": "reference"},
-        tmp_path)
+               "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "reference", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": "reference"})
     try:
         for fusion in ("qkv_norm", "qk_cache", "absorb_qk_cache"):
             entry = activation.evidence.fusion(fusion)
-            assert entry["state"] == "refused" and "STOCK_TORCH_COMPILE" in entry["reason"], (fusion, entry)
+            assert entry.state == "refused" and "STOCK_TORCH_COMPILE" in entry.reason, (fusion, entry)
         if hasattr(fused.wrapper, "_fused_qk_prep"):
             assert fused.wrapper._fused_qk_prep is stock.wrapper._fused_qk_prep
         torch._dynamo.reset()
@@ -481,26 +453,21 @@ def test_whole_model_compilation_runs_exactly_vllms_code(tmp_path, monkeypatch):
         assert torch.equal(out_fused[:n], out_stock[:n])
         assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
         for fusion in ("qkv_norm", "qk_cache", "absorb_qk_cache"):
-            assert activation.evidence.fusion(fusion)["effective"] is False, fusion
+            assert activation.evidence.fusion(fusion).effective is False, fusion
     finally:
         torch._dynamo.reset()
-        ctx.__exit__(None, None, None)
 
 
-def test_a_layer_on_the_aiter_provider_builds_its_tables_when_built(tmp_path, monkeypatch):
+def test_a_layer_on_the_aiter_provider_builds_its_tables_when_built(tmp_path, monkeypatch, aiter_standin):
     from k3_amd_overlay.ops import aiter_qk_cache
 
-    monkeypatch.setattr(layer_state, "vllm_aiter_missing", lambda: None)
+    monkeypatch.setattr(vllm_env, "vllm_aiter_missing", lambda: None)
     monkeypatch.setattr(aiter_qk_cache, "_identity_tables", {})
-    standin = AiterStandIn(fmt=harness.fp8_format())
-    standin.install()
-    try:
-        spec = harness.LayerSpec(kv_cache_dtype="fp8")
-        with overlay(tmp_path, K3_AMD_OVERLAY="qk_cache", K3_AMD_OVERLAY_QK_CACHE_PROVIDER="aiter"):
-            harness.build_layer(spec, next_layer_index())
-            assert list(aiter_qk_cache._identity_tables) == [(torch.device("cpu"), spec.dtype, spec.rope)]
-    finally:
-        standin.uninstall()
+    aiter_standin(fmt=harness.fp8_format())
+    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    with overlay(tmp_path, K3_AMD_OVERLAY="qk_cache", K3_AMD_OVERLAY_QK_CACHE_PROVIDER="aiter"):
+        harness.build_layer(spec, next_layer_index())
+        assert list(aiter_qk_cache._identity_tables) == [(torch.device("cpu"), spec.dtype, spec.rope)]
 
 
 @pytest.mark.parametrize("heads", [1, 3, 4, 12, 16])
@@ -511,11 +478,11 @@ def test_query_heads_follow_the_aiter_backends_own_padding(heads):
 
     from k3_amd_overlay.versions import installed_vllm_version
 
-    aiter_impl = type("AiterMLAImpl", (), {"__module__": layer_state.AITER_MLA_MODULE})()
+    aiter_impl = type("AiterMLAImpl", (), {"__module__": vllm_env.AITER_MLA_MODULE})()
     other_impl = type("CPUMLAImpl", (), {"__module__": "vllm.v1.attention.backends.mla.cpu_mla"})()
     zero_copy = installed_vllm_version().startswith("0.33") and 16 % heads != 0
-    assert layer_state.padded_query_heads(SimpleNamespace(impl=aiter_impl), heads) == (16 if zero_copy else heads)
-    assert layer_state.padded_query_heads(SimpleNamespace(impl=other_impl), heads) == heads
+    assert vllm_env.padded_query_heads(SimpleNamespace(impl=aiter_impl), heads) == (16 if zero_copy else heads)
+    assert vllm_env.padded_query_heads(SimpleNamespace(impl=other_impl), heads) == heads
 
 
 @pytest.mark.parametrize("method,gaps", [(None, 0), ("mtp", 0), ("dspark", 1)])
@@ -528,7 +495,7 @@ def test_coverage_names_the_model_and_what_is_not_covered(method, gaps, monkeypa
     model_config = SimpleNamespace(hf_config=hf_config, architecture="KimiK3ForConditionalGeneration")
     config = SimpleNamespace(model_config=model_config, speculative_config=method and SimpleNamespace(method=method))
     monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: config)
-    coverage = layer_state.model_coverage()
+    coverage = vllm_env.model_coverage()
     assert coverage["architecture"] == "KimiK3ForConditionalGeneration" and coverage["speculative_method"] == method
     assert coverage["text_model"] == ["KimiLinearForCausalLM"]
     assert len(coverage["not_covered"]) == gaps

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import HAS_VLLM
+from machine import HAS_VLLM
 from vllm_support import run_vllm_process, shape_name
 
 pytestmark = pytest.mark.vllm
@@ -47,7 +47,7 @@ act = active()
 def applied():
     return [a.spec.key for a in act.engine.applied] if act else []
 def fusions():
-    return {f: (e["state"], e["reason"]) for f, e in act.evidence.record["fusions"].items()} if act else {}
+    return {f: (e.state, e.reason) for f, e in act.evidence.record.fusions.items()} if act else {}
 """
 
 
@@ -263,12 +263,6 @@ def test_doctor_main_job_is_healthy(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
-    assert report["layer check"]["pass"] is True and report["patched"]
-    assert {f["state"] for f in report["layer check"]["fusions"].values()} == {"applied"}
-    # both decode paths ran (a 4-token batch through the absorbed launch, 65 tokens through
-    # qk_cache's) and every fusion the switch asked for took its fused path; the cache is identical
-    assert {f: e["effective"] for f, e in report["layer check"]["fusions"].items()} == {
-        "qkv_norm": True, "qk_cache": True, "absorb_qk_cache": True}
-    assert report["layer check"]["identical cache bytes"] is True
-    assert report["layer check"]["applied but never ran"] == []
+    assert "layer check" not in report  # a layer is proved by `check` against real processes
+    assert {p["key"] for p in report["patched"]} and "qkv_norm=pending" in report["evidence"]
     assert all(r["pass"] for r in report["self-test"] if r.get("ran"))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from k3_amd_overlay.package import AUTO
+
 
 class FusionState(str, enum.Enum):
     PENDING = "pending"  # patched; decided per layer when K3 MLA layers are built (none yet here)
@@ -41,11 +43,11 @@ def choose_provider(fused_providers: tuple[str, ...], setting: str, missing: dic
                     detail: str = "") -> LayerDecision:
     """The overlay's own path with the provider ``setting`` names, or for ``auto`` the first of
     ``fused_providers`` that can run (``missing[name]`` is None); refused, with every reason, if none."""
-    candidates = fused_providers if setting == "auto" else (setting,)
+    candidates = fused_providers if setting == AUTO else (setting,)
     suffix = f"; {detail}" if detail else ""
     for name in candidates:
         if missing.get(name, "unknown") is None:
-            why = "forced by setting" if setting != "auto" else "first available fused provider"
+            why = "forced by setting" if setting != AUTO else "first available fused provider"
             return LayerDecision(FusionState.APPLIED, name, f"{name}: {why}{suffix}")
     reasons = "; ".join(f"{n}: {missing.get(n)}" for n in candidates)
     return LayerDecision(FusionState.REFUSED, None, f"no provider can run here ({reasons})")

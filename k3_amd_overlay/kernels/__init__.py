@@ -1,2 +1,2 @@
-"""The overlay's own Triton kernels (ROCm and CUDA). Imported only when a Triton provider runs:
-importing this package pulls in triton, never vLLM or AITER."""
+"""The overlay's own Triton kernels (ROCm and CUDA), imported only when a Triton provider runs.
+Each kernel module imports triton; ``names`` (the kernels' names for the census) imports nothing."""

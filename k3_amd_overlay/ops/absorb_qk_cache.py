@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from k3_amd_overlay import package
 from k3_amd_overlay.fp8 import Fp8Format
 from k3_amd_overlay.ops import qk_cache as qk_cache_op
 from k3_amd_overlay.ops import reference
 from k3_amd_overlay.ops.availability import first_available, triton_missing
 
 OP = "fused_absorb_qk_cache"
-FUSED_PROVIDERS = ("triton",)
-PROVIDERS = (*FUSED_PROVIDERS, "reference")
+FUSED_PROVIDERS = package.FUSED_PROVIDERS[package.ABSORB_QK_CACHE]
 
 
 def _pow2(n: int) -> bool:

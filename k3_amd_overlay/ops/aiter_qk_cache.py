@@ -38,16 +38,18 @@ def load_op() -> Callable[..., Any]:
     return _op
 
 
+def device_missing(device: torch.device) -> str | None:
+    """AITER's HIP kernels take ROCm GPU tensors only (torch calls a ROCm device ``cuda``)."""
+    return None if device.type == "cuda" else f"AITER needs ROCm GPU tensors (got {device.type})"
+
+
 def missing(device: torch.device) -> str | None:
-    """Why the AITER provider cannot run for tensors on ``device`` (None: it can). AITER's HIP
-    kernels need GPU tensors; an op marked ``k3_standin`` (testing/aiter_standin.py) runs anywhere."""
+    """Why the AITER provider cannot run for tensors on ``device`` (None: it can)."""
     try:
-        op = load_op()
+        load_op()
     except Exception as exc:  # an AITER that fails to import for any reason is unavailable
         return f"AITER {AITER_OP_NAME} unavailable: {type(exc).__name__}: {exc}"
-    if device.type != "cuda" and not getattr(op, "k3_standin", False):
-        return f"AITER needs ROCm GPU tensors (got {device.type})"
-    return None
+    return device_missing(device)
 
 
 def op_arity(op: Callable[..., Any]) -> int:

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
+from k3_amd_overlay import package
 from k3_amd_overlay.fp8 import Fp8Format, format_of
 from k3_amd_overlay.ops import aiter_qk_cache, reference
 from k3_amd_overlay.ops.availability import first_available, triton_missing
 
 OP = "fused_qk_cache"
 QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FUSED_PROVIDERS = ("aiter", "triton")
-PROVIDERS = (*FUSED_PROVIDERS, "reference")
+FUSED_PROVIDERS = package.FUSED_PROVIDERS[package.QK_CACHE]
 
 
 def provider_missing(device: torch.device) -> dict[str, str | None]:

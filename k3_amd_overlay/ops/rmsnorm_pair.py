@@ -7,14 +7,14 @@ import math
 
 import torch
 
+from k3_amd_overlay import package
 from k3_amd_overlay.ops import reference
 from k3_amd_overlay.ops.availability import first_available, gpu_missing, torch_op_missing, triton_missing
 
 OP = "fused_q_kv_rmsnorm"
 NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Providers that really fuse the pair into one launch, best first; "reference" is the definition.
-FUSED_PROVIDERS = ("aiter", "triton", "vllm")
-PROVIDERS = (*FUSED_PROVIDERS, "reference")
+FUSED_PROVIDERS = package.FUSED_PROVIDERS[package.QKV_NORM]
 
 
 def provider_missing(device: torch.device, q_eps: float, kv_eps: float) -> dict[str, str | None]:

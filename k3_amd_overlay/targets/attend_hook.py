@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from k3_amd_overlay.fusions.qk_cache import QkCacheSite
-from k3_amd_overlay.targets.layer_state import QK_CACHE_SITE
+from k3_amd_overlay.targets.decode import DECODE_SITE, DecodeSite
 
+REGISTER_KEY = "mla_attention.class_swap"  # its entry in docs/patches.md (it is not a PatchSpec)
 _HOOKED: dict[type, type] = {}
 
 
@@ -21,7 +21,7 @@ def hooked_class(base: type) -> type:
 
     def forward(self: Any, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                 output_shape: Any = None, q_dcp_replicated: torch.Tensor | None = None) -> torch.Tensor:
-        site: QkCacheSite = self.__dict__[QK_CACHE_SITE]
+        site: DecodeSite = self.__dict__[DECODE_SITE]
         return site.attend(self, base.forward.__get__(self), q, kv_c_normed, k_pe,
                            output_shape=output_shape, q_dcp_replicated=q_dcp_replicated)
 
@@ -34,6 +34,7 @@ def hooked_class(base: type) -> type:
     return hooked
 
 
-def install(attn: Any, site: QkCacheSite) -> None:
-    attn.__dict__[QK_CACHE_SITE] = site
+def install(attn: Any, site: DecodeSite) -> None:
+    """Give this one MLAAttention instance the hooked class (its class swapped, nothing else)."""
+    attn.__dict__[DECODE_SITE] = site
     attn.__class__ = hooked_class(type(attn))

@@ -8,28 +8,13 @@ from typing import Any
 
 import torch
 
-from k3_amd_overlay.fusions.qk_cache import QkCacheSite
-from k3_amd_overlay.fusions.qkv_norm import QkvNormSite
 from k3_amd_overlay.fusions.states import FusionState
-from k3_amd_overlay.package import QKV_NORM
-from k3_amd_overlay.targets import attend_hook
+from k3_amd_overlay.targets.decode import DECODE_SITE, DecodeSite
 from k3_amd_overlay.targets.defects import W_UK_T_BEFORE_LOAD
-from k3_amd_overlay.targets.layer_state import DECODE_FUSIONS, QK_CACHE_SITE, QKV_NORM_SITE, LayerInstaller
+from k3_amd_overlay.targets.installer import LayerInstaller, install_sites
+from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormSite
 
 Wrapped = Callable[..., Any]
-
-
-def install_sites(installer: LayerInstaller, wrapper: Any, fusions: frozenset[str],
-                  decode_via_attend_hook: bool) -> None:
-    """Attach a freshly built K3 layer's per-layer sites (every vLLM shape comes through here). The
-    decode site goes on the layer's MLAAttention where vLLM has no fused-decode helper to wrap."""
-    if QKV_NORM in fusions:
-        upstream = bool(wrapper.__dict__.get("_use_eager_qk_rmsnorm_fusion", False))
-        installer.install_qkv_norm(wrapper, upstream_fuses=upstream)
-    if fusions & DECODE_FUSIONS and decode_via_attend_hook:
-        site = installer.install_qk_cache(wrapper, upstream_fuses=False)
-        if site.overlay_fuses:
-            attend_hook.install(wrapper.mla_attn, site)
 
 
 def install_layer_sites(installer: LayerInstaller, fusions: frozenset[str],
@@ -84,7 +69,7 @@ def decide_fused_qk_prep(installer: LayerInstaller) -> Callable[..., bool]:
                 exc.add_note(f"k3-amd-overlay: a known vLLM defect, not the overlay's: "
                              f"{W_UK_T_BEFORE_LOAD.describe()}")
             raise
-        return installer.install_qk_cache(instance, upstream_fuses=upstream).fused_decode_on
+        return installer.install_qk_cache(instance, upstream_fuses=upstream).plan.fused_decode_on
 
     return _k3_overlay_decide_qk_cache
 
@@ -99,21 +84,21 @@ def _k3_overlay_fused_decode(wrapped: Wrapped, instance: Any, args: tuple[Any, .
                              kwargs: dict[str, Any]) -> torch.Tensor:
     """Route ``_fused_decode`` by the layer's decisions: the overlay's fused decode where it takes
     the batch (it extends vLLM, or a provider was named), vLLM's own code where vLLM owns it."""
-    site: QkCacheSite | None = instance.__dict__.get(QK_CACHE_SITE)
+    site: DecodeSite | None = instance.__dict__.get(DECODE_SITE)
     if site is None:
         return wrapped(*args, **kwargs)
     q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache, slot_mapping = _fused_decode_args(
         *args, **kwargs)
     if torch.compiler.is_compiling():  # stand down under tracing: vLLM's own path, or stock
-        if site.upstream_keeps:
+        if site.plan.upstream_keeps:
             return wrapped(*args, **kwargs)
         return instance.mla_attn(q, kv_c_normed, k_pe, output_shape=output_shape)
     path = site.path_for(attn_metadata, slot_mapping, kv_cache, None)
     if path is not None:  # the overlay's own decision for this batch comes first
         return site.fused_decode(path, instance.mla_attn, q, kv_c_normed, k_pe, output_shape,
                                  attn_metadata, kv_cache, slot_mapping)
-    if site.upstream_keeps:  # a batch the overlay does not take, on a layer vLLM fuses: vLLM's own,
-        if site.decision.state is FusionState.UPSTREAM:  # between the KV connector's hooks that vLLM's
+    if site.plan.upstream_keeps:  # a batch the overlay does not take, on a layer vLLM fuses: vLLM's own,
+        if site.plan.decision.state is FusionState.UPSTREAM:  # between the KV connector's hooks that vLLM's
             site.on_effective(q.shape[0])  # own fused decode skips (the stock attention op runs them)
         if site.kv_transfer is None:
             return wrapped(*args, **kwargs)

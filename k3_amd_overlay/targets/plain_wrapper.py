@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 
-from k3_amd_overlay.fusions.qkv_norm import QkvNormSite
 from k3_amd_overlay.fusions.states import FusionState
-from k3_amd_overlay.targets.k3_wrapper import install_sites
-from k3_amd_overlay.targets.layer_state import QKV_NORM_SITE, LayerInstaller
+from k3_amd_overlay.targets.installer import LayerInstaller, install_sites
+from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormSite
 
 
 def k3_wrapper_class(base: type, installer: LayerInstaller, fusions: frozenset[str]) -> type:

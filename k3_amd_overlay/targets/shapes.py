@@ -12,7 +12,7 @@ from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import Mode
 from k3_amd_overlay.targets import k3_wrapper
 from k3_amd_overlay.targets import sources as src
-from k3_amd_overlay.targets.layer_state import DECODE_FUSIONS, LayerInstaller
+from k3_amd_overlay.targets.installer import DECODE_FUSIONS, LayerInstaller
 from k3_amd_overlay.targets.plain_wrapper import k3_wrapper_class
 
 LINEAR_MODULE = "vllm.models.kimi_k3.amd.linear"
@@ -24,6 +24,9 @@ SHARED_WRAPPER = "MultiHeadLatentAttentionWrapper"
 FUSED_DECODE_PARAMS = ("q", "kv_c_normed", "k_pe", "positions", "output_shape", "attn_metadata",
                        "layer", "kv_cache", "slot_mapping")
 ATTN_FORWARD_PARAMS = ("q", "kv_c_normed", "k_pe", "output_shape", "q_dcp_replicated")
+# vLLM 0.32+'s own fused decode takes a layer only where kv_lora_rank * heads per rank >= this
+# (``_fused_qk_prep_supported`` in vllm/models/kimi_k3/amd/mla.py).
+UPSTREAM_DECODE_MIN_LATENT_HEADS = 2048
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,8 @@ K3_DECODE_WRAPPER = VllmShape(
     fusion_anchors={QKV_NORM: NORMALIZE_SEAM, QK_CACHE: FUSED_DECODE_SEAM + ATTEND_SEAM[1:2],
                     ABSORB_QK_CACHE: FUSED_DECODE_SEAM + ATTEND_SEAM[1:2]},
     upstream={QKV_NORM: "AITER dual RMSNorm when AITER is on",
-              QK_CACHE: "AITER fused decode when AITER MLA is on, kv_lora_rank*heads >= 2048, no fp8 BMM",
+              QK_CACHE: "AITER fused decode when AITER MLA is on, "
+                        f"kv_lora_rank*heads >= {UPSTREAM_DECODE_MIN_LATENT_HEADS}, no fp8 BMM",
               ABSORB_QK_CACHE: ""},
     build=_build_decode_shape,
 )

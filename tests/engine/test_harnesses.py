@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import engine_env, free_port
 from engine_args import server_args
+from engine_support import engine_env, free_port
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 HARNESS_TIMEOUT_S = 1200

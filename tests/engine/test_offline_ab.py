@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_offline
+from engine_support import run_offline
 
 from k3_amd_overlay.verdict import judge
 

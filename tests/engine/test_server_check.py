@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import OFFLINE_TIMEOUT_S, engine_env, read_records
+from engine_support import OFFLINE_TIMEOUT_S, engine_env, read_records
 
 from k3_amd_overlay import arms
 

@@ -3,7 +3,7 @@ machines without ROCm. It records each call, checks every argument against AITER
 (dtypes, shapes, strides, which decode kernel the shape selects and
 whether that kernel, in the AITER version modelled, clamps positions) and computes the result
 with AITER's semantics: nope lanes clamped, rope lanes rotated and cast without a clamp, rows
-with a negative slot leave q_out and the cache untouched."""
+with a negative slot leave q_out and the cache untouched. Test scaffolding: never shipped."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
 from k3_amd_overlay.fp8 import Fp8Format, format_of
@@ -159,9 +160,10 @@ class AiterStandIn:
                                                                              kv_cache.dtype))
         kv_cache[slots // block_size, slots % block_size] = kv_vals[valid]
 
-    def install(self) -> None:
-        """Put ``aiter`` / ``aiter.ops`` / ``aiter.ops.cache`` into sys.modules with this op,
-        and reset the overlay's cached op so it is looked up again."""
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> AiterStandIn:
+        """Put ``aiter`` / ``aiter.ops`` / ``aiter.ops.cache`` into sys.modules with this op, let the
+        overlay's AITER provider take CPU tensors, and forget its cached op; ``monkeypatch`` undoes
+        all of it."""
         from k3_amd_overlay.ops import aiter_qk_cache
 
         standin = self
@@ -181,7 +183,6 @@ class AiterStandIn:
                 return standin.op(q_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, k_scale,
                                   q_scale, positions, cos_cache, sin_cache, is_neox, is_nope_first)
 
-        fused_qk_rope_concat_and_cache_mla.k3_standin = True  # type: ignore[attr-defined]
         aiter = types.ModuleType("aiter")
         ops = types.ModuleType("aiter.ops")
         cache = types.ModuleType("aiter.ops.cache")
@@ -191,13 +192,8 @@ class AiterStandIn:
         aiter.ops = ops  # type: ignore[attr-defined]
         ops.cache = cache  # type: ignore[attr-defined]
         aiter.__version__ = ".".join(map(str, self.version))  # type: ignore[attr-defined]
-        sys.modules.update({"aiter": aiter, "aiter.ops": ops, "aiter.ops.cache": cache})
-        aiter_qk_cache._op = None
-
-    @staticmethod
-    def uninstall() -> None:
-        from k3_amd_overlay.ops import aiter_qk_cache
-
-        for name in ("aiter.ops.cache", "aiter.ops", "aiter"):
-            sys.modules.pop(name, None)
-        aiter_qk_cache._op = None
+        for module in (aiter, ops, cache):
+            monkeypatch.setitem(sys.modules, module.__name__, module)
+        monkeypatch.setattr(aiter_qk_cache, "_op", None)
+        monkeypatch.setattr(aiter_qk_cache, "device_missing", lambda device: None)  # the stand-in runs on CPU
+        return self

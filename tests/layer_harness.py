@@ -12,14 +12,17 @@ of ``concat_and_cache_mla``: x / k_scale, saturated) with ``supports_quant_query
 the ROCm AITER backend has it. vLLM 0.33 refuses an fp8 cache for CPU MLA when the backend is
 chosen; the harness hides the fp8 dtype from that one check (the layer still holds "fp8").
 
-Needs ``VLLM_TARGET_DEVICE=cpu`` in the environment before vLLM is imported."""
+Needs ``VLLM_TARGET_DEVICE=cpu`` in the environment before vLLM is imported, and ``session()`` open
+(every change it makes to vLLM is undone when it closes). Test scaffolding: never shipped."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import socket
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,35 +56,47 @@ class LayerSpec:
         return self.kv_lora + self.rope
 
 
-K3_DIMS = dict(kv_lora=512, rope=64, nope=128, v=128)
-
-
 def vllm_config() -> Any:
-    """One VllmConfig in context and a world-size-1 gloo group, for the whole process."""
-    if "config" in _STATE:
-        return _STATE["config"]
+    """The VllmConfig of the open ``session()``."""
+    if "config" not in _STATE:
+        raise RuntimeError("layer_harness.session() is not open (the vllm_layer_session fixture opens it)")
+    return _STATE["config"]
+
+
+@contextlib.contextmanager
+def session() -> Iterator[Any]:
+    """One VllmConfig in context, a world-size-1 gloo group, and the CPU attention core set up for
+    an fp8 cache (``_cpu_attention_core_for_fp8``); every change to vLLM undone on exit."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
 
     config = VllmConfig()
-    context = set_current_vllm_config(config)
-    context.__enter__()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-    initialize_model_parallel(1, 1)
-    _STATE.update(config=config, context=context)
-    return config
+    with contextlib.ExitStack() as undo, set_current_vllm_config(config):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+        initialize_model_parallel(1, 1)
+        undo.callback(destroy_distributed_environment)
+        undo.callback(destroy_model_parallel)
+        _STATE["config"] = config
+        undo.callback(_STATE.clear)
+        _cpu_attention_core_for_fp8(undo)
+        yield config
 
 
-def _cpu_attention_core_for_fp8() -> None:
-    if "cpu_check" in _STATE:
-        return
+def _cpu_attention_core_for_fp8(undo: contextlib.ExitStack) -> None:
     from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
-    original = CpuPlatform.get_attn_backend_cls.__func__
+    original_backend = CpuPlatform.__dict__["get_attn_backend_cls"]
+    original_init = CPUMLAImpl.__dict__["__init__"]
 
     def hide(value: Any) -> Any:
         if hasattr(value, "_replace") and str(getattr(value, "kv_cache_dtype", "")).startswith("fp8"):
@@ -89,23 +104,19 @@ def _cpu_attention_core_for_fp8() -> None:
         return value
 
     def get_attn_backend_cls(cls: Any, *args: Any, **kwargs: Any) -> str:
-        return original(cls, *map(hide, args), **{k: hide(v) for k, v in kwargs.items()})
-
-    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+        return original_backend.__func__(cls, *map(hide, args), **{k: hide(v) for k, v in kwargs.items()})
 
     # The ROCm AITER backend takes an fp8 query; the CPU one says it does not. Part of the
     # attention core the harness replaces, so set before the layer (and the overlay) decide.
-    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
-
-    original_init = CPUMLAImpl.__init__
-
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
         if str(_STATE["config"].cache_config.cache_dtype).startswith("fp8"):
             self.supports_quant_query_input = True
 
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     CPUMLAImpl.__init__ = __init__
-    _STATE["cpu_check"] = True
+    undo.callback(setattr, CpuPlatform, "get_attn_backend_cls", original_backend)
+    undo.callback(setattr, CPUMLAImpl, "__init__", original_init)
 
 
 def fp8_format() -> Fp8Format:
@@ -149,8 +160,6 @@ def build_layer(spec: LayerSpec, layer_index: int, seed: int = 0) -> Layer:
     """A KimiMLAAttention with deterministic random weights (same seed, same weights), post-load
     processed, with a zeroed KV cache and the attention core replaced as the module says."""
     config = vllm_config()
-    if spec.kv_cache_dtype.startswith("fp8"):
-        _cpu_attention_core_for_fp8()
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.models.kimi_k3.amd.linear import KimiMLAAttention
     from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig

@@ -1,0 +1,129 @@
+"""The fused decode step of one K3 MLA layer: the site acting on the layer's decode plan
+(fusions/qk_cache.py). For a batch the plan takes, it runs one fused launch in place of the KV
+write, the query concat and its fp8 quant (after vLLM's own W_UK absorption) or of all four, then
+vLLM's own MQA kernel and V up-projection; any other batch runs vLLM's stock attention call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from k3_amd_overlay.fp8 import Fp8Format
+from k3_amd_overlay.fusions.qk_cache import AbsorbVariant, BatchFacts, DecodePath, DecodePlan
+from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
+from k3_amd_overlay.ops import qk_cache as qk_cache_op
+from k3_amd_overlay.ops.reference import absorb_w_uk_reference
+
+DECODE_SITE = "_k3_overlay_qk_cache"  # the attribute a layer (wrapper or MLAAttention) holds its site under
+ContextGetter = Callable[[str], tuple[Any, Any, torch.Tensor, torch.Tensor | None]]
+# Runs one layer's attention step between the KV connector's hooks (wait_for_layer_load before,
+# save_kv_layer after), as vLLM runs its stock attention call: (layer name, the step) -> its output.
+KvTransfer = Callable[[str, Callable[[], torch.Tensor]], torch.Tensor]
+
+
+def batch_facts(attn_metadata: Any, slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
+                q_dcp_replicated: torch.Tensor | None) -> BatchFacts | None:
+    """What the per-batch predicate reads, from vLLM's attention metadata (None in profile runs)."""
+    if attn_metadata is None:
+        return None
+    return BatchFacts(num_actual_tokens=int(attn_metadata.num_actual_tokens),
+                      num_decode_tokens=int(attn_metadata.num_decode_tokens),
+                      has_cache=slot_mapping is not None and kv_cache.numel() > 0,
+                      dcp_replicated=q_dcp_replicated is not None)
+
+
+def absorb_w_uk(attn: Any, variant: AbsorbVariant, q_nope_t: torch.Tensor) -> torch.Tensor:
+    """ql_nope [B, N, L] from q_nope (N, B, P): the same calls, in the same precedence, as the
+    stock decode path, so the fused path starts from bit-identical ql_nope."""
+    if variant is AbsorbVariant.FP4:
+        from vllm._aiter_ops import rocm_aiter_ops
+
+        fp8_attention = attn.kv_cache_dtype.startswith("fp8")
+        return rocm_aiter_ops.batched_gemm_a16wfp4(
+            q_nope_t, attn.W_K, attn.W_K_scale, transpose_bm=True, prequant=True,
+            y_scale=attn._q_scale if fp8_attention else None,
+        )
+    if variant is AbsorbVariant.FP8:
+        from vllm._aiter_ops import rocm_aiter_ops
+
+        return rocm_aiter_ops.triton_fp8_bmm(
+            q_nope_t, attn.W_K, attn.W_K_scale, group_size=128, transpose_bm=True
+        )
+    return absorb_w_uk_reference(q_nope_t.transpose(0, 1), attn.W_UK_T)
+
+
+@dataclass
+class DecodeSite:
+    """One layer's decode plan and what its fused paths need at run time."""
+
+    plan: DecodePlan
+    on_effective: Callable[[int], None]  # qk_cache ran, given the batch's (padded) token count
+    on_absorb_effective: Callable[[int], None]  # absorb_qk_cache ran
+    fmt: Fp8Format | None = None  # the KV cache's fp8 format, where the overlay fuses
+    context: ContextGetter | None = None  # vLLM's per-layer attention context, where the overlay fuses
+    kv_transfer: KvTransfer | None = None  # vLLM's KV-connector hooks (disaggregation, offloading)
+    query_heads: int = 0  # heads the fp8 query buffer is allocated with (> the layer's: backend padding)
+
+    def path_for(self, attn_metadata: Any, slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
+                 q_dcp_replicated: torch.Tensor | None) -> DecodePath | None:
+        return self.plan.path_for(batch_facts(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated))
+
+    def fused_decode(self, path: DecodePath, attn: Any, q: torch.Tensor, kv_c_normed: torch.Tensor,
+                     k_pe: torch.Tensor, output_shape: Any, attn_metadata: Any,
+                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The decode-only MLA step with the fused launch ``path`` names; the MQA kernel and the V
+        up-projection are stock's. A configured KV connector's per-layer hooks run around it, as
+        around vLLM's stock attention call."""
+
+        def step() -> torch.Tensor:
+            return self._fused_step(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache,
+                                    slot_mapping)
+
+        return self.kv_transfer(attn.layer_name, step) if self.kv_transfer is not None else step()
+
+    def _fused_step(self, path: DecodePath, attn: Any, q: torch.Tensor, kv_c_normed: torch.Tensor,
+                    k_pe: torch.Tensor, output_shape: Any, attn_metadata: Any,
+                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        assert self.fmt is not None
+        plan = self.plan
+        batch_rows = q.shape[0]  # with CUDA-graph padding: the captured graph's size
+        num_tokens = attn_metadata.num_actual_tokens  # CUDA-graph padding rows are not attended
+        q = q[:num_tokens]
+        q_nope, q_pe = q.split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+        cache = kv_cache if kv_cache.dtype == self.fmt.dtype else kv_cache.view(self.fmt.dtype)
+        # Where the backend pads the query heads (AITER MLA), the query is a view of a buffer that wide,
+        # which the backend takes without copying.
+        heads = q.shape[1]
+        q_out = torch.empty((num_tokens, max(self.query_heads, heads), attn.kv_lora_rank + attn.qk_rope_head_dim),
+                            dtype=self.fmt.dtype, device=q.device)[:, :heads]
+        kv_c, k_pe, slots = kv_c_normed[:num_tokens], k_pe[:num_tokens].reshape(num_tokens, -1), \
+            slot_mapping.flatten()[:num_tokens]
+        if path is DecodePath.ABSORB:
+            self.on_absorb_effective(batch_rows)
+            absorb_op.run_provider(plan.absorb_decision.provider, q_nope, attn.W_UK_T, q_pe, kv_c, k_pe, cache, slots,
+                                   attn._k_scale, attn._q_scale, q_out, self.fmt)
+        else:
+            self.on_effective(batch_rows)
+            ql_nope = absorb_w_uk(attn, plan.absorb, q_nope.transpose(0, 1))
+            qk_cache_op.run_provider(plan.decision.provider, ql_nope, q_pe, kv_c, k_pe, cache, slots,
+                                     attn._k_scale, attn._q_scale, q_out, self.fmt)
+        attn_out, _ = attn.impl.forward_mqa(q_out, cache, attn_metadata, attn)
+        output = torch.empty(output_shape, dtype=q.dtype, device=q.device)
+        attn._v_up_proj(attn_out, out=output[:num_tokens])
+        return output
+
+    def attend(self, attn: Any, stock: Callable[..., torch.Tensor], q: torch.Tensor,
+               kv_c_normed: torch.Tensor, k_pe: torch.Tensor, output_shape: Any = None,
+               q_dcp_replicated: torch.Tensor | None = None) -> torch.Tensor:
+        """The site for an MLAAttention call: a fused decode when the plan takes this batch, else
+        stock. Under torch.compile tracing it stands down to the stock call (no evidence hook either)."""
+        if self.context is not None and not torch.compiler.is_compiling():
+            attn_metadata, _, kv_cache, slot_mapping = self.context(attn.layer_name)
+            path = self.path_for(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated)
+            if path is not None:
+                return self.fused_decode(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata,
+                                         kv_cache, slot_mapping)
+        return stock(q, kv_c_normed, k_pe, output_shape=output_shape, q_dcp_replicated=q_dcp_replicated)

@@ -1,0 +1,163 @@
+"""Per-layer installation: read a freshly built K3 MLA wrapper (and its MLAAttention) into the
+fusions' predicate inputs, decide, and attach the sites that act on the decisions (every vLLM
+shape comes through ``install_sites``). Runs in vLLM processes only, as each K3 MLA layer is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from k3_amd_overlay.evidence import Evidence
+from k3_amd_overlay.fusions.qk_cache import (
+    AbsorbVariant,
+    DecodePlan,
+    QkCacheInputs,
+    Rotation,
+    decide_absorb,
+    decide_qk_cache,
+)
+from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
+from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.ops import absorb_qk_cache, aiter_qk_cache, qk_cache, rmsnorm_pair
+from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
+from k3_amd_overlay.settings import Mode, OverlaySettings
+from k3_amd_overlay.targets import attend_hook, vllm_env
+from k3_amd_overlay.targets.decode import DECODE_SITE, DecodeSite
+from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormCallback, QkvNormSite
+
+DECODE_FUSIONS = frozenset({QK_CACHE, ABSORB_QK_CACHE})  # both act at the one decode site
+NOT_REQUESTED = LayerDecision(FusionState.DISABLED, None, "not requested")
+
+
+def rotation_kind(rotary_emb: Any) -> Rotation:
+    if rotary_emb is None:
+        return Rotation.NONE
+    return Rotation.IDENTITY if getattr(rotary_emb, "is_identity", False) is True else Rotation.REAL
+
+
+def absorb_variant(attn: Any) -> AbsorbVariant:
+    # The stock decode path's own precedence: fp4 before fp8 (both flags can be set), then AMX.
+    if getattr(attn, "is_aiter_triton_fp4_bmm_enabled", False):
+        return AbsorbVariant.FP4
+    if getattr(attn, "is_aiter_triton_fp8_bmm_enabled", False):
+        return AbsorbVariant.FP8
+    if getattr(attn, "is_amx_bmm_enabled", False):
+        return AbsorbVariant.AMX
+    return AbsorbVariant.BF16
+
+
+def layer_device(wrapper: Any) -> torch.device:
+    return wrapper.kv_a_layernorm.weight.device
+
+
+@dataclass
+class LayerInstaller:
+    """Builds and attaches one layer's sites; records each decision in the evidence."""
+
+    settings: OverlaySettings
+    evidence: Evidence
+    coverage_recorded: bool = False
+
+    def record_coverage(self) -> None:
+        if not self.coverage_recorded:
+            self.coverage_recorded = True
+            self.evidence.set_coverage(vllm_env.model_coverage())
+
+    @property
+    def stock(self) -> bool:
+        return self.settings.mode is Mode.STOCK
+
+    def install_qkv_norm(self, wrapper: Any, upstream_fuses: bool) -> QkvNormSite:
+        self.record_coverage()
+        q_norm = wrapper.q_a_layernorm
+        kv_norm = wrapper.kv_a_layernorm
+        has_q = q_norm is not None
+        inputs = QkvNormInputs(
+            stock_mode=self.stock,
+            has_q_norm=has_q,
+            upstream_fuses=upstream_fuses,
+            provider_setting=self.settings.provider(QKV_NORM),
+            provider_missing=vllm_env.with_vllm_aiter_switch(rmsnorm_pair.provider_missing(
+                layer_device(wrapper),
+                q_norm.variance_epsilon if has_q else 0.0,
+                kv_norm.variance_epsilon,
+            )) if has_q and not self.stock else {},
+            traced_whole=vllm_env.whole_model_compiled(),
+        )
+        decision = decide_qkv_norm(inputs)
+        callback = QkvNormCallback(q_norm, kv_norm, decision.provider) if decision.state is FusionState.APPLIED \
+            else None
+        site = QkvNormSite(decision, callback,
+                           self.evidence.effective_hook(QKV_NORM, wrapper.mla_attn.layer_name))
+        setattr(wrapper, QKV_NORM_SITE, site)
+        self.evidence.note_layer(QKV_NORM, decision)
+        return site
+
+    def qk_cache_inputs(self, wrapper: Any, upstream_fuses: bool) -> QkCacheInputs:
+        attn = wrapper.mla_attn
+        impl = attn.impl
+        return QkCacheInputs(
+            stock_mode=self.stock,
+            provider_setting=self.settings.provider(QK_CACHE),
+            provider_missing={} if self.stock else vllm_env.with_vllm_aiter_switch(qk_cache.provider_missing(
+                layer_device(wrapper))),
+            kv_cache_dtype=str(attn.kv_cache_dtype),
+            rotation=rotation_kind(wrapper.rotary_emb),
+            dcp_world_size=int(getattr(impl, "dcp_world_size", 1) or 1),
+            pcp=bool(getattr(attn, "use_pcp", False)),
+            hisparse=getattr(attn, "hisparse_cache", None) is not None,
+            q_pad_num_heads=getattr(attn, "q_pad_num_heads", None),
+            num_heads=int(wrapper.num_heads),
+            absorb=absorb_variant(attn),
+            quant_query_input=bool(getattr(impl, "supports_quant_query_input", False)),
+            upstream_fuses=upstream_fuses,
+            traced_whole=vllm_env.whole_model_compiled(),
+        )
+
+    def install_qk_cache(self, wrapper: Any, upstream_fuses: bool) -> DecodeSite:
+        self.record_coverage()
+        attn = wrapper.mla_attn
+        inputs = self.qk_cache_inputs(wrapper, upstream_fuses)
+        requested = self.settings.requested
+        decision = decide_qk_cache(inputs) if requested(QK_CACHE) else NOT_REQUESTED
+        absorb = NOT_REQUESTED
+        if requested(ABSORB_QK_CACHE):
+            absorb = decide_absorb(inputs, decision, self.settings.provider(ABSORB_QK_CACHE),
+                                   {} if self.stock else absorb_qk_cache.provider_missing(
+                                       layer_device(wrapper), attn.qk_nope_head_dim, attn.kv_lora_rank,
+                                       attn.qk_rope_head_dim))
+        if decision.state is FusionState.APPLIED and decision.provider == "aiter":
+            # every table and buffer the fused path reads, built now, never inside a graph capture
+            aiter_qk_cache.reserve_zero_positions(layer_device(wrapper), vllm_env.max_batched_tokens())
+            aiter_qk_cache.reserve_identity_table(layer_device(wrapper), wrapper.kv_a_layernorm.weight.dtype,
+                                                  attn.qk_rope_head_dim)
+        plan = DecodePlan(decision, absorb, inputs.absorb, upstream_fuses)
+        site = DecodeSite(
+            plan=plan,
+            on_effective=self.evidence.effective_hook(QK_CACHE, attn.layer_name),
+            on_absorb_effective=self.evidence.effective_hook(ABSORB_QK_CACHE, attn.layer_name),
+            kv_transfer=vllm_env.kv_transfer_hooks(),
+            query_heads=vllm_env.padded_query_heads(attn, inputs.num_heads),
+        )
+        if plan.overlay_fuses:
+            site.fmt, site.context = vllm_env.vllm_fp8_format(), vllm_env.get_attention_context
+        setattr(wrapper, DECODE_SITE, site)
+        for fusion, layer_decision in ((QK_CACHE, decision), (ABSORB_QK_CACHE, absorb)):
+            if requested(fusion):
+                self.evidence.note_layer(fusion, layer_decision)
+        return site
+
+
+def install_sites(installer: LayerInstaller, wrapper: Any, fusions: frozenset[str],
+                  decode_via_attend_hook: bool) -> None:
+    """Attach a freshly built K3 layer's per-layer sites (every vLLM shape comes through here). The
+    decode site goes on the layer's MLAAttention where vLLM has no fused-decode helper to wrap."""
+    if QKV_NORM in fusions:
+        upstream = bool(wrapper.__dict__.get("_use_eager_qk_rmsnorm_fusion", False))
+        installer.install_qkv_norm(wrapper, upstream_fuses=upstream)
+    if fusions & DECODE_FUSIONS and decode_via_attend_hook:
+        site = installer.install_qk_cache(wrapper, upstream_fuses=False)
+        if site.plan.overlay_fuses:
+            attend_hook.install(wrapper.mla_attn, site)

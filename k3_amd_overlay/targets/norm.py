@@ -1,0 +1,59 @@
+"""The qkv_norm site of one K3 MLA layer: the ``q_kv_norm`` callback (both RMSNorms of the layer
+through one provider launch) and ``QkvNormSite.normalize``, the one site acting on the layer's
+qkv_norm decision (fusions/qkv_norm.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.ops import rmsnorm_pair
+
+QKV_NORM_SITE = "_k3_overlay_qkv_norm"  # the attribute a K3 MLA wrapper holds its site under
+TwoNorms = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class QkvNormCallback:
+    """The ``q_kv_norm`` callback: both norms of one layer through one provider launch.
+    Weights and eps are read from the layer's own RMSNorm modules at call time (after loading)."""
+
+    def __init__(self, q_norm: Any, kv_norm: Any, provider: str | None) -> None:
+        assert provider is not None
+        self.q_norm = q_norm
+        self.kv_norm = kv_norm
+        self.provider = provider
+
+    def __call__(self, q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rmsnorm_pair.run_provider(
+            self.provider, q_c, kv_c, self.q_norm.weight, self.kv_norm.weight,
+            self.q_norm.variance_epsilon, self.kv_norm.variance_epsilon,
+        )
+
+
+@dataclass
+class QkvNormSite:
+    """One layer's decision, its callback and its evidence hook."""
+
+    decision: LayerDecision
+    q_kv_norm: QkvNormCallback | None
+    on_effective: Callable[[int], None]  # given the batch's token count
+
+    def normalize(self, q_norm: Any, kv_norm: Any, upstream: TwoNorms | None,
+                  q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one site acting on the decision. Under torch.compile tracing the overlay's kernel
+        (not a registered op) stands down to the two separate norms."""
+        state = self.decision.state
+        if state is FusionState.APPLIED and self.q_kv_norm is not None:
+            if torch.compiler.is_compiling():
+                return q_norm(q_c), kv_norm(kv_c)
+            self.on_effective(q_c.shape[0])
+            return self.q_kv_norm(q_c, kv_c)
+        if state is FusionState.UPSTREAM and upstream is not None:
+            if not torch.compiler.is_compiling():
+                self.on_effective(q_c.shape[0])
+            return upstream(q_c, kv_c)
+        return q_norm(q_c), kv_norm(kv_c)
