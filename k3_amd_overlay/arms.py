@@ -5,6 +5,7 @@ scripts/gsm8k_ab.py; the statistics of their tables live here too."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,24 @@ class Server:
 
 def split_command(text: str) -> list[str]:
     return shlex.split(text)
+
+
+@contextlib.contextmanager
+def proved_server(arm: Arm, serve_cmd: str, model: str, serve_args: str, port: int, workdir: Path,
+                  health_timeout: float, served_name: str | None = None) -> Iterator[Server]:
+    """One arm's whole lifecycle: start ``serve_cmd MODEL --port PORT SERVE_ARGS`` with only this
+    arm's switch differing, wait for health, send one request, prove the arm's path with ``check``;
+    the server is stopped however the block ends. ArmFailed says which step failed and where the
+    logs are."""
+    command = [*split_command(serve_cmd), model, "--port", str(port), *split_command(serve_args)]
+    server = Server(command, arm, workdir, port)
+    try:
+        server.start(health_timeout)
+        server.request(served_name or model)
+        server.prove()
+        yield server
+    finally:
+        server.stop()
 
 
 # --- statistics --------------------------------------------------------------------------------

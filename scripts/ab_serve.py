@@ -77,25 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     order = arms.abba(arm_pair, args.repeats)
     for step, (repeat, arm) in enumerate(order, start=1):
         workdir = args.out / f"repeat{repeat}-arm{arm.label}"
-        serve = [*arms.split_command(args.serve_cmd), args.model, "--port", str(args.port),
-                 *arms.split_command(args.serve_args)]
-        server = arms.Server(serve, arm, workdir, args.port)
         print(f"[{step}/{len(order)}] repeat {repeat}, arm {arm.label} (K3_AMD_OVERLAY={arm.switch}): starting",
               flush=True)
         try:
-            server.start(args.health_timeout)
-            server.request(args.model)
-            server.prove()
-            print(f"[{step}/{len(order)}] arm {arm.label} proved {arm.expect}", flush=True)
-            for concurrency in args.concurrency:
-                print(f"[{step}/{len(order)}] arm {arm.label}: bench at concurrency {concurrency}", flush=True)
-                data = bench(args, server, concurrency, workdir / f"bench-c{concurrency}.json")
-                results[arm.label].setdefault(concurrency, []).append(data)
+            with arms.proved_server(arm, args.serve_cmd, args.model, args.serve_args, args.port, workdir,
+                                    args.health_timeout) as server:
+                print(f"[{step}/{len(order)}] arm {arm.label} proved {arm.expect}", flush=True)
+                for concurrency in args.concurrency:
+                    print(f"[{step}/{len(order)}] arm {arm.label}: bench at concurrency {concurrency}", flush=True)
+                    data = bench(args, server, concurrency, workdir / f"bench-c{concurrency}.json")
+                    results[arm.label].setdefault(concurrency, []).append(data)
         except arms.ArmFailed as exc:
             print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
             return 1
-        finally:
-            server.stop()
     rows = arms.serving_rows(results)
     table = arms.render_serving(rows)
     (args.out / "summary.md").write_text(table + "\n")

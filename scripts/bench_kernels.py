@@ -11,91 +11,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 
 import torch
 import triton
-import triton.language as tl
 
 from k3_amd_overlay import k3
+from k3_amd_overlay.bench.baselines import (
+    _empty_kernel,
+    _one_load_kernel,
+    concat_and_cache_mla_like_kernel,
+    scaled_quant_like_kernel,
+)
+from k3_amd_overlay.bench.timing import bandwidth_bytes_per_us, eager_us, graph_us
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
-from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
-from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, qk_cache
+from k3_amd_overlay.kernels.absorb_qk_cache import BLOCK_N, absorb_qk_cache
+from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
 from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
 
-
-@triton.jit
-def _empty_kernel(x_ptr):
-    pass
-
-
-@triton.jit
-def _one_load_kernel(x_ptr, y_ptr):
-    tl.store(y_ptr, tl.load(x_ptr) + 1.0)
-
-
 SINGLE_NORM_CONFIGS = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8)]  # (rows, warps) tried for the baseline
-
-
-@triton.jit
-def concat_and_cache_mla_like_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_blk,
-                     s_row, block_size, fmax, L: tl.constexpr, R: tl.constexpr, FP8_MODE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t)
-    if slot >= 0:
-        scale = tl.load(k_scale_ptr)
-        inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
-        offs_l = tl.arange(0, L)
-        offs_r = tl.arange(0, R)
-        row = cache_ptr + (slot // block_size) * s_blk + (slot % block_size) * s_row
-        tl.store(row + offs_l, _fp8_bits(tl.load(kv_c_ptr + t * s_kv_t + offs_l).to(tl.float32), inv, fmax, FP8_MODE))
-        tl.store(row + L + offs_r, _fp8_bits(tl.load(k_pe_ptr + t * s_kpe_t + offs_r).to(tl.float32), inv, fmax, FP8_MODE))
-
-
-@triton.jit
-def scaled_quant_like_kernel(x_ptr, out_ptr, scale_ptr, fmax, D: tl.constexpr, BLOCK: tl.constexpr,
-                       FP8_MODE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < D
-    scale = tl.load(scale_ptr)
-    inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
-    x = tl.load(x_ptr + row * D + offs, mask=mask).to(tl.float32)
-    tl.store(out_ptr + row * D + offs, _fp8_bits(x, inv, fmax, FP8_MODE), mask=mask)
-
-
-def graph_us(fn: Callable[[], None], per_graph: int = 20, reps: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            fn()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / per_graph)
-    return statistics.median(times)
-
-
-def eager_us(fn: Callable[[], None]) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000.0
-
-
-def bandwidth_bytes_per_us() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = eager_us(lambda: dst.copy_(src))
-    return 2 * src.numel() / us
 
 
 def row(*cells: object) -> str:
@@ -112,7 +47,7 @@ def _result(op: str, shape: dict, mode: str, baseline: float, fused: float, empt
 
 def bench_qkv_norm(tokens_list: list[int], bw: float, empty: dict[str, float]) -> list[dict]:
     results = []
-    print("\n### qkv_norm: two single-norm launches vs one fused launch (bf16, q 1536 + kv 512)")
+    print(f"\n### qkv_norm: two single-norm launches vs one fused launch (bf16, q {k3.Q_LORA_RANK} + kv {k3.KV_LORA_RANK})")
     print("| T | mode | two launches µs | fused µs | ratio | empty µs | one-load µs | bytes/bw µs "
           "| fused / max(empty, bytes) | fused / max(one-load, bytes) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -186,7 +121,7 @@ def bench_qk_cache(heads_list: list[int], tokens_list: list[int], bw: float, emp
 
 
 def bench_absorb(heads_list: list[int], tokens_list: list[int], bw: float, empty: dict[str, float],
-                 fmt: Fp8Format = E4M3FN) -> list[dict]:
+                 fmt: Fp8Format = E4M3FN, block_n: int = BLOCK_N) -> list[dict]:
     """The W_UK absorption folded in: bmm + three launches (stock), bmm + one qk_cache launch, and
     one absorb_qk_cache launch; the floor counts W_UK_T read once."""
     results = []
@@ -229,7 +164,8 @@ def bench_absorb(heads_list: list[int], tokens_list: list[int], bw: float, empty
                 qk_cache(ql_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt)
 
             def one() -> None:
-                absorb_qk_cache(q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt)
+                absorb_qk_cache(q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt,
+                                block_n)
 
             moved = (heads * nope * lora * 2 + tokens * heads * (nope + rope) * 2 + tokens * (lora + rope) * 2
                      + tokens * 8 + tokens * (heads + 1) * (lora + rope))
@@ -276,12 +212,9 @@ def main() -> int:
     if args.only in (None, "qk_cache"):
         results += bench_qk_cache(heads, batch, bw, empty)
     if args.absorb_block_n:
-        from k3_amd_overlay.kernels import absorb_qk_cache as absorb_module
-
         for block_n in args.absorb_block_n:
-            absorb_module.BLOCK_N = block_n
             print(f"\nabsorb kernel BLOCK_N = {block_n}")
-            results += bench_absorb([3, 12, 16], [1, 32, 256], bw, empty)
+            results += bench_absorb([3, 12, 16], [1, 32, 256], bw, empty, block_n=block_n)
     elif args.only in (None, "absorb_qk_cache"):
         results += bench_absorb([3, 12] if args.quick else [3, 12, 16],
                             [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty)

@@ -90,31 +90,25 @@ def main(argv: list[str] | None = None) -> int:
         include = ["--include_path", str(args.out / "tasks")]
     for arm in arms.default_arms(args.arm_a, args.arm_b):
         workdir = args.out / f"arm{arm.label}"
-        serve = [*arms.split_command(args.serve_cmd), args.model, "--port", str(args.port),
-                 *arms.split_command(args.serve_args)]
-        server = arms.Server(serve, arm, workdir, args.port)
         print(f"arm {arm.label} (K3_AMD_OVERLAY={arm.switch}): starting", flush=True)
         try:
-            server.start(args.health_timeout)
-            server.request(name)
-            server.prove()
-            print(f"arm {arm.label} proved {arm.expect}; running {task}", flush=True)
-            model_args = (f"model={name},base_url={server.url}/v1/completions,num_concurrent={args.num_concurrent},"
-                          "tokenized_requests=False" + (f",{args.extra_model_args}" if args.extra_model_args else ""))
-            command = [*arms.split_command(args.lm_eval_cmd), "--model", "local-completions", "--model_args",
-                       model_args, "--tasks", task, "--num_fewshot", str(args.num_fewshot),
-                       "--output_path", str(workdir / "lm_eval"), *include]
-            if args.limit:
-                command += ["--limit", str(args.limit)]
-            with open(workdir / "lm_eval.log", "w") as log:
-                if subprocess.run(command, stdout=log, stderr=log).returncode != 0:
-                    raise arms.ArmFailed(f"arm {arm.label}: lm-eval failed; log: {workdir / 'lm_eval.log'}")
-            scores[arm.label] = accuracy(workdir / "lm_eval", task, args.metric)
+            with arms.proved_server(arm, args.serve_cmd, args.model, args.serve_args, args.port, workdir,
+                                    args.health_timeout, served_name=name) as server:
+                print(f"arm {arm.label} proved {arm.expect}; running {task}", flush=True)
+                model_args = (f"model={name},base_url={server.url}/v1/completions,num_concurrent={args.num_concurrent},"
+                              "tokenized_requests=False" + (f",{args.extra_model_args}" if args.extra_model_args else ""))
+                command = [*arms.split_command(args.lm_eval_cmd), "--model", "local-completions", "--model_args",
+                           model_args, "--tasks", task, "--num_fewshot", str(args.num_fewshot),
+                           "--output_path", str(workdir / "lm_eval"), *include]
+                if args.limit:
+                    command += ["--limit", str(args.limit)]
+                with open(workdir / "lm_eval.log", "w") as log:
+                    if subprocess.run(command, stdout=log, stderr=log).returncode != 0:
+                        raise arms.ArmFailed(f"arm {arm.label}: lm-eval failed; log: {workdir / 'lm_eval.log'}")
+                scores[arm.label] = accuracy(workdir / "lm_eval", task, args.metric)
         except arms.ArmFailed as exc:
             print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
             return 1
-        finally:
-            server.stop()
     (acc_a, n_a), (acc_b, n_b) = scores["A"], scores["B"]
     comparison = arms.AccuracyComparison(acc_a, acc_b, min(n_a, n_b))
     lines = [

@@ -18,10 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import concat_and_cache_mla_like_kernel, scaled_quant_like_kernel
-
 from k3_amd_overlay import k3
+from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel, scaled_quant_like_kernel
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
 
@@ -33,7 +31,7 @@ def main(out: Path) -> None:
     lora, rope, fmt = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, E4M3FN
     layers = []
     for _ in range(LAYERS):
-        q_full = torch.randn(TOKENS, HEADS, 192, dtype=torch.bfloat16, device="cuda")
+        q_full = torch.randn(TOKENS, HEADS, k3.QK_NOPE_HEAD_DIM + k3.QK_ROPE_HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         layers.append(dict(
             ql=torch.randn(TOKENS, HEADS, lora, dtype=torch.bfloat16, device="cuda"), qp=q_full[..., 128:],
             kv=torch.randn(TOKENS, lora, dtype=torch.bfloat16, device="cuda"),

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import Fp8Format
 from k3_amd_overlay.ops import qk_cache as qk_cache_op
 from k3_amd_overlay.ops import reference
@@ -38,7 +39,7 @@ class QkCase:
     fmt: Fp8Format
 
 
-def make_qk_case(tokens: int, heads: int, fmt: Fp8Format, *, block_size: int = 16, lora: int = 512,
+def make_qk_case(tokens: int, heads: int, fmt: Fp8Format, *, block_size: int = 16, lora: int = k3.KV_LORA_RANK,
                  rope: int = 64, nope: int = 128, num_blocks: int | None = None,
                  extremes: bool = True, padding_every: int = 3, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", seed: int | None = None) -> QkCase:
@@ -174,7 +175,7 @@ def rmsnorm_problems(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.T
 
 
 def rmsnorm_inputs(tokens: int, dtype: torch.dtype, device: torch.device | str, q_size: int = 1536,
-                   kv_size: int = 512, seed: int | None = None) -> tuple[torch.Tensor, ...]:
+                   kv_size: int = k3.KV_LORA_RANK, seed: int | None = None) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator()
     gen.seed() if seed is None else gen.manual_seed(seed)
     latent = (torch.randn((tokens, q_size + kv_size + 64), generator=gen) * 2).to(dtype).to(device)

@@ -9,22 +9,26 @@ import torch
 from machine import DEVICE, HAS_GPU
 from parity import POISON_A, POISON_B, make_qk_case
 
+from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
 from k3_amd_overlay.ops import fused_absorb_qk_cache
+
+pytestmark = pytest.mark.kernels  # scripts/gpu_check.sh runs these on the GPU
 
 
 def absorb_case(tokens: int, heads: int, fmt: Fp8Format, seed: int | None = None):
     case = make_qk_case(tokens, heads, fmt, device=DEVICE, extremes=False, seed=seed)
     gen = torch.Generator().manual_seed(seed or 0)
-    q = (torch.randn(tokens, heads, 192, generator=gen) * 2).to(torch.bfloat16).to(DEVICE)
+    q = torch.randn(tokens, heads, k3.QK_NOPE_HEAD_DIM + k3.QK_ROPE_HEAD_DIM, generator=gen)
+    q = (q * 2).to(torch.bfloat16).to(DEVICE)
     # vLLM's W_UK_T is a permuted view of W_UK [L, N, P]; keep that layout
-    w_uk = (torch.randn(512, heads, 128, generator=gen) / 8).to(torch.bfloat16).to(DEVICE)
+    w_uk = (torch.randn(k3.KV_LORA_RANK, heads, k3.QK_NOPE_HEAD_DIM, generator=gen) / 8).to(torch.bfloat16).to(DEVICE)
     return case, q[..., :128], w_uk.permute(1, 2, 0)
 
 
 def run(case, q_nope, w, provider: str, poison: int):
     cache = torch.full(case.cache_shape, poison, dtype=torch.uint8, device=DEVICE)
-    q_out = torch.full((*q_nope.shape[:2], 576), poison, dtype=torch.uint8, device=DEVICE)
+    q_out = torch.full((*q_nope.shape[:2], k3.LATENT_ROW), poison, dtype=torch.uint8, device=DEVICE)
     fused_absorb_qk_cache(q_nope, w, case.q_pe, case.kv_c, case.k_pe, cache, case.slot_mapping, case.k_scale,
                           case.q_scale, q_out=q_out.view(case.fmt.dtype), provider=provider,
                           kv_format=case.fmt.name)
@@ -105,7 +109,7 @@ def test_fp8_bmm_weights_are_refused_with_a_reason():
 def test_absorb_graph_replay_with_new_inputs():
     case, q_nope, w = absorb_case(32, 12, E4M3FN, seed=1)
     cache = torch.zeros(case.cache_shape, dtype=torch.uint8, device=DEVICE)
-    q_out = torch.empty((32, 12, 576), dtype=E4M3FN.dtype, device=DEVICE)
+    q_out = torch.empty((32, 12, k3.LATENT_ROW), dtype=E4M3FN.dtype, device=DEVICE)
     inputs = [q_nope.clone(), case.q_pe.clone(), case.kv_c.clone(), case.k_pe.clone(), case.slot_mapping.clone()]
 
     def step():

@@ -10,7 +10,7 @@ from parity import POISON_A, make_qk_case, reference_pair, rmsnorm_inputs, rmsno
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ
 from k3_amd_overlay.ops import fused_q_kv_rmsnorm, fused_qk_cache
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.kernels]
 
 
 @pytest.mark.parametrize("fmt", [E4M3FN, E4M3FNUZ], ids=lambda f: f.name)

@@ -18,8 +18,11 @@ from parity import (
     run_provider,
 )
 
+from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, FP8_FORMATS
 from k3_amd_overlay.ops import ProviderUnavailable, fused_q_kv_rmsnorm, fused_qk_cache
+
+pytestmark = pytest.mark.kernels  # scripts/gpu_check.sh runs these on the GPU
 
 FORMATS = [E4M3FN, E4M3FNUZ]
 
@@ -65,9 +68,9 @@ def test_aiter_rope_lanes_are_not_clamped_by_aiter(aiter_standin):
                          torch.zeros(case.cache_shape, dtype=torch.uint8), case.slot_mapping,
                          case.k_scale, case.q_scale, provider="reference", kv_format="e4m3fn")
     inf_lanes = case.q_pe.isinf()
-    assert out[..., 512:].float()[inf_lanes].isnan().all()
-    assert ref[..., 512:].float()[inf_lanes].abs().eq(448).all()
-    assert torch.equal(out[..., :512].view(torch.uint8), ref[..., :512].view(torch.uint8))
+    assert out[..., k3.KV_LORA_RANK:].float()[inf_lanes].isnan().all()
+    assert ref[..., k3.KV_LORA_RANK:].float()[inf_lanes].abs().eq(448).all()
+    assert torch.equal(out[..., :k3.KV_LORA_RANK].view(torch.uint8), ref[..., :k3.KV_LORA_RANK].view(torch.uint8))
 
 
 def test_qk_cache_errors_name_the_value_and_what_is_allowed():
@@ -130,15 +133,16 @@ def test_every_fp8_code_neighbourhood_rounds_like_torch(fmt):
     codes = codes[~codes.isnan()].sort().values
     special = torch.tensor([1e9, -1e9, 300.0, -235.0, 233.0, 232.0, 450.0, float("nan"), -1e-9, 1e-30])
     values = torch.cat([codes, codes * 1.0001, codes * 0.9999, (codes[:-1] + codes[1:]) / 2, special])
-    tokens = -(-values.numel() // 576)
-    x = torch.zeros(tokens * 576)
+    tokens = -(-values.numel() // k3.LATENT_ROW)
+    x = torch.zeros(tokens * k3.LATENT_ROW)
     x[: values.numel()] = values
-    x = x.view(tokens, 1, 576).to(DEVICE)
+    x = x.view(tokens, 1, k3.LATENT_ROW).to(DEVICE)
     one = torch.ones(1, device=DEVICE)
-    cache = torch.zeros(2, 16, 576, dtype=torch.uint8, device=DEVICE)
+    cache = torch.zeros(2, 16, k3.LATENT_ROW, dtype=torch.uint8, device=DEVICE)
     no_slots = torch.full((tokens,), -1, dtype=torch.int64, device=DEVICE)
-    out = fused_qk_cache(x[..., :512].contiguous(), x[..., 512:].contiguous(),
-                         torch.zeros(tokens, 512, device=DEVICE), torch.zeros(tokens, 64, device=DEVICE),
+    out = fused_qk_cache(x[..., :k3.KV_LORA_RANK].contiguous(), x[..., k3.KV_LORA_RANK:].contiguous(),
+                         torch.zeros(tokens, k3.KV_LORA_RANK, device=DEVICE),
+                         torch.zeros(tokens, k3.QK_ROPE_HEAD_DIM, device=DEVICE),
                          cache, no_slots, one, one, provider="triton", kv_format=fmt.name)
     want = (x.float().clamp(-fmt.fmax, fmt.fmax)).to(fmt.dtype)
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))

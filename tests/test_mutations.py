@@ -20,6 +20,8 @@ from parity import (
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ
 from k3_amd_overlay.ops import aiter_qk_cache, fused_q_kv_rmsnorm
 
+pytestmark = pytest.mark.kernels  # scripts/gpu_check.sh runs these on the GPU
+
 TRITON = run_provider("triton")
 
 

@@ -14,6 +14,8 @@ from k3_amd_overlay import k3
 from k3_amd_overlay.ops import fused_q_kv_rmsnorm
 from k3_amd_overlay.ops.reference import rmsnorm_reference
 
+pytestmark = pytest.mark.kernels  # scripts/gpu_check.sh runs these on the GPU
+
 DTYPES = [torch.bfloat16, torch.float16]
 
 

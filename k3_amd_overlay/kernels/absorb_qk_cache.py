@@ -76,11 +76,12 @@ def absorb_qk_cache_kernel(
 def absorb_qk_cache(q_nope: torch.Tensor, w_uk_t: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
                     k_pe: torch.Tensor, cache_bytes: torch.Tensor, slot_mapping: torch.Tensor,
                     k_scale: torch.Tensor, q_scale: torch.Tensor, q_out_bytes: torch.Tensor,
-                    fmt: Fp8Format) -> None:
-    """Launch on validated inputs (power-of-two P, L, R; k_pe 2-D; uint8 views of cache and q_out)."""
+                    fmt: Fp8Format, block_n: int = BLOCK_N) -> None:
+    """Launch on validated inputs (power-of-two P, L, R; k_pe 2-D; uint8 views of cache and q_out);
+    ``block_n``: latent columns per program (benchmarks compare others)."""
     num_tokens, num_heads, nope = q_nope.shape
     lora, rope = w_uk_t.shape[-1], q_pe.shape[-1]
-    block_n, tokens_per_program = min(BLOCK_N, lora), block_t(num_tokens)
+    block_n, tokens_per_program = min(block_n, lora), block_t(num_tokens)
     grid = (num_heads * triton.cdiv(num_tokens, tokens_per_program) * (lora // block_n) + num_tokens,)
     absorb_qk_cache_kernel[grid](
         q_nope, w_uk_t, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,

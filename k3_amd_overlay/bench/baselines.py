@@ -1,0 +1,51 @@
+"""The unfused baseline launches the benchmarks compare each fusion with, written to the same
+quality as the fused kernels so that a ratio measures the fusion, not the code: vLLM's KV-cache
+write (``concat_and_cache_mla``: scale, saturate, store one latent row per token) and its static
+fp8 query quant (one row per program), plus the empty and one-load launches that floor any
+kernel's time. Kernel names end in ``_like`` and contain the census names of what they stand for."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from k3_amd_overlay.kernels.qk_cache import _fp8_bits
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+@triton.jit
+def _one_load_kernel(x_ptr, y_ptr):
+    tl.store(y_ptr, tl.load(x_ptr) + 1.0)
+
+
+@triton.jit
+def concat_and_cache_mla_like_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_blk,
+                     s_row, block_size, fmax, L: tl.constexpr, R: tl.constexpr, FP8_MODE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        scale = tl.load(k_scale_ptr)
+        inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
+        offs_l = tl.arange(0, L)
+        offs_r = tl.arange(0, R)
+        row = cache_ptr + (slot // block_size) * s_blk + (slot % block_size) * s_row
+        kv_c = tl.load(kv_c_ptr + t * s_kv_t + offs_l).to(tl.float32)
+        k_pe = tl.load(k_pe_ptr + t * s_kpe_t + offs_r).to(tl.float32)
+        tl.store(row + offs_l, _fp8_bits(kv_c, inv, fmax, FP8_MODE))
+        tl.store(row + L + offs_r, _fp8_bits(k_pe, inv, fmax, FP8_MODE))
+
+
+@triton.jit
+def scaled_quant_like_kernel(x_ptr, out_ptr, scale_ptr, fmax, D: tl.constexpr, BLOCK: tl.constexpr,
+                       FP8_MODE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    scale = tl.load(scale_ptr)
+    inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
+    x = tl.load(x_ptr + row * D + offs, mask=mask).to(tl.float32)
+    tl.store(out_ptr + row * D + offs, _fp8_bits(x, inv, fmax, FP8_MODE), mask=mask)
