@@ -14,7 +14,7 @@ from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
 FP8_NATIVE_FN = 0  # tl.float8e4nv: OCP e4m3fn (NVIDIA, MI355X)
 FP8_NATIVE_FNUZ = 1  # tl.float8e4b8: e4m3fnuz, AMD only (MI300X)
 FP8_FNUZ_BY_INT = 2  # e4m3fnuz by integer rounding where the native type is missing (CUDA, CPU)
-# Four query heads per program, 4 warps: fastest of the variants in scripts/tune_kernels.py on an
+# Four query heads per program, 4 warps: fastest of the variants measured on an
 # H200 from B=1 to B=1024 (docs/benchmarks.md); folding the KV row into a head program was slower.
 HEADS_PER_PROGRAM = 4
 

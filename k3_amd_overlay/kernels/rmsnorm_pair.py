@@ -1,7 +1,7 @@
 """Triton kernels for RMSNorm: the q_a/kv_a pair in one launch, and the single-tensor kernel of
 the same design that the benchmark's two-launch baseline uses.
 
-Design (scripts/tune_kernels.py, docs/benchmarks.md): one flat grid, q rows one per program and
+Design (variants measured on an H200, docs/benchmarks.md): one flat grid, q rows one per program and
 kv rows four per program, so both kinds of program carry about 2048 lanes at 4 warps; putting a
 token's two rows in one program, or more warps, was slower on an H200 at every T measured."""
 
