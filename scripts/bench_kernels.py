@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Kernel benchmarks of the two fused ops at Kimi-K3 shapes, side by side in one run: the unfused
-baseline (launches of the same quality, one per step), the fused launch, and the floors (an empty
-launch; bytes over the bandwidth measured here), eager and CUDA-graph replay, medians.
+"""Kernel benchmarks of the fused ops at Kimi-K3 shapes, side by side in one run: the unfused
+baseline (launches of the same quality, one per step), the fused launch, the floors (an empty
+launch; bytes over the bandwidth measured here) and, with ``--peers aiter``, AMD's own AITER Triton
+kernels, eager and CUDA-graph replay, medians.
 
-    PYTHONPATH=. python3 scripts/bench_kernels.py [--json OUT.json] [--quick]
+    PYTHONPATH=. python3 scripts/bench_kernels.py [--json OUT.json] [--quick] [--peers aiter]
 
 Needs a GPU with Triton; does not need vLLM."""
 
@@ -18,6 +19,7 @@ import torch
 import triton
 
 from k3_amd_overlay import k3
+from k3_amd_overlay.bench import aiter_peers
 from k3_amd_overlay.bench.baselines import (
     _empty_kernel,
     _one_load_kernel,
@@ -26,9 +28,11 @@ from k3_amd_overlay.bench.baselines import (
 )
 from k3_amd_overlay.bench.timing import bandwidth_bytes_per_us, eager_us, graph_us
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
+from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
 from k3_amd_overlay.kernels.absorb_qk_cache import BLOCK_N, absorb_qk_cache
 from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
 from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
+from k3_amd_overlay.ops import aiter_absorb
 
 SINGLE_NORM_CONFIGS = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8)]  # (rows, warps) tried for the baseline
 
@@ -74,14 +78,14 @@ def bench_qkv_norm(tokens_list: list[int], bw: float, empty: dict[str, float]) -
 
 
 def bench_qk_cache(heads_list: list[int], tokens_list: list[int], bw: float, empty: dict[str, float],
-                   fmt: Fp8Format = E4M3FN) -> list[dict]:
+                   fmt: Fp8Format = E4M3FN, peers: bool = False) -> list[dict]:
     results = []
     lora, rope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM
     mode_bits = fp8_mode(fmt, torch.device("cuda"))
     print(f"\n### qk_cache: three launches (KV write, concat, quant) vs one fused launch ({fmt.name}, block 1536)")
     print("| H | B | mode | three launches µs | fused µs | ratio | empty µs | one-load µs | bytes/bw µs "
-          "| fused / max(empty, bytes) | fused / max(one-load, bytes) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| fused / max(empty, bytes) | fused / max(one-load, bytes) |" + (" AITER Triton µs | AITER / fused |" if peers else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if peers else ""))
     for heads in heads_list:
         for tokens in tokens_list:
             ql_nope = torch.randn(tokens, heads, lora, dtype=torch.bfloat16, device="cuda")
@@ -111,11 +115,18 @@ def bench_qk_cache(heads_list: list[int], tokens_list: list[int], bw: float, emp
 
             moved = tokens * (heads * (lora + rope) * 2 + (lora + rope) * 2 + 8) + tokens * (heads + 1) * (lora + rope)
             floor_bw = moved / bw
+            def aiter() -> None:
+                aiter_peers.qk_cache(ql_nope, q_pe, kv_c, k_pe, cache.view(fmt.dtype), slots, k_scale)
+
             for mode, timer in (("graph", graph_us), ("eager", eager_us)):
                 t3, t1 = timer(three), timer(one)
                 result = _result("qk_cache", dict(heads=heads, tokens=tokens), mode, t3, t1, empty, floor_bw)
-                print("| " + row(heads, tokens, mode, t3, t1, t3 / t1, empty[mode], empty["one_load_" + mode],
-                                 floor_bw, result["fused_over_floor"], result["fused_over_load_floor"]) + " |")
+                cells = [heads, tokens, mode, t3, t1, t3 / t1, empty[mode], empty["one_load_" + mode],
+                         floor_bw, result["fused_over_floor"], result["fused_over_load_floor"]]
+                if peers:
+                    result["aiter_us"] = timer(aiter)
+                    cells += [result["aiter_us"], result["aiter_us"] / t1]
+                print("| " + row(*cells) + " |")
                 results.append(result)
     return results
 
@@ -182,15 +193,83 @@ def bench_absorb(heads_list: list[int], tokens_list: list[int], bw: float, empty
     return results
 
 
+def bench_absorb_fp8(heads_list: list[int], tokens_list: list[int], bw: float, empty: dict[str, float],
+                     peers: bool, fmt: Fp8Format = E4M3FN) -> list[dict]:
+    """vLLM's fp8 W_UK absorption folded in: the unfused fp8 path (AITER's fp8 BMM, then the overlay's
+    qk_cache launch) and AITER's own fused fp8 kernel (its launch alone, query unscaled; and the aiter
+    provider: that launch plus the static query quant), against the overlay's one launch."""
+    results = []
+    lora, rope, nope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM
+    print(f"\n### absorb_qk_cache, fp8 W_UK (VLLM_ROCM_USE_AITER_FP8BMM): one launch vs peers ({fmt.name}, block 1536)")
+    print("| H | B | mode | one launch µs | bytes/bw µs | one launch / max(one-load, bytes) |"
+          + (" fp8 bmm + qk_cache µs | vs it | AITER fused µs | vs it | aiter provider µs |" if peers else ""))
+    print("|---|---|---|---|---|---|" + ("---|---|---|---|---|" if peers else ""))
+    for heads in heads_list:
+        w_k = (torch.randn(heads, lora, nope, device="cuda") * 40).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
+        w_k_scale = torch.tensor(0.003, device="cuda")
+        for tokens in tokens_list:
+            q = torch.randn(tokens, heads, nope + rope, dtype=torch.bfloat16, device="cuda")
+            q_nope, q_pe = q[..., :nope], q[..., nope:]
+            kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16, device="cuda")
+            k_pe = torch.randn(tokens, k3.Q_LORA_RANK + lora + rope, dtype=torch.bfloat16, device="cuda")[:, -rope:]
+            blocks = max(2, -(-tokens // 1536) * 2)
+            cache = torch.zeros(blocks, 1536, lora + rope, dtype=torch.uint8, device="cuda")
+            slots = torch.randperm(blocks * 1536, device="cuda")[:tokens].to(torch.int64)
+            k_scale, q_scale = torch.tensor([1.1], device="cuda"), torch.tensor([0.9], device="cuda")
+            q_out = torch.empty(tokens, heads, lora + rope, dtype=torch.uint8, device="cuda")
+
+            def one() -> None:
+                absorb_fp8_qk_cache(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out,
+                                    fmt)
+
+            def unfused() -> None:
+                ql_nope = aiter_peers.fp8_bmm(q_nope, w_k, w_k_scale)
+                qk_cache(ql_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt)
+
+            def aiter_fused() -> None:
+                aiter_absorb.fused_query(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache.view(fmt.dtype), slots,
+                                         k_scale, fmt.dtype)
+
+            def aiter_provider() -> None:
+                aiter_absorb.run(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache.view(fmt.dtype), slots, k_scale,
+                                 q_scale, q_out.view(fmt.dtype), fmt)
+
+            moved = (heads * nope * lora + tokens * heads * (nope + rope) * 2 + tokens * (lora + rope) * 2
+                     + tokens * 8 + tokens * (heads + 1) * (lora + rope))
+            floor_bw = moved / bw
+            for mode, timer in (("graph", graph_us), ("eager", eager_us)):
+                t_one = timer(one)
+                floor = max(empty["one_load_" + mode], floor_bw)
+                result = dict(op="absorb_qk_cache_fp8", heads=heads, tokens=tokens, mode=mode, fused_us=t_one,
+                              bytes_bw_us=floor_bw, fused_over_load_floor=t_one / floor)
+                cells = [heads, tokens, mode, t_one, floor_bw, t_one / floor]
+                if peers:
+                    result.update(baseline_us=timer(unfused), aiter_fused_us=timer(aiter_fused),
+                                  aiter_provider_us=timer(aiter_provider))
+                    result.update(ratio=result["baseline_us"] / t_one, ratio_vs_aiter=result["aiter_fused_us"] / t_one)
+                    cells += [result["baseline_us"], result["ratio"], result["aiter_fused_us"],
+                              result["ratio_vs_aiter"], result["aiter_provider_us"]]
+                print("| " + row(*cells) + " |")
+                results.append(result)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--absorb-block-n", type=int, nargs="+", help="absorb kernel column blocks to compare")
-    parser.add_argument("--only", choices=("qkv_norm", "qk_cache", "absorb_qk_cache"), help="one section")
+    parser.add_argument("--only", choices=("qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_fp8"),
+                        help="one section")
+    parser.add_argument("--peers", choices=("aiter",), help="add AMD's AITER Triton kernels as columns "
+                        f"(on ROCm from the installed AITER; elsewhere from ${aiter_peers.AITER_TREE})")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no GPU: nothing to benchmark", file=sys.stderr)
+        return 2
+    peers = args.peers == "aiter"
+    if peers and (why := aiter_peers.enable()):
+        print(f"--peers aiter: {why}", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -210,14 +289,17 @@ def main() -> int:
     if args.only in (None, "qkv_norm"):
         results += bench_qkv_norm(tokens, bw, empty)
     if args.only in (None, "qk_cache"):
-        results += bench_qk_cache(heads, batch, bw, empty)
+        results += bench_qk_cache(heads, batch, bw, empty, peers=peers)
     if args.absorb_block_n:
         for block_n in args.absorb_block_n:
             print(f"\nabsorb kernel BLOCK_N = {block_n}")
             results += bench_absorb([3, 12, 16], [1, 32, 256], bw, empty, block_n=block_n)
     elif args.only in (None, "absorb_qk_cache"):
         results += bench_absorb([3, 12] if args.quick else [3, 12, 16],
-                            [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty)
+                                [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty)
+    if args.only in (None, "absorb_fp8"):
+        results += bench_absorb_fp8([3, 12] if args.quick else [3, 6, 12, 16],
+                                    [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty, peers)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(dict(device=props.name, torch=torch.__version__, triton=triton.__version__,

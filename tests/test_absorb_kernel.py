@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from machine import DEVICE, HAS_GPU
-from parity import POISON_A, POISON_B, make_qk_case
+from parity import POISON_A, absorb_problems, make_qk_case
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
@@ -36,38 +36,9 @@ def run(case, q_nope, w, provider: str, poison: int):
 
 
 def problems(case, q_nope, w, runner=None) -> list[str]:
-    """Written bytes exactly where they should be; values equal to the reference, except codes one
-    step apart at a rounding boundary (fp32 sums in another order), for at most 0.2% of them. The
-    CPU interpreter's e4m3fn cast is wrong, so there e4m3fn values are not compared."""
     runner = runner or (lambda c, q, ww, p: run(c, q, ww, "triton", p))
-    cache_a, q_a = runner(case, q_nope, w, POISON_A)
-    cache_b, q_b = runner(case, q_nope, w, POISON_B)
-    ref_cache, ref_q = run(case, q_nope, w, "reference", POISON_A)
-    valid = case.slot_mapping >= 0
-    found = []
-    block = case.cache_shape[1]
-    rows = torch.zeros(case.cache_shape[:2], dtype=torch.bool, device=DEVICE)
-    slots = case.slot_mapping[valid]
-    rows[slots // block, slots % block] = True
-    if not torch.equal(cache_a == cache_b, rows.unsqueeze(-1).expand_as(cache_a)):
-        found.append("cache: written bytes are not exactly the valid slots' rows")
-    if not (q_a == q_b)[valid].all():
-        found.append("q_out: bytes of valid tokens not written")
-    if not HAS_GPU and case.fmt is E4M3FN:
-        return found
-    values = torch.arange(256, dtype=torch.uint8).view(case.fmt.dtype).float()
-    grid = values[~values.isnan()].unique()  # sorted representable values; -0 and +0 are one
-
-    def rank(codes: torch.Tensor) -> torch.Tensor:
-        return torch.searchsorted(grid.to(codes.device), codes.view(case.fmt.dtype).float())
-
-    for name, got, want in (("cache", cache_a[rows], ref_cache[rows]), ("q_out", q_a[valid], ref_q[valid])):
-        differ = got.view(case.fmt.dtype).float() != want.view(case.fmt.dtype).float()
-        adjacent = (rank(got) - rank(want)).abs().le(1)
-        if (differ & ~adjacent).any() or differ.float().mean() > 0.002:
-            found.append(f"{name}: {int(differ.sum())} of {got.numel()} codes differ "
-                         f"({int((differ & ~adjacent).sum())} by more than one step)")
-    return found
+    return absorb_problems(case, lambda poison: runner(case, q_nope, w, poison),
+                           run(case, q_nope, w, "reference", POISON_A))
 
 
 @pytest.mark.parametrize("fmt", [E4M3FN, E4M3FNUZ], ids=lambda f: f.name)
@@ -99,7 +70,7 @@ def test_planted_faults_are_caught(fault):
 
 def test_fp8_bmm_weights_are_refused_with_a_reason():
     case, q_nope, w = absorb_case(2, 3, E4M3FN)
-    with pytest.raises(ValueError, match="the fp8 BMM variant is not supported"):
+    with pytest.raises(ValueError, match="fused_absorb_fp8_qk_cache takes vLLM's fp8 W_K"):
         fused_absorb_qk_cache(q_nope, w.to(torch.float8_e4m3fn), case.q_pe, case.kv_c, case.k_pe,
                               torch.zeros(case.cache_shape, dtype=torch.uint8, device=DEVICE), case.slot_mapping,
                               case.k_scale, case.q_scale, kv_format="e4m3fn")

@@ -155,12 +155,9 @@ def test_every_combination_runs_rope_once_writes_kv_once_and_fuses_exactly_when_
         # call (which writes it itself) or by the fused provider, never both, never neither
         assert stock_writes == ([] if fused else ["stock"]), combo
         want = expected_cache(kv_c, k_pe, slots, attn._k_scale)
-        if provider == "triton":  # the interpreter's e4m3fn cast is off by a code: slots only
-            assert torch.equal(cache.view(-1, L + R).ne(0).any(1), want.view(-1, L + R).ne(0).any(1)), combo
-        else:
-            assert torch.equal(cache, want), combo
+        assert torch.equal(cache, want), combo
         # the query the MQA kernel got: [ql_nope | q_pe] quantised once with q_scale, fused path only
-        if fused and provider != "triton":
+        if fused:
             ql_nope = torch.bmm(q[..., :NOPE].transpose(0, 1), attn.W_UK_T).transpose(0, 1)
             want_q = quantize_fp8(torch.cat([ql_nope, q[..., NOPE:]], dim=-1), attn._q_scale, E4M3FN)
             rows = slots >= 0  # AITER writes the query of tokens with a slot only (padding rows have none)
@@ -205,13 +202,18 @@ def test_head_padding_and_quant_query_are_refused_with_reasons():
     ("bf16", FusionState.APPLIED, "auto", {"triton": None}, FusionState.APPLIED),
     ("bf16", FusionState.UPSTREAM, "auto", {"triton": None}, FusionState.DISABLED),  # defer to vLLM's own
     ("bf16", FusionState.UPSTREAM, "triton", {"triton": None}, FusionState.APPLIED),  # named: override
-    ("fp8", FusionState.APPLIED, "auto", {"triton": None}, FusionState.REFUSED),  # the fp8 BMM variant
+    ("fp8", FusionState.APPLIED, "auto", {"triton": None}, FusionState.APPLIED),  # vLLM's fp8 BMM, folded
+    ("fp8", FusionState.APPLIED, "aiter", {"triton": None, "aiter": None}, FusionState.APPLIED),
+    ("fp4", FusionState.APPLIED, "auto", {"triton": None}, FusionState.REFUSED),  # MXFP4: not folded
+    ("amx", FusionState.APPLIED, "auto", {"triton": None}, FusionState.REFUSED),
     ("bf16", FusionState.APPLIED, "auto", {"triton": "no GPU"}, FusionState.REFUSED),
 ])
 def test_absorb_decisions(absorb, qk_state, setting, missing, state):
     layer = inputs(provider_missing={}, num_heads=12, absorb=qk.AbsorbVariant(absorb))
     decision = qk.decide_absorb(layer, qk.LayerDecision(qk_state, None, ""), setting, missing)
     assert decision.state is state, decision.reason
+    if absorb == "fp4":
+        assert "fp4 W_UK absorption is not folded (folded: " in decision.reason and "MXFP4" in decision.reason
 
 
 @pytest.mark.parametrize("stock,has_q,upstream,setting,missing,state,provider", [

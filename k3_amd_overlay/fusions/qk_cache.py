@@ -34,6 +34,15 @@ class AbsorbVariant(str, enum.Enum):
     AMX = "amx"  # the CPU AMX BMM
 
 
+# The W_UK absorptions absorb_qk_cache folds into its launch, and why the others are not.
+FOLDED_ABSORPTIONS = frozenset({AbsorbVariant.BF16, AbsorbVariant.FP8})
+UNFOLDED = {
+    AbsorbVariant.FP4: "no MXFP4 kernel could be verified (AITER's fused fp4 kernel mis-scales inputs whose group "
+                       "maximum is below ~3.5 on Triton backends that clamp a negative exponent)",
+    AbsorbVariant.AMX: "the AMX (CPU) absorption is not reproduced",
+}
+
+
 class DecodePath(str, enum.Enum):
     """The fused launch a decode batch takes."""
 
@@ -108,14 +117,15 @@ def decide_absorb(x: QkCacheInputs, qk: LayerDecision, provider_setting: str,
     refusal = _refusal(x)
     if refusal:
         return LayerDecision(FusionState.REFUSED, None, refusal)
-    if x.absorb is not AbsorbVariant.BF16:
-        return LayerDecision(FusionState.REFUSED, None, f"the {x.absorb.value} W_UK absorption (quantised "
-                             "weights) is not folded; only a bf16 W_UK_T")
+    if x.absorb not in FOLDED_ABSORPTIONS:
+        return LayerDecision(FusionState.REFUSED, None, f"the {x.absorb.value} W_UK absorption is not folded "
+                             f"(folded: {', '.join(v.value for v in FOLDED_ABSORPTIONS)}): {UNFOLDED[x.absorb]}")
     if qk.state is FusionState.UPSTREAM and provider_setting == AUTO:
         return LayerDecision(FusionState.DISABLED, None,
                              "deferred: vLLM's own fused decode owns this layer (it keeps its own absorption)")
     return choose_provider(FUSED_PROVIDERS[ABSORB_QK_CACHE], provider_setting, provider_missing,
-                           f"decode batches of <= {ABSORB_MAX_TOKENS} tokens, {x.num_heads} heads")
+                           f"decode batches of <= {ABSORB_MAX_TOKENS} tokens, {x.num_heads} heads, "
+                           f"{x.absorb.value} W_UK")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,23 @@ def absorb_w_uk_reference(q_nope: torch.Tensor, w_uk_t: torch.Tensor) -> torch.T
     return ql_nope
 
 
+def absorb_w_k_fp8_reference(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torch.Tensor,
+                             fmt: Fp8Format) -> torch.Tensor:
+    """ql_nope [T, H, L] in the query dtype from q_nope [T, H, P] and vLLM's fp8 ``W_K`` [H, L, P]
+    with its per-tensor fp32 scale, by the arithmetic of the AITER batched GEMM that vLLM's
+    ``rocm_aiter_ops.triton_fp8_bmm(..., group_size=128)`` calls: per token and group of 128 lanes
+    ``a = max(max|q|, 1e-10) / fmax``, ``q8 = fp8(clamp(q * (1 / a), -fmax, fmax))``, then
+    ``(q8 @ W_K^T) * a * W_K_scale`` accumulated in fp32 and rounded to the query dtype. ``fmt`` is
+    W_K's fp8 format."""
+    tokens, heads, nope = q_nope.shape
+    groups = q_nope.float().reshape(tokens, heads, nope // 128, 128)
+    a_scale = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-10) * torch.tensor(1.0 / fmt.fmax)
+    q8 = (groups * (1.0 / a_scale)).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype).float()
+    w = w_k.float().reshape(heads, w_k.shape[1], nope // 128, 128)  # [H, L, G, 128]
+    partial = torch.einsum("thgk,hlgk->thgl", q8, w) * a_scale  # each group's product, scaled
+    return (partial.sum(dim=2) * w_k_scale.float().reshape(())).to(q_nope.dtype)
+
+
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """Static per-tensor fp8 quant: ``fp8(clamp(float(x) * (1 / scale), -fmax, fmax))``, RNE.
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from k3_amd_overlay.fp8 import Fp8Format
+from k3_amd_overlay.fp8 import Fp8Format, format_of
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant, BatchFacts, DecodePath, DecodePlan
 from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
 from k3_amd_overlay.ops import qk_cache as qk_cache_op
@@ -101,7 +101,12 @@ class DecodeSite:
                             dtype=self.fmt.dtype, device=q.device)[:, :heads]
         kv_c, k_pe, slots = kv_c_normed[:num_tokens], k_pe[:num_tokens].reshape(num_tokens, -1), \
             slot_mapping.flatten()[:num_tokens]
-        if path is DecodePath.ABSORB:
+        if path is DecodePath.ABSORB and plan.absorb is AbsorbVariant.FP8:
+            self.on_absorb_effective(batch_rows)
+            absorb_op.run_fp8_provider(plan.absorb_decision.provider, q_nope, attn.W_K, attn.W_K_scale, q_pe, kv_c,
+                                       k_pe, cache, slots, attn._k_scale, attn._q_scale, q_out, self.fmt,
+                                       format_of(attn.W_K.dtype))
+        elif path is DecodePath.ABSORB:
             self.on_absorb_effective(batch_rows)
             absorb_op.run_provider(plan.absorb_decision.provider, q_nope, attn.W_UK_T, q_pe, kv_c, k_pe, cache, slots,
                                    attn._k_scale, attn._q_scale, q_out, self.fmt)

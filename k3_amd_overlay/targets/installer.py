@@ -124,10 +124,10 @@ class LayerInstaller:
         decision = decide_qk_cache(inputs) if requested(QK_CACHE) else NOT_REQUESTED
         absorb = NOT_REQUESTED
         if requested(ABSORB_QK_CACHE):
-            absorb = decide_absorb(inputs, decision, self.settings.provider(ABSORB_QK_CACHE),
-                                   {} if self.stock else absorb_qk_cache.provider_missing(
-                                       layer_device(wrapper), attn.qk_nope_head_dim, attn.kv_lora_rank,
-                                       attn.qk_rope_head_dim))
+            missing = {} if self.stock else vllm_env.with_vllm_aiter_switch(absorb_qk_cache.provider_missing(
+                layer_device(wrapper), attn.qk_nope_head_dim, attn.kv_lora_rank, attn.qk_rope_head_dim,
+                fp8_weights=inputs.absorb is AbsorbVariant.FP8))
+            absorb = decide_absorb(inputs, decision, self.settings.provider(ABSORB_QK_CACHE), missing)
         if decision.state is FusionState.APPLIED and decision.provider == "aiter":
             # every table and buffer the fused path reads, built now, never inside a graph capture
             aiter_qk_cache.reserve_zero_positions(layer_device(wrapper), vllm_env.max_batched_tokens())

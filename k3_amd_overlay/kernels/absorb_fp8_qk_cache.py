@@ -1,0 +1,90 @@
+"""Triton kernel for the decode query path with vLLM's fp8 W_UK absorption (ROCm's
+``VLLM_ROCM_USE_AITER_FP8BMM``), in one launch: q_nope quantised to fp8 per token and head (one
+group of P = 128, dynamic: scale = max|q| / fp8 max, as the AITER batched GEMM vLLM calls does),
+the fp8 x fp8 product with vLLM's per-tensor-quantised ``W_K`` [H, L, P], both scales applied, the
+result rounded to the query dtype (the GEMM's bf16 output), then the ``[ql_nope | q_pe]`` concat,
+the static fp8 query quant and the fp8 KV-cache write. Programs as in ``absorb_qk_cache.py``."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3_amd_overlay.fp8 import Fp8Format, format_of
+from k3_amd_overlay.kernels.absorb_qk_cache import BLOCK_N, block_t
+from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row
+from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
+
+GROUP = 128  # vLLM quantises q_nope in groups of 128 (``triton_fp8_bmm(..., group_size=128)``)
+
+
+@triton.jit
+def absorb_fp8_qk_cache_kernel(
+    q_nope_ptr, w_ptr, w_scale_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_scale_ptr,
+    q_out_ptr,
+    s_qn_t, s_qn_h, s_w_h, s_w_n, s_w_k, s_qp_t, s_qp_h, s_kv_t, s_kpe_t, s_c_blk, s_c_row,
+    s_qo_t, s_qo_h,
+    num_tokens, num_heads, block_size, fmax, w_fmax,
+    P: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_MODE: tl.constexpr, W_FP8_MODE: tl.constexpr, DOT_IN_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    token_blocks = tl.cdiv(num_tokens, BLOCK_T)
+    column_blocks: tl.constexpr = L // BLOCK_N
+    offs_r = tl.arange(0, R)
+    if pid < num_heads * token_blocks * column_blocks:
+        column = pid % column_blocks
+        head = pid // (column_blocks * token_blocks)
+        tokens = ((pid // column_blocks) % token_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+        live = (tokens < num_tokens)[:, None]
+        t64 = tokens.to(tl.int64)[:, None]
+        offs_k = tl.arange(0, P)
+        offs_n = column * BLOCK_N + tl.arange(0, BLOCK_N)
+        q_nope = tl.load(q_nope_ptr + t64 * s_qn_t + head * s_qn_h + offs_k[None, :], mask=live, other=0.0)
+        w = tl.load(w_ptr + head.to(tl.int64) * s_w_h + offs_k[:, None] * s_w_k + offs_n[None, :] * s_w_n)
+        # the dynamic per-(token, head) quant of the AITER GEMM: scale = max(max|q|, 1e-10) / fp8 max,
+        # q * (1 / scale) clamped and cast to the weight's fp8 type
+        amax = tl.maximum(tl.max(tl.abs(q_nope.to(tl.float32)), axis=1), 1e-10)[:, None]
+        a_scale = amax * (1.0 / w_fmax)
+        a_recip = 1.0 / a_scale
+        if DOT_IN_FP32:  # the CPU interpreter mishandles fp8 dots: the same exact products in fp32
+            q8 = _fp8_bits(q_nope.to(tl.float32), a_recip, w_fmax, W_FP8_MODE).to(w_ptr.dtype.element_ty, bitcast=True)
+            ql = tl.dot(q8.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            q8 = tl.clamp(q_nope.to(tl.float32) * a_recip, -w_fmax, w_fmax).to(w_ptr.dtype.element_ty)
+            ql = tl.dot(q8, w)
+        ql = ql * a_scale * tl.load(w_scale_ptr)
+        ql = to_dtype_rne(ql, q_nope_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
+        scale = tl.load(q_scale_ptr)
+        inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
+        out = q_out_ptr + t64 * s_qo_t + head * s_qo_h
+        tl.store(out + offs_n[None, :], _fp8_bits(ql, inv, fmax, FP8_MODE), mask=live)
+        if column == 0:
+            pe = tl.load(q_pe_ptr + t64 * s_qp_t + head * s_qp_h + offs_r[None, :], mask=live, other=0.0)
+            tl.store(out + L + offs_r[None, :], _fp8_bits(pe.to(tl.float32), inv, fmax, FP8_MODE), mask=live)
+    else:
+        write_kv_row((pid - num_heads * token_blocks * column_blocks).to(tl.int64), kv_c_ptr, k_pe_ptr, cache_ptr,
+                     slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, L, R, FP8_MODE)
+
+
+def absorb_fp8_qk_cache(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torch.Tensor, q_pe: torch.Tensor,
+                        kv_c: torch.Tensor, k_pe: torch.Tensor, cache_bytes: torch.Tensor,
+                        slot_mapping: torch.Tensor, k_scale: torch.Tensor, q_scale: torch.Tensor,
+                        q_out_bytes: torch.Tensor, fmt: Fp8Format, block_n: int = BLOCK_N) -> None:
+    """Launch on validated inputs: q_nope [T, H, P = 128]; W_K [H, L, P] fp8 (any strides);
+    W_K_scale one fp32 element; k_pe 2-D; uint8 views of cache and q_out."""
+    num_tokens, num_heads, nope = q_nope.shape
+    lora, rope = w_k.shape[1], q_pe.shape[-1]
+    block_n, tokens_per_program = min(block_n, lora), block_t(num_tokens)
+    grid = (num_heads * triton.cdiv(num_tokens, tokens_per_program) * (lora // block_n) + num_tokens,)
+    absorb_fp8_qk_cache_kernel[grid](
+        q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,
+        q_nope.stride(0), q_nope.stride(1), w_k.stride(0), w_k.stride(1), w_k.stride(2),
+        q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0),
+        cache_bytes.stride(1), q_out_bytes.stride(0), q_out_bytes.stride(1),
+        num_tokens, num_heads, cache_bytes.shape[1], fmt.fmax, format_of(w_k.dtype).fmax,
+        P=nope, L=lora, R=rope, BLOCK_T=tokens_per_program, BLOCK_N=block_n,
+        FP8_MODE=fp8_mode(fmt, q_nope.device), W_FP8_MODE=fp8_mode(format_of(w_k.dtype), q_nope.device),
+        num_warps=4, DOT_IN_FP32=q_nope.device.type != "cuda", EMULATE_BF16=emulate_bf16(q_nope.device),
+    )
