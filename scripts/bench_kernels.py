@@ -254,11 +254,43 @@ def bench_absorb_fp8(heads_list: list[int], tokens_list: list[int], bw: float, e
     return results
 
 
+def sweep_absorb_fp8(heads_list: list[int], tokens_list: list[int], fmt: Fp8Format = E4M3FN) -> list[dict]:
+    """The fp8 absorb kernel's launch shapes side by side (graph replay): column block x warps."""
+    results = []
+    shapes = [(n, w, 0) for n in (16, 32, 64, 128) for w in (2, 4, 8)] + [(n, w, 1) for n in (16, 32, 64)
+                                                                          for w in (1, 2, 4)]
+    lora, rope, nope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM
+    print("\n### fp8 absorb kernel launch shapes (graph µs; columns: BLOCK_N x num_warps, t1: one token a "
+          "program, no tensor cores)")
+    print("| H | B | " + " | ".join(f"{n}x{w}" + ("t1" if t else "") for n, w, t in shapes) + " |")
+    print("|---|---|" + "---|" * len(shapes))
+    for heads in heads_list:
+        w_k = (torch.randn(heads, lora, nope, device="cuda") * 40).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
+        w_k_scale = torch.tensor(0.003, device="cuda")
+        for tokens in tokens_list:
+            q = torch.randn(tokens, heads, nope + rope, dtype=torch.bfloat16, device="cuda")
+            kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16, device="cuda")
+            k_pe = torch.randn(tokens, rope, dtype=torch.bfloat16, device="cuda")
+            cache = torch.zeros(4, 1536, lora + rope, dtype=torch.uint8, device="cuda")
+            slots = torch.randperm(4 * 1536, device="cuda")[:tokens].to(torch.int64)
+            scale = torch.tensor([1.1], device="cuda")
+            q_out = torch.empty(tokens, heads, lora + rope, dtype=torch.uint8, device="cuda")
+            times = [graph_us(lambda n=n, w=w, t=t: absorb_fp8_qk_cache(
+                q[..., :nope], w_k, w_k_scale, q[..., nope:], kv_c, k_pe, cache, slots, scale, scale, q_out, fmt,
+                n, w, t or None)) for n, w, t in shapes]
+            print("| " + row(heads, tokens, *times) + " |")
+            results.append(dict(op="absorb_fp8_sweep", heads=heads, tokens=tokens,
+                                times={f"{n}x{w}" + ("t1" if t else ""): us
+                                       for (n, w, t), us in zip(shapes, times, strict=True)}))
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--absorb-block-n", type=int, nargs="+", help="absorb kernel column blocks to compare")
+    parser.add_argument("--sweep-fp8", action="store_true", help="the fp8 absorb kernel's launch shapes")
     parser.add_argument("--only", choices=("qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_fp8"),
                         help="one section")
     parser.add_argument("--peers", choices=("aiter",), help="add AMD's AITER Triton kernels as columns "
@@ -297,7 +329,9 @@ def main() -> int:
     elif args.only in (None, "absorb_qk_cache"):
         results += bench_absorb([3, 12] if args.quick else [3, 12, 16],
                                 [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty)
-    if args.only in (None, "absorb_fp8"):
+    if args.sweep_fp8:
+        results += sweep_absorb_fp8([3, 12, 16], [1, 4, 8, 32, 64])
+    elif args.only in (None, "absorb_fp8"):
         results += bench_absorb_fp8([3, 12] if args.quick else [3, 6, 12, 16],
                                     [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty, peers)
     if args.json:

@@ -60,8 +60,9 @@ def test_fp8_absorb_matches_reference(fmt, heads, tokens):
         pytest.skip("too slow under the Triton interpreter; the GPU run (scripts/gpu_check.sh) covers it")
     if HAS_GPU and fmt is E4M3FNUZ and torch.version.hip is None:
         pytest.skip("e4m3fnuz weights (MI300's fp8) take an AMD GPU for the fp8 dot; checked on CPU")
-    # under the interpreter the sums are fp32 in the reference's own order: bit-identical there
-    assert problems(*fp8_case(tokens, heads, fmt), max_differing=0.002 if HAS_GPU else 0.0) == []
+    # under the interpreter the sums are fp32 in the reference's own order: bit-identical there; on a
+    # GPU the tensor-core sum order differs from torch's, so a few codes sit one step apart
+    assert problems(*fp8_case(tokens, heads, fmt), max_differing=0.005 if HAS_GPU else 0.0) == []
 
 
 @pytest.mark.parametrize("fault", ["weight_scale_ignored", "group_scale_ignored", "skipped_kv_write",

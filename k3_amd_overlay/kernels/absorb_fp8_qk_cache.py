@@ -12,11 +12,24 @@ import triton
 import triton.language as tl
 
 from k3_amd_overlay.fp8 import Fp8Format, format_of
-from k3_amd_overlay.kernels.absorb_qk_cache import BLOCK_N, block_t
+from k3_amd_overlay.kernels.absorb_qk_cache import block_t
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
 
 GROUP = 128  # vLLM quantises q_nope in groups of 128 (``triton_fp8_bmm(..., group_size=128)``)
+
+
+def launch_shape(num_tokens: int, num_heads: int) -> tuple[int, int, int]:
+    """(latent columns per program, warps, tokens per program): the fastest of 16-128 x 1-8 x 1/16+ on
+    an H200 by batch and heads per rank (docs/benchmarks.md): one token without tensor cores for a
+    single token, then narrow programs for small batches and few wide ones for large."""
+    if num_tokens == 1:
+        return 32, 4, 1
+    if num_tokens <= 8:
+        return (16, 4, 16) if num_heads <= 6 else (64, 8, 16)
+    if num_tokens <= 64 and num_heads <= 6:
+        return 32, 8, block_t(num_tokens)
+    return 128, 8, block_t(num_tokens)
 
 
 @triton.jit
@@ -25,9 +38,10 @@ def absorb_fp8_qk_cache_kernel(
     q_out_ptr,
     s_qn_t, s_qn_h, s_w_h, s_w_n, s_w_k, s_qp_t, s_qp_h, s_kv_t, s_kpe_t, s_c_blk, s_c_row,
     s_qo_t, s_qo_h,
-    num_tokens, num_heads, block_size, fmax, w_fmax,
+    num_tokens, num_heads, block_size, fmax,
     P: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_MODE: tl.constexpr, W_FP8_MODE: tl.constexpr, DOT_IN_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    W_FMAX: tl.constexpr, FP8_MODE: tl.constexpr, W_FP8_MODE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     token_blocks = tl.cdiv(num_tokens, BLOCK_T)
@@ -43,17 +57,22 @@ def absorb_fp8_qk_cache_kernel(
         offs_n = column * BLOCK_N + tl.arange(0, BLOCK_N)
         q_nope = tl.load(q_nope_ptr + t64 * s_qn_t + head * s_qn_h + offs_k[None, :], mask=live, other=0.0)
         w = tl.load(w_ptr + head.to(tl.int64) * s_w_h + offs_k[:, None] * s_w_k + offs_n[None, :] * s_w_n)
-        # the dynamic per-(token, head) quant of the AITER GEMM: scale = max(max|q|, 1e-10) / fp8 max,
-        # q * (1 / scale) clamped and cast to the weight's fp8 type
+        # the dynamic per-(token, head) quant of the AITER GEMM: scale = max(max|q|, 1e-10) times the
+        # fp32 constant 1 / fp8 max (folded at compile time, as there: a run-time fp32 reciprocal can be
+        # an ulp off and move codes), q * (1 / scale) clamped and cast to the weight's fp8 type
         amax = tl.maximum(tl.max(tl.abs(q_nope.to(tl.float32)), axis=1), 1e-10)[:, None]
-        a_scale = amax * (1.0 / w_fmax)
+        a_scale = amax * (1.0 / W_FMAX)
         a_recip = 1.0 / a_scale
-        if DOT_IN_FP32:  # the CPU interpreter mishandles fp8 dots: the same exact products in fp32
-            q8 = _fp8_bits(q_nope.to(tl.float32), a_recip, w_fmax, W_FP8_MODE).to(w_ptr.dtype.element_ty, bitcast=True)
-            ql = tl.dot(q8.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        if DOT_IN_FP32:  # the CPU interpreter's fp8 cast loses mantissa carries: round on the bits
+            q8 = _fp8_bits(q_nope.to(tl.float32), a_recip, W_FMAX, W_FP8_MODE).to(w_ptr.dtype.element_ty, bitcast=True)
         else:
-            q8 = tl.clamp(q_nope.to(tl.float32) * a_recip, -w_fmax, w_fmax).to(w_ptr.dtype.element_ty)
-            ql = tl.dot(q8, w)
+            q8 = tl.clamp(q_nope.to(tl.float32) * a_recip, -W_FMAX, W_FMAX).to(w_ptr.dtype.element_ty)
+        if BLOCK_T < 16:  # too few tokens for a tensor-core tile: exact fp8 products summed in fp32
+            ql = tl.sum(q8.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        elif DOT_IN_FP32:  # the CPU interpreter mishandles fp8 dots: the same exact products in fp32
+            ql = tl.dot(q8.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:  # full fp32 accumulation (sm90's default for fp8 keeps fewer bits and moves codes; AMD's is this)
+            ql = tl.dot(q8, w, max_num_imprecise_acc=0)
         ql = ql * a_scale * tl.load(w_scale_ptr)
         ql = to_dtype_rne(ql, q_nope_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
         scale = tl.load(q_scale_ptr)
@@ -71,20 +90,24 @@ def absorb_fp8_qk_cache_kernel(
 def absorb_fp8_qk_cache(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torch.Tensor, q_pe: torch.Tensor,
                         kv_c: torch.Tensor, k_pe: torch.Tensor, cache_bytes: torch.Tensor,
                         slot_mapping: torch.Tensor, k_scale: torch.Tensor, q_scale: torch.Tensor,
-                        q_out_bytes: torch.Tensor, fmt: Fp8Format, block_n: int = BLOCK_N) -> None:
+                        q_out_bytes: torch.Tensor, fmt: Fp8Format, block_n: int | None = None,
+                        num_warps: int | None = None, block_tokens: int | None = None) -> None:
     """Launch on validated inputs: q_nope [T, H, P = 128]; W_K [H, L, P] fp8 (any strides);
-    W_K_scale one fp32 element; k_pe 2-D; uint8 views of cache and q_out."""
+    W_K_scale one fp32 element; k_pe 2-D; uint8 views of cache and q_out. ``block_n`` and
+    ``num_warps``: the launch shape, by default ``launch_shape``'s (benchmarks compare others)."""
     num_tokens, num_heads, nope = q_nope.shape
+    default_n, default_warps, default_t = launch_shape(num_tokens, num_heads)
+    block_n, num_warps = block_n or default_n, num_warps or default_warps
     lora, rope = w_k.shape[1], q_pe.shape[-1]
-    block_n, tokens_per_program = min(block_n, lora), block_t(num_tokens)
+    block_n, tokens_per_program = min(block_n, lora), block_tokens or default_t
     grid = (num_heads * triton.cdiv(num_tokens, tokens_per_program) * (lora // block_n) + num_tokens,)
     absorb_fp8_qk_cache_kernel[grid](
         q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,
         q_nope.stride(0), q_nope.stride(1), w_k.stride(0), w_k.stride(1), w_k.stride(2),
         q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0),
         cache_bytes.stride(1), q_out_bytes.stride(0), q_out_bytes.stride(1),
-        num_tokens, num_heads, cache_bytes.shape[1], fmt.fmax, format_of(w_k.dtype).fmax,
-        P=nope, L=lora, R=rope, BLOCK_T=tokens_per_program, BLOCK_N=block_n,
+        num_tokens, num_heads, cache_bytes.shape[1], fmt.fmax,
+        W_FMAX=format_of(w_k.dtype).fmax, P=nope, L=lora, R=rope, BLOCK_T=tokens_per_program, BLOCK_N=block_n,
         FP8_MODE=fp8_mode(fmt, q_nope.device), W_FP8_MODE=fp8_mode(format_of(w_k.dtype), q_nope.device),
-        num_warps=4, DOT_IN_FP32=q_nope.device.type != "cuda", EMULATE_BF16=emulate_bf16(q_nope.device),
+        num_warps=num_warps, DOT_IN_FP32=q_nope.device.type != "cuda", EMULATE_BF16=emulate_bf16(q_nope.device),
     )
