@@ -13,19 +13,14 @@ import threading
 import types
 
 import pytest
+from records import judge
 
 from k3_amd_overlay import evidence as evidence_module
-from k3_amd_overlay import markers, phases, verdict
+from k3_amd_overlay import markers, phases
 from k3_amd_overlay.evidence import Evidence, process_role
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.record import LayerTally, MarkerRecord
 from k3_amd_overlay.settings import load_settings
-
-
-def judge(records, *args, **kwargs):
-    """The verdict on marker contents, read as ``check`` reads a marker file."""
-    return verdict.judge([MarkerRecord.from_json(r) for r in records], *args, **kwargs)
-
 
 
 def settings_for(tmp_path, switch="1"):

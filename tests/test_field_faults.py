@@ -12,25 +12,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 from machine import HAS_VLLM
+from records import judge
 from vllm_support import run_vllm_process
 
-from k3_amd_overlay import census, markers, verdict
+from k3_amd_overlay import census, markers
 from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.fusions import qk_cache as qk
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.ops.reference import rmsnorm_reference
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS
-from k3_amd_overlay.record import MarkerRecord
 from k3_amd_overlay.settings import load_settings
 from k3_amd_overlay.targets import attend_hook, decode, installer
 from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormCallback, QkvNormSite
 
 APPLIED = LayerDecision(FusionState.APPLIED, "reference", "")
-
-def judge(records, *args, **kwargs):
-    """The verdict on marker contents, read as ``check`` reads a marker file."""
-    return verdict.judge([MarkerRecord.from_json(r) for r in records], *args, **kwargs)
-
 
 
 def entry(state, served=0, warmup=0, effective=None, layers=2):

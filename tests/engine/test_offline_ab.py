@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 from engine_support import run_offline
-
-from k3_amd_overlay.verdict import judge
+from records import judge
 
 ARMS = {"off": None, "stock": "stock", "qkv_norm": "qkv_norm", "qk_cache": "qk_cache",
         "absorb": "absorb_qk_cache", "all": "1"}
