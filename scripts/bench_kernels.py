@@ -24,7 +24,6 @@ from k3_amd_overlay.bench.baselines import (
     _empty_kernel,
     _one_load_kernel,
     concat_and_cache_mla_like_kernel,
-    scaled_quant_like_kernel,
 )
 from k3_amd_overlay.bench.timing import bandwidth_bytes_per_us, eager_us, graph_us
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
@@ -32,6 +31,7 @@ from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
 from k3_amd_overlay.kernels.absorb_qk_cache import BLOCK_N, absorb_qk_cache
 from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
 from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
+from k3_amd_overlay.kernels.static_quant import scaled_quant
 from k3_amd_overlay.ops import aiter_absorb
 
 SINGLE_NORM_CONFIGS = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8)]  # (rows, warps) tried for the baseline
@@ -107,8 +107,7 @@ def bench_qk_cache(heads_list: list[int], tokens_list: list[int], bw: float, emp
                                             cache.stride(0), cache.stride(1), 1536, fmt.fmax, L=lora, R=rope,
                                             FP8_MODE=mode_bits, num_warps=4)
                 torch.cat([ql_nope, q_pe], dim=-1, out=cat_out)
-                scaled_quant_like_kernel[(tokens * heads,)](cat_out, q_out, q_scale, fmt.fmax, D=lora + rope,
-                                                      BLOCK=1024, FP8_MODE=mode_bits, num_warps=4)
+                scaled_quant(cat_out, q_scale, q_out, fmt)
 
             def one() -> None:
                 qk_cache(ql_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt)
@@ -167,8 +166,7 @@ def bench_absorb(heads_list: list[int], tokens_list: list[int], bw: float, empty
                                                             k_pe.stride(0), cache.stride(0), cache.stride(1), 1536,
                                                             fmt.fmax, L=lora, R=rope, FP8_MODE=mode_bits, num_warps=4)
                 torch.cat([ql_nope, q_pe], dim=-1, out=cat_out)
-                scaled_quant_like_kernel[(tokens * heads,)](cat_out, q_out, q_scale, fmt.fmax, D=lora + rope,
-                                                            BLOCK=1024, FP8_MODE=mode_bits, num_warps=4)
+                scaled_quant(cat_out, q_scale, q_out, fmt)
 
             def two() -> None:
                 bmm()

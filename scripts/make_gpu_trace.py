@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 from k3_amd_overlay import k3
-from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel, scaled_quant_like_kernel
+from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
+from k3_amd_overlay.kernels.static_quant import scaled_quant
 
 STEPS, LAYERS, HEADS, TOKENS = 4, 3, 12, 8
 
@@ -49,8 +50,7 @@ def main(out: Path) -> None:
                                         t["kpe"].stride(0), t["cache"].stride(0), t["cache"].stride(1), 16,
                                         fmt.fmax, L=lora, R=rope, FP8_MODE=mode, num_warps=4)
             torch.cat([t["ql"], t["qp"]], dim=-1, out=t["cat"])
-            scaled_quant_like_kernel[(TOKENS * HEADS,)](t["cat"], t["qo"], t["qs"], fmt.fmax, D=lora + rope,
-                                                  BLOCK=1024, FP8_MODE=mode, num_warps=4)
+            scaled_quant(t["cat"], t["qs"], t["qo"], fmt)
 
     def fused_step() -> None:
         for t in layers:

@@ -171,3 +171,19 @@ def test_qk_cache_matches_aiters_own_triton_kernel(provider, tokens, heads, k_sc
                                     case.slot_mapping, case.k_scale)
     assert torch.equal(ours, theirs)  # every byte of the cache, untouched rows included
     assert torch.equal(q_ours.view(torch.uint8), q_theirs.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_static_query_quant_writes_each_row_bit_exact(fmt):
+    """The one-launch static quant (the AITER provider's second launch): every code equal to the
+    reference's, into a strided view (a head-padded buffer), nothing else touched."""
+    from k3_amd_overlay.kernels.static_quant import scaled_quant
+    from k3_amd_overlay.ops.reference import quantize_fp8
+
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(5, 3, k3.LATENT_ROW, generator=gen) * 40).to(torch.bfloat16).to(DEVICE)
+    scale = torch.tensor([0.37], device=DEVICE)
+    padded = torch.full((5, 4, k3.LATENT_ROW), 0xA5, dtype=torch.uint8, device=DEVICE)
+    scaled_quant(x, scale, padded[:, :3], fmt)
+    assert torch.equal(padded[:, :3], quantize_fp8(x, scale, fmt).view(torch.uint8))
+    assert padded[:, 3].eq(0xA5).all()

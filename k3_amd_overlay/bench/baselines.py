@@ -1,8 +1,8 @@
 """The unfused baseline launches the benchmarks compare each fusion with, written to the same
 quality as the fused kernels so that a ratio measures the fusion, not the code: vLLM's KV-cache
-write (``concat_and_cache_mla``: scale, saturate, store one latent row per token) and its static
-fp8 query quant (one row per program), plus the empty and one-load launches that floor any
-kernel's time. Kernel names end in ``_like`` and contain the census names of what they stand for."""
+write (``concat_and_cache_mla``: scale, saturate, store one latent row per token; its static fp8
+query quant is ``kernels/static_quant.py``), plus the empty and one-load launches that floor any
+kernel's time. Kernel names contain the census names of what they stand for."""
 
 from __future__ import annotations
 
@@ -37,15 +37,3 @@ def concat_and_cache_mla_like_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_
         k_pe = tl.load(k_pe_ptr + t * s_kpe_t + offs_r).to(tl.float32)
         tl.store(row + offs_l, _fp8_bits(kv_c, inv, fmax, FP8_MODE))
         tl.store(row + L + offs_r, _fp8_bits(k_pe, inv, fmax, FP8_MODE))
-
-
-@triton.jit
-def scaled_quant_like_kernel(x_ptr, out_ptr, scale_ptr, fmax, D: tl.constexpr, BLOCK: tl.constexpr,
-                       FP8_MODE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < D
-    scale = tl.load(scale_ptr)
-    inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
-    x = tl.load(x_ptr + row * D + offs, mask=mask).to(tl.float32)
-    tl.store(out_ptr + row * D + offs, _fp8_bits(x, inv, fmax, FP8_MODE), mask=mask)

@@ -2,7 +2,8 @@
 ``fused_fp8_bmm_rope_cat_and_cache_mla`` (``aiter.ops.triton.fusions.fused_bmm_rope_kv_cache``:
 fp8 BMM with the per-token-group quant of q_nope, the concat and the KV-cache write, one launch) fed
 an identity rotation, then the static fp8 query quant, which that kernel does not take (its query
-comes out unscaled, in bf16): two launches where stock has three or four. AITER is imported on
+comes out unscaled, in bf16), by the overlay's Triton quant: two launches where stock has three or
+four. AITER is imported on
 first use, never at module import. Its kernels pass AMD-only launch options, so it runs on ROCm."""
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch
 
 from k3_amd_overlay.fp8 import Fp8Format
 from k3_amd_overlay.ops import aiter_qk_cache
-from k3_amd_overlay.ops.reference import quantize_fp8
 
 AITER_MODULE = "aiter.ops.triton.fusions.fused_bmm_rope_kv_cache"
 AITER_FP8_NAME = "fused_fp8_bmm_rope_cat_and_cache_mla"
@@ -66,6 +66,9 @@ def fused_query(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torch.Tensor
 def run(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
         k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
         q_scale: torch.Tensor, q_out: torch.Tensor, fmt: Fp8Format) -> None:
-    """The provider: AITER's launch (query in the query dtype), then the static fp8 query quant."""
+    """The provider: AITER's launch (query in the query dtype), then the static fp8 query quant (the
+    overlay's one-launch Triton quant)."""
+    from k3_amd_overlay.kernels.static_quant import scaled_quant
+
     query = fused_query(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_nope.dtype)
-    q_out.copy_(quantize_fp8(query, q_scale, fmt))
+    scaled_quant(query, q_scale, q_out.view(torch.uint8), fmt)
