@@ -9,7 +9,6 @@ tests/test_absorb_kernel.py.)"""
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +100,10 @@ def test_worker_logs_layer_outcomes(results):
 
 def test_kv_connector_sees_every_layer_step_on_the_fused_path(checkpoint, tmp_path):
     """A configured KV connector (vLLM's real kv_transfer_config loading the test kit's recording
-    connector) gets the same wait_for_layer_load / save_kv_layer calls, per layer, with the decode
-    fusions on as with the overlay off: a disaggregated decode instance never reads KV that has not
-    arrived. And the outputs stay bit-identical."""
+    connector) gets, in every step that runs attention, one wait_for_layer_load and one
+    save_kv_layer per layer, with the decode fusions on as with the overlay off: a disaggregated
+    decode instance never reads KV that has not arrived. (Step counts are compared within a run:
+    two runs may schedule a step more or less.) And the outputs stay bit-identical."""
     runs = {}
     for name, switch in (("off", None), ("fused", "qk_cache,absorb_qk_cache")):
         log = tmp_path / f"{name}-connector.jsonl"
@@ -111,10 +111,17 @@ def test_kv_connector_sees_every_layer_step_on_the_fused_path(checkpoint, tmp_pa
                                  K3ENGINE_CONNECTOR_LOG=str(log))
         assert runs[name]["returncode"] == 0, runs[name]["log"][-4000:]
         events = [json.loads(line) for line in log.read_text().splitlines()]
-        runs[name]["hooks"] = Counter((e["event"], e["layer"]) for e in events)
+        hooks = [(e["event"], e["layer"]) for e in events if e["event"] not in ("step", "dummy_step")]
+        layers = sorted({layer for _, layer in hooks})
+        one_forward = [(event, layer) for layer in layers for event in ("wait_for_layer_load", "save_kv_layer")]
+        forwards, rest = divmod(len(hooks), len(one_forward))
+        # the hooks come in whole forwards: each layer waited for, then saved, in layer order
+        assert len(layers) == 2 and rest == 0 and hooks == one_forward * forwards, (name, hooks[:12])
+        steps = sum(e["event"] == "step" for e in events)  # steps the connector was started for
+        # every step but vLLM's last (no attention left to run) gave its hooks: the fused path too
+        assert forwards >= max(steps - 1, 5), (name, forwards, steps)
+        runs[name]["forwards"] = forwards
     assert runs["fused"]["outputs"] == runs["off"]["outputs"]
-    assert runs["fused"]["hooks"] == runs["off"]["hooks"]
-    assert sum(runs["off"]["hooks"].values()) > 4 * 2 * 2  # every step of both layers, both hooks
     worker = layer_records(runs["fused"]["records"])[0]
     assert worker["fusions"]["absorb_qk_cache"]["runs"]["served"] > 0
 

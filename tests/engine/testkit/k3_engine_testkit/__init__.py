@@ -163,10 +163,12 @@ def __getattr__(name: str) -> Any:
     base = _connector_base()
 
     class RecordingConnector(base):  # type: ignore[misc, valid-type]
-        """Moves no KV; records each per-layer hook call."""
+        """Moves no KV; records each step's start and each per-layer hook call."""
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-            pass
+            # a step: "real" where the forward has attention metadata (not a profile or dummy run)
+            real = getattr(forward_context, "attn_metadata", None) is not None
+            _record("step" if real else "dummy_step", "")
 
         def wait_for_layer_load(self, layer_name: str) -> None:
             _record("wait_for_layer_load", layer_name)
