@@ -5,7 +5,9 @@
 # one imported (in subprocesses too); prints the kill ratio per module and every survivor's diff.
 # Not part of CI (hours for the whole list on 2 cores); results go to docs/verification.md.
 #   scripts/mutants.sh [MODULE ...]      default: every module below; e.g. scripts/mutants.sh verdict.py
-# Environment: K3OVL_MUTANTS_VLLM (default 0.33.0), K3OVL_VENV_ROOT (as scripts/setup_venvs.sh).
+# Environment: K3OVL_MUTANTS_VLLM (default 0.33.0), K3OVL_VENV_ROOT (as scripts/setup_venvs.sh),
+# K3OVL_MUTANTS_PYTEST_ARGS (extra pytest arguments, e.g. -m "not vllm" to leave out the tests
+# that start vLLM processes: a faster, weaker run, which the results table must then say).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv_root=${K3OVL_VENV_ROOT:-$repo/.venvs}
@@ -31,7 +33,7 @@ declare -A TESTS=(
   [activation.py]="test_field_faults.py test_vllm_plugin.py"
   [settings.py]="test_settings.py"
   [verdict.py]="test_evidence.py test_field_faults.py"
-  [record.py]="test_evidence.py test_field_faults.py"
+  [record.py]="test_evidence.py test_field_faults.py test_census.py"
   [markers.py]="test_evidence.py test_field_faults.py"
   [evidence.py]="test_evidence.py"
   [phases.py]="test_evidence.py"
@@ -54,7 +56,7 @@ for module in "${modules[@]}"; do
   tests=${TESTS[$module]:-}
   [ -n "$tests" ] || { echo "unknown module $module; known: ${!TESTS[*]}" >&2; exit 2; }
   targets=$(for t in $tests; do printf '%s ' "$work/clone/tests/$t"; done)
-  runner="env PYTHONPATH=$work/clone VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $venv/bin/python -m pytest -x -q -p no:cacheprovider $targets"
+  runner="env PYTHONPATH=$work/clone VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $venv/bin/python -m pytest -x -q -p no:cacheprovider ${K3OVL_MUTANTS_PYTEST_ARGS:-} $targets"
   rm -f .mutmut-cache
   echo "=== k3_amd_overlay/$module against $tests"
   "$tool/bin/mutmut" run --paths-to-mutate "k3_amd_overlay/$module" --runner "$runner" --no-progress >/dev/null 2>&1
