@@ -42,3 +42,64 @@ def test_unknown_overlay_variables_are_errors_when_on_and_reported_when_off():
         load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_STRCT": "0"})
     off = load_settings({"K3_AMD_OVERLAY_STRCT": "0"})
     assert off.mode is Mode.OFF and off.unknown_variables == ("K3_AMD_OVERLAY_STRCT",)
+
+
+def test_the_settings_object_says_what_it_holds():
+    """Every field's default and the three queries on it, for on, off and a partial switch."""
+    from k3_amd_overlay import settings as module
+
+    default = module.OverlaySettings()
+    assert (default.mode, default.fusions, default.strict, default.marker_dir, dict(default.providers),
+            default.raw, default.unknown_variables) == (Mode.OFF, frozenset(), True, None, {}, "", ())
+    assert default.enabled is False and default.provider("qk_cache") == "auto"
+    with pytest.raises(AttributeError):
+        default.mode = Mode.AUTO  # frozen: a process's settings never change after the plugin loads
+    partial = load_settings({"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_MARKER_DIR": "/tmp/m"})
+    assert partial.enabled is True and partial.raw == "qk_cache" and partial.marker_dir == "/tmp/m"
+    assert partial.requested("qk_cache") and not partial.requested("qkv_norm")
+    assert load_settings({"K3_AMD_OVERLAY": "stock"}).enabled is True
+    assert load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_MARKER_DIR": ""}).marker_dir is None
+    assert [m.value for m in Mode] == ["off", "auto", "stock"]  # the values markers and logs carry
+
+
+def test_the_variable_names_are_the_documented_ones():
+    from k3_amd_overlay import settings as module
+
+    assert (module.SWITCH, module.STRICT, module.MARKER_DIR, module.ENV_PREFIX) == (
+        "K3_AMD_OVERLAY", "K3_AMD_OVERLAY_STRICT", "K3_AMD_OVERLAY_MARKER_DIR", "K3_AMD_OVERLAY")
+    assert module.KNOWN_VARIABLES == {
+        "K3_AMD_OVERLAY", "K3_AMD_OVERLAY_STRICT", "K3_AMD_OVERLAY_MARKER_DIR",
+        "K3_AMD_OVERLAY_QKV_NORM_PROVIDER", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER",
+        "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER"}
+    assert module.PROVIDER_SETTINGS == {
+        "qkv_norm": ("auto", "aiter", "triton", "vllm", "reference"),
+        "qk_cache": ("auto", "aiter", "triton", "reference"),
+        "absorb_qk_cache": ("auto", "triton", "aiter", "reference")}
+
+
+@pytest.mark.parametrize("variable,value,message", [
+    ("K3_AMD_OVERLAY", "qk-cache", "K3_AMD_OVERLAY='qk-cache' is not valid (unknown: 'qk-cache'); allowed: '0' (off), "
+     "'1' (all fusions), 'stock' (force unfused), or a comma list of: qkv_norm, qk_cache, absorb_qk_cache"),
+    ("K3_AMD_OVERLAY_STRICT", " 2 ", "K3_AMD_OVERLAY_STRICT=' 2 ' is not valid; allowed: '1' (default, raise) "
+     "or '0' (warn)"),
+    ("K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER", "vllm", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER='vllm' is not "
+     "valid; allowed: auto, triton, aiter, reference"),
+    ("K3_AMD_OVERLAY_QKV_NORM_PROVIDR", "triton", "unknown overlay variable(s) K3_AMD_OVERLAY_QKV_NORM_PROVIDR; "
+     "known: K3_AMD_OVERLAY, K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER, K3_AMD_OVERLAY_MARKER_DIR, "
+     "K3_AMD_OVERLAY_QKV_NORM_PROVIDER, K3_AMD_OVERLAY_QK_CACHE_PROVIDER, K3_AMD_OVERLAY_STRICT"),
+])
+def test_each_error_message_in_full(variable, value, message):
+    env = {"K3_AMD_OVERLAY": "1", variable: value}
+    with pytest.raises(SettingsError) as err:
+        load_settings(env)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("strict,expected", [(" 1 ", True), ("0", False), (" 0", False)])
+def test_strict_values_with_spaces(strict, expected):
+    assert load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_STRICT": strict}).strict is expected
+
+
+def test_provider_values_are_trimmed_and_default_to_auto():
+    s = load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_QKV_NORM_PROVIDER": " vllm "})
+    assert dict(s.providers) == {"qkv_norm": "vllm", "qk_cache": "auto", "absorb_qk_cache": "auto"}
