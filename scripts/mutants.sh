@@ -6,8 +6,9 @@
 # Not part of CI (hours for the whole list on 2 cores); results go to docs/verification.md.
 #   scripts/mutants.sh [MODULE ...]      default: every module below; e.g. scripts/mutants.sh verdict.py
 # Environment: K3OVL_MUTANTS_VLLM (default 0.33.0), K3OVL_VENV_ROOT (as scripts/setup_venvs.sh),
-# K3OVL_MUTANTS_PYTEST_ARGS (extra pytest arguments, e.g. -m "not vllm" to leave out the tests
-# that start vLLM processes: a faster, weaker run, which the results table must then say).
+# K3OVL_MUTANTS_FAST=1 (leave out the tests that need vLLM, and vLLM's import, per mutant: seconds
+# instead of tens of seconds; a weaker run for the modules vLLM tests cover, which the results
+# table must then say).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv_root=${K3OVL_VENV_ROOT:-$repo/.venvs}
@@ -56,7 +57,9 @@ for module in "${modules[@]}"; do
   tests=${TESTS[$module]:-}
   [ -n "$tests" ] || { echo "unknown module $module; known: ${!TESTS[*]}" >&2; exit 2; }
   targets=$(for t in $tests; do printf '%s ' "$work/clone/tests/$t"; done)
-  runner="env PYTHONPATH=$work/clone VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $venv/bin/python -m pytest -x -q -p no:cacheprovider ${K3OVL_MUTANTS_PYTEST_ARGS:-} $targets"
+  fast=""
+  [ "${K3OVL_MUTANTS_FAST:-0}" = 1 ] && fast="K3OVL_TESTS_WITHOUT_VLLM=1"
+  runner="env PYTHONPATH=$work/clone VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $fast $venv/bin/python -m pytest -x -q -p no:cacheprovider $targets"
   rm -f .mutmut-cache
   echo "=== k3_amd_overlay/$module against $tests"
   "$tool/bin/mutmut" run --paths-to-mutate "k3_amd_overlay/$module" --runner "$runner" --no-progress >/dev/null 2>&1
