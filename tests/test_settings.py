@@ -103,3 +103,10 @@ def test_strict_values_with_spaces(strict, expected):
 def test_provider_values_are_trimmed_and_default_to_auto():
     s = load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_QKV_NORM_PROVIDER": " vllm "})
     assert dict(s.providers) == {"qkv_norm": "vllm", "qk_cache": "auto", "absorb_qk_cache": "auto"}
+
+
+def test_every_bad_name_is_listed_separated():
+    with pytest.raises(SettingsError, match=r"\(unknown: 'qk-cache', 'norm'\)"):
+        load_settings({"K3_AMD_OVERLAY": "qk-cache,qkv_norm,norm"})
+    with pytest.raises(SettingsError, match=r"variable\(s\) K3_AMD_OVERLAY_A, K3_AMD_OVERLAY_B; known"):
+        load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_B": "x", "K3_AMD_OVERLAY_A": "y"})
