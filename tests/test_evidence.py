@@ -246,3 +246,47 @@ def test_each_warm_up_name_is_a_method_of_vllms_workers_and_marks_a_warm_up_batc
     runner = types.FunctionType(batch_runner.__code__.replace(co_name=name), batch_runner.__globals__)
     assert runner() is phases.Phase.WARMUP
     assert batch_runner() is phases.Phase.SERVED
+
+
+def test_the_proof_line_sums_processes_and_names_each():
+    """Two worker processes: graphs and eager batches listed per process and summed, and the
+    absorbed launch's runs counted for qk_cache, said so."""
+    one = record("auto", "applied", "applied", pid=1, served=3, captured=(1, 2))
+    two = record("auto", "applied", "applied", pid=2, served=5, captured=(4,))
+    two["fusions"]["absorb_qk_cache"] = {**two["fusions"]["qk_cache"], "captured_sizes": [], "runs": {
+        "warmup": 0, "capture": 0, "served": 2}}
+    lines = judge([one, two], "fused", ["qk_cache"], require_effective=True).lines
+    assert lines[-1] == ("ok   qk_cache: served traffic took the fused path: captured in 3 graphs (pid 1: sizes 1, "
+                         "2; pid 2: sizes 4), which replay it for served batches of those sizes; 10 eager batches "
+                         "after startup (pid 1: 3, pid 2: 5, pid 2 in the absorb_qk_cache launch: 2)")
+
+
+@pytest.mark.parametrize("served,captured,text", [
+    (1, (8,), "captured in 1 graph (pid 1: sizes 8), which replay it for served batches of those sizes; "
+              "1 eager batch after startup (pid 1: 1)"),
+    (2, (), "2 eager batches after startup (pid 1: 2)"),
+])
+def test_the_proof_line_counts_in_words(served, captured, text):
+    lines = judge([record("auto", "applied", "applied", served=served, captured=captured)], "fused",
+                  ["qk_cache"], require_effective=True).lines
+    assert lines[-1] == f"ok   qk_cache: served traffic took the fused path: {text}"
+
+
+def test_warm_up_batches_are_summed_over_processes():
+    records = [record("auto", "applied", "applied", pid=p, served=0, warmup=w) for p, w in ((1, 3), (2, 4))]
+    lines = judge(records, "fused", ["qk_cache"], require_effective=True).lines
+    assert lines[-1].startswith("FAIL qk_cache: its fused path ran only in vLLM's own warm-up batches (7)")
+
+
+def test_pending_holds_only_for_a_static_check():
+    """A fusion patched but not yet decided (no layer built) proves nothing about a running server:
+    only ``--static`` accepts it."""
+    rec = record("auto", "pending", "pending", layers=0, effective=False)
+    assert judge([rec], "fused", ["qk_cache"], require_effective=False, static=True).holds
+    assert not judge([rec], "fused", ["qk_cache"], require_effective=False).holds
+
+
+def test_a_fusion_asked_for_but_missing_from_a_record_fails_by_name():
+    verdict = judge([record("auto", "applied", "applied")], "fused", ["absorb_qk_cache"], require_effective=False)
+    assert not verdict.holds
+    assert "absorb_qk_cache=disabled (not in this process's record)" in verdict.lines[0]
