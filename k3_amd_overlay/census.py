@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay.kernels.names import ABSORB_QK_CACHE_KERNEL, QK_CACHE_KERNEL, RMSNORM_PAIR_KERNEL
+from k3_amd_overlay.kernels.names import (
+    ABSORB_FP8_QK_CACHE_KERNEL,
+    ABSORB_QK_CACHE_KERNEL,
+    QK_CACHE_KERNEL,
+    RMSNORM_PAIR_KERNEL,
+)
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 
 # One table of the kernels each fusion removes and adds, matched as substrings of the full
@@ -30,10 +35,11 @@ FUSION_KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
                     "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal"),
         "adds": ("fuse_qk_rope_concat_and_cache_mla", QK_CACHE_KERNEL),
     },
-    ABSORB_QK_CACHE: {
+    ABSORB_QK_CACHE: {  # the bf16 W_UK_T's bmm (torch/hipBLASLt) or vLLM's fp8 one (AITER's batched GEMM)
         "removes": ("concat_and_cache_mla", "CatArrayBatchedCopy", "scaled_quant",
-                    "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal", QK_CACHE_KERNEL, "bmm", "gemm", "Cijk_"),
-        "adds": (ABSORB_QK_CACHE_KERNEL,),
+                    "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal", QK_CACHE_KERNEL, "bmm", "gemm", "Cijk_",
+                    "batched_gemm_a8w8"),
+        "adds": (ABSORB_QK_CACHE_KERNEL, ABSORB_FP8_QK_CACHE_KERNEL, "fused_fp8_bmm_rope_cat_and_cache_mla"),
     },
     QKV_NORM: {
         "removes": ("rms_norm_kernel", "rmsnorm_kernel"),

@@ -98,10 +98,15 @@ def test_bad_expect_and_missing_paths():
 def test_census_names_are_the_kernels_own_names():
     """Each of the overlay's census names is the name its Triton kernel launches under."""
     pytest.importorskip("triton")
-    from k3_amd_overlay.kernels import absorb_qk_cache, names, qk_cache, rmsnorm_pair
+    from k3_amd_overlay.kernels import absorb_fp8_qk_cache, absorb_qk_cache, names, qk_cache, rmsnorm_pair, static_quant
 
     assert qk_cache.qk_cache_kernel.fn.__name__ == names.QK_CACHE_KERNEL
     assert absorb_qk_cache.absorb_qk_cache_kernel.fn.__name__ == names.ABSORB_QK_CACHE_KERNEL
+    assert absorb_fp8_qk_cache.absorb_fp8_qk_cache_kernel.fn.__name__ == names.ABSORB_FP8_QK_CACHE_KERNEL
     assert rmsnorm_pair.rmsnorm_pair_kernel.fn.__name__ == names.RMSNORM_PAIR_KERNEL
+    assert static_quant.scaled_quant_kernel.fn.__name__ == names.STATIC_QUANT_KERNEL
     tables = {kernel for kinds in census.FUSION_KERNELS.values() for kernel in kinds["adds"]}
-    assert {names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL, names.RMSNORM_PAIR_KERNEL} <= tables
+    assert {names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL,
+            names.RMSNORM_PAIR_KERNEL} <= tables
+    removed = census.FUSION_KERNELS["absorb_qk_cache"]["removes"]
+    assert any(name in names.STATIC_QUANT_KERNEL for name in removed)  # a stock quant, when counted
