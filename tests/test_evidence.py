@@ -290,3 +290,18 @@ def test_a_fusion_asked_for_but_missing_from_a_record_fails_by_name():
     verdict = judge([record("auto", "applied", "applied")], "fused", ["absorb_qk_cache"], require_effective=False)
     assert not verdict.holds
     assert "absorb_qk_cache=disabled (not in this process's record)" in verdict.lines[0]
+
+
+def test_the_verdict_lines_word_for_word():
+    """No process, a process with the overlay off (named, then the next one still judged), and a CLI
+    client's record (left out: it never builds a model)."""
+    assert judge([], "fused", None, require_effective=True).lines == [
+        "FAIL no live vLLM process has left overlay evidence (is the server up, the plugin installed, "
+        "K3_AMD_OVERLAY set, the marker directory the same?)"]
+    off = record("off", "disabled", "disabled", pid=7)
+    stock = record("stock", "forced-stock", "forced-stock", effective=False, pid=8)
+    lines = judge([off, stock], "stock", ["qk_cache"], require_effective=True).lines
+    assert lines == ["FAIL pid 7 (worker, vLLM 0.33.0): overlay off: proves neither fused nor stock",
+                     "ok   pid 8 (worker, vLLM 0.33.0): qk_cache=forced-stock provider=triton on 2 layers (r)"]
+    client = {**off, "role": "cli-client", "pid": 9}
+    assert judge([client, record("auto", "applied", "applied")], "fused", ["qk_cache"], require_effective=True).holds
