@@ -305,3 +305,19 @@ def test_the_verdict_lines_word_for_word():
                      "ok   pid 8 (worker, vLLM 0.33.0): qk_cache=forced-stock provider=triton on 2 layers (r)"]
     client = {**off, "role": "cli-client", "pid": 9}
     assert judge([client, record("auto", "applied", "applied")], "fused", ["qk_cache"], require_effective=True).holds
+
+
+def test_a_fresh_record_serialises_with_its_defaults_and_schema_2():
+    """The marker's schema number and every default, as a reader of old and new markers sees them."""
+    from k3_amd_overlay.record import FusionEntry
+    from k3_amd_overlay.settings import Mode
+
+    assert (LayerTally().layers, LayerTally().reason) == (0, "")
+    entry = FusionEntry(FusionState.PENDING)
+    assert entry.to_json() == {"state": "pending", "provider": None, "reason": "", "layers": 0, "layer_states": {},
+                               "effective": False, "effective_layers": 0,
+                               "runs": {"warmup": 0, "capture": 0, "served": 0}, "captured_sizes": []}
+    record = MarkerRecord(pid=3, mode=Mode.AUTO, fusions={"qk_cache": entry})
+    data = record.to_json()
+    assert data["schema"] == 2 and data["mode"] == "auto" and data["fusions"]["qk_cache"] == entry.to_json()
+    assert MarkerRecord.from_json(data) == record
