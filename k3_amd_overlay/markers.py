@@ -37,8 +37,6 @@ def ensure_marker_dir(path: str | os.PathLike[str] | None) -> Path:
     info = os.lstat(directory)
     if stat.S_ISLNK(info.st_mode):
         raise MarkerDirError(f"marker directory {directory} is a symlink; refusing to follow it")
-    if not stat.S_ISDIR(info.st_mode):
-        raise MarkerDirError(f"marker directory {directory} is not a directory")
     if info.st_uid != os.getuid():
         raise MarkerDirError(
             f"marker directory {directory} is owned by uid {info.st_uid}, not this user "

@@ -2,7 +2,8 @@
 # The main job, on a CPU machine with real vLLM: build a venv for one vLLM release (default
 # 0.33.0), install the overlay wheel, switch the overlay on and run `k3-amd-overlay doctor`:
 # what this vLLM fuses by itself, what the overlay patched and why, every reachable provider
-# against its reference at K3 shapes, and a real K3 MLA layer run stock and overlaid.
+# against its reference at K3 shapes (the fused paths of real layers and servers are what
+# `k3-amd-overlay check` proves against running vLLM processes).
 #   scripts/main.sh [doctor options]       K3OVL_MAIN_VLLM=0.29.0 picks another release
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)

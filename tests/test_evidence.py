@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import types
+from pathlib import Path
 
 import pytest
 from records import judge
@@ -321,3 +322,60 @@ def test_a_fresh_record_serialises_with_its_defaults_and_schema_2():
     data = record.to_json()
     assert data["schema"] == 2 and data["mode"] == "auto" and data["fusions"]["qk_cache"] == entry.to_json()
     assert MarkerRecord.from_json(data) == record
+
+
+def test_the_default_marker_directory(tmp_path, monkeypatch):
+    """Under XDG_RUNTIME_DIR where that directory exists, else a per-user directory in the temp dir."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert markers.default_marker_dir() == tmp_path / "k3-amd-overlay"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "absent"))
+    import tempfile
+
+    assert markers.default_marker_dir() == Path(tempfile.gettempdir()) / f"k3-amd-overlay-{os.getuid()}"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert markers.default_marker_dir() == Path(tempfile.gettempdir()) / f"k3-amd-overlay-{os.getuid()}"
+    nested = markers.ensure_marker_dir(tmp_path / "a" / "b")  # parents made too
+    assert nested.is_dir()
+
+
+@pytest.mark.parametrize("mode,refused", [(0o700, False), (0o711, False), (0o701, False), (0o720, True),
+                                          (0o702, True), (0o770, True)])
+def test_only_group_or_other_write_permission_is_refused(tmp_path, mode, refused):
+    directory = tmp_path / "m"
+    directory.mkdir()
+    os.chmod(directory, mode)
+    if refused:
+        with pytest.raises(markers.MarkerDirError) as err:
+            markers.ensure_marker_dir(directory)
+        assert str(err.value) == (f"marker directory {directory} is writable by group or others "
+                                  f"(mode {mode:o}); chmod 700 it")
+    else:
+        assert markers.ensure_marker_dir(directory) == directory
+
+
+def test_each_marker_directory_error_in_full(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(markers.MarkerDirError) as err:
+        markers.ensure_marker_dir(tmp_path / "link")
+    assert str(err.value) == f"marker directory {tmp_path / 'link'} is a symlink; refusing to follow it"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(markers.MarkerDirError) as err:
+        markers.ensure_marker_dir(tmp_path / "file" / "sub")
+    assert str(err.value).startswith(f"cannot create marker directory {tmp_path / 'file' / 'sub'}: ")
+    if os.getuid() == 0:
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o700)
+        os.chown(foreign, 4242, 4242)
+        with pytest.raises(markers.MarkerDirError) as err:
+            markers.ensure_marker_dir(foreign)
+        assert str(err.value) == (f"marker directory {foreign} is owned by uid 4242, not this user (0); "
+                                  "set K3_AMD_OVERLAY_MARKER_DIR to a directory you own")
+
+
+def test_a_marker_is_sorted_json_and_leaves_no_temporary_file(tmp_path):
+    directory = markers.ensure_marker_dir(tmp_path / "m")
+    path = markers.write_marker(directory, 12, {"b": 1, "a": 2, "pid": 12})
+    assert path == directory / "12.json" and path.read_text() == '{"a": 2, "b": 1, "pid": 12}'
+    assert sorted(p.name for p in directory.iterdir()) == ["12.json"]

@@ -294,3 +294,23 @@ def test_fp8_query_is_a_view_of_the_backends_padded_buffer(tmp_path, monkeypatch
     assert seen[0].is_contiguous() and tuple(seen[0].shape) == (4, 3, L + R)
     assert tuple(seen[16].shape) == (4, 3, L + R) and seen[16].stride(0) == 16 * (L + R)
     assert torch.equal(seen[16].view(torch.uint8), seen[0].view(torch.uint8))
+
+
+def test_qkv_norm_under_whole_model_compilation_and_its_reasons():
+    """Compiled whole, a layer keeps vLLM's own norm fusion where vLLM fuses, and is refused (with
+    the reason) where only the overlay would; stock and a missing q norm say why, word for word."""
+    from k3_amd_overlay.fusions.states import TRACED_WHOLE
+
+    def decide(**changes):
+        base = dict(stock_mode=False, has_q_norm=True, upstream_fuses=False, provider_setting="auto",
+                    provider_missing={"triton": None})
+        return decide_qkv_norm(QkvNormInputs(**{**base, **changes}))
+
+    assert decide(traced_whole=True, upstream_fuses=True).state is FusionState.UPSTREAM
+    refused = decide(traced_whole=True)
+    assert (refused.state, refused.reason) == (FusionState.REFUSED, TRACED_WHOLE)
+    assert decide().state is FusionState.APPLIED and QkvNormInputs(False, True, False, "auto", {}).traced_whole is False
+    assert decide(stock_mode=True).reason == "stock mode: two separate RMSNorms"
+    assert decide(has_q_norm=False).reason == "no q norm (q_lora_rank is None)"
+    with pytest.raises(AttributeError):
+        QkvNormInputs(False, True, False, "auto", {}).stock_mode = True  # frozen
