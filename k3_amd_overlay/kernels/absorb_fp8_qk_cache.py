@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from k3_amd_overlay.fp8 import Fp8Format, format_of
-from k3_amd_overlay.kernels.absorb_qk_cache import block_t
+from k3_amd_overlay.kernels.absorb_qk_cache import block_t, query_operands, store_query
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
 
@@ -46,17 +46,10 @@ def absorb_fp8_qk_cache_kernel(
     pid = tl.program_id(0)
     token_blocks = tl.cdiv(num_tokens, BLOCK_T)
     column_blocks: tl.constexpr = L // BLOCK_N
-    offs_r = tl.arange(0, R)
     if pid < num_heads * token_blocks * column_blocks:
-        column = pid % column_blocks
-        head = pid // (column_blocks * token_blocks)
-        tokens = ((pid // column_blocks) % token_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
-        live = (tokens < num_tokens)[:, None]
-        t64 = tokens.to(tl.int64)[:, None]
-        offs_k = tl.arange(0, P)
-        offs_n = column * BLOCK_N + tl.arange(0, BLOCK_N)
-        q_nope = tl.load(q_nope_ptr + t64 * s_qn_t + head * s_qn_h + offs_k[None, :], mask=live, other=0.0)
-        w = tl.load(w_ptr + head.to(tl.int64) * s_w_h + offs_k[:, None] * s_w_k + offs_n[None, :] * s_w_n)
+        column, head, t64, live, offs_n, q_nope, w = query_operands(
+            pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, num_tokens, token_blocks, P, L, BLOCK_T,
+            BLOCK_N)
         # the dynamic per-(token, head) quant of the AITER GEMM: scale = max(max|q|, 1e-10) times the
         # fp32 constant 1 / fp8 max (folded at compile time, as there: a run-time fp32 reciprocal can be
         # an ulp off and move codes), q * (1 / scale) clamped and cast to the weight's fp8 type
@@ -77,11 +70,8 @@ def absorb_fp8_qk_cache_kernel(
         ql = to_dtype_rne(ql, q_nope_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
         scale = tl.load(q_scale_ptr)
         inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
-        out = q_out_ptr + t64 * s_qo_t + head * s_qo_h
-        tl.store(out + offs_n[None, :], _fp8_bits(ql, inv, fmax, FP8_MODE), mask=live)
-        if column == 0:
-            pe = tl.load(q_pe_ptr + t64 * s_qp_t + head * s_qp_h + offs_r[None, :], mask=live, other=0.0)
-            tl.store(out + L + offs_r[None, :], _fp8_bits(pe.to(tl.float32), inv, fmax, FP8_MODE), mask=live)
+        store_query(ql, inv, column, head, t64, live, offs_n, q_pe_ptr, q_out_ptr, s_qp_t, s_qp_h, s_qo_t, s_qo_h,
+                    fmax, L, R, FP8_MODE)
     else:
         write_kv_row((pid - num_heads * token_blocks * column_blocks).to(tl.int64), kv_c_ptr, k_pe_ptr, cache_ptr,
                      slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, L, R, FP8_MODE)

@@ -30,6 +30,24 @@ def fp8_mode(fmt: Fp8Format, device: torch.device) -> int:
 
 
 @triton.jit
+def _e4m3_magnitude(a, BIAS: tl.constexpr, SUBNORMAL_STEPS: tl.constexpr):
+    """The 7 magnitude bits of |y| = ``a`` in e4m3 with exponent bias ``BIAS`` (7: fn, 8: fnuz; its
+    subnormals are multiples of 1 / ``SUBNORMAL_STEPS`` = 2**-(BIAS + 2)), by
+    integer rounding of the fp32 pattern, no fp8 type involved: exact on any backend and under the
+    interpreter. (Emulations through fp8 casts were wrong there: an e4m3fn cast miscompiled for 2-D
+    tiles on an H200, Triton 3.6; the CPU interpreter's cast drops a mantissa carry, 124.3 -> 64.)"""
+    pattern = a.to(tl.int32, bitcast=True)
+    exponent = (pattern >> 23) - 127
+    fraction = pattern & 0x7FFFFF
+    kept = fraction >> 20
+    rest = fraction & 0xFFFFF
+    up = (rest > 0x80000) | ((rest == 0x80000) & ((kept & 1) == 1))
+    normal = ((exponent + BIAS) << 3) + kept + up.to(tl.int32)  # a mantissa carry bumps the exponent
+    subnormal = ((a * SUBNORMAL_STEPS + 12582912.0) - 12582912.0).to(tl.int32)  # RNE by the fp32 adder
+    return tl.where(exponent < 1 - BIAS, subnormal, normal)
+
+
+@triton.jit
 def _fp8_bits(x, inv_scale, fmax, FP8_MODE: tl.constexpr):
     """fp8(clamp(x * inv_scale, -fmax, fmax)) as raw bits; NaN stays NaN, RNE."""
     v = x * inv_scale
@@ -39,34 +57,11 @@ def _fp8_bits(x, inv_scale, fmax, FP8_MODE: tl.constexpr):
         bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     elif FP8_MODE == 1:
         bits = y.to(tl.float8e4b8).to(tl.uint8, bitcast=True)
-    elif FP8_MODE == 3:
-        # e4m3fn (bias 7, max 448, -0 kept, NaN = 0x7f with the sign) by integer rounding, as below
-        a = tl.abs(y)
-        pattern = a.to(tl.int32, bitcast=True)
-        exponent = (pattern >> 23) - 127
-        fraction = pattern & 0x7FFFFF
-        kept = fraction >> 20
-        rest = fraction & 0xFFFFF
-        up = (rest > 0x80000) | ((rest == 0x80000) & ((kept & 1) == 1))
-        normal = ((exponent + 7) << 3) + kept + up.to(tl.int32)
-        subnormal = ((a * 512.0 + 12582912.0) - 12582912.0).to(tl.int32)  # steps of 2**-9, RNE
-        magnitude = tl.where(exponent < -6, subnormal, normal)
-        magnitude = tl.where(y != y, 0x7F, magnitude)
+    elif FP8_MODE == 3:  # e4m3fn: -0 kept, NaN = 0x7f with its sign
+        magnitude = tl.where(y != y, 0x7F, _e4m3_magnitude(tl.abs(y), 7, 512.0))
         bits = tl.where(y.to(tl.int32, bitcast=True) < 0, magnitude | 0x80, magnitude).to(tl.uint8)
-    else:
-        # e4m3fnuz (bias 8, max 240, no -0, NaN = 0x80) by integer rounding of the fp32 pattern,
-        # with no fp8 type involved: exact on any backend and under the interpreter. (An earlier
-        # emulation through e4m3fn casts was miscompiled for 2-D tiles on an H200, Triton 3.6.)
-        a = tl.abs(y)
-        pattern = a.to(tl.int32, bitcast=True)
-        exponent = (pattern >> 23) - 127
-        fraction = pattern & 0x7FFFFF
-        kept = fraction >> 20
-        rest = fraction & 0xFFFFF
-        up = (rest > 0x80000) | ((rest == 0x80000) & ((kept & 1) == 1))
-        normal = ((exponent + 8) << 3) + kept + up.to(tl.int32)  # a mantissa carry bumps the exponent
-        subnormal = ((a * 1024.0 + 12582912.0) - 12582912.0).to(tl.int32)  # steps of 2**-10, RNE
-        magnitude = tl.where(exponent < -7, subnormal, normal)
+    else:  # e4m3fnuz: no -0, NaN = 0x80
+        magnitude = _e4m3_magnitude(tl.abs(y), 8, 1024.0)
         bits = tl.where((y < 0) & (magnitude != 0), magnitude | 0x80, magnitude)
         bits = tl.where(y != y, 0x80, bits).to(tl.uint8)
     return bits
