@@ -130,6 +130,22 @@ def bench_qk_cache(heads_list: list[int], tokens_list: list[int], bw: float, emp
     return results
 
 
+def decode_step_inputs(tokens: int, heads: int) -> tuple[torch.Tensor, ...]:
+    """One decode step's absorbed-path inputs at K3 widths, laid out as vLLM hands them over (q_nope and
+    q_pe column slices of q, k_pe a slice of the latent row), a block-1536 uint8 cache with random
+    slots, and the scales: (q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out)."""
+    lora, rope, nope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM
+    q = torch.randn(tokens, heads, nope + rope, dtype=torch.bfloat16, device="cuda")
+    kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16, device="cuda")
+    k_pe = torch.randn(tokens, k3.Q_LORA_RANK + lora + rope, dtype=torch.bfloat16, device="cuda")[:, -rope:]
+    blocks = max(2, -(-tokens // 1536) * 2)
+    cache = torch.zeros(blocks, 1536, lora + rope, dtype=torch.uint8, device="cuda")
+    slots = torch.randperm(blocks * 1536, device="cuda")[:tokens].to(torch.int64)
+    k_scale, q_scale = torch.tensor([1.1], device="cuda"), torch.tensor([0.9], device="cuda")
+    q_out = torch.empty(tokens, heads, lora + rope, dtype=torch.uint8, device="cuda")
+    return q[..., :nope], q[..., nope:], kv_c, k_pe, cache, slots, k_scale, q_scale, q_out
+
+
 def bench_absorb(heads_list: list[int], tokens_list: list[int], bw: float, empty: dict[str, float],
                  fmt: Fp8Format = E4M3FN, block_n: int = BLOCK_N) -> list[dict]:
     """The W_UK absorption folded in: bmm + three launches (stock), bmm + one qk_cache launch, and
@@ -145,15 +161,7 @@ def bench_absorb(heads_list: list[int], tokens_list: list[int], bw: float, empty
         w_uk = torch.randn(lora, heads, nope, dtype=torch.bfloat16, device="cuda") / 8
         w_uk_t = w_uk.permute(1, 2, 0)  # vLLM's layout: a permuted view
         for tokens in tokens_list:
-            q = torch.randn(tokens, heads, nope + rope, dtype=torch.bfloat16, device="cuda")
-            q_nope, q_pe = q[..., :nope], q[..., nope:]
-            kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16, device="cuda")
-            k_pe = torch.randn(tokens, k3.Q_LORA_RANK + lora + rope, dtype=torch.bfloat16, device="cuda")[:, -rope:]
-            blocks = max(2, -(-tokens // 1536) * 2)
-            cache = torch.zeros(blocks, 1536, lora + rope, dtype=torch.uint8, device="cuda")
-            slots = torch.randperm(blocks * 1536, device="cuda")[:tokens].to(torch.int64)
-            k_scale, q_scale = torch.tensor([1.1], device="cuda"), torch.tensor([0.9], device="cuda")
-            q_out = torch.empty(tokens, heads, lora + rope, dtype=torch.uint8, device="cuda")
+            q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(tokens, heads)
             ql_nope = torch.empty(tokens, heads, lora, dtype=torch.bfloat16, device="cuda")
             cat_out = torch.empty(tokens, heads, lora + rope, dtype=torch.bfloat16, device="cuda")
 
@@ -206,15 +214,7 @@ def bench_absorb_fp8(heads_list: list[int], tokens_list: list[int], bw: float, e
         w_k = (torch.randn(heads, lora, nope, device="cuda") * 40).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
         w_k_scale = torch.tensor(0.003, device="cuda")
         for tokens in tokens_list:
-            q = torch.randn(tokens, heads, nope + rope, dtype=torch.bfloat16, device="cuda")
-            q_nope, q_pe = q[..., :nope], q[..., nope:]
-            kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16, device="cuda")
-            k_pe = torch.randn(tokens, k3.Q_LORA_RANK + lora + rope, dtype=torch.bfloat16, device="cuda")[:, -rope:]
-            blocks = max(2, -(-tokens // 1536) * 2)
-            cache = torch.zeros(blocks, 1536, lora + rope, dtype=torch.uint8, device="cuda")
-            slots = torch.randperm(blocks * 1536, device="cuda")[:tokens].to(torch.int64)
-            k_scale, q_scale = torch.tensor([1.1], device="cuda"), torch.tensor([0.9], device="cuda")
-            q_out = torch.empty(tokens, heads, lora + rope, dtype=torch.uint8, device="cuda")
+            q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(tokens, heads)
 
             def one() -> None:
                 absorb_fp8_qk_cache(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out,
