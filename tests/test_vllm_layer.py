@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 
+import mxfp4_standin
 import pytest
 import torch
 from machine import HAS_VLLM
@@ -345,6 +346,49 @@ def test_fp8_bmm_layer_absorbed_decode_matches_stock(provider, tmp_path, layer_p
     assert torch.equal(out_fused[:n], out_stock[:n])
     assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
 
+
+
+def vllm_fp4_bmm(X, W, w_scale, Y=None, transpose_bm=False, prequant=False, y_scale=None):
+    """Stands in for vLLM's ``rocm_aiter_ops.batched_gemm_a16wfp4`` (vLLM's signature; AITER's MXFP4
+    GEMM, which the CPU has not), through ``tests/mxfp4_standin.py`` (AITER's bit procedure)."""
+    return mxfp4_standin.batched_gemm_a16wfp4(X, W, w_scale, y=Y, transpose_bm=transpose_bm, prequant=prequant,
+                                              y_scale=y_scale)
+
+
+def quark_mxfp4(w):
+    """Stands in for vLLM's ``quark_quantize_weight_to_mxfp4`` (which calls AITER's
+    ``dynamic_mxfp4_quant``): the same reshape around the stand-in's quant."""
+    *dims, d = w.shape
+    packed, scales = mxfp4_standin.dynamic_mxfp4_quant(w.reshape(-1, d))
+    return packed.view(*dims, d // 2), scales.view(*dims, d // mxfp4_standin.GROUP)
+
+
+@pytest.mark.parametrize("provider", ["reference", "triton"])
+def test_fp4_bmm_layer_absorbed_decode_matches_stock(provider, tmp_path, layer_pair, monkeypatch):
+    """vLLM's MXFP4 W_UK absorption (VLLM_ROCM_USE_AITER_FP4BMM): the real layer quantises its own
+    W_K / W_V at load (their transposed views kept); stock decodes through ``batched_gemm_a16wfp4``
+    with ``y_scale = q_scale`` (stood in above), the overlay folds it into its one launch from the
+    same W_K / W_K_scale: same output bytes and cache bytes (at the harness's q_scale, 1.37)."""
+    from vllm._aiter_ops import rocm_aiter_ops
+    from vllm.model_executor.layers.quantization.quark import utils as quark_utils
+
+    monkeypatch.setattr(rocm_aiter_ops, "is_fp4bmm_enabled", classmethod(lambda cls: True))
+    monkeypatch.setattr(rocm_aiter_ops, "batched_gemm_a16wfp4", staticmethod(vllm_fp4_bmm))
+    monkeypatch.setattr(quark_utils, "quark_quantize_weight_to_mxfp4", quark_mxfp4)
+    spec = harness.LayerSpec(kv_cache_dtype="fp8", **K3_LAYER)
+    stock, fused, activation = layer_pair(
+        spec, {"K3_AMD_OVERLAY": "absorb_qk_cache", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": provider})
+    assert fused.attn.is_aiter_triton_fp4_bmm_enabled and fused.attn.W_K.dtype == torch.uint8
+    assert not fused.attn.W_K.is_contiguous()  # vLLM's [N, L, P/2] view of the [L, N, P/2] quant
+    batch = harness.decode_batch([stock, fused], [5, 17, 30], padding=1)
+    out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+    n = batch.num_tokens
+    entry = activation.evidence.fusion("absorb_qk_cache")
+    assert (entry.state, entry.provider, entry.effective) == ("applied", provider, True), entry
+    assert "fp4 W_UK" in entry.reason
+    assert (fused.kv_writes, fused.concat_quant_calls, fused.mqa_calls) == ([], 0, 1)
+    assert torch.equal(out_fused[:n], out_stock[:n])
+    assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
 
 
 def test_large_decode_batches_take_the_qk_cache_path(tmp_path, layer_pair):

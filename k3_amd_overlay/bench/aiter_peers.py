@@ -1,7 +1,7 @@
 """AMD's own AITER Triton kernels as peers (benchmarks) and oracles (GPU tests): located, imported and
 called here, never copied. On ROCm AITER is installed with vLLM; elsewhere (an NVIDIA GPU) point
 ``K3OVL_AITER_TRITON`` at a directory holding an importable ``aiter`` package with its Triton kernels.
-The fused fp8 absorb peer is the overlay's own aiter provider (``ops/aiter_absorb.py``).
+The fused fp8 and fp4 absorb peers are the overlay's own aiter providers (``ops/aiter_absorb.py``).
 Off ROCm, AITER's GEMM launches pass two AMD-only launch options (``waves_per_eu``,
 ``matrix_instr_nonkdim``) that Triton's NVIDIA backend rejects; ``enable`` drops them from every
 launch in this process (they change no arithmetic). Imported by benchmarks and tests only."""
@@ -23,6 +23,7 @@ AMD_ONLY_LAUNCH_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim")
 QK_CACHE_PEER = ("aiter.ops.triton.fusions.fused_kv_cache", "fused_qk_rope_cat_and_cache_mla")
 FP8_BMM = ("aiter.ops.triton.gemm.batched.batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant",
            "batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant")
+FP4_BMM = ("aiter.ops.triton.gemm.batched.batched_gemm_a16wfp4", "batched_gemm_a16wfp4")
 
 
 @functools.cache
@@ -38,6 +39,19 @@ def enable() -> str | None:
         return f"AITER's Triton kernels are not importable ({type(exc).__name__}: {exc}); set {AITER_TREE}"
     if torch.version.hip is None:
         _drop_amd_only_launch_options()
+    return None
+
+
+def fp4_missing() -> str | None:
+    """Why AITER's MXFP4 kernels (the standalone GEMM vLLM calls, the fused one) are not callable here."""
+    why = enable()
+    if why:
+        return why
+    try:
+        for module, name in (FP4_BMM, (aiter_absorb.AITER_MODULE, aiter_absorb.AITER_FP4_NAME)):
+            getattr(__import__(module, fromlist=[name]), name)
+    except Exception as exc:
+        return f"AITER's MXFP4 Triton kernels are not importable ({type(exc).__name__}: {exc})"
     return None
 
 
@@ -76,3 +90,12 @@ def fp8_bmm(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torch.Tensor) ->
     """What vLLM's ``rocm_aiter_ops.triton_fp8_bmm(q_nope.transpose(0, 1), W_K, W_K_scale,
     group_size=128, transpose_bm=True)`` returns: ql_nope [T, H, L] in bf16."""
     return peer(FP8_BMM)(q_nope.transpose(0, 1), w_k, w_k_scale.reshape(1), group_size=128, transpose_bm=True)
+
+
+def fp4_bmm(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torch.Tensor,
+            y_scale: torch.Tensor | None) -> torch.Tensor:
+    """What vLLM's ``rocm_aiter_ops.batched_gemm_a16wfp4(q_nope.transpose(0, 1), W_K, W_K_scale,
+    transpose_bm=True, prequant=True, y_scale=...)`` returns: ql_nope [T, H, L] in bf16. AITER's
+    activation quant mis-scales on sm90 any group whose scale exponent is negative (max|x| below
+    about 3.5): compare there only on groups above that."""
+    return peer(FP4_BMM)(q_nope.transpose(0, 1), w_k, w_k_scale, transpose_bm=True, prequant=True, y_scale=y_scale)

@@ -34,13 +34,8 @@ class AbsorbVariant(str, enum.Enum):
     AMX = "amx"  # the CPU AMX BMM
 
 
-# The W_UK absorptions absorb_qk_cache folds into its launch, and why the others are not.
-FOLDED_ABSORPTIONS = frozenset({AbsorbVariant.BF16, AbsorbVariant.FP8})
-UNFOLDED = {
-    AbsorbVariant.FP4: "no MXFP4 kernel could be verified (AITER's fused fp4 kernel mis-scales inputs whose group "
-                       "maximum is below ~3.5 on Triton backends that clamp a negative exponent)",
-    AbsorbVariant.AMX: "the AMX (CPU) absorption is not reproduced",
-}
+# The W_UK absorptions the fused decode reproduces (absorb_qk_cache folds each into its launch).
+FOLDED_ABSORPTIONS = frozenset({AbsorbVariant.BF16, AbsorbVariant.FP8, AbsorbVariant.FP4})
 
 
 class DecodePath(str, enum.Enum):
@@ -81,7 +76,7 @@ def _refusal(x: QkCacheInputs) -> str | None:
         (x.hisparse, "HiSparse is on (its cursor and remapped slots must run)"),
         (x.q_pad_num_heads is not None, f"query heads are padded to {x.q_pad_num_heads}"),
         (x.num_heads < 1, f"{x.num_heads} heads per rank"),
-        (x.absorb is AbsorbVariant.AMX, "the AMX (CPU) W_UK absorption is not reproduced"),
+        (x.absorb not in FOLDED_ABSORPTIONS, f"the {x.absorb.value} W_UK absorption is not reproduced"),
         (not x.quant_query_input, "the attention backend does not take an fp8 query"),
         (x.traced_whole, TRACED_WHOLE),
     ]
@@ -110,16 +105,13 @@ def decide_qk_cache(x: QkCacheInputs) -> LayerDecision:
 
 def decide_absorb(x: QkCacheInputs, qk: LayerDecision, provider_setting: str,
                   provider_missing: dict[str, str | None]) -> LayerDecision:
-    """absorb_qk_cache: the qk_cache conditions, a bf16 W_UK_T, and no vLLM-owned fused decode to
-    defer to (auto mode keeps vLLM's own path where it applies)."""
+    """absorb_qk_cache: the qk_cache conditions (a folded W_UK absorption among them) and no vLLM-owned
+    fused decode to defer to (auto mode keeps vLLM's own path where it applies)."""
     if x.stock_mode:
         return LayerDecision(FusionState.FORCED_STOCK, None, "stock mode: the absorption is its own launch")
     refusal = _refusal(x)
     if refusal:
         return LayerDecision(FusionState.REFUSED, None, refusal)
-    if x.absorb not in FOLDED_ABSORPTIONS:
-        return LayerDecision(FusionState.REFUSED, None, f"the {x.absorb.value} W_UK absorption is not folded "
-                             f"(folded: {', '.join(v.value for v in FOLDED_ABSORPTIONS)}): {UNFOLDED[x.absorb]}")
     if qk.state is FusionState.UPSTREAM and provider_setting == AUTO:
         return LayerDecision(FusionState.DISABLED, None,
                              "deferred: vLLM's own fused decode owns this layer (it keeps its own absorption)")

@@ -29,19 +29,28 @@ def block_t(num_tokens: int) -> int:
 
 
 @triton.jit
-def query_operands(pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, num_tokens, token_blocks,
-                   P: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+def query_rows(pid, q_nope_ptr, s_qn_t, s_qn_h, num_tokens, token_blocks, P: tl.constexpr, L: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     """A query program's share: its latent column block, head, token rows (int64 offsets, live mask),
-    columns, and the q_nope rows [BLOCK_T, P] and W slice [P, BLOCK_N] it multiplies."""
+    columns, and the q_nope rows [BLOCK_T, P] it multiplies."""
     column_blocks: tl.constexpr = L // BLOCK_N
     column = pid % column_blocks
     head = pid // (column_blocks * token_blocks)
     tokens = ((pid // column_blocks) % token_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = (tokens < num_tokens)[:, None]
     t64 = tokens.to(tl.int64)[:, None]
-    offs_k = tl.arange(0, P)
     offs_n = column * BLOCK_N + tl.arange(0, BLOCK_N)
-    q_nope = tl.load(q_nope_ptr + t64 * s_qn_t + head * s_qn_h + offs_k[None, :], mask=live, other=0.0)
+    q_nope = tl.load(q_nope_ptr + t64 * s_qn_t + head * s_qn_h + tl.arange(0, P)[None, :], mask=live, other=0.0)
+    return column, head, t64, live, offs_n, q_nope
+
+
+@triton.jit
+def query_operands(pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, num_tokens, token_blocks,
+                   P: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``query_rows`` and the W slice [P, BLOCK_N] the program multiplies them by."""
+    column, head, t64, live, offs_n, q_nope = query_rows(pid, q_nope_ptr, s_qn_t, s_qn_h, num_tokens, token_blocks,
+                                                         P, L, BLOCK_T, BLOCK_N)
+    offs_k = tl.arange(0, P)
     w = tl.load(w_ptr + head.to(tl.int64) * s_w_h + offs_k[:, None] * s_w_k + offs_n[None, :] * s_w_n)
     return column, head, t64, live, offs_n, q_nope, w
 

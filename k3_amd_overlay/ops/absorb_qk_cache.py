@@ -1,12 +1,13 @@
-"""``fused_absorb_qk_cache`` and ``fused_absorb_fp8_qk_cache``: the decode query path from q_nope to
-the fp8 query in one launch (vLLM's W_UK absorption, bf16 or fp8-quantised, folded into
-``fused_qk_cache``), with the KV-cache write; their providers and input contracts."""
+"""``fused_absorb_qk_cache``, ``fused_absorb_fp8_qk_cache`` and ``fused_absorb_mxfp4_qk_cache``: the
+decode query path from q_nope to the fp8 query in one launch (vLLM's W_UK absorption, bf16, fp8- or
+MXFP4-quantised, folded into ``fused_qk_cache``), with the KV-cache write; their providers and input
+contracts."""
 
 from __future__ import annotations
 
 import torch
 
-from k3_amd_overlay import package
+from k3_amd_overlay import mxfp4, package
 from k3_amd_overlay.fp8 import E4M3FNUZ, Fp8Format, format_of
 from k3_amd_overlay.ops import aiter_absorb, reference
 from k3_amd_overlay.ops import qk_cache as qk_cache_op
@@ -14,6 +15,7 @@ from k3_amd_overlay.ops.availability import first_available, triton_missing
 
 OP = "fused_absorb_qk_cache"
 OP_FP8 = "fused_absorb_fp8_qk_cache"
+OP_MXFP4 = "fused_absorb_mxfp4_qk_cache"
 FUSED_PROVIDERS = package.FUSED_PROVIDERS[package.ABSORB_QK_CACHE]
 FP8_GROUP = 128  # vLLM's fp8 BMM quantises q_nope in groups of this many lanes
 
@@ -23,12 +25,18 @@ def _pow2(n: int) -> bool:
 
 
 def provider_missing(device: torch.device, nope: int, lora: int, rope: int, fp8_weights: bool = False,
-                     weight_format: Fp8Format | None = None) -> dict[str, str | None]:
+                     weight_format: Fp8Format | None = None, mxfp4_weights: bool = False) -> dict[str, str | None]:
     """For each provider, why it cannot run for tensors on ``device`` at these widths, with a bf16
-    W_UK_T or (``fp8_weights``) vLLM's fp8 W_K in ``weight_format`` (None: it can)."""
+    W_UK_T, (``fp8_weights``) vLLM's fp8 W_K in ``weight_format`` or (``mxfp4_weights``) its MXFP4
+    W_K (None: it can)."""
     triton = triton_missing(device)
     if triton is None and not all(_pow2(n) for n in (nope, lora, rope)):
         triton = f"the Triton kernel needs power-of-two P, L, R (got {nope}, {lora}, {rope})"
+    if mxfp4_weights:
+        if triton is None and nope < 2 * mxfp4.GROUP:
+            triton = f"the MXFP4 kernel takes P >= {2 * mxfp4.GROUP}, got {nope}"
+        return {"triton": triton, "aiter": aiter_absorb.missing(device, aiter_absorb.AITER_FP4_NAME),
+                "reference": None}
     if fp8_weights:
         if nope != FP8_GROUP:
             triton = triton or f"the fp8 kernel takes P = {FP8_GROUP} (one quant group), got {nope}"
@@ -167,3 +175,76 @@ def run_fp8_provider(name: str, q_nope: torch.Tensor, w_k: torch.Tensor, w_k_sca
 
         absorb_fp8_qk_cache(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, kv_cache.view(torch.uint8), slot_mapping,
                             k_scale, q_scale, q_out.view(torch.uint8), fmt)
+
+
+def fused_absorb_mxfp4_qk_cache(
+    q_nope: torch.Tensor,
+    w_k: torch.Tensor,
+    w_k_scale: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    q_scale: torch.Tensor,
+    *,
+    q_out: torch.Tensor | None = None,
+    provider: str = "auto",
+    kv_format: str | None = None,
+) -> torch.Tensor:
+    """``fused_qk_cache`` with ``ql_nope`` from vLLM's MXFP4 W_UK absorption computed inside.
+
+    q_nope [T, H, P] (P a multiple of 32, unit last stride); W_K [H, L, P / 2] uint8 (packed e2m1,
+    vLLM's ``W_K``, any strides) and W_K_scale [H, L, P / 32] uint8 (e8m0, vLLM's ``W_K_scale``).
+    ``ql_nope`` is what vLLM's ``rocm_aiter_ops.batched_gemm_a16wfp4(q_nope, W_K, W_K_scale,
+    transpose_bm=True, prequant=True, y_scale=q_scale)`` returns when attention is fp8 (see
+    ``reference.absorb_w_k_mxfp4_reference``): q_scale divides ql_nope there and again in the query
+    quant, as on vLLM's stock path; the rest is ``fused_qk_cache``'s contract. ``provider``: auto,
+    triton, aiter (ROCm with AITER's MXFP4 support) or reference.
+    """
+    if q_nope.dim() != 3 or w_k.dim() != 3 or w_k_scale.dim() != 3:
+        raise ValueError(f"{OP_MXFP4}: q_nope must be [T, H, P], W_K [H, L, P/2] and W_K_scale [H, L, P/32], got "
+                         f"{tuple(q_nope.shape)}, {tuple(w_k.shape)} and {tuple(w_k_scale.shape)}")
+    tokens, heads, nope = q_nope.shape
+    if nope % mxfp4.GROUP or w_k.shape[0] != heads or w_k.shape[2] * 2 != nope:
+        raise ValueError(f"{OP_MXFP4}: W_K must be [H={heads}, L, P/2={nope // 2}] with P a multiple of "
+                         f"{mxfp4.GROUP}, got {tuple(w_k.shape)}")
+    expected_scale = (heads, w_k.shape[1], nope // mxfp4.GROUP)
+    if tuple(w_k_scale.shape) != expected_scale:
+        raise ValueError(f"{OP_MXFP4}: W_K_scale must be [H, L, P/32] = {expected_scale}, got "
+                         f"{tuple(w_k_scale.shape)}")
+    if w_k.dtype != torch.uint8 or w_k_scale.dtype != torch.uint8:
+        raise ValueError(f"{OP_MXFP4}: W_K and W_K_scale must be uint8 (packed e2m1, e8m0), got {w_k.dtype} "
+                         f"and {w_k_scale.dtype}")
+    if w_k.device != q_nope.device or w_k_scale.device != q_nope.device:
+        raise ValueError(f"{OP_MXFP4}: W_K on {w_k.device} and W_K_scale on {w_k_scale.device}, q_nope on "
+                         f"{q_nope.device}")
+    call = qk_cache_op.check_inputs(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
+                                    kv_format, lora=w_k.shape[1])
+    q_out = qk_cache_op.q_out_for(call, q_out, q_nope.device, OP_MXFP4)
+    missing = provider_missing(q_nope.device, nope, call.lora, call.rope, mxfp4_weights=True)
+    name = first_available(missing, provider, OP_MXFP4)
+    if tokens:
+        run_mxfp4_provider(name, q_nope, w_k, w_k_scale, q_pe, kv_c, call.k_pe, call.kv_cache, slot_mapping,
+                           k_scale, q_scale, q_out, call.fmt)
+    return q_out
+
+
+def run_mxfp4_provider(name: str, q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torch.Tensor,
+                       q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, k_scale: torch.Tensor, q_scale: torch.Tensor,
+                       q_out: torch.Tensor, fmt: Fp8Format) -> None:
+    """Run one already-chosen provider on checked inputs: the per-layer hot path calls this."""
+    if name == "reference":
+        ql_nope = reference.absorb_w_k_mxfp4_reference(q_nope, w_k, w_k_scale, q_scale)
+        reference.qk_cache_reference(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
+                                     q_out, fmt)
+    elif name == "aiter":
+        aiter_absorb.run_mxfp4(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
+                               q_out, fmt)
+    else:
+        from k3_amd_overlay.kernels.absorb_mxfp4_qk_cache import absorb_mxfp4_qk_cache
+
+        absorb_mxfp4_qk_cache(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, kv_cache.view(torch.uint8), slot_mapping,
+                              k_scale, q_scale, q_out.view(torch.uint8), fmt)

@@ -1,7 +1,8 @@
 """The fused decode step of one K3 MLA layer: the site acting on the layer's decode plan
 (fusions/qk_cache.py). For a batch the plan takes, it runs one fused launch in place of the KV
-write, the query concat and its fp8 quant (after vLLM's own W_UK absorption) or of all four, then
-vLLM's own MQA kernel and V up-projection; any other batch runs vLLM's stock attention call."""
+write, the query concat and its fp8 quant (after vLLM's own W_UK absorption) or of all four (the
+absorption bf16, fp8 or MXFP4, as the layer's stock path runs it), then vLLM's own MQA kernel and V
+up-projection; any other batch runs vLLM's stock attention call."""
 
 from __future__ import annotations
 
@@ -101,7 +102,11 @@ class DecodeSite:
                             dtype=self.fmt.dtype, device=q.device)[:, :heads]
         kv_c, k_pe, slots = kv_c_normed[:num_tokens], k_pe[:num_tokens].reshape(num_tokens, -1), \
             slot_mapping.flatten()[:num_tokens]
-        if path is DecodePath.ABSORB and plan.absorb is AbsorbVariant.FP8:
+        if path is DecodePath.ABSORB and plan.absorb is AbsorbVariant.FP4:
+            self.on_absorb_effective(batch_rows)
+            absorb_op.run_mxfp4_provider(plan.absorb_decision.provider, q_nope, attn.W_K, attn.W_K_scale, q_pe, kv_c,
+                                         k_pe, cache, slots, attn._k_scale, attn._q_scale, q_out, self.fmt)
+        elif path is DecodePath.ABSORB and plan.absorb is AbsorbVariant.FP8:
             self.on_absorb_effective(batch_rows)
             absorb_op.run_fp8_provider(plan.absorb_decision.provider, q_nope, attn.W_K, attn.W_K_scale, q_pe, kv_c,
                                        k_pe, cache, slots, attn._k_scale, attn._q_scale, q_out, self.fmt,

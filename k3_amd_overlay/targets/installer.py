@@ -126,7 +126,7 @@ class LayerInstaller:
         if requested(ABSORB_QK_CACHE):
             missing = {} if self.stock else vllm_env.with_vllm_aiter_switch(absorb_qk_cache.provider_missing(
                 layer_device(wrapper), attn.qk_nope_head_dim, attn.kv_lora_rank, attn.qk_rope_head_dim,
-                fp8_weights=inputs.absorb is AbsorbVariant.FP8))
+                fp8_weights=inputs.absorb is AbsorbVariant.FP8, mxfp4_weights=inputs.absorb is AbsorbVariant.FP4))
             absorb = decide_absorb(inputs, decision, self.settings.provider(ABSORB_QK_CACHE), missing)
         if decision.state is FusionState.APPLIED and decision.provider == "aiter":
             # every table and buffer the fused path reads, built now, never inside a graph capture
