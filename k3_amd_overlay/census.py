@@ -21,25 +21,30 @@ from typing import Any
 
 from k3_amd_overlay.kernels.names import (
     ABSORB_FP8_QK_CACHE_KERNEL,
+    ABSORB_MXFP4_QK_CACHE_KERNEL,
     ABSORB_QK_CACHE_KERNEL,
     QK_CACHE_KERNEL,
     RMSNORM_PAIR_KERNEL,
+    STATIC_QUANT_KERNEL,
 )
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 
 # One table of the kernels each fusion removes and adds, matched as substrings of the full
-# kernel name: AITER's, vLLM's and the overlay's own.
+# kernel name: AITER's, vLLM's and the overlay's own. A kernel is counted once per fusion, under
+# the first pattern it matches, "adds" before "removes" (AITER's fused BMM kernels contain "bmm"),
+# each list's specific names before its generic ones.
 FUSION_KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
     QK_CACHE: {
         "removes": ("concat_and_cache_mla", "CatArrayBatchedCopy", "scaled_quant",
                     "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal"),
         "adds": ("fuse_qk_rope_concat_and_cache_mla", QK_CACHE_KERNEL),
     },
-    ABSORB_QK_CACHE: {  # the bf16 W_UK_T's bmm (torch/hipBLASLt) or vLLM's fp8 one (AITER's batched GEMM)
+    ABSORB_QK_CACHE: {  # the bf16 W_UK_T's bmm (torch/hipBLASLt) or vLLM's fp8 / MXFP4 one (AITER's GEMMs)
         "removes": ("concat_and_cache_mla", "CatArrayBatchedCopy", "scaled_quant",
-                    "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal", QK_CACHE_KERNEL, "bmm", "gemm", "Cijk_",
-                    "batched_gemm_a8w8"),
-        "adds": (ABSORB_QK_CACHE_KERNEL, ABSORB_FP8_QK_CACHE_KERNEL, "fused_fp8_bmm_rope_cat_and_cache_mla"),
+                    "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal", QK_CACHE_KERNEL, "batched_gemm_a8w8",
+                    "batched_gemm_a16wfp4", "bmm", "gemm", "Cijk_"),
+        "adds": (ABSORB_QK_CACHE_KERNEL, ABSORB_FP8_QK_CACHE_KERNEL, ABSORB_MXFP4_QK_CACHE_KERNEL,
+                 "fused_fp8_bmm_rope_cat_and_cache_mla", "fused_fp4_bmm_rope_cat_and_cache_mla", STATIC_QUANT_KERNEL),
     },
     QKV_NORM: {
         "removes": ("rms_norm_kernel", "rmsnorm_kernel"),
@@ -190,14 +195,27 @@ def render(census: Census, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def _claims(census: Census, patterns: tuple[str, ...]) -> dict[str, KernelStats]:
+    """Each kernel's stats (summed over ranks) under the first of ``patterns`` its name contains."""
+    claimed: dict[str, KernelStats] = {pattern: KernelStats() for pattern in patterns}
+    for name, stats in census.total().items():
+        pattern = next((p for p in patterns if p in name), None)
+        if pattern is not None:
+            claimed[pattern].count += stats.count
+            claimed[pattern].total_us += stats.total_us
+    return claimed
+
+
 def render_comparison(baseline: Census, candidate: Census, steps: int | None, layers: int) -> str:
     lines = []
     ranks = max(len(baseline.ranks), 1), max(len(candidate.ranks), 1)
     for fusion, kinds in FUSION_KERNELS.items():
         rows = []
         region = [0.0, 0.0]
+        patterns = (*kinds["adds"], *kinds["removes"])
+        claimed = {side: _claims(census, patterns) for side, census in (("b", baseline), ("c", candidate))}
         for pattern in (*kinds["removes"], *kinds["adds"]):
-            b, c = baseline.matching(pattern), candidate.matching(pattern)
+            b, c = claimed["b"][pattern], claimed["c"][pattern]
             if b.count or c.count:
                 rows.append([pattern, f"{b.count} × {b.mean_us:.2f} = {b.total_us:.1f}",
                              f"{c.count} × {c.mean_us:.2f} = {c.total_us:.1f}"])

@@ -28,6 +28,7 @@ from k3_amd_overlay.bench.baselines import (
 from k3_amd_overlay.bench.timing import bandwidth_bytes_per_us, eager_us, graph_us
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
 from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
+from k3_amd_overlay.kernels.absorb_mxfp4_qk_cache import absorb_mxfp4_qk_cache
 from k3_amd_overlay.kernels.absorb_qk_cache import BLOCK_N, absorb_qk_cache
 from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
 from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
@@ -283,13 +284,91 @@ def sweep_absorb_fp8(heads_list: list[int], tokens_list: list[int], fmt: Fp8Form
     return results
 
 
+def mxfp4_weights(heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 W_K [H, L, P/2] and e8m0 W_K_scale [H, L, P/32] in vLLM's layout (transposed views of
+    the [L, H, ...] quant), scales around 2**-5 as a bf16 W_UK of magnitude ~0.1 gives."""
+    lora, nope = k3.KV_LORA_RANK, k3.QK_NOPE_HEAD_DIM
+    w_k = torch.randint(0, 256, (lora, heads, nope // 2), dtype=torch.uint8, device="cuda").transpose(0, 1)
+    w_k_scale = torch.randint(120, 125, (lora, heads, nope // 32), dtype=torch.uint8, device="cuda").transpose(0, 1)
+    return w_k, w_k_scale
+
+
+def bench_absorb_mxfp4(heads_list: list[int], tokens_list: list[int], bw: float, empty: dict[str, float],
+                       peers: bool, fmt: Fp8Format = E4M3FN, sweep: bool = False) -> list[dict]:
+    """vLLM's MXFP4 W_UK absorption folded in: the unfused fp4 path (AITER's MXFP4 GEMM, then the
+    overlay's qk_cache launch) and AITER's own fused fp4 kernel (its launch alone; on sm90 it mis-scales
+    groups below ~3.5, which changes no time), against the overlay's one launch. ``sweep``: the
+    overlay kernel's launch shapes instead."""
+    results = []
+    lora, rope, nope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM
+    shapes = [(n, w, t) for n in (16, 32, 64, 128) for w in (4, 8) for t in (0, 1)]
+    if sweep:
+        print("\n### MXFP4 absorb kernel launch shapes (graph µs; BLOCK_N x num_warps, t1: one token a program)")
+        print("| H | B | " + " | ".join(f"{n}x{w}" + ("t1" if t else "") for n, w, t in shapes) + " |")
+        print("|---|---|" + "---|" * len(shapes))
+    else:
+        print(f"\n### absorb_qk_cache, MXFP4 W_UK (VLLM_ROCM_USE_AITER_FP4BMM): one launch vs peers ({fmt.name})")
+        print("| H | B | mode | one launch µs | bytes/bw µs | one launch / max(one-load, bytes) |"
+              + (" fp4 bmm + qk_cache µs | vs it | AITER fused µs | vs it | aiter provider µs |" if peers else ""))
+        print("|---|---|---|---|---|---|" + ("---|---|---|---|---|" if peers else ""))
+    for heads in heads_list:
+        w_k, w_k_scale = mxfp4_weights(heads)
+        for tokens in tokens_list:
+            q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(tokens, heads)
+            if sweep:
+                times = [graph_us(lambda n=n, w=w, t=t: absorb_mxfp4_qk_cache(
+                    q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt, n, w,
+                    1 if t else None)) for n, w, t in shapes]
+                print("| " + row(heads, tokens, *times) + " |")
+                results.append(dict(op="absorb_mxfp4_sweep", heads=heads, tokens=tokens,
+                                    times={f"{n}x{w}" + ("t1" if t else ""): us
+                                           for (n, w, t), us in zip(shapes, times, strict=True)}))
+                continue
+
+            def one() -> None:
+                absorb_mxfp4_qk_cache(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale,
+                                      q_out, fmt)
+
+            def unfused() -> None:
+                ql_nope = aiter_peers.fp4_bmm(q_nope, w_k, w_k_scale, q_scale)
+                qk_cache(ql_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt)
+
+            def aiter_fused() -> None:
+                aiter_absorb.fused_query_mxfp4(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache.view(fmt.dtype),
+                                               slots, k_scale, q_scale)
+
+            def aiter_provider() -> None:
+                aiter_absorb.run_mxfp4(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache.view(fmt.dtype), slots,
+                                       k_scale, q_scale, q_out.view(fmt.dtype), fmt)
+
+            moved = (heads * lora * (nope // 2 + nope // 32) + tokens * heads * (nope + rope) * 2
+                     + tokens * (lora + rope) * 2 + tokens * 8 + tokens * (heads + 1) * (lora + rope))
+            floor_bw = moved / bw
+            for mode, timer in (("graph", graph_us), ("eager", eager_us)):
+                t_one = timer(one)
+                floor = max(empty["one_load_" + mode], floor_bw)
+                result = dict(op="absorb_qk_cache_mxfp4", heads=heads, tokens=tokens, mode=mode, fused_us=t_one,
+                              bytes_bw_us=floor_bw, fused_over_load_floor=t_one / floor)
+                cells = [heads, tokens, mode, t_one, floor_bw, t_one / floor]
+                if peers:
+                    result.update(baseline_us=timer(unfused), aiter_fused_us=timer(aiter_fused),
+                                  aiter_provider_us=timer(aiter_provider))
+                    result.update(ratio=result["baseline_us"] / t_one, ratio_vs_aiter=result["aiter_fused_us"] / t_one)
+                    cells += [result["baseline_us"], result["ratio"], result["aiter_fused_us"],
+                              result["ratio_vs_aiter"], result["aiter_provider_us"]]
+                print("| " + row(*cells) + " |")
+                results.append(result)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--absorb-block-n", type=int, nargs="+", help="absorb kernel column blocks to compare")
     parser.add_argument("--sweep-fp8", action="store_true", help="the fp8 absorb kernel's launch shapes")
-    parser.add_argument("--only", choices=("qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_fp8"),
+    parser.add_argument("--sweep-mxfp4", action="store_true", help="the MXFP4 absorb kernel's launch shapes")
+    parser.add_argument("--only", choices=("qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_fp8", "absorb_mxfp4"),
                         help="one section")
     parser.add_argument("--peers", choices=("aiter",), help="add AMD's AITER Triton kernels as columns "
                         f"(on ROCm from the installed AITER; elsewhere from ${aiter_peers.AITER_TREE})")
@@ -332,6 +411,13 @@ def main() -> int:
     elif args.only in (None, "absorb_fp8"):
         results += bench_absorb_fp8([3, 12] if args.quick else [3, 6, 12, 16],
                                     [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty, peers)
+    if args.sweep_mxfp4:
+        results += bench_absorb_mxfp4([3, 12, 16], [1, 4, 8, 32, 64], bw, empty, False, sweep=True)
+    elif args.only in (None, "absorb_mxfp4"):
+        mxfp4_peers = peers and not aiter_peers.fp4_missing()
+        results += bench_absorb_mxfp4([3, 12] if args.quick else [3, 6, 12, 16],
+                                      [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty,
+                                      mxfp4_peers)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(dict(device=props.name, torch=torch.__version__, triton=triton.__version__,

@@ -55,7 +55,7 @@ def batched_gemm_a16wfp4(x, w, w_scales, dtype=torch.bfloat16, y=None, config=No
     same wherever the fp32 sum is exact), times fp32(1 / y_scale), cast to ``dtype``; out (M, B, N) with
     ``transpose_bm``. vLLM pre-compiles with large empty inputs: more than 64 rows get an empty output."""
     assert prequant, "AITER supports prequant=True only"
-    batches, rows, k = x.shape
+    batches, rows, _ = x.shape
     n = w.shape[1]
     shape = (rows, batches, n) if transpose_bm else (batches, rows, n)
     if rows > 64:

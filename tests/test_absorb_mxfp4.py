@@ -90,7 +90,7 @@ def test_reference_quant_agrees_with_aiters_bit_procedure():
 @pytest.mark.parametrize("q_scale", [1.0, 0.7123])
 def test_reference_gemm_agrees_with_the_standin(q_scale):
     """ql_nope of the reference = the stand-in GEMM vLLM's stock path calls, y_scale included."""
-    case, q_nope, w_k, w_k_scale = mxfp4_case(9, 3)
+    _, q_nope, w_k, w_k_scale = mxfp4_case(9, 3)
     y_scale = torch.tensor(q_scale, device=DEVICE)
     want = batched_gemm_a16wfp4(q_nope.transpose(0, 1).cpu(), w_k.cpu(), w_k_scale.cpu(), transpose_bm=True,
                                 y_scale=y_scale.cpu())

@@ -14,6 +14,7 @@ import torch
 
 from k3_amd_overlay import census
 from k3_amd_overlay.cli import main
+from k3_amd_overlay.kernels.names import STATIC_QUANT_KERNEL
 
 DATA = Path(__file__).parent / "data"
 FUSED, BASELINE = DATA / "trace-fused-rank0.json.gz", DATA / "trace-baseline-rank0.json.gz"
@@ -98,15 +99,49 @@ def test_bad_expect_and_missing_paths():
 def test_census_names_are_the_kernels_own_names():
     """Each of the overlay's census names is the name its Triton kernel launches under."""
     pytest.importorskip("triton")
-    from k3_amd_overlay.kernels import absorb_fp8_qk_cache, absorb_qk_cache, names, qk_cache, rmsnorm_pair, static_quant
+    from k3_amd_overlay.kernels import (
+        absorb_fp8_qk_cache,
+        absorb_mxfp4_qk_cache,
+        absorb_qk_cache,
+        names,
+        qk_cache,
+        rmsnorm_pair,
+        static_quant,
+    )
 
     assert qk_cache.qk_cache_kernel.fn.__name__ == names.QK_CACHE_KERNEL
     assert absorb_qk_cache.absorb_qk_cache_kernel.fn.__name__ == names.ABSORB_QK_CACHE_KERNEL
     assert absorb_fp8_qk_cache.absorb_fp8_qk_cache_kernel.fn.__name__ == names.ABSORB_FP8_QK_CACHE_KERNEL
+    assert absorb_mxfp4_qk_cache.absorb_mxfp4_qk_cache_kernel.fn.__name__ == names.ABSORB_MXFP4_QK_CACHE_KERNEL
     assert rmsnorm_pair.rmsnorm_pair_kernel.fn.__name__ == names.RMSNORM_PAIR_KERNEL
-    assert static_quant.scaled_quant_kernel.fn.__name__ == names.STATIC_QUANT_KERNEL
+    assert static_quant.query_fp8_quant_kernel.fn.__name__ == names.STATIC_QUANT_KERNEL
     tables = {kernel for kinds in census.FUSION_KERNELS.values() for kernel in kinds["adds"]}
     assert {names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL,
-            names.RMSNORM_PAIR_KERNEL} <= tables
-    removed = census.FUSION_KERNELS["absorb_qk_cache"]["removes"]
-    assert any(name in names.STATIC_QUANT_KERNEL for name in removed)  # a stock quant, when counted
+            names.ABSORB_MXFP4_QK_CACHE_KERNEL, names.STATIC_QUANT_KERNEL, names.RMSNORM_PAIR_KERNEL} <= tables
+    removed = census.FUSION_KERNELS["qk_cache"]["removes"] + census.FUSION_KERNELS["absorb_qk_cache"]["removes"]
+    assert not any(name in names.STATIC_QUANT_KERNEL for name in removed)  # never taken for a stock quant
+
+
+def _trace(path: Path, kernels: dict[str, int]) -> Path:
+    events = [{"ph": "X", "cat": "kernel", "name": name, "ts": i, "dur": 2.0}
+              for name, count in kernels.items() for i in range(count)]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_a_kernel_matching_a_removed_and_an_added_pattern_is_counted_once(tmp_path):
+    """AITER's fused fp8 / fp4 BMM kernels contain "bmm" (a removed pattern): each fused launch is
+    counted once, as added, and the region's time is not doubled."""
+    base = census.read_census([_trace(tmp_path / "base_rank0.json", {
+        "_batched_gemm_a16wfp4_kernel": 4, "vllm::concat_and_cache_mla_kernel": 4, "triton_poi_fused__to_copy_cat_"
+        "clamp_mul_reciprocal_0": 4})])
+    fused = census.read_census([_trace(tmp_path / "fused_rank0.json", {
+        "_fused_fp4_bmm_rope_cat_and_cache_mla_kernel": 4, STATIC_QUANT_KERNEL: 4})])
+    out = census.render_comparison(base, fused, steps=None, layers=1)
+    section = out.split("absorb_qk_cache (summed")[1]
+    assert "absorb_qk_cache region: 24.0 µs -> 16.0 µs (1.50x)" in section
+    assert "| bmm |" not in section
+    assert "| fused_fp4_bmm_rope_cat_and_cache_mla | 0 × 0.00 = 0.0 | 4 × 2.00 = 8.0 |" in section
+    assert "| batched_gemm_a16wfp4 | 4 × 2.00 = 8.0 | 0 × 0.00 = 0.0 |" in section  # by its own name
+    assert "| gemm |" not in section
+    assert "| query_fp8_quant_kernel | 0 × 0.00 = 0.0 | 4 × 2.00 = 8.0 |" in section

@@ -19,10 +19,22 @@ import triton.language as tl
 
 from k3_amd_overlay import mxfp4
 from k3_amd_overlay.fp8 import Fp8Format
-from k3_amd_overlay.kernels.absorb_fp8_qk_cache import launch_shape
-from k3_amd_overlay.kernels.absorb_qk_cache import query_rows, store_query
+from k3_amd_overlay.kernels.absorb_qk_cache import block_t, query_rows, store_query
 from k3_amd_overlay.kernels.qk_cache import fp8_mode, write_kv_row
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
+
+
+def launch_shape(num_tokens: int, num_heads: int) -> tuple[int, int, int]:
+    """(latent columns per program, warps, tokens per program): the fastest of 16-128 x 4/8 x 1/16+ on an
+    H200 (docs/benchmarks.md): narrow one-token programs for one token, then wider column blocks with
+    more warps as heads and tokens grow (the in-register dequant is the work that grows)."""
+    if num_tokens == 1:
+        return 16, 4, 1
+    if num_tokens <= 8:
+        return (32, 4, 16) if num_heads <= 6 else (64, 8, 16)
+    if num_tokens <= 32:
+        return 32, 4, 16
+    return (64, 8, block_t(num_tokens)) if num_tokens <= 64 else (128, 8, block_t(num_tokens))
 
 
 @triton.jit
@@ -134,6 +146,7 @@ def absorb_mxfp4_qk_cache(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: to
         num_tokens, num_heads, cache_bytes.shape[1], fmt.fmax,
         P=nope, L=lora, R=rope, BLOCK_T=tokens_per_program, BLOCK_N=block_n, GROUP=mxfp4.GROUP,
         AMAX_ROUND_BITS=mxfp4.AMAX_ROUND_BITS, EXPONENT_OFFSET=mxfp4.SCALE_EXPONENT_OFFSET,
-        E2M1_MAX=mxfp4.E2M1_MAX,         FP8_MODE=fp8_mode(fmt, q_nope.device), num_warps=num_warps, DOT_IN_FP32=q_nope.device.type != "cuda",
+        E2M1_MAX=mxfp4.E2M1_MAX, FP8_MODE=fp8_mode(fmt, q_nope.device), num_warps=num_warps,
+        DOT_IN_FP32=q_nope.device.type != "cuda",
         EMULATE_BF16=emulate_bf16(q_nope.device),
     )

@@ -13,7 +13,7 @@ from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode
 
 
 @triton.jit
-def scaled_quant_kernel(x_ptr, out_ptr, scale_ptr, fmax, heads, s_x_t, s_x_h, s_out_t, s_out_h, D: tl.constexpr,
+def query_fp8_quant_kernel(x_ptr, out_ptr, scale_ptr, fmax, heads, s_x_t, s_x_h, s_out_t, s_out_h, D: tl.constexpr,
                         BLOCK: tl.constexpr, FP8_MODE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t, h = row // heads, row % heads
@@ -28,6 +28,6 @@ def scaled_quant_kernel(x_ptr, out_ptr, scale_ptr, fmax, heads, s_x_t, s_x_h, s_
 def scaled_quant(x: torch.Tensor, scale: torch.Tensor, out_bytes: torch.Tensor, fmt: Fp8Format) -> None:
     """``out = fp8(clamp(x / scale))`` for x [T, H, D] (unit last stride) into a uint8 view [T, H, D]."""
     tokens, heads, width = x.shape
-    scaled_quant_kernel[(tokens * heads,)](
+    query_fp8_quant_kernel[(tokens * heads,)](
         x, out_bytes, scale, fmt.fmax, heads, x.stride(0), x.stride(1), out_bytes.stride(0), out_bytes.stride(1),
         D=width, BLOCK=triton.next_power_of_2(width), FP8_MODE=fp8_mode(fmt, x.device), num_warps=4)
