@@ -112,15 +112,19 @@ def selftest(device: torch.device) -> list[dict[str, Any]]:
         w_uk = torch.randn(k3.KV_LORA_RANK, heads, k3.QK_NOPE_HEAD_DIM, device=device) / 8
         q_nope = (torch.randn(tokens, heads, k3.QK_NOPE_HEAD_DIM, device=device) * 2).to(torch.bfloat16)
         w_k_scale = (w_uk.abs().max() / fmt.fmax).float()
-        weights = {  # W_UK_T as vLLM holds it in bf16; W_K and W_K_scale as its fp8 BMM holds them
+        codes, e8m0 = reference.mxfp4_quantize_reference(w_uk.to(torch.bfloat16))
+        weights = {  # W_UK_T as vLLM holds it in bf16; W_K and W_K_scale as its fp8 and MXFP4 BMMs hold them
             "bf16": (w_uk.to(torch.bfloat16).permute(1, 2, 0),),
             "fp8": ((w_uk.transpose(0, 1) / w_k_scale).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype), w_k_scale),
+            "fp4": (reference.pack_e2m1(codes).transpose(0, 1), e8m0.transpose(0, 1)),
         }
+        ops = {"bf16": absorb_op.fused_absorb_qk_cache, "fp8": absorb_op.fused_absorb_fp8_qk_cache,
+               "fp4": absorb_op.fused_absorb_mxfp4_qk_cache}
         for variant, weight in weights.items():
             absorb_outs = {}
-            fp8_weights = variant == "fp8"
-            op = absorb_op.fused_absorb_fp8_qk_cache if fp8_weights else absorb_op.fused_absorb_qk_cache
-            for name, missing in absorb_op.provider_missing(device, *K3_ABSORB_WIDTHS, fp8_weights).items():
+            op = ops[variant]
+            for name, missing in absorb_op.provider_missing(device, *K3_ABSORB_WIDTHS, fp8_weights=variant == "fp8",
+                                                            mxfp4_weights=variant == "fp4").items():
                 if missing:
                     results.append({"op": ABSORB_QK_CACHE, "W_UK": variant, "format": fmt.name, "provider": name,
                                     "ran": False, "why not": missing})
@@ -189,6 +193,8 @@ def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
         QKV_NORM: rmsnorm_pair.provider_missing(device, k3.RMS_NORM_EPS, k3.RMS_NORM_EPS),
         QK_CACHE: qk_op.provider_missing(device),
         ABSORB_QK_CACHE: absorb_op.provider_missing(device, *K3_ABSORB_WIDTHS),
+        f"{ABSORB_QK_CACHE} (fp8 W_K)": absorb_op.provider_missing(device, *K3_ABSORB_WIDTHS, fp8_weights=True),
+        f"{ABSORB_QK_CACHE} (MXFP4 W_K)": absorb_op.provider_missing(device, *K3_ABSORB_WIDTHS, mxfp4_weights=True),
     }
     if importlib.util.find_spec("vllm") is not None:  # in a vLLM process AITER follows vLLM's switch
         from k3_amd_overlay.targets.vllm_env import with_vllm_aiter_switch

@@ -89,6 +89,11 @@ def mxfp4_dequantize(codes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Te
     return value * scale
 
 
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes -> [..., K / 2] bytes, lane 2i in the low nibble (the layout ``unpack_e2m1`` reads)."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """[..., K / 2] bytes -> [..., K] codes: lane 2i is byte i's low nibble, lane 2i + 1 its high."""
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
