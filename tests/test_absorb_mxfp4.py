@@ -153,8 +153,8 @@ def test_inputs_outside_the_contract_are_refused_by_name():
         fused_absorb_mxfp4_qk_cache(q_nope[0], w_k, w_k_scale, *args, kv_format="e4m3fn")
     missing = absorb_qk_cache.provider_missing(DEVICE, 32, 512, 64, mxfp4_weights=True)
     assert "takes P >= 64, got 32" in missing["triton"] and missing["reference"] is None
-    assert aiter_absorb.AITER_FP4_NAME in absorb_qk_cache.provider_missing(DEVICE, 128, 512, 64,
-                                                                           mxfp4_weights=True)["aiter"]
+    why = absorb_qk_cache.provider_missing(DEVICE, 128, 512, 64, mxfp4_weights=True)["aiter"]
+    assert aiter_absorb.AITER_FP4_NAME in why or "need ROCm GPU tensors" in why  # AITER absent, or off ROCm
 
 
 # --- against AMD's own code (GPU, AITER's Triton kernels importable) ------------------------------
