@@ -317,3 +317,72 @@ def test_qkv_norm_under_whole_model_compilation_and_its_reasons():
     assert decide(has_q_norm=False).reason == "no q norm (q_lora_rank is None)"
     with pytest.raises(AttributeError):
         QkvNormInputs(False, True, False, "auto", {}).stock_mode = True  # frozen
+
+
+@pytest.mark.parametrize("changes,reason", [
+    (dict(kv_cache_dtype="auto"), "kv cache dtype 'auto' is not a plain fp8 cache (['fp8', 'fp8_e4m3'])"),
+    (dict(rotation=qk.Rotation.REAL), "a real rotary embedding: the fused path does not rotate"),
+    (dict(dcp_world_size=2), "DCP is on (world size 2)"),
+    (dict(pcp=True), "PCP is on (the latent all-gather must run)"),
+    (dict(hisparse=True), "HiSparse is on (its cursor and remapped slots must run)"),
+    (dict(q_pad_num_heads=16), "query heads are padded to 16"),
+    (dict(num_heads=0), "0 heads per rank"),
+    (dict(absorb=qk.AbsorbVariant.AMX), "the amx W_UK absorption is not reproduced"),
+    (dict(quant_query_input=False), "the attention backend does not take an fp8 query"),
+    (dict(traced_whole=True), qk.TRACED_WHOLE),
+])
+def test_every_refusal_reason_word_for_word(changes, reason):
+    """What the marker, the log and `check` print for each refused layer, for both decode fusions;
+    where vLLM's own fused decode takes the layer, the reason says it keeps it."""
+    layer = inputs(**changes)
+    for decision in (qk.decide_qk_cache(layer), qk.decide_absorb(layer, qk.decide_qk_cache(layer), "auto", {})):
+        assert (decision.state, decision.provider, decision.reason) == (FusionState.REFUSED, None, reason)
+    upstream = inputs(**changes, upstream_fuses=True, provider_setting="triton")
+    assert qk.decide_qk_cache(upstream).reason == reason + "; vLLM's own fused decode keeps the layer"
+
+
+def test_every_decode_decision_word_for_word():
+    """The decisions that are not refusals, their providers and reasons, and the plain values
+    markers and enums carry (the enums' values are the marker's words)."""
+    assert [r.value for r in qk.Rotation] == ["none", "identity", "real"]
+    assert [v.value for v in qk.AbsorbVariant] == ["bf16", "fp8", "fp4", "amx"]
+    assert qk.FOLDED_ABSORPTIONS == {qk.AbsorbVariant.BF16, qk.AbsorbVariant.FP8, qk.AbsorbVariant.FP4}
+    assert (qk.DecodePath.ABSORB.value, qk.DecodePath.QK_CACHE.value) == ("absorb", "qk_cache")
+    assert qk.decide_qk_cache(inputs(stock_mode=True)) == qk.LayerDecision(
+        FusionState.FORCED_STOCK, None, "stock mode: three launches")
+    assert qk.decide_qk_cache(inputs(upstream_fuses=True)) == qk.LayerDecision(
+        FusionState.UPSTREAM, "aiter", "vLLM's own fused decode takes this layer")
+    assert qk.decide_qk_cache(inputs(num_heads=12, absorb=qk.AbsorbVariant.FP8)) == qk.LayerDecision(
+        FusionState.APPLIED, "aiter", "aiter: first available fused provider; 12 heads, fp8 absorption")
+    # an applied decision where vLLM would fuse too is not a refusal: no "keeps" suffix
+    named = qk.decide_qk_cache(inputs(upstream_fuses=True, provider_setting="aiter"))
+    assert named.reason == "aiter: forced by setting; 3 heads, bf16 absorption"
+    layer = inputs(num_heads=16, absorb=qk.AbsorbVariant.FP4)
+    qk_decision = qk.decide_qk_cache(layer)
+    assert qk.decide_absorb(inputs(stock_mode=True), qk_decision, "auto", {}) == qk.LayerDecision(
+        FusionState.FORCED_STOCK, None, "stock mode: the absorption is its own launch")
+    assert qk.decide_absorb(layer, qk_decision, "auto", {"triton": None}) == qk.LayerDecision(
+        FusionState.APPLIED, "triton",
+        "triton: first available fused provider; decode batches of <= 64 tokens, 16 heads, fp4 W_UK")
+    upstream = qk.LayerDecision(FusionState.UPSTREAM, "aiter", "")
+    assert qk.decide_absorb(layer, upstream, "auto", {"triton": None}) == qk.LayerDecision(
+        FusionState.DISABLED, None,
+        "deferred: vLLM's own fused decode owns this layer (it keeps its own absorption)")
+    assert inputs().traced_whole is False
+    plan = qk.DecodePlan(qk_decision, qk_decision)
+    assert (plan.absorb, plan.upstream_fuses) == (qk.AbsorbVariant.BF16, False)
+
+
+@pytest.mark.parametrize("tokens,decode,has_cache,replicated,fusable", [
+    (1, 1, True, False, True),
+    (4, 4, True, False, True),
+    (0, 0, True, False, False),  # empty
+    (4, 3, True, False, False),  # a prefill row
+    (4, 4, False, False, False),  # no cache: a profile or dummy run
+    (4, 4, True, True, False),  # DCP-replicated query
+])
+def test_the_per_batch_half(tokens, decode, has_cache, replicated, fusable):
+    """A one-token decode batch is fusable (the smallest), a batch with no tokens or one prefill row
+    is not; nor one without a cache or with a replicated query; no metadata at all is not."""
+    assert qk.batch_fusable(qk.BatchFacts(tokens, decode, has_cache, replicated)) is fusable
+    assert qk.batch_fusable(None) is False
