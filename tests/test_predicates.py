@@ -386,3 +386,27 @@ def test_the_per_batch_half(tokens, decode, has_cache, replicated, fusable):
     is not; nor one without a cache or with a replicated query; no metadata at all is not."""
     assert qk.batch_fusable(qk.BatchFacts(tokens, decode, has_cache, replicated)) is fusable
     assert qk.batch_fusable(None) is False
+
+
+def test_the_shared_decision_vocabulary_word_for_word():
+    """fusions/states.py: the states' words (the marker's), which of them fuse, the traced-whole
+    reason, and choose_provider's every answer (fusions/states.py mutants survived here)."""
+    from k3_amd_overlay.fusions import states
+
+    assert [s.value for s in FusionState] == ["pending", "applied", "upstream", "forced-stock", "refused",
+                                              "disabled"]
+    assert states.FUSED_STATE_VALUES == {"applied", "upstream"}
+    assert [states.LayerDecision(s, None, "").fused for s in FusionState] == [False, True, True, False, False,
+                                                                             False]
+    assert states.TRACED_WHOLE == ("vLLM compiles the whole model (STOCK_TORCH_COMPILE, fullgraph=True): the "
+                                   "overlay's sites stand down under tracing, so the compiled graph holds the "
+                                   "stock path")
+    choose = states.choose_provider
+    assert choose(("aiter", "triton"), "auto", {"aiter": "no ROCm", "triton": None}) == states.LayerDecision(
+        FusionState.APPLIED, "triton", "triton: first available fused provider")
+    assert choose(("aiter", "triton"), "aiter", {"aiter": None}, "3 heads").reason == \
+        "aiter: forced by setting; 3 heads"
+    assert choose(("aiter", "triton"), "auto", {"aiter": "no ROCm", "triton": "no GPU"}) == states.LayerDecision(
+        FusionState.REFUSED, None, "no provider can run here (aiter: no ROCm; triton: no GPU)")
+    # a provider the table does not know of is never taken
+    assert choose(("aiter",), "vllm", {}).reason == "no provider can run here (vllm: None)"
