@@ -8,6 +8,12 @@ the two agreeing is a check of each. Test scaffolding: never shipped."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import itertools
+import sys
+import types
+
+import pytest
 import torch
 
 GROUP = 32
@@ -75,3 +81,17 @@ def batched_gemm_a16wfp4(x, w, w_scales, dtype=torch.bfloat16, y=None, config=No
         y.copy_(result)
         return y
     return result
+
+
+def install_gemm_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put ``aiter.ops.triton.batched_gemm_a16wfp4`` (with the stand-in GEMM) into sys.modules: vLLM
+    0.29-0.30 import AITER's GEMM from there in the decode path instead of calling
+    ``rocm_aiter_ops``; ``monkeypatch`` undoes it."""
+    names = ("aiter", "aiter.ops", "aiter.ops.triton", "aiter.ops.triton.batched_gemm_a16wfp4")
+    modules = [types.ModuleType(name) for name in names]
+    for parent, child in itertools.pairwise(modules):
+        setattr(parent, child.__name__.rsplit(".", 1)[1], child)
+    modules[-1].batched_gemm_a16wfp4 = batched_gemm_a16wfp4  # type: ignore[attr-defined]
+    for module in modules:
+        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
+        monkeypatch.setitem(sys.modules, module.__name__, module)

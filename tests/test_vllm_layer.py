@@ -375,6 +375,7 @@ def test_fp4_bmm_layer_absorbed_decode_matches_stock(provider, tmp_path, layer_p
     monkeypatch.setattr(rocm_aiter_ops, "is_fp4bmm_enabled", classmethod(lambda cls: True))
     monkeypatch.setattr(rocm_aiter_ops, "batched_gemm_a16wfp4", staticmethod(vllm_fp4_bmm))
     monkeypatch.setattr(quark_utils, "quark_quantize_weight_to_mxfp4", quark_mxfp4)
+    mxfp4_standin.install_gemm_module(monkeypatch)
     spec = harness.LayerSpec(kv_cache_dtype="fp8", **K3_LAYER)
     stock, fused, activation = layer_pair(
         spec, {"K3_AMD_OVERLAY": "absorb_qk_cache", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": provider})
