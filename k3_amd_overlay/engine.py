@@ -74,6 +74,8 @@ def verify(spec: PatchSpec, module: Any) -> None:
             raise AnchorError(f"{spec.target}: {problem}")
     if spec.params is None:
         return
+    if isinstance(original, (classmethod, staticmethod)):  # as stored in the class: inspect its function
+        original = original.__func__
     try:
         names = [p for p in inspect.signature(original).parameters if p not in ("self", "cls")]
     except (TypeError, ValueError):

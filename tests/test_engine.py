@@ -95,3 +95,53 @@ def test_revert_refuses_to_clobber_a_later_patch():
     module.Wrapper.forward = lambda self, x: x
     with pytest.raises(AnchorError, match="changed by someone else"):
         engine.revert_all()
+
+
+def test_every_anchor_message_word_for_word():
+    """The messages a user reads when vLLM changed under the overlay (engine.py mutants survived a
+    substring match)."""
+    module = make_module()
+    module.no_signature = max  # a builtin without an inspectable signature
+    engine = PatchEngine()
+    cases = [
+        (PatchSpec("b", "fake", "Wrapper._fused_decode", (), wrapper=tag("b")),
+         "fake:Wrapper._fused_decode does not exist"),
+        (PatchSpec("c", "fake", "Wrapper._normalize_q_kv", (), wrapper=tag("c"), params=("q", "kv")),
+         "fake:Wrapper._normalize_q_kv takes ('q_c', 'kv_c'), the overlay expects ('q', 'kv')"),
+        (PatchSpec("d", "fake", "Shared", (), replace=lambda o: o, guard=lambda m: "registered elsewhere"),
+         "fake:Shared: registered elsewhere"),
+        (PatchSpec("e", "fake", "no_signature", (), wrapper=tag("e"), params=("x",)),
+         "fake:no_signature has no inspectable signature"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(AnchorError) as raised:
+            engine.apply([spec], module)
+        assert str(raised.value) == message
+    engine.apply([PatchSpec("a", "fake", "Wrapper.forward", (), wrapper=tag("a"))], module)
+    module.Wrapper.forward = lambda self, x: x
+    with pytest.raises(AnchorError) as raised:
+        engine.revert_all()
+    assert str(raised.value) == ("fake:Wrapper.forward was changed by someone else after the overlay patched it; "
+                                 "not reverting over it")
+
+
+def test_classmethod_parameters_skip_cls_and_module_attributes_revert_to_the_original():
+    module = make_module()
+
+    class Ops:
+        @classmethod
+        def fp8_bmm(cls, x, w):
+            return "stock"
+
+    module.Ops = Ops
+    module.helper = lambda q, kv: "stock"
+    original_helper = module.helper
+    engine = PatchEngine()
+    specs = [PatchSpec("ops", "fake", "Ops.fp8_bmm", (), wrapper=tag("x"), params=("x", "w")),
+             PatchSpec("helper", "fake", "helper", (), replace=lambda o: (lambda q, kv: "fused"), params=("q", "kv"))]
+    assert engine.apply(specs, module) == ["ops", "helper"]
+    assert module.helper(1, 2) == "fused"
+    engine.revert_all()
+    assert module.helper is original_helper  # a module global is put back, not deleted
+    spec = PatchSpec("k", "fake", "helper", ())
+    assert (spec.wrapper, spec.replace, spec.params, spec.guard) == (None, None, None, None)
