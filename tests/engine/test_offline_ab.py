@@ -103,7 +103,7 @@ def test_kv_connector_sees_every_layer_step_on_the_fused_path(checkpoint, tmp_pa
     connector) gets, in every step that runs attention, one wait_for_layer_load and one
     save_kv_layer per layer, with the decode fusions on as with the overlay off: a disaggregated
     decode instance never reads KV that has not arrived. (Step counts are compared within a run:
-    two runs may schedule a step more or less.) And the outputs stay bit-identical."""
+    two runs may schedule a step more or less.) And the outputs stay the same tokens."""
     runs = {}
     for name, switch in (("off", None), ("fused", "qk_cache,absorb_qk_cache")):
         log = tmp_path / f"{name}-connector.jsonl"
@@ -121,7 +121,15 @@ def test_kv_connector_sees_every_layer_step_on_the_fused_path(checkpoint, tmp_pa
         # every step but vLLM's last (no attention left to run) gave its hooks: the fused path too
         assert forwards >= max(steps - 1, 5), (name, forwards, steps)
         runs[name]["forwards"] = forwards
-    assert runs["fused"]["outputs"] == runs["off"]["outputs"]
+    # With a connector the two runs may batch the prompts differently (the step counts above vary),
+    # and the CPU kernels round a differently batched matmul differently: the same tokens, logprobs
+    # within a bf16 rounding's reach (the fused path itself is bit-exact on the same batch: the
+    # connector-free A/B tests above compare bytes).
+    fused, off = runs["fused"]["outputs"], runs["off"]["outputs"]
+    assert [o["tokens"] for o in fused] == [o["tokens"] for o in off]
+    worst = max(abs(a - b) for f, o in zip(fused, off, strict=True)
+                for a, b in zip(f["logprobs"], o["logprobs"], strict=True))
+    assert worst < 0.05, worst
     worker = layer_records(runs["fused"]["records"])[0]
     assert worker["fusions"]["absorb_qk_cache"]["runs"]["served"] > 0
 
