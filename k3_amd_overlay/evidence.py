@@ -235,6 +235,7 @@ class Evidence:
 
     def _write(self) -> None:
         self.record.updated = time.time()
+        self._last_write = time.monotonic()
         if self._directory is None:
             return
         try:

@@ -7,6 +7,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -110,6 +111,7 @@ def test_effective_hook_records_once_and_counts_layers(tmp_path):
     hooks = [evidence.effective_hook("qk_cache", f"layer.{i}") for i in range(3)]
     for hook in hooks * 5:
         hook(4)
+    evidence.flush()  # the fifth batch's count waits for the interval or the exit flush
     entry = MarkerRecord.from_json(json.loads(evidence.marker_path.read_text())).fusions["qk_cache"]
     assert entry.effective is True and entry.effective_layers == 3
     # batches are counted at one layer: 5 batches through 3 layers are 5 batches, not 15
@@ -379,3 +381,115 @@ def test_a_marker_is_sorted_json_and_leaves_no_temporary_file(tmp_path):
     path = markers.write_marker(directory, 12, {"b": 1, "a": 2, "pid": 12})
     assert path == directory / "12.json" and path.read_text() == '{"a": 2, "b": 1, "pid": 12}'
     assert sorted(p.name for p in directory.iterdir()) == ["12.json"]
+
+
+def test_markers_are_rewritten_at_powers_of_two_then_at_most_every_interval(tmp_path, monkeypatch):
+    """Counting a served batch must not rewrite the marker every time (a file write per decode step):
+    at counts 1, 2, 4, 8 ..., a new captured size, or MARKER_INTERVAL_S after the last write."""
+    evidence = Evidence(settings_for(tmp_path))
+    writes = []
+    real_write = markers.write_marker
+    monkeypatch.setattr(markers, "write_marker", lambda *a: writes.append(a) or real_write(*a))
+    clock = [1000.0]
+    monkeypatch.setattr(evidence_module.time, "monotonic", lambda: clock[0])
+    hook = evidence.effective_hook("qk_cache", "layer.0")
+    for _ in range(9):
+        hook(4)
+    assert len(writes) == 4  # batches 1 (first run), 2, 4, 8
+    clock[0] += evidence_module.MARKER_INTERVAL_S  # the interval passed: the next batch writes
+    hook(4)
+    assert len(writes) == 5
+    hook(4)  # batch 11, just after a write
+    assert len(writes) == 5
+    monkeypatch.setattr(evidence_module, "current_phase", lambda: phases.Phase.CAPTURE)
+    hook(16)
+    hook(8)
+    hook(16)  # a size seen already: count 3, not a power of two
+    assert len(writes) == 7 and evidence.fusion("qk_cache").captured_sizes == [8, 16]
+    assert evidence_module.MARKER_INTERVAL_S == 2.0
+
+
+def test_initial_states_and_reasons_word_for_word(tmp_path):
+    for switch, state, reason in (
+            ("qkv_norm", FusionState.DISABLED, "not requested by K3_AMD_OVERLAY='qkv_norm'"),
+            ("stock", FusionState.FORCED_STOCK, "stock mode"),
+            ("1", FusionState.PENDING, "patched; decided per layer when K3 MLA layers are built")):
+        entry = Evidence(settings_for(tmp_path, switch)).fusion("qk_cache")
+        assert (entry.state, entry.reason) == (state, reason)
+
+
+def test_shape_coverage_and_defects_are_recorded_and_warned_word_for_word(tmp_path, emitted):
+    evidence = Evidence(settings_for(tmp_path))
+    evidence.set_shape("k3_decode_wrapper", ["a", "b"])
+    evidence.set_coverage({"not_covered": ["MTP draft layers"], "serves": "x"})
+    defect = {"name": "w_uk_t_read_early", "what": "reads W_UK_T before load", "triggered": True}
+    evidence.set_upstream_defects([defect, {**defect, "name": "other", "triggered": False}])
+    saved = json.loads(evidence.marker_path.read_text())
+    assert (saved["vllm_shape"], saved["patches"], saved["coverage"]["serves"]) == ("k3_decode_wrapper", ["a", "b"],
+                                                                                  "x")
+    assert [d["name"] for d in saved["upstream_defects"]] == ["w_uk_t_read_early", "other"]
+    assert emitted == [
+        (logging.WARNING, "k3-amd-overlay: not covered in this process: MTP draft layers"),
+        (logging.WARNING, "k3-amd-overlay: this vLLM has a known defect that this environment triggers, with or "
+                          "without the overlay: w_uk_t_read_early: reads W_UK_T before load"),
+    ]
+
+
+def test_layer_tallies_mixed_reason_and_log_lines_word_for_word(tmp_path, emitted):
+    evidence = Evidence(settings_for(tmp_path))
+    evidence.note_layer("qk_cache", LayerDecision(FusionState.APPLIED, "triton", "ok"))
+    evidence.note_layer("qk_cache", LayerDecision(FusionState.APPLIED, "aiter", "ok"))  # another provider: mixed
+    entry = evidence.fusion("qk_cache")
+    assert (entry.state, entry.provider, entry.layers) == (FusionState.APPLIED, "triton", 2)
+    assert entry.reason == "mixed across layers; latest: applied (ok)"
+    evidence.note_layer("qk_cache", LayerDecision(FusionState.REFUSED, None, "no provider"))
+    evidence.publish_layers()
+    assert emitted == [(logging.INFO, f"k3-amd-overlay: pid={os.getpid()} role={evidence.record.role} layers "
+                                      "built: qk_cache=applied on 2/3 layers (ok); refused on 1/3 layers (no provider)")]
+
+
+def test_the_summary_line_word_for_word(tmp_path, emitted):
+    evidence = Evidence(settings_for(tmp_path, "qk_cache"))
+    evidence.set_fusion("qk_cache", FusionState.APPLIED, "fused", provider="triton")
+    line = evidence.summary_line()
+    r = evidence.record
+    assert line == " | ".join([
+        f"k3-amd-overlay {r.overlay_version}: pid={r.pid} role={r.role}",
+        f"vllm={r.vllm_version} mode=auto shape=None",
+        "qkv_norm=disabled (not requested by K3_AMD_OVERLAY='qk_cache')",
+        "qk_cache=applied provider=triton (fused)",
+        "absorb_qk_cache=disabled (not requested by K3_AMD_OVERLAY='qk_cache')",
+        f"marker={evidence.marker_path}"])
+    evidence.publish()
+    assert emitted[-1] == (logging.INFO, line)
+    shutil.rmtree(tmp_path / "m")
+    (tmp_path / "m").write_text("gone")
+    evidence.flush()
+    assert evidence.marker_error.startswith(f"marker write failed in {tmp_path / 'm'}: ")
+    assert emitted[-1] == (logging.WARNING, f"k3-amd-overlay: {evidence.marker_error}")
+
+
+@pytest.mark.parametrize("argv,role", [
+    (["python", "serve"], "main"),  # only the `vllm` program's own arguments are commands
+    ([], "main"),
+    (["/usr/bin/vllm", "-v"], "cli-client"), (["vllm", "--help"], "cli-client"), (["vllm", "-h"], "cli-client"),
+])
+def test_command_lines_that_are_not_vllm_servers(argv, role):
+    assert process_role(argv, "MainProcess") == role
+    assert process_role(["vllm", "serve"], "APIServer_0") == "api-server"
+
+
+def test_lines_go_through_vllms_logger_once_it_has_handlers(capsys, monkeypatch):
+    vllm_logger = logging.getLogger("vllm")
+    monkeypatch.setattr(vllm_logger, "handlers", [])
+    evidence_module._emit(logging.INFO, "before vLLM's logging")
+    assert capsys.readouterr().err == "before vLLM's logging\n"
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    monkeypatch.setattr(vllm_logger, "handlers", [Keep()])
+    evidence_module._emit(logging.WARNING, "after")
+    assert seen == ["after"] and capsys.readouterr().err == ""
