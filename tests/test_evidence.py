@@ -444,8 +444,9 @@ def test_layer_tallies_mixed_reason_and_log_lines_word_for_word(tmp_path, emitte
     assert entry.reason == "mixed across layers; latest: applied (ok)"
     evidence.note_layer("qk_cache", LayerDecision(FusionState.REFUSED, None, "no provider"))
     evidence.publish_layers()
-    assert emitted == [(logging.INFO, f"k3-amd-overlay: pid={os.getpid()} role={evidence.record.role} layers "
-                                      "built: qk_cache=applied on 2/3 layers (ok); refused on 1/3 layers (no provider)")]
+    prefix = f"k3-amd-overlay: pid={os.getpid()} role={evidence.record.role} layers built: "
+    assert emitted == [(logging.INFO, prefix + "qk_cache=applied on 2/3 layers (ok); refused on 1/3 layers "
+                                               "(no provider)")]
 
 
 def test_the_summary_line_word_for_word(tmp_path, emitted):
