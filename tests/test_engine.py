@@ -3,6 +3,7 @@ identical originals, refuse to revert over someone else's change."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -145,3 +146,9 @@ def test_classmethod_parameters_skip_cls_and_module_attributes_revert_to_the_ori
     assert module.helper is original_helper  # a module global is put back, not deleted
     spec = PatchSpec("k", "fake", "helper", ())
     assert (spec.wrapper, spec.replace, spec.params, spec.guard) == (None, None, None, None)
+
+
+def test_a_patch_spec_cannot_change_once_made():
+    spec = PatchSpec("k", "fake", "helper", ())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.attribute = "other"  # type: ignore[misc]

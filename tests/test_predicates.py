@@ -410,3 +410,12 @@ def test_the_shared_decision_vocabulary_word_for_word():
         FusionState.REFUSED, None, "no provider can run here (aiter: no ROCm; triton: no GPU)")
     # a provider the table does not know of is never taken
     assert choose(("aiter",), "vllm", {}).reason == "no provider can run here (vllm: None)"
+
+
+def test_the_decision_inputs_cannot_change_once_read():
+    """What the predicate decided on is what the marker says: the inputs are frozen."""
+    import dataclasses
+
+    layer = inputs()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layer.kv_cache_dtype = "auto"  # type: ignore[misc]
