@@ -167,7 +167,7 @@ class Evidence:
         counts are batches, not layer calls. No device work: safe under graph capture."""
         done = False
 
-        def mark(num_tokens: int = 0) -> None:
+        def mark(num_tokens: int) -> None:
             nonlocal done
             if done and self._counting_layer.get(fusion) != layer:
                 return
@@ -197,7 +197,7 @@ class Evidence:
         entry.runs[phase] += 1
         if not self._flush_registered:
             self._flush_registered = True
-            atexit.register(self.flush)
+            atexit.register(self.flush)  # the counts since the last rewrite reach the marker at exit
         if phase is Phase.CAPTURE and num_tokens not in entry.captured_sizes:
             entry.captured_sizes = sorted([*entry.captured_sizes, num_tokens])
             return True

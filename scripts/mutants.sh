@@ -65,6 +65,7 @@ for module in "${modules[@]}"; do
   echo "=== k3_amd_overlay/$module against $tests"
   timeout "${K3OVL_MUTANTS_LIMIT:-5400}" "$tool/bin/mutmut" run --paths-to-mutate "k3_amd_overlay/$module" \
     --runner "$runner" --no-progress >/dev/null 2>&1
+  git checkout -q -- "k3_amd_overlay/$module"  # a stopped mutmut leaves its last mutant in the file
   read -r total tested survived ids < <("$tool/bin/python" - <<'PY'
 import sqlite3
 db = sqlite3.connect(".mutmut-cache")

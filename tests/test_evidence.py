@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -477,7 +478,7 @@ def test_the_summary_line_word_for_word(tmp_path, emitted):
 ])
 def test_command_lines_that_are_not_vllm_servers(argv, role):
     assert process_role(argv, "MainProcess") == role
-    assert process_role(["vllm", "serve"], "APIServer_0") == "api-server"
+    assert process_role([], "APIServer_0") == process_role([], "ApiServer_1") == "api-server"  # by name alone
 
 
 def test_lines_go_through_vllms_logger_once_it_has_handlers(capsys, monkeypatch):
@@ -494,3 +495,36 @@ def test_lines_go_through_vllms_logger_once_it_has_handlers(capsys, monkeypatch)
     monkeypatch.setattr(vllm_logger, "handlers", [Keep()])
     evidence_module._emit(logging.WARNING, "after")
     assert seen == ["after"] and capsys.readouterr().err == ""
+
+
+def test_the_marker_keeps_up_with_new_layers_and_each_phases_first_batch(tmp_path, monkeypatch):
+    """Between interval rewrites the marker is still rewritten for a new layer's first fused run and a
+    phase's first batch; its time stamp is each write's; the exit flush is registered once."""
+    evidence = Evidence(settings_for(tmp_path))
+    registered = []
+    monkeypatch.setattr(evidence_module.atexit, "register", registered.append)
+    monkeypatch.setattr(evidence_module.time, "monotonic", lambda: 1000.0)  # the interval never passes
+    phase = [phases.Phase.WARMUP]
+    monkeypatch.setattr(evidence_module, "current_phase", lambda: phase[0])
+    first, second = (evidence.effective_hook("qk_cache", f"layer.{i}") for i in range(2))
+
+    def saved():
+        return json.loads(evidence.marker_path.read_text())["fusions"]["qk_cache"]
+
+    first(4)
+    second(4)
+    assert saved()["effective_layers"] == 2
+    for _ in range(3):
+        first(4)
+    phase[0] = phases.Phase.SERVED
+    before = time.time()
+    first(4)  # served batch 1 after 4 warm-up batches
+    assert saved()["runs"] == {"warmup": 4, "capture": 0, "served": 1}
+    assert before <= json.loads(evidence.marker_path.read_text())["updated"] <= time.time()
+    assert registered == [evidence.flush]
+
+
+def test_an_unusable_marker_directory_is_named_in_the_summary_line(tmp_path):
+    (tmp_path / "m").symlink_to(tmp_path)
+    evidence = Evidence(settings_for(tmp_path))
+    assert evidence.summary_line().endswith(f" | marker-error={evidence.marker_error}")
