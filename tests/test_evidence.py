@@ -475,6 +475,9 @@ def test_the_summary_line_word_for_word(tmp_path, emitted):
     (["python", "serve"], "main"),  # only the `vllm` program's own arguments are commands
     ([], "main"),
     (["/usr/bin/vllm", "-v"], "cli-client"), (["vllm", "--help"], "cli-client"), (["vllm", "-h"], "cli-client"),
+    (["vllm", "chat"], "cli-client"), (["vllm", "complete"], "cli-client"), (["vllm", "collect-env"], "cli-client"),
+    (["vllm", "--version"], "cli-client"), (["vllm", "bench", "serve"], "cli-client"),
+    (["vllm", "bench", "throughput"], "main"),  # an offline engine: it builds the model
 ])
 def test_command_lines_that_are_not_vllm_servers(argv, role):
     assert process_role(argv, "MainProcess") == role
