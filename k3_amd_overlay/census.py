@@ -30,9 +30,9 @@ from k3_amd_overlay.kernels.names import (
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 
 # One table of the kernels each fusion removes and adds, matched as substrings of the full
-# kernel name: AITER's, vLLM's and the overlay's own. A kernel is counted once per fusion, under
-# the first pattern it matches, "adds" before "removes" (AITER's fused BMM kernels contain "bmm"),
-# each list's specific names before its generic ones.
+# kernel name: AITER's, vLLM's and the overlay's own. A kernel counts under the longest pattern of
+# the whole table it contains, once, in each fusion that lists that pattern (AITER's fused BMM
+# kernels contain "bmm"; the overlay's absorbed kernels contain "qk_cache_kernel").
 FUSION_KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
     QK_CACHE: {
         "removes": ("concat_and_cache_mla", "CatArrayBatchedCopy", "scaled_quant",
@@ -195,12 +195,20 @@ def render(census: Census, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+TABLE_PATTERNS = frozenset(p for kinds in FUSION_KERNELS.values() for kind in kinds.values() for p in kind)
+
+
+def claiming_pattern(name: str) -> str | None:
+    """The longest pattern of the table that ``name`` contains (None: no fusion's kernel)."""
+    return max((p for p in TABLE_PATTERNS if p in name), key=len, default=None)
+
+
 def _claims(census: Census, patterns: tuple[str, ...]) -> dict[str, KernelStats]:
-    """Each kernel's stats (summed over ranks) under the first of ``patterns`` its name contains."""
+    """Per pattern of one fusion, the stats (summed over ranks) of the kernels it claims."""
     claimed: dict[str, KernelStats] = {pattern: KernelStats() for pattern in patterns}
     for name, stats in census.total().items():
-        pattern = next((p for p in patterns if p in name), None)
-        if pattern is not None:
+        pattern = claiming_pattern(name)
+        if pattern in claimed:
             claimed[pattern].count += stats.count
             claimed[pattern].total_us += stats.total_us
     return claimed

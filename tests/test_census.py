@@ -145,3 +145,119 @@ def test_a_kernel_matching_a_removed_and_an_added_pattern_is_counted_once(tmp_pa
     assert "| batched_gemm_a16wfp4 | 4 × 2.00 = 8.0 | 0 × 0.00 = 0.0 |" in section  # by its own name
     assert "| gemm |" not in section
     assert "| query_fp8_quant_kernel | 0 × 0.00 = 0.0 | 4 × 2.00 = 8.0 |" in section
+
+
+# Kernel names as profilers show them (PyTorch's CUDA cat; vLLM's CUDA/HIP ops; AITER's Triton
+# functions, by their names in AITER's source; hipBLASLt's Tensile kernels; the overlay's own), each
+# with the table pattern that must claim it, in its fusion.
+NAMED_KERNELS = [
+    ("qk_cache", "void vllm::concat_and_cache_mla_kernel<__nv_bfloat16, unsigned char, (vllm::Fp8KVCacheDataType)1>",
+     "concat_and_cache_mla"),
+    ("qk_cache", "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::"
+                 "OpaqueType<2u>, unsigned int, 3, 64, 64>", "CatArrayBatchedCopy"),
+    ("qk_cache", "scaled_quant_like_kernel", "scaled_quant"),
+    ("qk_cache", "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_0",
+     "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal"),
+    ("qk_cache", "void aiter::fuse_qk_rope_concat_and_cache_mla_kernel<__hip_bfloat16>",
+     "fuse_qk_rope_concat_and_cache_mla"),
+    ("qk_cache", "qk_cache_kernel", "qk_cache_kernel"),
+    ("absorb_qk_cache", "_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel",
+     "batched_gemm_a8w8"),
+    ("absorb_qk_cache", "_batched_gemm_a16wfp4_kernel", "batched_gemm_a16wfp4"),
+    ("absorb_qk_cache", "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816bmm_64x64_32x6_tn_align8>", "bmm"),
+    ("absorb_qk_cache", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "gemm"),
+    ("absorb_qk_cache", "Cijk_Alik_Bljk_BBS_BH_MT64x64x64_MI16x16x16x1_SN", "Cijk_"),
+    ("absorb_qk_cache", "absorb_qk_cache_kernel", "absorb_qk_cache_kernel"),
+    ("absorb_qk_cache", "absorb_fp8_qk_cache_kernel", "absorb_fp8_qk_cache_kernel"),
+    ("absorb_qk_cache", "absorb_mxfp4_qk_cache_kernel", "absorb_mxfp4_qk_cache_kernel"),
+    ("absorb_qk_cache", "_fused_fp8_bmm_rope_cat_and_cache_mla_kernel", "fused_fp8_bmm_rope_cat_and_cache_mla"),
+    ("absorb_qk_cache", "_fused_fp4_bmm_rope_cat_and_cache_mla_kernel", "fused_fp4_bmm_rope_cat_and_cache_mla"),
+    ("absorb_qk_cache", "query_fp8_quant_kernel", "query_fp8_quant_kernel"),
+    ("qkv_norm", "void vllm::rms_norm_kernel<c10::BFloat16, 8, 3>", "rms_norm_kernel"),
+    ("qkv_norm", "_rmsnorm_kernel", "rmsnorm_kernel"),
+    ("qkv_norm", "void aiter::fused_qk_rmsnorm_kernel<__hip_bfloat16, 8>", "fused_qk_rmsnorm"),
+    ("qkv_norm", "void vllm::FusedQKVRMSNormKernel<c10::BFloat16>", "FusedQKVRMSNormKernel"),
+    ("qkv_norm", "rmsnorm_pair_kernel", "rmsnorm_pair_kernel"),
+]
+
+
+def test_every_table_pattern_claims_the_kernel_it_names(tmp_path):
+    """Each pattern of the table claims a kernel name as profilers report it, once, in its fusion's
+    section; every pattern of the table is exercised here."""
+    trace = _trace(tmp_path / "base_rank0.json", {name: 1 for _, name, _ in NAMED_KERNELS})
+    out = census.render_comparison(census.read_census([trace]), census.Census(), steps=None, layers=1)
+    sections: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if " (summed over ranks" in line:
+            rows = sections.setdefault(line.split(" (", 1)[0], [])
+        elif line.startswith("| ") and sections:
+            rows.append(line)
+    for fusion, _, pattern in NAMED_KERNELS:
+        assert f"| {pattern} | 1 × 2.00 = 2.0 | 0 × 0.00 = 0.0 |" in sections[fusion], (fusion, pattern)
+    # each kernel once per section; the absorbed launch also removes qk_cache's four stock kernels and its launch
+    assert sum(len(rows) - 1 for rows in sections.values()) == len(NAMED_KERNELS) + 5
+    assert "| qk_cache_kernel | 1 × 2.00 = 2.0 | 0 × 0.00 = 0.0 |" in sections["absorb_qk_cache"]
+    assert census.TABLE_PATTERNS == {p for _, _, p in NAMED_KERNELS}  # every pattern has its kernel here
+
+
+def test_counts_and_times_sum_over_kernels_and_ranks(tmp_path):
+    one = _trace(tmp_path / "a_rank0.json", {"qk_cache_kernel": 2, "absorb_qk_cache_kernel": 3})
+    two = _trace(tmp_path / "b_rank1.json", {"qk_cache_kernel": 5})
+    result = census.read_census([one, two])
+    total = result.total()
+    assert (total["qk_cache_kernel"].count, total["qk_cache_kernel"].total_us) == (7, 14.0)
+    both = result.matching("qk_cache_kernel")  # matches both names
+    assert (both.count, both.total_us) == (10, 20.0)
+    assert (result.matching("qk_cache_kernel", "1").count, result.launches("0"), result.launches()) == (5, 5, 10)
+    assert result.to_json()["total"] == [
+        {"name": "qk_cache_kernel", "count": 7, "total_us": 14.0, "mean_us": 2.0},
+        {"name": "absorb_qk_cache_kernel", "count": 3, "total_us": 6.0, "mean_us": 2.0}]
+
+
+def test_json_rounds_to_a_thousandth_of_a_microsecond(tmp_path):
+    path = tmp_path / "t_rank0.json"
+    path.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "dur": 1.23456},
+                                                {"ph": "X", "cat": "kernel", "name": "k", "dur": 1.0}]}))
+    assert census.read_census([path]).to_json()["ranks"]["0"] == [
+        {"name": "k", "count": 2, "total_us": 2.235, "mean_us": 1.117}]
+
+
+def test_trace_errors_word_for_word(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(census.TraceError) as raised:
+        census.trace_files([missing])
+    assert str(raised.value) == f"{missing}: no such file or directory"
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("x")
+    with pytest.raises(census.TraceError) as raised:
+        census.trace_files([tmp_path / "empty"])
+    assert str(raised.value) == f"no .json or .json.gz trace found in {tmp_path / 'empty'}"
+    bad_gzip = tmp_path / "t.json.gz"
+    bad_gzip.write_bytes(b"not gzip")
+    with pytest.raises(census.TraceError) as raised:
+        census.load_trace(bad_gzip)
+    assert str(raised.value).startswith(f"{bad_gzip}: cannot read (BadGzipFile: ")
+    assert str(raised.value).endswith("); truncated or not gzip?")
+    truncated = tmp_path / "t.json"
+    truncated.write_text('{"traceEvents": [')
+    with pytest.raises(census.TraceError) as raised:
+        census.load_trace(truncated)
+    assert str(raised.value).startswith(f"{truncated}: not JSON (") and str(raised.value).endswith(
+        "); a truncated trace?")
+    truncated.write_text('{"events": []}')
+    with pytest.raises(census.TraceError) as raised:
+        census.load_trace(truncated)
+    assert str(raised.value) == f"{truncated}: JSON without a traceEvents list: not a PyTorch profiler trace"
+
+
+@pytest.mark.parametrize("name,data,rank", [
+    ("x.json", {"distributedInfo": {"rank": 3}}, "3"),  # the profiler's own record wins over the name
+    ("trace_rank5.json", {"distributedInfo": {"rank": 3}}, "3"),
+    ("trace_rank5.json", {"distributedInfo": {"world_size": 8}}, "5"),
+    ("trace_rank5.json", {"distributedInfo": "rank 2"}, "5"),
+    ("host_12.pt.trace.json", {}, "12"),
+    ("worker-rank-7.json", {}, "7"),
+    ("plain.json", {}, "4"),  # nothing says: the file's position
+])
+def test_the_rank_of_a_trace(name, data, rank):
+    assert census.rank_of(Path(name), data, 4) == rank
