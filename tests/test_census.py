@@ -261,3 +261,64 @@ def test_trace_errors_word_for_word(tmp_path):
 ])
 def test_the_rank_of_a_trace(name, data, rank):
     assert census.rank_of(Path(name), data, 4) == rank
+
+
+def test_the_census_text_word_for_word(tmp_path):
+    """`k3-amd-overlay census` without --json: per rank, the top kernels by time; with several ranks,
+    their sum (census.py's rendering mutants survived)."""
+    one = _trace(tmp_path / "a_rank0.json", {"qk_cache_kernel": 3, "rmsnorm_pair_kernel": 1, "other": 2})
+    two = _trace(tmp_path / "b_rank1.json", {"qk_cache_kernel": 1})
+    text = census.render(census.read_census([one, two]), top=2)
+    assert text == "\n".join([
+        "", "rank 0: 6 kernel launches, 12.0 µs",
+        "| kernel | count | mean µs | total µs |", "|---|---|---|---|",
+        "| qk_cache_kernel | 3 | 2.00 | 6.0 |", "| other | 2 | 2.00 | 4.0 |",
+        "", "rank 1: 1 kernel launches, 2.0 µs",
+        "| kernel | count | mean µs | total µs |", "|---|---|---|---|",
+        "| qk_cache_kernel | 1 | 2.00 | 2.0 |",
+        "", "all 2 ranks: 7 kernel launches",
+        "| kernel | count | mean µs | total µs |", "|---|---|---|---|",
+        "| qk_cache_kernel | 4 | 2.00 | 8.0 |", "| other | 2 | 2.00 | 4.0 |"])
+    assert "all 1 ranks" not in census.render(census.read_census([one]))
+    assert census.render(census.read_census([one])).count("| rmsnorm_pair_kernel | 1 | 2.00 | 2.0 |") == 1
+
+
+def test_events_that_are_kernels_and_kernels_claimed_together(tmp_path):
+    path = tmp_path / "t_rank0.json"
+    path.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "Kernel", "name": "qk_cache_kernel", "dur": 2.0},  # the category in any case
+        {"ph": "X", "cat": "gpu_op", "name": "qk_cache_kernel"},  # no duration: 0
+        {"ph": "X", "cat": "cpu_op", "name": "qk_cache_kernel", "dur": 9.0},
+        {"ph": "B", "cat": "kernel", "name": "qk_cache_kernel", "dur": 9.0},
+        {"ph": "X", "cat": "kernel", "name": "void vllm::concat_and_cache_mla_kernel<a>", "dur": 1.0},
+        {"ph": "X", "cat": "kernel", "name": "void vllm::concat_and_cache_mla_kernel<b>", "dur": 3.0}]}))
+    result = census.read_census([path])
+    stats = result.total()["qk_cache_kernel"]
+    assert (stats.count, stats.total_us) == (2, 2.0)
+    out = census.render_comparison(result, census.Census(), steps=None, layers=1)
+    assert "| concat_and_cache_mla | 2 × 2.00 = 4.0 | 0 × 0.00 = 0.0 |" in out  # two names, one pattern
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x.pt.trace.json.gz").write_bytes(gzip.compress(path.read_bytes()))
+    (tmp_path / "sub" / "x.json.bak").write_text("{}")
+    assert census.trace_files([tmp_path / "sub"]) == [tmp_path / "sub" / "x.pt.trace.json.gz"]
+    with pytest.raises(census.TraceError) as raised:
+        census.trace_files([tmp_path / "sub" / "x.json.bak", tmp_path / "empty_dir_missing"])
+    assert str(raised.value) == f"{tmp_path / 'empty_dir_missing'}: no such file or directory"
+    (tmp_path / "e1").mkdir()
+    (tmp_path / "e2").mkdir()
+    with pytest.raises(census.TraceError) as raised:
+        census.trace_files([tmp_path / "e1", tmp_path / "e2"])
+    assert str(raised.value) == f"no .json or .json.gz trace found in {tmp_path / 'e1'}, {tmp_path / 'e2'}"
+
+
+def test_expectations_parse_and_fail_word_for_word(tmp_path):
+    assert census.parse_expectations(["qk_cache_kernel=12", "a=b=3"]) == [("qk_cache_kernel", 12), ("a=b", 3)]
+    for bad in ("qk_cache_kernel", "=3", "x=", "x=-1", "x=1.5"):
+        with pytest.raises(ValueError) as raised:
+            census.parse_expectations([bad])
+        assert str(raised.value) == (f"--expect {bad!r}: write NAME=COUNT (a kernel-name substring and a count "
+                                     "per rank)")
+    result = census.read_census([_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": 2})])
+    assert census.check_expectations(result, [("qk_cache_kernel", 3)]) == [
+        "rank 0: kernels matching 'qk_cache_kernel' ran 2 times, expected 3"]
+    assert census.KernelStats().mean_us == 0.0 and census.KernelStats(2, 5.0) == census.KernelStats(2, 5.0)
