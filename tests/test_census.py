@@ -322,3 +322,10 @@ def test_expectations_parse_and_fail_word_for_word(tmp_path):
     assert census.check_expectations(result, [("qk_cache_kernel", 3)]) == [
         "rank 0: kernels matching 'qk_cache_kernel' ran 2 times, expected 3"]
     assert census.KernelStats().mean_us == 0.0 and census.KernelStats(2, 5.0) == census.KernelStats(2, 5.0)
+
+
+def test_traces_from_several_directories_are_all_read(tmp_path):
+    for rank in (0, 1):
+        (tmp_path / f"d{rank}").mkdir()
+        _trace(tmp_path / f"d{rank}" / f"t_rank{rank}.json", {"qk_cache_kernel": 1})
+    assert sorted(census.read_census([tmp_path / "d0", tmp_path / "d1"]).ranks) == ["0", "1"]

@@ -419,3 +419,11 @@ def test_the_decision_inputs_cannot_change_once_read():
     layer = inputs()
     with pytest.raises(dataclasses.FrozenInstanceError):
         layer.kv_cache_dtype = "auto"  # type: ignore[misc]
+
+
+def test_a_layer_decision_cannot_change_once_made():
+    import dataclasses
+
+    decision = qk.LayerDecision(FusionState.APPLIED, "triton", "ok")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decision.state = FusionState.REFUSED  # type: ignore[misc]
