@@ -329,3 +329,20 @@ def test_traces_from_several_directories_are_all_read(tmp_path):
         (tmp_path / f"d{rank}").mkdir()
         _trace(tmp_path / f"d{rank}" / f"t_rank{rank}.json", {"qk_cache_kernel": 1})
     assert sorted(census.read_census([tmp_path / "d0", tmp_path / "d1"]).ranks) == ["0", "1"]
+
+
+def test_the_comparison_text_word_for_word(tmp_path):
+    """`census --baseline`: a section per fusion with kernels in either trace (qk_cache's absent here,
+    so the later sections must still come), its region and its per-layer, per-step time."""
+    base = census.read_census([_trace(tmp_path / "b_rank0.json", {"void vllm::rms_norm_kernel<x>": 8})])
+    fused = census.read_census([_trace(tmp_path / "f_rank0.json", {"rmsnorm_pair_kernel": 2})])
+    assert census.render_comparison(base, fused, steps=2, layers=2) == "\n".join([
+        "", "qkv_norm (summed over ranks; count × mean µs = total µs)",
+        "| kernel | baseline | candidate |", "|---|---|---|",
+        "| rms_norm_kernel | 8 × 2.00 = 16.0 | 0 × 0.00 = 0.0 |",
+        "| rmsnorm_pair_kernel | 0 × 0.00 = 0.0 | 2 × 2.00 = 4.0 |",
+        "qkv_norm region: 16.0 µs -> 4.0 µs (4.00x)",
+        "per MLA layer per decode step and rank (2 layers x 2 steps): 4.00 µs -> 1.00 µs",
+        "", "kernel launches per rank per step: 4 -> 1 (-3, -75.0%)"])
+    many = census.read_census([_trace(tmp_path / "m_rank0.json", {f"k{i:02d}": 1 for i in range(30)})])
+    assert census.render(many).count("| k") == 1 + 25  # the header, then the top 25 by default
