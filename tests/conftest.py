@@ -31,6 +31,22 @@ def no_exit_flush(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def aiter_triton(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """AMD's AITER Triton kernels, callable here (``k3_amd_overlay.bench.aiter_peers``), with the
+    overlay's AITER providers let onto this GPU; skips with the reason where they are not."""
+    from k3_amd_overlay.bench import aiter_peers
+    from k3_amd_overlay.ops import aiter_absorb
+
+    if not HAS_GPU:
+        pytest.skip("AITER's Triton kernels need a GPU")
+    why = aiter_peers.enable()
+    if why:
+        pytest.skip(why)
+    monkeypatch.setattr(aiter_absorb, "device_missing", lambda device: None)  # on ROCm it is None anyway
+    return aiter_peers
+
+
+@pytest.fixture
 def aiter_standin(monkeypatch: pytest.MonkeyPatch) -> Callable[..., AiterStandIn]:
     """``aiter_standin(version=..., fmt=...)``: AITER's op replaced by the stand-in
     (tests/aiter_standin.py) for this test; everything it changed is undone after it."""

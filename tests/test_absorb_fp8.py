@@ -109,19 +109,6 @@ def test_inputs_outside_the_contract_are_refused_by_name():
 
 # --- against AMD's own code (GPU, AITER's Triton kernels importable) ------------------------------
 
-@pytest.fixture
-def aiter_triton(monkeypatch):
-    from k3_amd_overlay.bench import aiter_peers
-
-    if not HAS_GPU:
-        pytest.skip("AITER's Triton kernels need a GPU")
-    why = aiter_peers.enable()
-    if why:
-        pytest.skip(why)
-    monkeypatch.setattr(aiter_absorb, "device_missing", lambda device: None)  # on ROCm it is None anyway
-    return aiter_peers
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [3, 12, 16])
 @pytest.mark.parametrize("tokens", [1, 8, 64, 256])

@@ -160,16 +160,11 @@ def test_inputs_outside_the_contract_are_refused_by_name():
 # --- against AMD's own code (GPU, AITER's Triton kernels importable) ------------------------------
 
 @pytest.fixture
-def aiter_fp4(monkeypatch):
-    from k3_amd_overlay.bench import aiter_peers
-
-    if not HAS_GPU:
-        pytest.skip("AITER's Triton kernels need a GPU")
-    why = aiter_peers.fp4_missing()
+def aiter_fp4(aiter_triton):
+    why = aiter_triton.fp4_missing()
     if why:
         pytest.skip(why)
-    monkeypatch.setattr(aiter_absorb, "device_missing", lambda device: None)  # on ROCm it is None anyway
-    return aiter_peers
+    return aiter_triton
 
 
 @pytest.mark.gpu

@@ -5,6 +5,8 @@ contracts."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from k3_amd_overlay import mxfp4, package
@@ -105,6 +107,24 @@ def run_provider(name: str, q_nope: torch.Tensor, w_uk_t: torch.Tensor, q_pe: to
                         q_scale, q_out.view(torch.uint8), fmt)
 
 
+def _quantised_weight_call(op: str, q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torch.Tensor,
+                           q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, k_scale: torch.Tensor, q_scale: torch.Tensor,
+                           q_out: torch.Tensor | None, provider: str, kv_format: str | None,
+                           **weights: Any) -> tuple[qk_cache_op.QkCacheCall, torch.Tensor, str]:
+    """What the fp8 and MXFP4 entry points share once their weights' own shapes and dtypes are
+    checked: the weights on q_nope's device, ``fused_qk_cache``'s contract, q_out, and the provider
+    (``weights``: ``provider_missing``'s flags for the variant)."""
+    if w_k.device != q_nope.device or w_k_scale.device != q_nope.device:
+        raise ValueError(f"{op}: W_K on {w_k.device} and W_K_scale on {w_k_scale.device}, q_nope on "
+                         f"{q_nope.device}")
+    call = qk_cache_op.check_inputs(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
+                                    kv_format, lora=w_k.shape[1])
+    q_out = qk_cache_op.q_out_for(call, q_out, q_nope.device, op)
+    missing = provider_missing(q_nope.device, q_nope.shape[2], call.lora, call.rope, **weights)
+    return call, q_out, first_available(missing, provider, op)
+
+
 def fused_absorb_fp8_qk_cache(
     q_nope: torch.Tensor,
     w_k: torch.Tensor,
@@ -143,15 +163,9 @@ def fused_absorb_fp8_qk_cache(
     if w_k_scale.numel() != 1 or w_k_scale.dtype != torch.float32:
         raise ValueError(f"{OP_FP8}: W_K_scale must be one float32 element, got {w_k_scale.dtype} "
                          f"with {w_k_scale.numel()} elements")
-    if w_k.device != q_nope.device or w_k_scale.device != q_nope.device:
-        raise ValueError(f"{OP_FP8}: W_K on {w_k.device} and W_K_scale on {w_k_scale.device}, q_nope on "
-                         f"{q_nope.device}")
-    call = qk_cache_op.check_inputs(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
-                                    kv_format, lora=w_k.shape[1])
-    q_out = qk_cache_op.q_out_for(call, q_out, q_nope.device, OP_FP8)
-    missing = provider_missing(q_nope.device, nope, call.lora, call.rope, fp8_weights=True,
-                               weight_format=weight_format)
-    name = first_available(missing, provider, OP_FP8)
+    call, q_out, name = _quantised_weight_call(OP_FP8, q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, kv_cache,
+                                               slot_mapping, k_scale, q_scale, q_out, provider, kv_format,
+                                               fp8_weights=True, weight_format=weight_format)
     if tokens:
         run_fp8_provider(name, q_nope, w_k, w_k_scale, q_pe, kv_c, call.k_pe, call.kv_cache, slot_mapping,
                          k_scale, q_scale, q_out, call.fmt, weight_format)
@@ -217,14 +231,9 @@ def fused_absorb_mxfp4_qk_cache(
     if w_k.dtype != torch.uint8 or w_k_scale.dtype != torch.uint8:
         raise ValueError(f"{OP_MXFP4}: W_K and W_K_scale must be uint8 (packed e2m1, e8m0), got {w_k.dtype} "
                          f"and {w_k_scale.dtype}")
-    if w_k.device != q_nope.device or w_k_scale.device != q_nope.device:
-        raise ValueError(f"{OP_MXFP4}: W_K on {w_k.device} and W_K_scale on {w_k_scale.device}, q_nope on "
-                         f"{q_nope.device}")
-    call = qk_cache_op.check_inputs(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
-                                    kv_format, lora=w_k.shape[1])
-    q_out = qk_cache_op.q_out_for(call, q_out, q_nope.device, OP_MXFP4)
-    missing = provider_missing(q_nope.device, nope, call.lora, call.rope, mxfp4_weights=True)
-    name = first_available(missing, provider, OP_MXFP4)
+    call, q_out, name = _quantised_weight_call(OP_MXFP4, q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, kv_cache,
+                                               slot_mapping, k_scale, q_scale, q_out, provider, kv_format,
+                                               mxfp4_weights=True)
     if tokens:
         run_mxfp4_provider(name, q_nope, w_k, w_k_scale, q_pe, kv_c, call.k_pe, call.kv_cache, slot_mapping,
                            k_scale, q_scale, q_out, call.fmt)
