@@ -44,6 +44,9 @@ declare -A TESTS=(
 if [ $# -gt 0 ]; then modules=("$@"); else mapfile -t modules < <(printf '%s\n' "${!TESTS[@]}" | sort); fi
 
 "$repo/scripts/setup_venvs.sh" "$version" 2>&1 | grep -v "WARNING: Location" || exit 1
+# pytest-cov maps each test to the lines it executes (scripts/mutant_runner.py)
+"$venv/bin/python" -c "import pytest_cov" 2>/dev/null \
+  || "$venv/bin/python" -m pip install -q --disable-pip-version-check pytest-cov 2>&1 | grep -v "WARNING: Location"
 if [ ! -x "$tool/bin/mutmut" ]; then
   python3 -m venv "$tool" && "$tool/bin/python" -m pip install -q --disable-pip-version-check "mutmut==2.5.1" \
     2>&1 | grep -v "WARNING: Location"
@@ -60,11 +63,17 @@ for module in "${modules[@]}"; do
   targets=$(for t in $tests; do printf '%s ' "$work/clone/tests/$t"; done)
   fast=""
   [ "${K3OVL_MUTANTS_FAST:-0}" = 1 ] && fast="K3OVL_TESTS_WITHOUT_VLLM=1"
-  runner="env PYTHONPATH=$work/clone VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $fast $venv/bin/python -m pytest -x -q -p no:cacheprovider $targets"
-  rm -f .mutmut-cache
+  environment="env PYTHONPATH=$work/clone VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $fast"
+  coverage="$work/coverage-${module//\//-}"
+  rm -f .mutmut-cache "$coverage"
   echo "=== k3_amd_overlay/$module against $tests"
+  # which test executed which line, on the unmutated clone: the runner tries those tests first
+  $environment COVERAGE_FILE="$coverage" $venv/bin/python -m pytest -q -p no:cacheprovider \
+    --cov="$work/clone/k3_amd_overlay" --cov-context=test --cov-report= $targets >"$work/coverage.log" 2>&1 \
+    || { echo "the tests fail on the unmutated clone:"; tail -20 "$work/coverage.log"; exit 1; }
+  runner="$environment $venv/bin/python $repo/scripts/mutant_runner.py k3_amd_overlay/$module $coverage $work/pytest.log -- $targets"
   timeout "${K3OVL_MUTANTS_LIMIT:-5400}" "$tool/bin/mutmut" run --paths-to-mutate "k3_amd_overlay/$module" \
-    --runner "$runner" --no-progress >/dev/null 2>&1
+    --runner "$runner" --test-time-base 60 --no-progress >/dev/null 2>&1
   git checkout -q -- "k3_amd_overlay/$module"  # a stopped mutmut leaves its last mutant in the file
   read -r total tested survived ids < <("$tool/bin/python" - <<'PY'
 import sqlite3
