@@ -29,7 +29,8 @@ declare -A TESTS=(
   [targets/k3_wrapper.py]="test_vllm_layer.py test_field_faults.py"
   [targets/plain_wrapper.py]="test_field_faults.py test_vllm_layer.py"
   [targets/attend_hook.py]="test_field_faults.py test_vllm_layer.py"
-  [targets/shapes.py]="test_vllm_plugin.py test_package.py"
+  [targets/shapes.py]="test_shapes.py test_field_faults.py test_vllm_layer.py"
+  [targets/sources.py]="test_shapes.py test_field_faults.py test_vllm_layer.py"
   [targets/defects.py]="test_vllm_layer.py"
   [engine.py]="test_engine.py"
   [activation.py]="test_field_faults.py test_vllm_plugin.py"
@@ -63,7 +64,7 @@ for module in "${modules[@]}"; do
   targets=$(for t in $tests; do printf '%s ' "$work/clone/tests/$t"; done)
   fast=""
   [ "${K3OVL_MUTANTS_FAST:-0}" = 1 ] && fast="K3OVL_TESTS_WITHOUT_VLLM=1"
-  environment="env PYTHONPATH=$work/clone VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $fast"
+  environment="env PYTHONPATH=$work/clone K3OVL_VENV_ROOT=$venv_root VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $fast"
   coverage="$work/coverage-${module//\//-}"
   rm -f .mutmut-cache "$coverage"
   echo "=== k3_amd_overlay/$module against $tests"

@@ -1,0 +1,269 @@
+"""Recognising vLLM by its source: every release of the matrix read from disk (no vLLM import, so
+one venv's run checks the probes against all five source trees), each anchor's answer on each
+tree, the probes' AST rules on small sources, and the patches each shape builds per mode."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from k3_amd_overlay.evidence import Evidence
+from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM
+from k3_amd_overlay.settings import load_settings
+from k3_amd_overlay.targets import sources as src
+from k3_amd_overlay.targets.installer import DECODE_FUSIONS, LayerInstaller
+from k3_amd_overlay.targets.shapes import (
+    FUSED_DECODE_PARAMS,
+    K3_DECODE_WRAPPER,
+    K3_NORM_WRAPPER,
+    PLAIN_WRAPPER,
+    UPSTREAM_DECODE_MIN_LATENT_HEADS,
+    VLLM_SHAPES,
+    recognise,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+MATRIX = [line.strip() for line in (REPO / "scripts/vllm-versions.txt").read_text().splitlines()
+          if line.strip() and not line.startswith("#")]
+VENV_ROOT = Path(os.environ.get("K3OVL_VENV_ROOT", REPO / ".venvs"))
+
+# Each anchor's answer per release (1 holds, 0 not), per shape: identity, then each fusion's anchors.
+HOLDS = {
+    "0.29": {"k3_decode_wrapper": ("0001", "00", "10001"), "k3_norm_wrapper": ("0011", "00", "0111"),
+             "plain_wrapper": ("1111", "11", "111")},
+    "0.30": {"k3_decode_wrapper": ("1101", "11", "10001"), "k3_norm_wrapper": ("1111", "11", "1111"),
+             "plain_wrapper": ("0001", "11", "111")},
+    "0.32": {"k3_decode_wrapper": ("1111", "11", "11111"), "k3_norm_wrapper": ("1101", "11", "1111"),
+             "plain_wrapper": ("0001", "11", "111")},
+}
+HOLDS["0.31"], HOLDS["0.33"] = HOLDS["0.30"], HOLDS["0.32"]
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def _tree_of(version: str) -> Path:
+    found = sorted((VENV_ROOT / f"vllm-{version}" / "lib").glob("python*/site-packages/vllm"))
+    if not found:
+        pytest.skip(f"no vLLM {version} venv under {VENV_ROOT} (scripts/setup_venvs.sh builds it)")
+    return found[0]
+
+
+def _in_releases(version: str, releases: str) -> bool:
+    low, high = (tuple(int(p) for p in end.split(".")) for end in releases.split("-"))
+    return low <= tuple(int(p) for p in _minor(version).split(".")) <= high
+
+
+@pytest.mark.parametrize("version", MATRIX)
+def test_each_release_is_recognised_as_the_shape_its_releases_name(version):
+    sources = src.VllmSources(_tree_of(version))
+    found = recognise(sources)
+    expected = [shape for shape in VLLM_SHAPES if _in_releases(version, shape.releases)]
+    assert [found.shape] == expected
+    assert found.missing_for_fusion == {f: [] for f in FUSIONS}
+    earlier = VLLM_SHAPES[:VLLM_SHAPES.index(found.shape)]
+    assert list(found.missing_identity) == [shape.name for shape in earlier]
+    for shape in earlier:
+        assert found.missing_identity[shape.name] == [a.what for a in shape.identity if not a.holds(sources)]
+
+
+@pytest.mark.parametrize("version", MATRIX)
+def test_every_anchor_answers_as_recorded_on_every_release(version):
+    sources = src.VllmSources(_tree_of(version))
+    for shape in VLLM_SHAPES:
+        identity, norm, decode = HOLDS[_minor(version)][shape.name]
+        answers = "".join(str(int(a.holds(sources))) for a in shape.identity)
+        assert answers == identity, (shape.name, "identity")
+        assert "".join(str(int(a.holds(sources))) for a in shape.fusion_anchors[QKV_NORM]) == norm
+        for fusion in DECODE_FUSIONS:
+            got = "".join(str(int(a.holds(sources))) for a in shape.fusion_anchors[fusion])
+            assert got == decode, (shape.name, fusion)
+
+
+def test_a_tree_without_vllm_names_every_missing_identity_anchor(tmp_path):
+    found = recognise(src.VllmSources(tmp_path))
+    assert found.shape is None and found.missing_for_fusion == {}
+    mla, linear = src.K3_MLA, src.LINEAR
+    wrapper = src.K3_WRAPPER
+    assert found.missing_identity == {
+        "k3_decode_wrapper": [
+            f"{mla}: class {wrapper}",
+            f"{linear}: KimiMLAAttention.__init__ constructs {wrapper}",
+            f"{mla}: {wrapper}._fused_decode{FUSED_DECODE_PARAMS}",
+            f"{linear}: class KimiLinearModel",
+        ],
+        "k3_norm_wrapper": [
+            f"{mla}: class {wrapper}",
+            f"{linear}: KimiMLAAttention.__init__ constructs {wrapper}",
+            f"{linear}: class KimiLinearModel",
+        ],
+        "plain_wrapper": [
+            f"{linear}: imports MultiHeadLatentAttentionWrapper from vllm.model_executor.layers.mla",
+            f"{linear}: KimiMLAAttention.__init__ constructs MultiHeadLatentAttentionWrapper",
+            f"{linear}: class KimiLinearModel",
+        ],
+    }
+    assert recognise(src.VllmSources(None)).missing_identity == found.missing_identity
+
+
+def test_the_anchor_descriptions_word_for_word():
+    mla, shared, attn = src.K3_MLA, src.SHARED_MLA, src.MLA_ATTENTION
+    w = src.K3_WRAPPER
+    assert [a.what for a in K3_DECODE_WRAPPER.fusion_anchors[QKV_NORM]] == [
+        f"{mla}: {w}._normalize_q_kv(q_c, kv_c)", f"{mla}: {w}.forward calls self._normalize_q_kv"]
+    assert [a.what for a in K3_DECODE_WRAPPER.fusion_anchors[QK_CACHE]] == [
+        f"{mla}: {w}._fused_qk_prep_supported()",
+        f"{mla}: {w}.__init__ sets self._fused_qk_prep from _fused_qk_prep_supported()",
+        f"{mla}: {w}._fused_decode{FUSED_DECODE_PARAMS}",
+        f"{mla}: {w}.forward calls self._fused_decode",
+        f"{attn}: MLAAttention._v_up_proj(x, out)",
+    ]
+    assert [a.what for a in K3_NORM_WRAPPER.fusion_anchors[QK_CACHE]] == [
+        f"{mla}: {w}.forward calls self.mla_attn",
+        f"{attn}: MLAAttention.forward('q', 'kv_c_normed', 'k_pe', 'output_shape', 'q_dcp_replicated')",
+        f"{attn}: MLAAttention._v_up_proj(x, out)",
+        f"{src.ATTENTION}: get_attention_context(layer_name)",
+    ]
+    assert K3_NORM_WRAPPER.identity[2].what == (
+        f"{mla}: no fused decode of its own (no _fused_decode, no fused_qk_rope_concat_and_cache_mla)")
+    assert [a.what for a in PLAIN_WRAPPER.fusion_anchors[QKV_NORM]] == [
+        f"{shared}: MultiHeadLatentAttentionWrapper.forward(positions, hidden_states, llama_4_scaling)",
+        f"{shared}: MultiHeadLatentAttentionWrapper.forward normalises with self.q_a_layernorm and "
+        "self.kv_a_layernorm",
+    ]
+    for shape in VLLM_SHAPES:
+        assert shape.fusion_anchors[ABSORB_QK_CACHE] == shape.fusion_anchors[QK_CACHE]
+
+
+def test_what_each_shape_says_upstream_fuses():
+    assert K3_DECODE_WRAPPER.upstream == {
+        QKV_NORM: "AITER dual RMSNorm when AITER is on",
+        QK_CACHE: "AITER fused decode when AITER MLA is on, kv_lora_rank*heads >= 2048, no fp8 BMM",
+        ABSORB_QK_CACHE: ""}
+    assert UPSTREAM_DECODE_MIN_LATENT_HEADS == 2048
+    assert K3_NORM_WRAPPER.upstream == {QKV_NORM: "AITER dual RMSNorm when AITER is on", QK_CACHE: "",
+                                        ABSORB_QK_CACHE: ""}
+    assert PLAIN_WRAPPER.upstream == dict.fromkeys(FUSIONS, "")
+    assert [s.releases for s in VLLM_SHAPES] == ["0.32-0.33", "0.30-0.31", "0.27-0.29"]
+
+
+def _write(root: Path, rel: str, code: str) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(code))
+
+
+def test_probes_read_code_not_comments_or_nested_definitions(tmp_path):
+    _write(tmp_path, "m.py", """
+        # class Hidden: a comment is not code
+        from a.b import Name as Alias, Other
+        import pkg.sub as short
+
+        def top(x, /, y, *, z):
+            helper.run(x)
+            self.value = 1
+            self.typed: int = 2
+
+        class Outer:
+            def method(self, a, b):
+                self.inner.call(a)
+                return Name
+
+            class Nested:
+                pass
+
+        def wrapper():
+            def inner_fn():
+                pass
+    """)
+    sources = src.VllmSources(tmp_path)
+    tree = sources.tree("m.py")
+    assert sources.tree("m.py") is tree  # parsed once
+    assert sources.text("absent.py") is None and sources.tree("absent.py") is None
+    assert src.VllmSources(None).text("m.py") is None
+    assert src.find_class(tree, "Outer") is not None
+    assert src.find_class(tree, "Hidden") is None and src.find_class(tree, "Nested") is None
+    assert src.find_class(tree, "top") is None and src.find_class(None, "Outer") is None
+    assert src.find_function(tree, "top") is not None and src.find_function(tree, "Outer") is None
+    assert src.find_function(tree, "inner_fn") is None and src.find_function(None, "top") is None
+    outer = src.find_class(tree, "Outer")
+    method = src.find_method(outer, "method")
+    assert method is not None and src.find_method(outer, "Nested") is None
+    assert src.find_method(outer, "top") is None and src.find_method(None, "method") is None
+    assert src.params(src.find_function(tree, "top")) == ("x", "y", "z")
+    assert src.params(method) == ("a", "b") and src.params(None) == ()
+    assert src.calls(tree, "helper.run") and src.calls(method, "self.inner.call")
+    assert not src.calls(tree, "helper") and not src.calls(method, "helper.run")
+    assert not src.calls(tree, "Hidden") and not src.calls(None, "helper.run")
+    assert src.mentions(method, "Name") and src.mentions(method, "inner")
+    assert src.mentions(tree, "Alias") and src.mentions(tree, "Other") and src.mentions(tree, "sub")
+    assert src.mentions(tree, "short")
+    assert not src.mentions(tree, "Hidden") and not src.mentions(method, "helper")
+    assert not src.mentions(None, "Name")
+    assert src.imports_name(tree, "a.b", "Name") and src.imports_name(tree, "a.b", "Other")
+    assert not src.imports_name(tree, "a.b", "Alias") and not src.imports_name(tree, "a", "Name")
+    assert not src.imports_name(None, "a.b", "Name")
+    fn = src.find_function(tree, "top")
+    assert src.assigns_self_attr(fn, "value") and src.assigns_self_attr(fn, "typed")
+    assert not src.assigns_self_attr(fn, "other") and not src.assigns_self_attr(method, "value")
+    assert not src.assigns_self_attr(None, "value")
+
+
+def test_vllm_root_is_the_importable_package_or_none(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert src.vllm_root() is None
+
+
+def _installer(tmp_path, switch: str) -> LayerInstaller:
+    settings = load_settings({"K3_AMD_OVERLAY": switch, "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path)})
+    return LayerInstaller(settings, Evidence(settings))
+
+
+def _specs(shape, installer, fusions):
+    return [(s.key, s.module, s.attribute, s.fusions, s.params)
+            for s in shape.build(installer, frozenset(fusions))]
+
+
+FUSION_SETS = [set(c) for n in range(len(FUSIONS) + 1) for c in itertools.combinations(sorted(FUSIONS), n)]
+MLA, LINEAR, W = "vllm.models.kimi_k3.amd.mla", "vllm.models.kimi_k3.amd.linear", src.K3_WRAPPER
+
+
+def _report(fusions) -> list[tuple]:
+    return [("linear.report_layers", LINEAR, "KimiLinearModel.__init__", tuple(sorted(fusions)), None)]
+
+
+def _norm_specs(hooked) -> list[tuple]:
+    specs = [("k3_wrapper.init", MLA, f"{W}.__init__", tuple(sorted(hooked)), None)]
+    if QKV_NORM in hooked:
+        specs.append(("k3_wrapper.normalize_q_kv", MLA, f"{W}._normalize_q_kv", (QKV_NORM,), ("q_c", "kv_c")))
+    return specs
+
+
+@pytest.mark.parametrize("switch", ["1", "stock"])
+@pytest.mark.parametrize("fusions", FUSION_SETS, ids=lambda f: "+".join(sorted(f)) or "none")
+def test_each_shape_builds_the_patches_its_mode_needs(tmp_path, switch, fusions):
+    installer = _installer(tmp_path, switch)
+    decode = tuple(sorted(set(fusions) & DECODE_FUSIONS))
+
+    expected = _norm_specs({QKV_NORM}) if QKV_NORM in fusions else []
+    if decode:
+        expected += [
+            ("k3_wrapper.fused_qk_prep_supported", MLA, f"{W}._fused_qk_prep_supported", decode, ()),
+            ("k3_wrapper.fused_decode", MLA, f"{W}._fused_decode", decode, FUSED_DECODE_PARAMS),
+        ]
+    assert _specs(K3_DECODE_WRAPPER, installer, fusions) == (expected + _report(fusions) if fusions else [])
+
+    hooked = set(fusions) if switch == "1" else set(fusions) - DECODE_FUSIONS
+    assert _specs(K3_NORM_WRAPPER, installer, fusions) == (
+        _norm_specs(hooked) + _report(hooked) if hooked else [])
+
+    plain = [("linear.mla_wrapper", LINEAR, "MultiHeadLatentAttentionWrapper", tuple(sorted(fusions)), None)]
+    assert _specs(PLAIN_WRAPPER, installer, fusions) == (
+        plain + _report(fusions) if fusions and switch == "1" else [])
