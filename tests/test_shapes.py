@@ -1,6 +1,7 @@
 """Recognising vLLM by its source: every release of the matrix read from disk (no vLLM import, so
 one venv's run checks the probes against all five source trees), each anchor's answer on each
-tree, the probes' AST rules on small sources, and the patches each shape builds per mode."""
+tree, the probes' AST rules on small sources, the patches each shape builds per mode, and the
+known vLLM defect found where it is and fired where vLLM's variables make it fire."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import load_settings
 from k3_amd_overlay.targets import sources as src
+from k3_amd_overlay.targets.defects import UPSTREAM_DEFECTS, W_UK_T_BEFORE_LOAD, present_defects
 from k3_amd_overlay.targets.installer import DECODE_FUSIONS, LayerInstaller
 from k3_amd_overlay.targets.shapes import (
     FUSED_DECODE_PARAMS,
@@ -267,3 +269,58 @@ def test_each_shape_builds_the_patches_its_mode_needs(tmp_path, switch, fusions)
     plain = [("linear.mla_wrapper", LINEAR, "MultiHeadLatentAttentionWrapper", tuple(sorted(fusions)), None)]
     assert _specs(PLAIN_WRAPPER, installer, fusions) == (
         plain + _report(fusions) if fusions and switch == "1" else [])
+
+
+@pytest.mark.parametrize("version", MATRIX)
+def test_the_known_vllm_defect_is_found_in_exactly_the_release_that_has_it(version):
+    # vLLM 0.32.0's _fused_qk_prep_supported reads attn.W_UK_T, called from __init__ (before loading);
+    # 0.33 no longer reads it there, 0.29-0.31 have no such check.
+    found = present_defects(src.VllmSources(_tree_of(version)))
+    assert found == ([W_UK_T_BEFORE_LOAD] if _minor(version) == "0.32" else [])
+
+
+def test_a_source_where_the_check_is_not_called_at_init_has_no_defect(tmp_path):
+    _write(tmp_path, src.K3_MLA, f"""
+        class {src.K3_WRAPPER}:
+            def __init__(self):
+                self.ready = True
+
+            def _fused_qk_prep_supported(self):
+                return self.attn.W_UK_T is not None
+    """)
+    assert present_defects(src.VllmSources(tmp_path)) == []
+    _write(tmp_path / "called", src.K3_MLA, f"""
+        class {src.K3_WRAPPER}:
+            def __init__(self):
+                self._fused_qk_prep = self._fused_qk_prep_supported()
+
+            def _fused_qk_prep_supported(self):
+                return self.attn.W_UK_T is not None
+    """)
+    assert present_defects(src.VllmSources(tmp_path / "called")) == [W_UK_T_BEFORE_LOAD]
+
+
+@pytest.mark.parametrize(("env", "fires"), [
+    ({}, False),
+    ({"VLLM_ROCM_USE_AITER": "1"}, False),  # the fp8 and fp4 BMMs default on
+    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP8BMM": "0"}, False),
+    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP8BMM": "0", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, True),
+    ({"VLLM_ROCM_USE_AITER": "True ", "VLLM_ROCM_USE_AITER_FP8BMM": "false", "VLLM_ROCM_USE_AITER_FP4BMM": "0"},
+     True),
+    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MLA": "0", "VLLM_ROCM_USE_AITER_FP8BMM": "0",
+      "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, False),
+    ({"VLLM_ROCM_USE_AITER": "0", "VLLM_ROCM_USE_AITER_FP8BMM": "0", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, False),
+])
+def test_the_defect_fires_in_exactly_the_environment_vllm_reads(env, fires):
+    assert W_UK_T_BEFORE_LOAD.triggered(env) is fires
+
+
+def test_the_defect_is_described_word_for_word():
+    assert UPSTREAM_DEFECTS == (W_UK_T_BEFORE_LOAD,)
+    assert W_UK_T_BEFORE_LOAD.describe() == (
+        "vllm-k3-fused-qk-prep-reads-W_UK_T-before-load: vLLM's KimiK3MultiHeadLatentAttentionWrapper.__init__ "
+        "calls _fused_qk_prep_supported(), which reads attn.W_UK_T before the weights are loaded (W_UK_T does "
+        "not exist yet): building the model fails with AttributeError, with or without this overlay; keep "
+        "VLLM_ROCM_USE_AITER_FP8BMM on (vLLM then never fuses the decode itself) or use a vLLM whose check "
+        "does not read W_UK_T (0.33) (fires when VLLM_ROCM_USE_AITER=1 with AITER MLA on and "
+        "VLLM_ROCM_USE_AITER_FP8BMM=0, fp4 BMM off, at >= 4 heads per rank)")
