@@ -4,6 +4,9 @@
 # tests that cover that module, with the clone first on PYTHONPATH so the mutated source is the
 # one imported (in subprocesses too); prints the kill ratio per module and every survivor's diff.
 # Not part of CI (hours for the whole list on 2 cores); results go to docs/verification.md.
+# Each module's mutmut cache is kept in .mutants/ (ignored by git): a second run resumes, keeps the
+# mutants already killed whose line is unchanged, and tests the rest again (all of them if the
+# tests changed). Delete .mutants/ for a run from scratch.
 #   scripts/mutants.sh [MODULE ...]      default: every module below; e.g. scripts/mutants.sh verdict.py
 # Environment: K3OVL_MUTANTS_VLLM (default 0.33.0), K3OVL_VENV_ROOT (as scripts/setup_venvs.sh),
 # K3OVL_MUTANTS_FAST=1 (leave out the tests that need vLLM, and vLLM's import, per mutant: seconds
@@ -11,6 +14,8 @@
 # table must then say), K3OVL_MUTANTS_LIMIT (seconds per module, default 5400: mutmut 2.5.1 has
 # hung mid-run here; the mutants it tested by then are still counted, the rest reported untested).
 set -uo pipefail
+
+main() {
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv_root=${K3OVL_VENV_ROOT:-$repo/.venvs}
 version=${K3OVL_MUTANTS_VLLM:-0.33.0}
@@ -24,11 +29,11 @@ declare -A TESTS=(
   [fusions/states.py]="test_predicates.py test_evidence.py"
   [targets/installer.py]="test_field_faults.py test_predicates.py test_vllm_layer.py"
   [targets/decode.py]="test_field_faults.py test_predicates.py test_vllm_layer.py"
-  [targets/norm.py]="test_field_faults.py test_vllm_layer.py"
+  [targets/norm.py]="test_sites.py test_field_faults.py test_vllm_layer.py"
   [targets/vllm_env.py]="test_vllm_layer.py"
   [targets/k3_wrapper.py]="test_vllm_layer.py test_field_faults.py"
   [targets/plain_wrapper.py]="test_field_faults.py test_vllm_layer.py"
-  [targets/attend_hook.py]="test_field_faults.py test_vllm_layer.py"
+  [targets/attend_hook.py]="test_sites.py test_field_faults.py test_vllm_layer.py"
   [targets/shapes.py]="test_shapes.py test_field_faults.py test_vllm_layer.py"
   [targets/sources.py]="test_shapes.py test_field_faults.py test_vllm_layer.py"
   [targets/defects.py]="test_shapes.py test_vllm_layer.py"
@@ -52,6 +57,8 @@ if [ ! -x "$tool/bin/mutmut" ]; then
   python3 -m venv "$tool" && "$tool/bin/python" -m pip install -q --disable-pip-version-check "mutmut==2.5.1" \
     2>&1 | grep -v "WARNING: Location"
 fi
+keep="$repo/.mutants"
+mkdir -p "$keep"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 git clone -q "$repo" "$work/clone"
@@ -66,16 +73,19 @@ for module in "${modules[@]}"; do
   [ "${K3OVL_MUTANTS_FAST:-0}" = 1 ] && fast="K3OVL_TESTS_WITHOUT_VLLM=1"
   environment="env PYTHONPATH=$work/clone K3OVL_VENV_ROOT=$venv_root VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $fast"
   coverage="$work/coverage-${module//\//-}"
+  cache="$keep/${module//\//-}.sqlite"
   rm -f .mutmut-cache "$coverage"
+  [ -f "$cache" ] && cp "$cache" .mutmut-cache
   echo "=== k3_amd_overlay/$module against $tests"
   # which test executed which line, on the unmutated clone: the runner tries those tests first
   $environment COVERAGE_FILE="$coverage" $venv/bin/python -m pytest -q -p no:cacheprovider \
     --cov="$work/clone/k3_amd_overlay" --cov-context=test --cov-report= $targets >"$work/coverage.log" 2>&1 \
     || { echo "the tests fail on the unmutated clone:"; tail -20 "$work/coverage.log"; exit 1; }
-  runner="$environment $venv/bin/python $repo/scripts/mutant_runner.py k3_amd_overlay/$module $coverage $work/pytest.log -- $targets"
+  runner="$environment $venv/bin/python $work/clone/scripts/mutant_runner.py k3_amd_overlay/$module $coverage $work/pytest.log -- $targets"
   timeout "${K3OVL_MUTANTS_LIMIT:-5400}" "$tool/bin/mutmut" run --paths-to-mutate "k3_amd_overlay/$module" \
     --runner "$runner" --test-time-base 60 --no-progress >/dev/null 2>&1
   git checkout -q -- "k3_amd_overlay/$module"  # a stopped mutmut leaves its last mutant in the file
+  cp .mutmut-cache "$cache"
   read -r total tested survived ids < <("$tool/bin/python" - <<'PY'
 import sqlite3
 db = sqlite3.connect(".mutmut-cache")
@@ -93,3 +103,6 @@ done
 echo
 echo "mutmut 2.5.1, vLLM $version, $(date -u +%F):"
 printf '%s\n' "${report[@]}"
+}
+
+main "$@"

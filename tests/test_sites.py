@@ -1,0 +1,147 @@
+"""The per-layer sites as plain objects (no vLLM): the qkv_norm site acts on its layer's decision
+alone, its callback runs the provider it was built with, the evidence hook is given the batch's
+token count; the attention hook swaps one instance's class and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.ops import rmsnorm_pair
+from k3_amd_overlay.targets import attend_hook
+from k3_amd_overlay.targets.decode import DECODE_SITE
+from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormCallback, QkvNormSite
+
+TOKENS, Q_LORA, KV_LORA = 5, 24, 16
+
+
+class Norm(torch.nn.Module):
+    """An RMSNorm module as vLLM's K3 layer holds it: ``weight`` and ``variance_epsilon``."""
+
+    def __init__(self, width: int, eps: float, tag: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+        self.variance_epsilon = eps
+        self.tag = tag
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.tag  # recognisable: the stock path
+
+
+def _inputs():
+    return torch.randn(TOKENS, Q_LORA), torch.randn(TOKENS, KV_LORA)
+
+
+def test_the_callback_runs_its_own_provider_on_the_layers_weights(monkeypatch):
+    q_norm, kv_norm = Norm(Q_LORA, 1e-6, 2.0), Norm(KV_LORA, 1e-5, 3.0)
+    calls = []
+    monkeypatch.setattr(rmsnorm_pair, "run_provider", lambda *args: calls.append(args) or ("q", "kv"))
+    q_c, kv_c = _inputs()
+    assert QkvNormCallback(q_norm, kv_norm, "reference")(q_c, kv_c) == ("q", "kv")
+    (name, *tensors, q_eps, kv_eps), = calls
+    assert name == "reference" and (q_eps, kv_eps) == (1e-6, 1e-5)
+    assert all(a is b for a, b in zip(tensors, [q_c, kv_c, q_norm.weight, kv_norm.weight], strict=True))
+
+
+def test_the_callback_reads_the_weights_at_call_time():
+    q_norm, kv_norm = Norm(Q_LORA, 1e-6, 2.0), Norm(KV_LORA, 1e-6, 3.0)
+    callback = QkvNormCallback(q_norm, kv_norm, "reference")
+    q_c, kv_c = _inputs()
+    with torch.no_grad():
+        q_norm.weight.mul_(2)  # loading weights after the layer was built
+    q_out, kv_out = callback(q_c, kv_c)
+    rms = (q_c.float().pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+    torch.testing.assert_close(q_out, q_c * rms * q_norm.weight)
+    assert kv_out.shape == kv_c.shape
+
+
+def _site(state: FusionState, with_callback: bool):
+    q_norm, kv_norm = Norm(Q_LORA, 1e-6, 2.0), Norm(KV_LORA, 1e-6, 3.0)
+    counted: list[int] = []
+    callback = (lambda q, kv: ("fused", q.shape[0])) if with_callback else None
+    site = QkvNormSite(LayerDecision(state, "reference", "why"), callback, counted.append)
+    return site, q_norm, kv_norm, counted
+
+
+def _upstream(q, kv):
+    return ("upstream", q.shape[0])
+
+
+@pytest.mark.parametrize("state", list(FusionState))
+@pytest.mark.parametrize("with_callback", [True, False])
+def test_the_norm_site_acts_on_its_decision_alone(state, with_callback):
+    site, q_norm, kv_norm, counted = _site(state, with_callback)
+    q_c, kv_c = _inputs()
+    out = site.normalize(q_norm, kv_norm, _upstream, q_c, kv_c)
+    if state is FusionState.APPLIED and with_callback:
+        assert out == ("fused", TOKENS) and counted == [TOKENS]
+    elif state is FusionState.UPSTREAM:
+        assert out == ("upstream", TOKENS) and counted == [TOKENS]
+    else:  # stock: each norm on its own, nothing counted as fused
+        torch.testing.assert_close(out[0], q_c * 2.0)
+        torch.testing.assert_close(out[1], kv_c * 3.0)
+        assert counted == []
+
+
+def test_upstream_without_vllms_fused_norm_runs_the_two_norms():
+    site, q_norm, kv_norm, counted = _site(FusionState.UPSTREAM, with_callback=False)
+    q_c, kv_c = _inputs()
+    out = site.normalize(q_norm, kv_norm, None, q_c, kv_c)
+    torch.testing.assert_close(out[0], q_c * 2.0)
+    assert counted == []
+
+
+def test_under_tracing_the_overlays_kernel_stands_down_and_upstream_stays(monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    site, q_norm, kv_norm, counted = _site(FusionState.APPLIED, with_callback=True)
+    q_c, kv_c = _inputs()
+    out = site.normalize(q_norm, kv_norm, _upstream, q_c, kv_c)
+    torch.testing.assert_close(out[0], q_c * 2.0)
+    assert counted == []
+    site, q_norm, kv_norm, counted = _site(FusionState.UPSTREAM, with_callback=False)
+    assert site.normalize(q_norm, kv_norm, _upstream, q_c, kv_c) == ("upstream", TOKENS) and counted == []
+
+
+def test_the_site_attribute_names_are_the_overlays_own():
+    assert QKV_NORM_SITE.startswith("_k3_overlay_") and DECODE_SITE.startswith("_k3_overlay_")
+    assert QKV_NORM_SITE != DECODE_SITE
+
+
+class Attention:
+    """Stands for vLLM's MLAAttention: only its forward signature matters to the hook."""
+
+    def forward(self, q, kv_c_normed, k_pe, output_shape=None, q_dcp_replicated=None):
+        return ("stock", q, output_shape, q_dcp_replicated)
+
+
+class RecordingSite:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def attend(self, attn, stock_forward, q, kv_c_normed, k_pe, *, output_shape, q_dcp_replicated):
+        self.calls.append((attn, q, kv_c_normed, k_pe, output_shape, q_dcp_replicated))
+        return stock_forward(q, kv_c_normed, k_pe, output_shape, q_dcp_replicated)
+
+
+def test_the_attention_hook_swaps_one_instances_class_and_routes_forward_through_its_site():
+    hooked, other, site = Attention(), Attention(), RecordingSite()
+    attend_hook.install(hooked, site)
+    assert type(other) is Attention and Attention.forward is not type(hooked).forward
+    assert type(hooked).__mro__[1] is Attention
+    assert type(hooked).__name__ == "K3OverlayAttention"
+    assert type(hooked).__module__ == "k3_amd_overlay.targets.attend_hook"
+    assert type(hooked).__doc__ == "Attention of a Kimi-K3 layer with the overlay's qk_cache decode site."
+    assert hooked.__dict__[DECODE_SITE] is site
+    assert hooked.forward("q", "kv", "pe", output_shape=(2, 3), q_dcp_replicated="r") == ("stock", "q", (2, 3), "r")
+    assert site.calls == [(hooked, "q", "kv", "pe", (2, 3), "r")]
+    assert hooked.forward("q2", "kv", "pe") == ("stock", "q2", None, None)
+    assert other.forward("q", "kv", "pe") == ("stock", "q", None, None) and len(site.calls) == 2
+
+
+def test_the_hooked_class_is_made_once_per_base():
+    first, second = Attention(), Attention()
+    attend_hook.install(first, RecordingSite())
+    attend_hook.install(second, RecordingSite())
+    assert type(first) is type(second) is attend_hook.hooked_class(Attention)
+    assert attend_hook.REGISTER_KEY == "mla_attention.class_swap"
