@@ -311,6 +311,22 @@ def test_the_verdict_lines_word_for_word():
     assert judge([client, record("auto", "applied", "applied")], "fused", ["qk_cache"], require_effective=True).holds
 
 
+def test_a_process_without_layers_under_expect_fused_word_for_word():
+    """An api-server (no K3 MLA layer) is fine when the overlay is on, named when it is in stock
+    mode; a fusion on one layer is "1 layer"."""
+    server = record("auto", "pending", "pending", layers=0, effective=False, role="api-server", pid=4)
+    stock = record("stock", "forced-stock", "forced-stock", layers=0, effective=False, role="api-server", pid=5)
+    worker = record("auto", "applied", "applied", pid=6, layers=1)
+    lines = judge([server, stock, worker], "fused", ["qkv_norm", "qk_cache"], require_effective=True).lines
+    assert lines[:4] == [
+        "ok   pid 4 (api-server, vLLM 0.33.0): overlay on (qkv_norm, qk_cache); builds no K3 MLA layer, "
+        "nothing to fuse here",
+        "FAIL pid 5 (api-server, vLLM 0.33.0): overlay in stock mode",
+        "ok   pid 6 (worker, vLLM 0.33.0): qkv_norm=applied provider=triton on 1 layer (r)",
+        "ok   pid 6 (worker, vLLM 0.33.0): qk_cache=applied provider=triton on 1 layer (r)",
+    ]
+
+
 def test_a_fresh_record_serialises_with_its_defaults_and_schema_2():
     """The marker's schema number and every default, as a reader of old and new markers sees them."""
     from k3_amd_overlay.record import FusionEntry

@@ -27,7 +27,6 @@ def hooked_class(base: type) -> type:
 
     hooked = type(f"K3Overlay{base.__name__}", (base,), {
         "forward": forward,
-        "__module__": __name__,
         "__doc__": f"{base.__name__} of a Kimi-K3 layer with the overlay's qk_cache decode site.",
     })
     _HOOKED[base] = hooked
