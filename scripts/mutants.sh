@@ -15,6 +15,40 @@
 # hung mid-run here; the mutants it tested by then are still counted, the rest reported untested).
 set -uo pipefail
 
+untested_count() {
+  "$tool/bin/python" -c 'import sqlite3; print(sqlite3.connect(".mutmut-cache").execute(
+      "select count(*) from Mutant where status = '"'untested'"'").fetchone()[0])' 2>/dev/null || echo 1
+}
+
+# mutmut 2.5.1 feeds mutants to its runner from a second process; when that process dies, mutmut
+# waits forever with no test running. Such a stall (no runner for 60 s) is stopped and mutmut
+# started again: it resumes from its cache. Ends when every mutant is tested or the module's time
+# (K3OVL_MUTANTS_LIMIT) is spent.
+run_mutmut() {  # MODULE RUNNER
+  local module=$1 runner=$2 deadline=$((SECONDS + ${K3OVL_MUTANTS_LIMIT:-5400})) pid idle stalled
+  while [ "$SECONDS" -lt "$deadline" ]; do
+    timeout $((deadline - SECONDS)) "$tool/bin/mutmut" run --paths-to-mutate "k3_amd_overlay/$module" \
+      --runner "$runner" --test-time-base 60 --no-progress >/dev/null 2>&1 &
+    pid=$!
+    idle=0
+    stalled=0
+    while kill -0 "$pid" 2>/dev/null; do
+      sleep 10
+      if pgrep -f "mutant_runner.py k3_amd_overlay/$module " >/dev/null; then idle=0; else idle=$((idle + 1)); fi
+      if [ "$idle" -ge 6 ]; then
+        stalled=1
+        pkill -P "$pid"
+        kill "$pid" 2>/dev/null
+        break
+      fi
+    done
+    wait "$pid" 2>/dev/null
+    git checkout -q -- "k3_amd_overlay/$module"  # a stopped mutmut leaves its last mutant in the file
+    [ "$stalled" = 1 ] && [ "$(untested_count)" != 0 ] || break
+    echo "(mutmut stalled on $module; resuming from its cache)"
+  done
+}
+
 main() {
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv_root=${K3OVL_VENV_ROOT:-$repo/.venvs}
@@ -82,9 +116,7 @@ for module in "${modules[@]}"; do
     --cov="$work/clone/k3_amd_overlay" --cov-context=test --cov-report= $targets >"$work/coverage.log" 2>&1 \
     || { echo "the tests fail on the unmutated clone:"; tail -20 "$work/coverage.log"; exit 1; }
   runner="$environment $venv/bin/python $work/clone/scripts/mutant_runner.py k3_amd_overlay/$module $coverage $work/pytest.log -- $targets"
-  timeout "${K3OVL_MUTANTS_LIMIT:-5400}" "$tool/bin/mutmut" run --paths-to-mutate "k3_amd_overlay/$module" \
-    --runner "$runner" --test-time-base 60 --no-progress >/dev/null 2>&1
-  git checkout -q -- "k3_amd_overlay/$module"  # a stopped mutmut leaves its last mutant in the file
+  run_mutmut "$module" "$runner"
   cp .mutmut-cache "$cache"
   read -r total tested survived ids < <("$tool/bin/python" - <<'PY'
 import sqlite3

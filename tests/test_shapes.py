@@ -304,6 +304,8 @@ def test_a_source_where_the_check_is_not_called_at_init_has_no_defect(tmp_path):
     ({}, False),
     ({"VLLM_ROCM_USE_AITER": "1"}, False),  # the fp8 and fp4 BMMs default on
     ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP8BMM": "0"}, False),
+    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, False),
+    ({"VLLM_ROCM_USE_AITER_FP8BMM": "0", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, False),  # AITER defaults off
     ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP8BMM": "0", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, True),
     ({"VLLM_ROCM_USE_AITER": "True ", "VLLM_ROCM_USE_AITER_FP8BMM": "false", "VLLM_ROCM_USE_AITER_FP4BMM": "0"},
      True),
