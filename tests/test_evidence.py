@@ -327,6 +327,39 @@ def test_a_process_without_layers_under_expect_fused_word_for_word():
     ]
 
 
+def test_mixed_stock_ran_and_unproved_verdict_lines_word_for_word():
+    split = record("auto", "applied", "applied", pid=3, layers=24, served=0, warmup=0, effective=False)
+    split["fusions"]["qk_cache"]["layer_states"] = {"applied": {"layers": 1, "reason": "triton"},
+                                                    "refused": {"layers": 23, "reason": "x"}}
+    who = "pid 3 (worker, vLLM 0.33.0)"
+    mixed = (f"{who}: qk_cache=applied provider=triton on 24 layers (r); mixed across layers: "
+             "applied on 1/24 (triton), refused on 23/24 (x)")
+    assert judge([split], "fused", ["qk_cache"], require_effective=True).lines == [
+        f"FAIL {mixed} (pass --allow-mixed to accept a partly fused process)",
+        "FAIL qk_cache: no process has run its fused path yet (send a request first, or pass --no-effective)"]
+    assert judge([split], "fused", ["qk_cache"], require_effective=False, allow_mixed=True).lines == [f"ok   {mixed}"]
+    warm = record("auto", "applied", "applied", pid=3, served=0, warmup=4)
+    assert judge([warm], "fused", ["qk_cache"], require_effective=True).lines[-1] == (
+        "FAIL qk_cache: its fused path ran only in vLLM's own warm-up batches (4), which proves nothing about "
+        "served traffic; send a request (a decode step) first")
+    ran = record("stock", "forced-stock", "forced-stock", pid=3, served=2)
+    assert judge([ran], "stock", ["qk_cache"], require_effective=True).lines == [
+        f"FAIL {who}: qk_cache=forced-stock provider=triton on 2 layers (r); its fused path ran"]
+    server = record("auto", "pending", "pending", layers=0, effective=False, role="api-server", pid=4)
+    assert judge([server], "fused", ["qk_cache"], require_effective=False).lines == [
+        "ok   pid 4 (api-server, vLLM 0.33.0): overlay on (qk_cache); builds no K3 MLA layer, nothing to fuse here",
+        "FAIL no live process has built a K3 MLA layer (is the model loaded in a process that shares this "
+        "marker directory?)"]
+
+
+def test_only_a_static_check_accepts_a_pending_fusion_and_never_a_refused_one():
+    pending = record("auto", "pending", "pending", effective=False)
+    refused = record("auto", "refused", "refused", effective=False)
+    assert not judge([pending], "fused", ["qk_cache"], require_effective=False).holds
+    assert judge([pending], "fused", ["qk_cache"], require_effective=False, static=True).holds
+    assert not judge([refused], "fused", ["qk_cache"], require_effective=False, static=True).holds
+
+
 def test_a_fresh_record_serialises_with_its_defaults_and_schema_2():
     """The marker's schema number and every default, as a reader of old and new markers sees them."""
     from k3_amd_overlay.record import FusionEntry
