@@ -2,8 +2,8 @@
 
 mutmut 2.5.1 writes a mutant into the module, then runs this. It finds the lines the mutant
 changed (``git diff`` against the clone's HEAD), runs first only the tests that executed those
-lines (a pytest-cov map with one context per test, built on the unmutated clone), and, if they
-all pass, every test of the module: a mutant is reported alive only after the whole set passed,
+lines (a pytest-cov map with one context per test, built on the unmutated clone; for a line run
+only at import, the module's first test file), and, if they all pass, every test of the module: a mutant is reported alive only after the whole set passed,
 so the map only saves time, never decides. pytest's output goes to a log file, never to
 mutmut's terminal: mutmut reads the terminal until every process holding it has closed it, and a
 process left behind by a test (vLLM starts some) made it wait forever.
@@ -76,11 +76,11 @@ def main(argv: list[str]) -> int:
     test_files = argv[split + 1:]
     lines = changed_lines(module)
     if lines:
-        ids = covering_tests(coverage_file, module, lines, test_files)
-        if ids:
-            code = pytest(ids, log)
-            if code not in (0, NO_TESTS_RAN):
-                return code
+        # a line run only at import has no test context: the module's first test file goes first
+        first = covering_tests(coverage_file, module, lines, test_files) or test_files[:1]
+        code = pytest(first, log)
+        if code not in (0, NO_TESTS_RAN):
+            return code
     return pytest(test_files, log)
 
 

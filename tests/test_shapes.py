@@ -326,3 +326,13 @@ def test_the_defect_is_described_word_for_word():
         "VLLM_ROCM_USE_AITER_FP8BMM on (vLLM then never fuses the decode itself) or use a vLLM whose check "
         "does not read W_UK_T (0.33) (fires when VLLM_ROCM_USE_AITER=1 with AITER MLA on and "
         "VLLM_ROCM_USE_AITER_FP8BMM=0, fp4 BMM off, at >= 4 heads per rank)")
+
+
+def test_shapes_anchors_and_recognitions_are_frozen(tmp_path):
+    import dataclasses
+
+    recognition = recognise(src.VllmSources(tmp_path))
+    for value, name in ((K3_DECODE_WRAPPER, "name"), (K3_DECODE_WRAPPER.identity[0], "what"),
+                        (recognition, "shape"), (W_UK_T_BEFORE_LOAD, "name")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(value, name, None)
