@@ -580,3 +580,51 @@ def test_an_unusable_marker_directory_is_named_in_the_summary_line(tmp_path):
     (tmp_path / "m").symlink_to(tmp_path)
     evidence = Evidence(settings_for(tmp_path))
     assert evidence.summary_line().endswith(f" | marker-error={evidence.marker_error}")
+
+
+CHILD_WITH_ODD_NAME = """
+import ctypes, signal, sys, time
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # whatever the parent ignores: a stray signal would end it
+ctypes.CDLL(None).prctl(15, b"k3) odd (name", 0, 0, 0)  # PR_SET_NAME: a ")" inside /proc/<pid>/stat's name
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_start_ticks_and_liveness_of_a_process_named_with_a_parenthesis():
+    """The start time is field 22 of /proc/<pid>/stat, counted after the name's last ")"; checking a
+    process is alive sends it no signal."""
+    started = time.time()
+    child = subprocess.Popen([sys.executable, "-c", CHILD_WITH_ODD_NAME], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        ticks = markers.process_start_ticks(child.pid)
+        assert ticks is not None
+        with open("/proc/stat") as handle:
+            boot = next(int(line.split()[1]) for line in handle if line.startswith("btime "))
+        start = boot + ticks / os.sysconf("SC_CLK_TCK")
+        assert started - 2 <= start <= time.time() + 2  # btime is whole seconds
+        assert markers.is_alive(child.pid, ticks) and markers.is_alive(child.pid, None)
+        assert not markers.is_alive(child.pid, ticks + 1)
+        time.sleep(0.2)
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+    assert not markers.is_alive(child.pid, None)
+    assert markers.process_start_ticks(child.pid) is None
+
+
+def test_unreadable_markers_are_listed_with_the_readable_ones(tmp_path):
+    import dataclasses
+
+    (tmp_path / "1.json").write_text("{not json")
+    markers.write_marker(tmp_path, 2, MarkerRecord(pid=os.getpid(), mode=load_settings({}).mode,
+                                                   fusions={}).to_json())
+    (tmp_path / "3.txt").write_text("{}")
+    bad, good = markers.read_markers(tmp_path)
+    assert (bad.path.name, bad.record, bad.live) == ("1.json", None, False)
+    assert bad.error.startswith("unreadable marker: Expecting property name enclosed in double quotes")
+    assert (good.path.name, good.error, good.live) == ("2.json", None, True) and good.record.pid == os.getpid()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        good.live = False
