@@ -145,3 +145,23 @@ def test_the_hooked_class_is_made_once_per_base():
     attend_hook.install(second, RecordingSite())
     assert type(first) is type(second) is attend_hook.hooked_class(Attention)
     assert attend_hook.REGISTER_KEY == "mla_attention.class_swap"
+
+
+def test_vllms_own_w_uk_t_failure_is_named_on_the_exception_and_others_pass_untouched():
+    from k3_amd_overlay.targets.defects import W_UK_T_BEFORE_LOAD
+    from k3_amd_overlay.targets.k3_wrapper import decide_fused_qk_prep
+
+    decide = decide_fused_qk_prep(installer=None)  # the installer is not reached when vLLM's check fails
+
+    def fails(message):
+        def check():
+            raise AttributeError(message)
+        return check
+
+    with pytest.raises(AttributeError) as raised:
+        decide(fails("'MLAAttention' object has no attribute 'W_UK_T'"), object(), (), {})
+    assert raised.value.__notes__ == [
+        f"k3-amd-overlay: a known vLLM defect, not the overlay's: {W_UK_T_BEFORE_LOAD.describe()}"]
+    with pytest.raises(AttributeError) as raised:
+        decide(fails("'MLAAttention' object has no attribute 'W_UV'"), object(), (), {})
+    assert not hasattr(raised.value, "__notes__")
