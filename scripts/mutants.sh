@@ -34,7 +34,9 @@ run_mutmut() {  # MODULE RUNNER
     stalled=0
     while kill -0 "$pid" 2>/dev/null; do
       sleep 10
-      if pgrep -f "mutant_runner.py k3_amd_overlay/$module " >/dev/null; then idle=0; else idle=$((idle + 1)); fi
+      # the runner itself (mutmut's own command line names it too)
+      if pgrep -f "^$venv/bin/python $work/clone/scripts/mutant_runner.py k3_amd_overlay/$module " >/dev/null
+      then idle=0; else idle=$((idle + 1)); fi
       if [ "$idle" -ge 6 ]; then
         stalled=1
         pkill -P "$pid"
