@@ -5,8 +5,8 @@
 # one imported (in subprocesses too); prints the kill ratio per module and every survivor's diff.
 # Not part of CI (hours for the whole list on 2 cores); results go to docs/verification.md.
 # Each module's mutmut cache is kept in .mutants/ (ignored by git): a second run resumes, keeps the
-# mutants already killed whose line is unchanged, and tests the rest again (all of them if the
-# tests changed). Delete .mutants/ for a run from scratch.
+# mutants already killed whose line is unchanged, and tests every other mutant (survivors too)
+# again. Delete .mutants/ for a run from scratch.
 #   scripts/mutants.sh [MODULE ...]      default: every module below; e.g. scripts/mutants.sh verdict.py
 # Environment: K3OVL_MUTANTS_VLLM (default 0.33.0), K3OVL_VENV_ROOT (as scripts/setup_venvs.sh),
 # K3OVL_MUTANTS_FAST=1 (leave out the tests that need vLLM, and vLLM's import, per mutant: seconds
@@ -111,7 +111,11 @@ for module in "${modules[@]}"; do
   coverage="$work/coverage-${module//\//-}"
   cache="$keep/${module//\//-}.sqlite"
   rm -f .mutmut-cache "$coverage"
-  [ -f "$cache" ] && cp "$cache" .mutmut-cache
+  if [ -f "$cache" ]; then  # resume: keep the kills, test every survivor again
+    cp "$cache" .mutmut-cache
+    "$tool/bin/python" -c 'import sqlite3; db = sqlite3.connect(".mutmut-cache"); db.execute(
+        "update Mutant set status = '"'untested'"' where status like '"'bad%'"'"); db.commit()'
+  fi
   echo "=== k3_amd_overlay/$module against $tests"
   # which test executed which line, on the unmutated clone: the runner tries those tests first
   $environment COVERAGE_FILE="$coverage" $venv/bin/python -m pytest -q -p no:cacheprovider \
