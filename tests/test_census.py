@@ -346,3 +346,16 @@ def test_the_comparison_text_word_for_word(tmp_path):
         "", "kernel launches per rank per step: 4 -> 1 (-3, -75.0%)"])
     many = census.read_census([_trace(tmp_path / "m_rank0.json", {f"k{i:02d}": 1 for i in range(30)})])
     assert census.render(many).count("| k") == 1 + 25  # the header, then the top 25 by default
+
+
+def test_launches_are_compared_per_rank_of_each_side(tmp_path):
+    """Two baseline ranks against four candidate ranks, without steps; a baseline with no kernel."""
+    base = census.read_census([_trace(tmp_path / f"b_rank{r}.json", {"void vllm::rms_norm_kernel<x>": 4})
+                               for r in range(2)])
+    fused = census.read_census([_trace(tmp_path / f"f_rank{r}.json", {"rmsnorm_pair_kernel": 1}) for r in range(4)])
+    text = census.render_comparison(base, fused, steps=None, layers=2)
+    assert "per MLA layer" not in text
+    assert text.endswith("\nkernel launches per rank: 4 -> 1 (-3, -75.0%)")
+    empty = census.read_census([_trace(tmp_path / "e_rank0.json", {})])
+    assert census.render_comparison(empty, fused, steps=None, layers=2).endswith(
+        "\nkernel launches per rank: 0 -> 1 (+1, +0.0%)")
