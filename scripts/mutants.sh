@@ -124,10 +124,15 @@ for module in "${modules[@]}"; do
   runner="$environment $venv/bin/python $work/clone/scripts/mutant_runner.py k3_amd_overlay/$module $coverage $work/pytest.log -- $targets"
   run_mutmut "$module" "$runner"
   cp .mutmut-cache "$cache"
-  read -r total tested survived ids < <("$tool/bin/python" - <<'PY'
+  read -r total tested survived ids < <(MODULE="k3_amd_overlay/$module" "$tool/bin/python" - <<'PY'
+import os
 import sqlite3
 db = sqlite3.connect(".mutmut-cache")
-rows = db.execute("select id, status from Mutant").fetchall()
+current = open(os.environ["MODULE"]).read().split("\n")
+# a kept cache also holds mutants of lines since changed or moved (mutmut numbers lines from 0)
+rows = [(i, status) for i, status, number, text in db.execute(
+    "select Mutant.id, status, line_number, Line.line from Mutant join Line on Mutant.line = Line.id")
+    if number < len(current) and current[number] == text]
 tested = [i for i, status in rows if status != "untested"]
 bad = [str(i) for i, status in rows if status in ("bad_survived", "bad_timeout")]
 print(len(rows), len(tested), len(bad), ",".join(bad) or "-")
