@@ -109,8 +109,9 @@ def test_each_layer_attribute_becomes_its_predicate_input(tmp_path, here):
     assert (inputs.provider_setting, inputs.upstream_fuses) == ("reference", False)
     odd.mla_attn.impl.dcp_world_size = None  # vLLM leaves it unset without DCP
     assert _installer(tmp_path).qk_cache_inputs(odd, upstream_fuses=False).dcp_world_size == 1
-    del odd.mla_attn.impl.dcp_world_size
-    assert _installer(tmp_path).qk_cache_inputs(odd, upstream_fuses=False).dcp_world_size == 1
+    del odd.mla_attn.impl.dcp_world_size, odd.mla_attn.impl.supports_quant_query_input
+    bare = _installer(tmp_path).qk_cache_inputs(odd, upstream_fuses=False)
+    assert bare.dcp_world_size == 1 and bare.quant_query_input is False
 
 
 def test_stock_mode_asks_no_provider(tmp_path, here):
@@ -238,3 +239,12 @@ def test_install_sites_attaches_what_the_fusions_and_the_shape_need(tmp_path, he
     assert (DECODE_SITE in layer.__dict__) is decode
     fuses = decode and switch != "stock"
     assert hooked == ([(layer.mla_attn, layer.__dict__[DECODE_SITE])] if fuses else [])
+    if decode:  # the attention hook serves vLLMs without a fused decode of their own
+        assert layer.__dict__[DECODE_SITE].plan.upstream_fuses is False
+
+
+def test_a_layer_without_vllms_dual_norm_flag_is_not_upstream(tmp_path, here):
+    inst = _installer(tmp_path, switch="qkv_norm")
+    layer = _layer()
+    installer.install_sites(inst, layer, inst.settings.fusions, False)
+    assert layer.__dict__[QKV_NORM_SITE].decision.state is FusionState.APPLIED

@@ -81,7 +81,7 @@ class LayerInstaller:
             provider_setting=self.settings.provider(QKV_NORM),
             provider_missing=vllm_env.with_vllm_aiter_switch(rmsnorm_pair.provider_missing(
                 layer_device(wrapper),
-                q_norm.variance_epsilon if has_q else 0.0,
+                q_norm.variance_epsilon,
                 kv_norm.variance_epsilon,
             )) if has_q and not self.stock else {},
             traced_whole=vllm_env.whole_model_compiled(),
