@@ -4,6 +4,8 @@ token count; the attention hook swaps one instance's class and nothing else."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -165,3 +167,17 @@ def test_vllms_own_w_uk_t_failure_is_named_on_the_exception_and_others_pass_unto
     with pytest.raises(AttributeError) as raised:
         decide(fails("'MLAAttention' object has no attribute 'W_UV'"), object(), (), {})
     assert not hasattr(raised.value, "__notes__")
+
+
+def test_the_batch_facts_the_per_batch_predicate_reads():
+    from k3_amd_overlay.fusions.qk_cache import BatchFacts
+    from k3_amd_overlay.targets.decode import batch_facts
+
+    meta = types.SimpleNamespace(num_actual_tokens=torch.tensor(6), num_decode_tokens=4)
+    slots, cache = torch.arange(6), torch.zeros(1)
+    assert batch_facts(None, slots, cache, None) is None  # vLLM's profile run
+    assert batch_facts(meta, slots, cache, None) == BatchFacts(num_actual_tokens=6, num_decode_tokens=4,
+                                                               has_cache=True, dcp_replicated=False)
+    assert not batch_facts(meta, None, cache, None).has_cache
+    assert not batch_facts(meta, slots, torch.zeros(0), None).has_cache
+    assert batch_facts(meta, slots, cache, torch.zeros(1)).dcp_replicated
