@@ -427,3 +427,20 @@ def test_a_layer_decision_cannot_change_once_made():
     decision = qk.LayerDecision(FusionState.APPLIED, "triton", "ok")
     with pytest.raises(dataclasses.FrozenInstanceError):
         decision.state = FusionState.REFUSED  # type: ignore[misc]
+
+
+def test_every_decision_and_its_inputs_are_frozen():
+    """A decision read by several sites (and the marker) can never be changed by one of them."""
+    import dataclasses
+
+    from k3_amd_overlay.fusions import qk_cache as qk_cache_fusion
+    from k3_amd_overlay.fusions import qkv_norm as qkv_norm_fusion
+    from k3_amd_overlay.fusions import states
+
+    for cls in (qk_cache_fusion.QkCacheInputs, qk_cache_fusion.BatchFacts, qk_cache_fusion.DecodePlan,
+                qkv_norm_fusion.QkvNormInputs, states.LayerDecision):
+        assert cls.__dataclass_params__.frozen, cls.__name__
+    plan = qk_cache_fusion.DecodePlan(states.LayerDecision(FusionState.DISABLED, None, "x"),
+                                      states.LayerDecision(FusionState.DISABLED, None, "x"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.upstream_fuses = True
