@@ -24,6 +24,7 @@ from pathlib import Path
 HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
 PR_SET_PDEATHSIG = 1
 TESTS_FAILED = 1  # pytest's exit code for failed tests: the only one mutmut 2.5.1 counts as a kill
+COLLECTION_FAILED = 2  # pytest's exit code when a test module cannot even be imported
 
 
 def changed_lines(module: str) -> set[int]:
@@ -68,7 +69,9 @@ def pytest(args: list[str], log: str) -> int:
         os.killpg(proc.pid, signal.SIGKILL)  # whatever the tests left running
     except ProcessLookupError:
         pass
-    return code
+    # The mutant crashed the tests (a bad shape can take down Triton's interpreter) or broke an
+    # import: the tests caught it, though mutmut 2.5.1 would count it alive.
+    return TESTS_FAILED if code < 0 or code == COLLECTION_FAILED else code
 
 
 def main(argv: list[str]) -> int:

@@ -323,8 +323,9 @@ def aiter_fp8_bmm(x, wq, w_scale, group_size=128, bias=None, dtype=torch.bfloat1
     return y
 
 
+@pytest.mark.parametrize("fusion", ["absorb_qk_cache", "qk_cache"])  # qk_cache: vLLM's GEMM, then one launch
 @pytest.mark.parametrize("provider", ["reference", "triton"])
-def test_fp8_bmm_layer_absorbed_decode_matches_stock(provider, tmp_path, layer_pair, monkeypatch):
+def test_fp8_bmm_layer_absorbed_decode_matches_stock(fusion, provider, tmp_path, layer_pair, monkeypatch):
     """vLLM's fp8 W_UK absorption (VLLM_ROCM_USE_AITER_FP8BMM): the real layer quantises its own
     W_K / W_V at load; stock decodes through ``triton_fp8_bmm`` (stood in above), the overlay folds it
     into its one launch from the same W_K / W_K_scale: same output bytes and cache bytes."""
@@ -334,14 +335,14 @@ def test_fp8_bmm_layer_absorbed_decode_matches_stock(provider, tmp_path, layer_p
     monkeypatch.setattr(rocm_aiter_ops, "triton_fp8_bmm", staticmethod(aiter_fp8_bmm))
     spec = harness.LayerSpec(kv_cache_dtype="fp8", **K3_LAYER)
     stock, fused, activation = layer_pair(
-        spec, {"K3_AMD_OVERLAY": "absorb_qk_cache", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": provider})
+        spec, {"K3_AMD_OVERLAY": fusion, f"K3_AMD_OVERLAY_{fusion.upper()}_PROVIDER": provider})
     assert fused.attn.is_aiter_triton_fp8_bmm_enabled and fused.attn.W_K.dtype == harness.fp8_format().dtype
     batch = harness.decode_batch([stock, fused], [5, 17, 30], padding=1)
     out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
     n = batch.num_tokens
-    entry = activation.evidence.fusion("absorb_qk_cache")
+    entry = activation.evidence.fusion(fusion)
     assert (entry.state, entry.provider, entry.effective) == ("applied", provider, True), entry
-    assert "fp8 W_UK" in entry.reason
+    assert ("fp8 W_UK" in entry.reason) is (fusion == "absorb_qk_cache")
     assert (fused.kv_writes, fused.concat_quant_calls, fused.mqa_calls) == ([], 0, 1)
     assert torch.equal(out_fused[:n], out_stock[:n])
     assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
@@ -363,8 +364,9 @@ def quark_mxfp4(w):
     return packed.view(*dims, d // 2), scales.view(*dims, d // mxfp4_standin.GROUP)
 
 
+@pytest.mark.parametrize("fusion", ["absorb_qk_cache", "qk_cache"])  # qk_cache: vLLM's GEMM, then one launch
 @pytest.mark.parametrize("provider", ["reference", "triton"])
-def test_fp4_bmm_layer_absorbed_decode_matches_stock(provider, tmp_path, layer_pair, monkeypatch):
+def test_fp4_bmm_layer_absorbed_decode_matches_stock(fusion, provider, tmp_path, layer_pair, monkeypatch):
     """vLLM's MXFP4 W_UK absorption (VLLM_ROCM_USE_AITER_FP4BMM): the real layer quantises its own
     W_K / W_V at load (their transposed views kept); stock decodes through ``batched_gemm_a16wfp4``
     with ``y_scale = q_scale`` (stood in above), the overlay folds it into its one launch from the
@@ -378,15 +380,15 @@ def test_fp4_bmm_layer_absorbed_decode_matches_stock(provider, tmp_path, layer_p
     mxfp4_standin.install_gemm_module(monkeypatch)
     spec = harness.LayerSpec(kv_cache_dtype="fp8", **K3_LAYER)
     stock, fused, activation = layer_pair(
-        spec, {"K3_AMD_OVERLAY": "absorb_qk_cache", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": provider})
+        spec, {"K3_AMD_OVERLAY": fusion, f"K3_AMD_OVERLAY_{fusion.upper()}_PROVIDER": provider})
     assert fused.attn.is_aiter_triton_fp4_bmm_enabled and fused.attn.W_K.dtype == torch.uint8
     assert not fused.attn.W_K.is_contiguous()  # vLLM's [N, L, P/2] view of the [L, N, P/2] quant
     batch = harness.decode_batch([stock, fused], [5, 17, 30], padding=1)
     out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
     n = batch.num_tokens
-    entry = activation.evidence.fusion("absorb_qk_cache")
+    entry = activation.evidence.fusion(fusion)
     assert (entry.state, entry.provider, entry.effective) == ("applied", provider, True), entry
-    assert "fp4 W_UK" in entry.reason
+    assert ("fp4 W_UK" in entry.reason) is (fusion == "absorb_qk_cache")
     assert (fused.kv_writes, fused.concat_quant_calls, fused.mqa_calls) == ([], 0, 1)
     assert torch.equal(out_fused[:n], out_stock[:n])
     assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
