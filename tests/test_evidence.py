@@ -584,7 +584,8 @@ def test_an_unusable_marker_directory_is_named_in_the_summary_line(tmp_path):
 
 CHILD_WITH_ODD_NAME = """
 import ctypes, signal, sys, time
-signal.signal(signal.SIGHUP, signal.SIG_DFL)  # whatever the parent ignores: a stray signal would end it
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # whatever the parent ignores or blocks: a stray signal
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGHUP])  # would end it
 ctypes.CDLL(None).prctl(15, b"k3) odd (name", 0, 0, 0)  # PR_SET_NAME: a ")" inside /proc/<pid>/stat's name
 print("ready", flush=True)
 time.sleep(60)
