@@ -217,3 +217,30 @@ def test_the_switch_travels_to_ray_workers(monkeypatch, before, after):
     import os
 
     assert os.environ[activation.RAY_PREFIXES] == after
+
+
+@pytest.mark.parametrize("triggering", [False, True])
+def test_the_known_defects_of_the_vllm_faced_are_recorded_with_their_trigger(tmp_path, monkeypatch, hooks,
+                                                                            triggering):
+    from k3_amd_overlay.targets.defects import W_UK_T_BEFORE_LOAD
+
+    for name, value in (("VLLM_ROCM_USE_AITER", "1"), ("VLLM_ROCM_USE_AITER_FP8BMM", "0"),
+                        ("VLLM_ROCM_USE_AITER_FP4BMM", "0")):
+        if triggering:
+            monkeypatch.setenv(name, value)
+        else:
+            monkeypatch.delenv(name, raising=False)
+    version = next((v for v in MATRIX if _minor(v) == "0.32"), None)
+    if version is None:
+        pytest.skip("vLLM 0.32 is not in the matrix")
+    _facing(monkeypatch, _tree_of(version), version)
+    active = activation.activate(_settings(tmp_path))
+    assert active.evidence.record.upstream_defects == [
+        {"name": W_UK_T_BEFORE_LOAD.name, "what": W_UK_T_BEFORE_LOAD.what, "when": W_UK_T_BEFORE_LOAD.when,
+         "triggered": triggering}]
+
+
+def test_log_lines_go_to_vllms_logger_tree():
+    """vLLM configures the "vllm" logger (its handlers, VLLM_LOGGING_LEVEL): the overlay's lines
+    are emitted under it, so they appear wherever vLLM's own do."""
+    assert activation.logger.name == "vllm.k3_amd_overlay"
