@@ -20,12 +20,18 @@ untested_count() {
       "select count(*) from Mutant where status = '"'untested'"'").fetchone()[0])' 2>/dev/null || echo 1
 }
 
+first_untested() {
+  "$tool/bin/python" -c 'import sqlite3; print(sqlite3.connect(".mutmut-cache").execute(
+      "select min(id) from Mutant where status = '"'untested'"'").fetchone()[0])' 2>/dev/null
+}
+
 # mutmut 2.5.1 feeds mutants to its runner from a second process; when that process dies, mutmut
 # waits forever with no test running. Such a stall (no runner for 60 s) is stopped and mutmut
 # started again: it resumes from its cache. Ends when every mutant is tested or the module's time
 # (K3OVL_MUTANTS_LIMIT) is spent.
 run_mutmut() {  # MODULE RUNNER
-  local module=$1 runner=$2 deadline=$((SECONDS + ${K3OVL_MUTANTS_LIMIT:-5400})) pid idle stalled
+  local module=$1 runner=$2 deadline=$((SECONDS + ${K3OVL_MUTANTS_LIMIT:-5400})) pid idle stalled first
+  local last_stall=""
   while [ "$SECONDS" -lt "$deadline" ]; do
     timeout $((deadline - SECONDS)) "$tool/bin/mutmut" run --paths-to-mutate "k3_amd_overlay/$module" \
       --runner "$runner" --test-time-base 60 --no-progress >/dev/null 2>&1 &
@@ -47,7 +53,15 @@ run_mutmut() {  # MODULE RUNNER
     wait "$pid" 2>/dev/null
     git checkout -q -- "k3_amd_overlay/$module"  # a stopped mutmut leaves its last mutant in the file
     [ "$stalled" = 1 ] && [ "$(untested_count)" != 0 ] || break
-    echo "(mutmut stalled on $module; resuming from its cache)"
+    first=$(first_untested)
+    if [ "$first" = "${last_stall:-}" ]; then  # stalled twice on the same mutant: leave it out
+      "$tool/bin/python" -c "import sqlite3; db = sqlite3.connect('.mutmut-cache'); db.execute(
+          \"update Mutant set status = 'skipped' where id = $first\"); db.commit()"
+      echo "(mutmut stalled twice on mutant $first of $module; left out, reported as not tested)"
+    else
+      echo "(mutmut stalled on $module; resuming from its cache)"
+    fi
+    last_stall=$first
   done
 }
 
@@ -133,14 +147,14 @@ current = open(os.environ["MODULE"]).read().split("\n")
 rows = [(i, status) for i, status, number, text in db.execute(
     "select Mutant.id, status, line_number, Line.line from Mutant join Line on Mutant.line = Line.id")
     if number < len(current) and current[number] == text]
-tested = [i for i, status in rows if status != "untested"]
+tested = [i for i, status in rows if status in ("ok_killed", "bad_survived", "bad_timeout")]
 bad = [str(i) for i, status in rows if status in ("bad_survived", "bad_timeout")]
 print(len(rows), len(tested), len(bad), ",".join(bad) or "-")
 PY
 )
   for id in ${ids//,/ }; do [ "$id" = "-" ] || "$tool/bin/mutmut" show "$id"; done
   line="k3_amd_overlay/$module: $((tested - survived))/$tested mutants killed"
-  [ "$tested" = "$total" ] || line+=" ($((total - tested)) of $total not tested: time limit)"
+  [ "$tested" = "$total" ] || line+=" ($((total - tested)) of $total not tested: time limit or a stall)"
   report+=("$line")
 done
 echo
