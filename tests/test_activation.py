@@ -113,19 +113,22 @@ def test_unrecognised_code_strict_stops_and_lenient_refuses_every_requested_fusi
 
 def _without_the_normalize_call(tmp_path, version: str):
     tree = tmp_path / "vllm"
-    shutil.copytree(_tree_of(version), tree, ignore=shutil.ignore_patterns("*.so", "__pycache__", "*.pyc"))
+    for rel in (src.LINEAR, src.K3_MLA, src.SHARED_MLA, src.MLA_ATTENTION, src.ATTENTION):  # what the probes read
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_tree_of(version) / rel, tree / rel)
     mla = tree / src.K3_MLA
-    mla.write_text(mla.read_text().replace("self._normalize_q_kv(", "self._normalise_elsewhere("))
+    mla.write_text(mla.read_text().replace("_normalize_q_kv", "_normalise_elsewhere"))
     return tree
 
 
 def test_a_fusion_whose_anchors_are_missing_is_refused_alone_or_stops_startup(tmp_path, monkeypatch, hooks,
                                                                            warnings):
     _facing(monkeypatch, _without_the_normalize_call(tmp_path, MATRIX[-1]), "0.33.0")
-    anchor = f"{src.K3_MLA}: {src.K3_WRAPPER}.forward calls self._normalize_q_kv"
+    anchors = (f"{src.K3_MLA}: {src.K3_WRAPPER}._normalize_q_kv(q_c, kv_c); "
+               f"{src.K3_MLA}: {src.K3_WRAPPER}.forward calls self._normalize_q_kv")
     with pytest.raises(activation.OverlayActivationError) as error:
         activation.activate(_settings(tmp_path))
-    reason = f"vLLM 0.33.0 (k3_decode_wrapper) lacks the anchors qkv_norm needs: {anchor}"
+    reason = f"vLLM 0.33.0 (k3_decode_wrapper) lacks the anchors qkv_norm needs: {anchors}"
     assert str(error.value) == f"k3-amd-overlay: {reason}; {HOW_TO_PROCEED}"
     assert hooks == []
     active = activation.activate(_settings(tmp_path, strict="0"))
@@ -162,7 +165,7 @@ def test_a_live_anchor_failing_reverts_everything_and_later_hooks_do_nothing(tmp
         assert refused[0].reason.startswith(f"live anchor check failed in {MLA}: ")
         assert refused[0].reason.endswith("; every overlay patch reverted")
         assert warnings == [f"k3-amd-overlay: {', '.join(sorted(FUSIONS))} refused: {refused[0].reason}"]
-    assert reverted == [True] and not active.live
+    assert reverted == [True] and active.live is False
     applied = []
     monkeypatch.setattr(active, "apply_module", lambda *args: applied.append(args))
     on_linear(types.ModuleType(LINEAR))
@@ -184,7 +187,7 @@ def test_stopping_reverts_and_records_every_requested_fusion_disabled(tmp_path, 
     active = activation.activate(_settings(tmp_path, switch="qkv_norm"))
     monkeypatch.setattr(active.engine, "revert_all", lambda: ["k3_wrapper.init"])
     assert activation.deactivate() == ["k3_wrapper.init"]
-    assert activation.active() is None and not active.live and activation.deactivate() == []
+    assert activation.active() is None and active.live is False and activation.deactivate() == []
     assert (active.evidence.fusion(QKV_NORM).state, active.evidence.fusion(QKV_NORM).reason) == (
         FusionState.DISABLED, "deactivated")
     assert active.evidence.fusion(QK_CACHE).reason == "not requested by K3_AMD_OVERLAY='qkv_norm'"
