@@ -217,9 +217,19 @@ def test_probes_read_code_not_comments_or_nested_definitions(tmp_path):
 
 
 def test_vllm_root_is_the_importable_package_or_none(monkeypatch):
+    import importlib.machinery
     import importlib.util
 
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    from k3_amd_overlay.versions import installed_vllm_version
+
+    version = installed_vllm_version()
+    if version is not None and version in MATRIX:  # found without importing vLLM
+        assert src.vllm_root().resolve() == _tree_of(version).resolve()
+    asked = []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: asked.append(name))
+    assert src.vllm_root() is None and asked == ["vllm"]
+    bare = importlib.machinery.ModuleSpec("vllm", None, is_package=True)  # no search locations
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: bare)
     assert src.vllm_root() is None
 
 
