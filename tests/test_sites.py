@@ -181,3 +181,27 @@ def test_the_batch_facts_the_per_batch_predicate_reads():
     assert not batch_facts(meta, None, cache, None).has_cache
     assert not batch_facts(meta, slots, torch.zeros(0), None).has_cache
     assert batch_facts(meta, slots, cache, torch.zeros(1)).dcp_replicated
+
+
+@pytest.mark.parametrize("connector", [True, False])
+def test_a_batch_left_to_vllms_own_fused_decode_runs_between_the_connectors_hooks(connector):
+    """vLLM 0.32+'s fused decode skips the KV connector's per-layer hooks that the stock attention op
+    runs; the overlay runs vLLM's own call inside them, and counts the batch as vLLM's fusion."""
+    from k3_amd_overlay.targets.k3_wrapper import fused_decode_wrapper
+
+    counted, hooked, ran = [], [], []
+
+    def transfer(layer_name, step):
+        hooked.append(layer_name)
+        return step()
+
+    site = types.SimpleNamespace(
+        plan=types.SimpleNamespace(upstream_keeps=True, decision=LayerDecision(FusionState.UPSTREAM, None, "r")),
+        path_for=lambda *args: None, on_effective=counted.append, kv_transfer=transfer if connector else None)
+    layer = types.SimpleNamespace(mla_attn=types.SimpleNamespace(layer_name="layers.0.attn"))
+    layer.__dict__[DECODE_SITE] = site
+    q = torch.randn(7, 4, 8)
+    args = (q, "kv", "pe", "positions", (7, 32), "metadata", "layer", torch.zeros(1), torch.arange(7))
+    assert fused_decode_wrapper(lambda *a: ran.append(a) or "vllm's", layer, args, {}) == "vllm's"
+    assert ran == [args] and counted == [7]
+    assert hooked == (["layers.0.attn"] if connector else [])
