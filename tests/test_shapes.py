@@ -35,9 +35,9 @@ VENV_ROOT = Path(os.environ.get("K3OVL_VENV_ROOT", REPO / ".venvs"))
 
 # Each anchor's answer per release (1 holds, 0 not), per shape: identity, then each fusion's anchors.
 HOLDS = {
-    "0.29": {"k3_decode_wrapper": ("0001", "00", "10001"), "k3_norm_wrapper": ("0011", "00", "0111"),
+    "0.29": {"k3_decode_wrapper": ("0001", "00", "00001"), "k3_norm_wrapper": ("0011", "00", "0111"),
              "plain_wrapper": ("1111", "11", "111")},
-    "0.30": {"k3_decode_wrapper": ("1101", "11", "10001"), "k3_norm_wrapper": ("1111", "11", "1111"),
+    "0.30": {"k3_decode_wrapper": ("1101", "11", "00001"), "k3_norm_wrapper": ("1111", "11", "1111"),
              "plain_wrapper": ("0001", "11", "111")},
     "0.32": {"k3_decode_wrapper": ("1111", "11", "11111"), "k3_norm_wrapper": ("1101", "11", "1111"),
              "plain_wrapper": ("0001", "11", "111")},

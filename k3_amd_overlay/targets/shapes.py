@@ -72,7 +72,8 @@ NORMALIZE_SEAM = (
 )
 FUSED_DECODE_SEAM = (
     Anchor(f"{src.K3_MLA}: {K3_WRAPPER}._fused_qk_prep_supported()",
-           lambda s: src.params(_k3_method(s, "_fused_qk_prep_supported")) == ()),
+           lambda s: _k3_method(s, "_fused_qk_prep_supported") is not None
+           and src.params(_k3_method(s, "_fused_qk_prep_supported")) == ()),
     Anchor(f"{src.K3_MLA}: {K3_WRAPPER}.__init__ sets self._fused_qk_prep from _fused_qk_prep_supported()",
            lambda s: src.assigns_self_attr(_k3_method(s, "__init__"), "_fused_qk_prep")
            and src.calls(_k3_method(s, "__init__"), "self._fused_qk_prep_supported")),
