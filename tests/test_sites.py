@@ -205,3 +205,27 @@ def test_a_batch_left_to_vllms_own_fused_decode_runs_between_the_connectors_hook
     assert fused_decode_wrapper(lambda *a: ran.append(a) or "vllm's", layer, args, {}) == "vllm's"
     assert ran == [args] and counted == [7]
     assert hooked == (["layers.0.attn"] if connector else [])
+
+
+@pytest.mark.parametrize(("indexer", "sparse", "q_lora", "rotary", "dcp", "state", "takes"), [
+    (None, False, 24, None, False, FusionState.APPLIED, True),
+    (object(), False, 24, None, False, FusionState.APPLIED, True),  # an indexer is used only when sparse
+    (None, True, 24, None, False, FusionState.APPLIED, True),
+    (object(), True, 24, None, False, FusionState.APPLIED, False),
+    (None, False, None, None, False, FusionState.APPLIED, False),  # no q-LoRA
+    (None, False, 24, object(), False, FusionState.APPLIED, False),  # a rotary embedding on the front end
+    (None, False, 24, None, True, FusionState.APPLIED, False),  # DCP query replication
+    (None, False, 24, None, False, FusionState.REFUSED, False),
+])
+def test_the_plain_wrappers_own_front_end_takes_only_the_k3_shape(indexer, sparse, q_lora, rotary, dcp, state,
+                                                                  takes):
+    """vLLM 0.29's shared wrapper: the overlay's subclass runs its own K3 front end (the one with
+    the normalize seam) only where its qkv_norm is applied and the layer is K3's shape."""
+    from k3_amd_overlay.targets.plain_wrapper import k3_wrapper_class
+
+    cls = k3_wrapper_class(object, installer=None, fusions=frozenset())
+    layer = types.SimpleNamespace(indexer=indexer, is_sparse=sparse, q_lora_rank=q_lora, rotary_emb=rotary,
+                                  dcp_q_replicate=dcp)
+    layer.__dict__[QKV_NORM_SITE] = QkvNormSite(LayerDecision(state, "reference", "r"), None, lambda n: None)
+    assert cls._k3_front_end(layer) is takes
+    assert cls.__name__ == cls.__qualname__ == "K3OverlayMLAWrapper"
