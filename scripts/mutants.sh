@@ -97,12 +97,18 @@ declare -A TESTS=(
   [phases.py]="test_evidence.py"
   [census.py]="test_census.py test_field_faults.py"
 )
+# modules whose code only some releases run: mutated against such a release, not K3OVL_MUTANTS_VLLM
+declare -A VLLM_FOR=(
+  [targets/plain_wrapper.py]=0.29.0  # the shared-wrapper subclass: vLLM 0.29 only
+)
 if [ $# -gt 0 ]; then modules=("$@"); else mapfile -t modules < <(printf '%s\n' "${!TESTS[@]}" | sort); fi
 
-"$repo/scripts/setup_venvs.sh" "$version" 2>&1 | grep -v "WARNING: Location" || exit 1
-# pytest-cov maps each test to the lines it executes (scripts/mutant_runner.py)
-"$venv/bin/python" -c "import pytest_cov" 2>/dev/null \
-  || "$venv/bin/python" -m pip install -q --disable-pip-version-check pytest-cov 2>&1 | grep -v "WARNING: Location"
+prepare_venv() {  # VERSION: the matrix venv, with pytest-cov (it maps each test to the lines it executes)
+  "$repo/scripts/setup_venvs.sh" "$1" 2>&1 | grep -v "WARNING: Location" || exit 1
+  "$venv_root/vllm-$1/bin/python" -c "import pytest_cov" 2>/dev/null || "$venv_root/vllm-$1/bin/python" -m pip \
+    install -q --disable-pip-version-check pytest-cov 2>&1 | grep -v "WARNING: Location"
+}
+prepare_venv "$version"
 if [ ! -x "$tool/bin/mutmut" ]; then
   python3 -m venv "$tool" && "$tool/bin/python" -m pip install -q --disable-pip-version-check "mutmut==2.5.1" \
     2>&1 | grep -v "WARNING: Location"
@@ -117,6 +123,10 @@ cd "$work/clone" || exit 1
 report=()
 for module in "${modules[@]}"; do
   tests=${TESTS[$module]:-}
+  # a module only one release runs is mutated against that release
+  release=${VLLM_FOR[$module]:-$version}
+  venv="$venv_root/vllm-$release"
+  [ "$release" = "$version" ] || prepare_venv "$release"
   [ -n "$tests" ] || { echo "unknown module $module; known: ${!TESTS[*]}" >&2; exit 2; }
   targets=$(for t in $tests; do printf '%s ' "$work/clone/tests/$t"; done)
   fast=""
@@ -153,12 +163,12 @@ print(len(rows), len(tested), len(bad), ",".join(bad) or "-")
 PY
 )
   for id in ${ids//,/ }; do [ "$id" = "-" ] || "$tool/bin/mutmut" show "$id"; done
-  line="k3_amd_overlay/$module: $((tested - survived))/$tested mutants killed"
+  line="k3_amd_overlay/$module (vLLM $release): $((tested - survived))/$tested mutants killed"
   [ "$tested" = "$total" ] || line+=" ($((total - tested)) of $total not tested: time limit or a stall)"
   report+=("$line")
 done
 echo
-echo "mutmut 2.5.1, vLLM $version, $(date -u +%F):"
+echo "mutmut 2.5.1, $(date -u +%F):"
 printf '%s\n' "${report[@]}"
 }
 
