@@ -3,10 +3,11 @@
 mutmut 2.5.1 writes a mutant into the module, then runs this. It finds the lines the mutant
 changed (``git diff`` against the clone's HEAD), runs first only the tests that executed those
 lines (a pytest-cov map with one context per test, built on the unmutated clone; for a line run
-only at import, the module's first test file), and, if they all pass, every test of the module: a mutant is reported alive only after the whole set passed,
-so the map only saves time, never decides. pytest's output goes to a log file, never to
-mutmut's terminal: mutmut reads the terminal until every process holding it has closed it, and a
-process left behind by a test (vLLM starts some) made it wait forever.
+only at import, the module's first test file), and, if they all pass, every test of the module:
+a mutant is reported alive only after the whole set passed, so the map only saves time, never
+decides. pytest's output goes to a log file, never to mutmut's terminal: mutmut reads the
+terminal until every process holding it has closed it, and a process left behind by a test
+(vLLM starts some) made it wait forever.
 
     python mutant_runner.py MODULE COVERAGE_FILE LOG -- TEST_FILE...
 """
