@@ -81,10 +81,8 @@ def fused_absorb_qk_cache(
     if w_uk_t.dtype != q_nope.dtype or w_uk_t.device != q_nope.device:
         raise ValueError(f"{OP}: W_UK_T ({w_uk_t.dtype}, {w_uk_t.device}) must match q_nope "
                          f"({q_nope.dtype}, {q_nope.device}); fused_absorb_fp8_qk_cache takes vLLM's fp8 W_K")
-    call = qk_cache_op.check_inputs(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
-                                    kv_format, lora=w_uk_t.shape[2])
-    q_out = qk_cache_op.q_out_for(call, q_out, q_nope.device, OP)
-    name = first_available(provider_missing(q_nope.device, nope, call.lora, call.rope), provider, OP)
+    call, q_out, name = _checked_call(OP, q_nope, w_uk_t.shape[2], q_pe, kv_c, k_pe, kv_cache, slot_mapping,
+                                      k_scale, q_scale, q_out, provider, kv_format)
     if tokens:
         run_provider(name, q_nope, w_uk_t, q_pe, kv_c, call.k_pe, call.kv_cache, slot_mapping, k_scale, q_scale,
                      q_out, call.fmt)
@@ -112,14 +110,24 @@ def _quantised_weight_call(op: str, q_nope: torch.Tensor, w_k: torch.Tensor, w_k
                            slot_mapping: torch.Tensor, k_scale: torch.Tensor, q_scale: torch.Tensor,
                            q_out: torch.Tensor | None, provider: str, kv_format: str | None,
                            **weights: Any) -> tuple[qk_cache_op.QkCacheCall, torch.Tensor, str]:
-    """What the fp8 and MXFP4 entry points share once their weights' own shapes and dtypes are
-    checked: the weights on q_nope's device, ``fused_qk_cache``'s contract, q_out, and the provider
-    (``weights``: ``provider_missing``'s flags for the variant)."""
+    """The fp8 and MXFP4 entry points once their weights' own shapes and dtypes are checked: the
+    weights on q_nope's device, then what every entry point shares."""
     if w_k.device != q_nope.device or w_k_scale.device != q_nope.device:
         raise ValueError(f"{op}: W_K on {w_k.device} and W_K_scale on {w_k_scale.device}, q_nope on "
                          f"{q_nope.device}")
+    return _checked_call(op, q_nope, w_k.shape[1], q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
+                         q_out, provider, kv_format, **weights)
+
+
+def _checked_call(op: str, q_nope: torch.Tensor, lora: int, q_pe: torch.Tensor, kv_c: torch.Tensor,
+                  k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
+                  q_scale: torch.Tensor, q_out: torch.Tensor | None, provider: str, kv_format: str | None,
+                  **weights: Any) -> tuple[qk_cache_op.QkCacheCall, torch.Tensor, str]:
+    """What every entry point shares once its weights are checked: ``fused_qk_cache``'s contract at
+    the weights' latent width ``lora``, q_out, and the provider (``weights``: ``provider_missing``'s
+    flags for the variant)."""
     call = qk_cache_op.check_inputs(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale, q_scale,
-                                    kv_format, lora=w_k.shape[1])
+                                    kv_format, lora=lora)
     q_out = qk_cache_op.q_out_for(call, q_out, q_nope.device, op)
     missing = provider_missing(q_nope.device, q_nope.shape[2], call.lora, call.rope, **weights)
     return call, q_out, first_available(missing, provider, op)
