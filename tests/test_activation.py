@@ -10,7 +10,7 @@ import shutil
 import types
 
 import pytest
-from test_shapes import MATRIX, _minor, _tree_of
+from releases import MATRIX, minor, tree_of
 
 from k3_amd_overlay import activation
 from k3_amd_overlay.fusions.states import FusionState
@@ -61,9 +61,9 @@ def _settings(tmp_path, switch="1", strict="1"):
 @pytest.mark.parametrize("version", MATRIX)
 def test_each_release_gets_its_shapes_patches_hooked_on_their_modules(version, tmp_path, monkeypatch, hooks,
                                                                       warnings):
-    _facing(monkeypatch, _tree_of(version), version)
+    _facing(monkeypatch, tree_of(version), version)
     active = activation.activate(_settings(tmp_path))
-    assert active is activation.active() and active.shape.name == SHAPE_OF[_minor(version)]
+    assert active is activation.active() and active.shape.name == SHAPE_OF[minor(version)]
     keys = [spec.key for specs in active.specs_by_module.values() for spec in specs]
     assert active.evidence.record.vllm_shape == active.shape.name and active.evidence.record.patches == keys
     assert [name for name, _ in hooks] == list(active.specs_by_module)
@@ -76,7 +76,7 @@ def test_each_release_gets_its_shapes_patches_hooked_on_their_modules(version, t
 
 
 def test_outside_the_supported_range_strict_stops_and_lenient_probes_on(tmp_path, monkeypatch, hooks, warnings):
-    _facing(monkeypatch, _tree_of(MATRIX[-1]), "0.28.0")
+    _facing(monkeypatch, tree_of(MATRIX[-1]), "0.28.0")
     with pytest.raises(activation.OverlayActivationError) as error:
         activation.activate(_settings(tmp_path))
     assert str(error.value) == ("k3-amd-overlay: vLLM 0.28.0 is outside the supported range (vllm >= 0.29, < 0.34); "
@@ -115,7 +115,7 @@ def _without_the_normalize_call(tmp_path, version: str):
     tree = tmp_path / "vllm"
     for rel in (src.LINEAR, src.K3_MLA, src.SHARED_MLA, src.MLA_ATTENTION, src.ATTENTION):  # what the probes read
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(_tree_of(version) / rel, tree / rel)
+        shutil.copyfile(tree_of(version) / rel, tree / rel)
     mla = tree / src.K3_MLA
     mla.write_text(mla.read_text().replace("_normalize_q_kv", "_normalise_elsewhere"))
     return tree
@@ -144,7 +144,7 @@ def test_a_fusion_whose_anchors_are_missing_is_refused_alone_or_stops_startup(tm
 @pytest.mark.parametrize("strict", ["1", "0"])
 def test_a_live_anchor_failing_reverts_everything_and_later_hooks_do_nothing(tmp_path, monkeypatch, hooks,
                                                                             warnings, strict):
-    _facing(monkeypatch, _tree_of(MATRIX[-1]), "0.33.0")
+    _facing(monkeypatch, tree_of(MATRIX[-1]), "0.33.0")
     active = activation.activate(_settings(tmp_path, strict=strict))
     (first, on_mla), (second, on_linear) = hooks
     assert (first, second) == (MLA, LINEAR)
@@ -173,7 +173,7 @@ def test_a_live_anchor_failing_reverts_everything_and_later_hooks_do_nothing(tmp
 
 
 def test_a_hook_applies_its_own_modules_patches(tmp_path, monkeypatch, hooks):
-    _facing(monkeypatch, _tree_of(MATRIX[-1]), "0.33.0")
+    _facing(monkeypatch, tree_of(MATRIX[-1]), "0.33.0")
     active = activation.activate(_settings(tmp_path))
     seen = []
     monkeypatch.setattr(active.engine, "apply", lambda specs, module: seen.append((specs, module)) or [])
@@ -183,7 +183,7 @@ def test_a_hook_applies_its_own_modules_patches(tmp_path, monkeypatch, hooks):
 
 
 def test_stopping_reverts_and_records_every_requested_fusion_disabled(tmp_path, monkeypatch, hooks):
-    _facing(monkeypatch, _tree_of(MATRIX[-1]), "0.33.0")
+    _facing(monkeypatch, tree_of(MATRIX[-1]), "0.33.0")
     active = activation.activate(_settings(tmp_path, switch="qkv_norm"))
     monkeypatch.setattr(active.engine, "revert_all", lambda: ["k3_wrapper.init"])
     assert activation.deactivate() == ["k3_wrapper.init"]
@@ -195,7 +195,7 @@ def test_stopping_reverts_and_records_every_requested_fusion_disabled(tmp_path, 
 
 def test_a_second_activation_returns_the_first_and_warns_only_if_it_differs(tmp_path, monkeypatch, hooks,
                                                                             warnings):
-    _facing(monkeypatch, _tree_of(MATRIX[-1]), "0.33.0")
+    _facing(monkeypatch, tree_of(MATRIX[-1]), "0.33.0")
     assert activation.activate(_settings(tmp_path, switch="0")) is None and activation.active() is None
     first = activation.activate(_settings(tmp_path))
     assert activation.activate(_settings(tmp_path)) is first and warnings == []
@@ -233,10 +233,10 @@ def test_the_known_defects_of_the_vllm_faced_are_recorded_with_their_trigger(tmp
             monkeypatch.setenv(name, value)
         else:
             monkeypatch.delenv(name, raising=False)
-    version = next((v for v in MATRIX if _minor(v) == "0.32"), None)
+    version = next((v for v in MATRIX if minor(v) == "0.32"), None)
     if version is None:
         pytest.skip("vLLM 0.32 is not in the matrix")
-    _facing(monkeypatch, _tree_of(version), version)
+    _facing(monkeypatch, tree_of(version), version)
     active = activation.activate(_settings(tmp_path))
     assert active.evidence.record.upstream_defects == [
         {"name": W_UK_T_BEFORE_LOAD.name, "what": W_UK_T_BEFORE_LOAD.what, "when": W_UK_T_BEFORE_LOAD.when,

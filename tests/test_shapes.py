@@ -6,11 +6,11 @@ known vLLM defect found where it is and fired where vLLM's variables make it fir
 from __future__ import annotations
 
 import itertools
-import os
 import textwrap
 from pathlib import Path
 
 import pytest
+from releases import MATRIX, minor, tree_of
 
 from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM
@@ -28,11 +28,6 @@ from k3_amd_overlay.targets.shapes import (
     recognise,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-MATRIX = [line.strip() for line in (REPO / "scripts/vllm-versions.txt").read_text().splitlines()
-          if line.strip() and not line.startswith("#")]
-VENV_ROOT = Path(os.environ.get("K3OVL_VENV_ROOT", REPO / ".venvs"))
-
 # Each anchor's answer per release (1 holds, 0 not), per shape: identity, then each fusion's anchors.
 HOLDS = {
     "0.29": {"k3_decode_wrapper": ("0001", "00", "00001"), "k3_norm_wrapper": ("0011", "00", "0111"),
@@ -45,25 +40,14 @@ HOLDS = {
 HOLDS["0.31"], HOLDS["0.33"] = HOLDS["0.30"], HOLDS["0.32"]
 
 
-def _minor(version: str) -> str:
-    return ".".join(version.split(".")[:2])
-
-
-def _tree_of(version: str) -> Path:
-    found = sorted((VENV_ROOT / f"vllm-{version}" / "lib").glob("python*/site-packages/vllm"))
-    if not found:
-        pytest.skip(f"no vLLM {version} venv under {VENV_ROOT} (scripts/setup_venvs.sh builds it)")
-    return found[0]
-
-
 def _in_releases(version: str, releases: str) -> bool:
     low, high = (tuple(int(p) for p in end.split(".")) for end in releases.split("-"))
-    return low <= tuple(int(p) for p in _minor(version).split(".")) <= high
+    return low <= tuple(int(p) for p in minor(version).split(".")) <= high
 
 
 @pytest.mark.parametrize("version", MATRIX)
 def test_each_release_is_recognised_as_the_shape_its_releases_name(version):
-    sources = src.VllmSources(_tree_of(version))
+    sources = src.VllmSources(tree_of(version))
     found = recognise(sources)
     expected = [shape for shape in VLLM_SHAPES if _in_releases(version, shape.releases)]
     assert [found.shape] == expected
@@ -76,9 +60,9 @@ def test_each_release_is_recognised_as_the_shape_its_releases_name(version):
 
 @pytest.mark.parametrize("version", MATRIX)
 def test_every_anchor_answers_as_recorded_on_every_release(version):
-    sources = src.VllmSources(_tree_of(version))
+    sources = src.VllmSources(tree_of(version))
     for shape in VLLM_SHAPES:
-        identity, norm, decode = HOLDS[_minor(version)][shape.name]
+        identity, norm, decode = HOLDS[minor(version)][shape.name]
         answers = "".join(str(int(a.holds(sources))) for a in shape.identity)
         assert answers == identity, (shape.name, "identity")
         assert "".join(str(int(a.holds(sources))) for a in shape.fusion_anchors[QKV_NORM]) == norm
@@ -224,7 +208,7 @@ def test_vllm_root_is_the_importable_package_or_none(monkeypatch):
 
     version = installed_vllm_version()
     if version is not None and version in MATRIX:  # found without importing vLLM
-        assert src.vllm_root().resolve() == _tree_of(version).resolve()
+        assert src.vllm_root().resolve() == tree_of(version).resolve()
     asked = []
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: asked.append(name))
     assert src.vllm_root() is None and asked == ["vllm"]
@@ -285,8 +269,8 @@ def test_each_shape_builds_the_patches_its_mode_needs(tmp_path, switch, fusions)
 def test_the_known_vllm_defect_is_found_in_exactly_the_release_that_has_it(version):
     # vLLM 0.32.0's _fused_qk_prep_supported reads attn.W_UK_T, called from __init__ (before loading);
     # 0.33 no longer reads it there, 0.29-0.31 have no such check.
-    found = present_defects(src.VllmSources(_tree_of(version)))
-    assert found == ([W_UK_T_BEFORE_LOAD] if _minor(version) == "0.32" else [])
+    found = present_defects(src.VllmSources(tree_of(version)))
+    assert found == ([W_UK_T_BEFORE_LOAD] if minor(version) == "0.32" else [])
 
 
 def test_a_source_where_the_check_is_not_called_at_init_has_no_defect(tmp_path):
