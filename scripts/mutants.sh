@@ -15,14 +15,8 @@
 # hung mid-run here; the mutants it tested by then are still counted, the rest reported untested).
 set -uo pipefail
 
-untested_count() {
-  "$tool/bin/python" -c 'import sqlite3; print(sqlite3.connect(".mutmut-cache").execute(
-      "select count(*) from Mutant where status = '"'untested'"'").fetchone()[0])' 2>/dev/null || echo 1
-}
-
-first_untested() {
-  "$tool/bin/python" -c 'import sqlite3; print(sqlite3.connect(".mutmut-cache").execute(
-      "select min(id) from Mutant where status = '"'untested'"'").fetchone()[0])' 2>/dev/null
+cache_db() {  # COMMAND [ARG]: scripts/mutmut_cache.py on the cache in the current directory
+  "$tool/bin/python" "$repo/scripts/mutmut_cache.py" "$@"
 }
 
 # mutmut 2.5.1 feeds mutants to its runner from a second process; when that process dies, mutmut
@@ -52,11 +46,10 @@ run_mutmut() {  # MODULE RUNNER
     done
     wait "$pid" 2>/dev/null
     git checkout -q -- "k3_amd_overlay/$module"  # a stopped mutmut leaves its last mutant in the file
-    [ "$stalled" = 1 ] && [ "$(untested_count)" != 0 ] || break
-    first=$(first_untested)
+    [ "$stalled" = 1 ] && [ "$(cache_db untested)" != 0 ] || break
+    first=$(cache_db first-untested)
     if [ "$first" = "${last_stall:-}" ]; then  # stalled twice on the same mutant: leave it out
-      "$tool/bin/python" -c "import sqlite3; db = sqlite3.connect('.mutmut-cache'); db.execute(
-          \"update Mutant set status = 'skipped' where id = $first\"); db.commit()"
+      cache_db skip "$first" >/dev/null
       echo "(mutmut stalled twice on mutant $first of $module; left out, reported as not tested)"
     else
       echo "(mutmut stalled on $module; resuming from its cache)"
@@ -137,8 +130,7 @@ for module in "${modules[@]}"; do
   rm -f .mutmut-cache "$coverage"
   if [ -f "$cache" ]; then  # resume: keep the kills, test every survivor again
     cp "$cache" .mutmut-cache
-    "$tool/bin/python" -c 'import sqlite3; db = sqlite3.connect(".mutmut-cache"); db.execute(
-        "update Mutant set status = '"'untested'"' where status like '"'bad%'"'"); db.commit()'
+    cache_db retest-survivors >/dev/null
   fi
   echo "=== k3_amd_overlay/$module against $tests"
   # which test executed which line, on the unmutated clone: the runner tries those tests first
@@ -148,20 +140,7 @@ for module in "${modules[@]}"; do
   runner="$environment $venv/bin/python $work/clone/scripts/mutant_runner.py k3_amd_overlay/$module $coverage $work/pytest.log -- $targets"
   run_mutmut "$module" "$runner"
   cp .mutmut-cache "$cache"
-  read -r total tested survived ids < <(MODULE="k3_amd_overlay/$module" "$tool/bin/python" - <<'PY'
-import os
-import sqlite3
-db = sqlite3.connect(".mutmut-cache")
-current = open(os.environ["MODULE"]).read().split("\n")
-# a kept cache also holds mutants of lines since changed or moved (mutmut numbers lines from 0)
-rows = [(i, status) for i, status, number, text in db.execute(
-    "select Mutant.id, status, line_number, Line.line from Mutant join Line on Mutant.line = Line.id")
-    if number < len(current) and current[number] == text]
-tested = [i for i, status in rows if status in ("ok_killed", "bad_survived", "bad_timeout")]
-bad = [str(i) for i, status in rows if status in ("bad_survived", "bad_timeout")]
-print(len(rows), len(tested), len(bad), ",".join(bad) or "-")
-PY
-)
+  read -r total tested survived ids < <(cache_db report "k3_amd_overlay/$module")
   for id in ${ids//,/ }; do [ "$id" = "-" ] || "$tool/bin/mutmut" show "$id"; done
   line="k3_amd_overlay/$module (vLLM $release): $((tested - survived))/$tested mutants killed"
   [ "$tested" = "$total" ] || line+=" ($((total - tested)) of $total not tested: time limit or a stall)"
