@@ -17,7 +17,7 @@ from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.fusions import qk_cache as qk
 from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
-from k3_amd_overlay.fusions.states import FusionState
+from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.ops.reference import quantize_fp8
 from k3_amd_overlay.settings import load_settings
 from k3_amd_overlay.targets import installer as installer_module
@@ -444,3 +444,10 @@ def test_every_decision_and_its_inputs_are_frozen():
                                       states.LayerDecision(FusionState.DISABLED, None, "x"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.upstream_fuses = True
+
+
+def test_vllms_own_dual_norm_decision_word_for_word():
+    from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
+
+    assert decide_qkv_norm(QkvNormInputs(False, True, True, "auto", {})) == LayerDecision(
+        FusionState.UPSTREAM, "aiter", "vLLM's AITER dual RMSNorm is on")
