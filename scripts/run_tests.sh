@@ -32,7 +32,7 @@ run_pytest() {  # NAME VENV TESTS...
   local log="$scratch/pytest-$name.log" t0=$SECONDS
   echo "=== $name: pytest against the installed wheel"
   (cd "$scratch" && K3OVL_EXPECT_INSTALLED=1 VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 \
-     "$venv/bin/pytest" -q -p no:cacheprovider -rs "$@") 2>&1 | tee "$log"
+     "$venv/bin/pytest" -q -p no:cacheprovider -rfEs "$@") 2>&1 | tee "$log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   echo "=== $name: $((SECONDS - t0)) s"
   local last kind n

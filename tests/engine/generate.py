@@ -1,6 +1,13 @@
 """Offline greedy generation on the real vLLM engine (``vllm.LLM``) for the A/B tests: prints one
 ``RESULT=`` JSON line with each prompt's tokens and their logprobs.
 
+Every run schedules the same steps. The engine core (its own process) starts stepping as soon as
+the first request reaches it, so on a busy machine a prompt can be prefilled a step later than in
+another run, and vLLM's CPU kernels round a differently batched step differently: the same tokens,
+a logprob off in the last bits (one CI run of the A/B test saw that). So the scheduler is paused
+while the prompts are added and resumed at the first step (vLLM's ``pause_scheduler("keep")``
+queues the adds; they travel on the same input socket, in order).
+
     python generate.py CHECKPOINT [MAX_TOKENS]
 """
 
@@ -9,6 +16,18 @@ import os
 import sys
 
 PROMPTS = ["The quick brown fox", "One plus one is", "Kimi reads long documents", "The cache holds keys"]
+
+
+def hold_requests_until_first_step(engine) -> None:
+    engine.engine_core.call_utility("pause_scheduler", "keep", False)
+    step = engine.step
+
+    def resume_then_step():
+        engine.step = step
+        engine.engine_core.call_utility("resume_scheduler")
+        return step()
+
+    engine.step = resume_then_step
 
 
 def main() -> None:
@@ -20,6 +39,7 @@ def main() -> None:
         kwargs["kv_transfer_config"] = {"kv_connector": "RecordingConnector", "kv_role": "kv_both",
                                         "kv_connector_module_path": "k3_engine_testkit"}
     llm = LLM(model=sys.argv[1], **kwargs)
+    hold_requests_until_first_step(llm.llm_engine)
     max_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 16
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0))
     result = []
