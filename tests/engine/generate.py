@@ -1,12 +1,12 @@
 """Offline greedy generation on the real vLLM engine (``vllm.LLM``) for the A/B tests: prints one
 ``RESULT=`` JSON line with each prompt's tokens and their logprobs.
 
-Every run schedules the same steps. The engine core (its own process) starts stepping as soon as
-the first request reaches it, so on a busy machine a prompt can be prefilled a step later than in
-another run, and vLLM's CPU kernels round a differently batched step differently: the same tokens,
-a logprob off in the last bits (one CI run of the A/B test saw that). So the scheduler is paused
-while the prompts are added and resumed at the first step (vLLM's ``pause_scheduler("keep")``
-queues the adds; they travel on the same input socket, in order).
+Every run schedules the same steps: the engine core (its own process) starts stepping as soon as
+the first request reaches it, so on a busy machine a prompt could be prefilled a step later in one
+run than in another. The scheduler is paused while the prompts are added and resumed at the first
+step (vLLM's ``pause_scheduler("keep")`` queues the adds; they travel on the same input socket, in
+order). (Prompts delayed by hand did not change this model's outputs here; the hold takes the
+arrival timing out of the comparison all the same.)
 
     python generate.py CHECKPOINT [MAX_TOKENS]
 """
