@@ -305,17 +305,23 @@ def decode_batch(layers: list[Layer], seq_lens: list[int], padding: int = 0, see
     return DecodeBatch(metadata, slot_mapping, positions, hidden, batch)
 
 
-def run(layer: Layer, batch: DecodeBatch | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """One forward of the layer under a forward context; ``batch=None`` is a profile run."""
+@contextlib.contextmanager
+def forward_context(layer: Layer, batch: DecodeBatch | None) -> Iterator[None]:
+    """vLLM's forward context for one forward of ``layer`` on ``batch`` (``None``: a profile run)."""
     from vllm.forward_context import set_forward_context
 
-    config = vllm_config()
     name = layer.attn.layer_name
     metadata = {name: batch.metadata} if batch else None
     slots = {name: batch.slot_mapping} if batch else {}
+    with torch.no_grad(), set_forward_context(metadata, vllm_config(), slot_mapping=slots):
+        yield
+
+
+def run(layer: Layer, batch: DecodeBatch | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """One forward of the layer under a forward context; ``batch=None`` is a profile run."""
     x = batch.hidden if batch else hidden
     positions = batch.positions if batch else torch.zeros(x.shape[0], dtype=torch.int64)
-    with torch.no_grad(), set_forward_context(metadata, config, slot_mapping=slots):
+    with forward_context(layer, batch):
         if "output" in inspect.signature(layer.module.forward).parameters:
             out = torch.empty_like(x)
             layer.module(positions, x, out)

@@ -120,6 +120,40 @@ def test_qkv_norm_layer_matches_stock_with_one_fused_call(tmp_path, monkeypatch,
     assert (entry.state, entry.provider, entry.effective) == ("applied", "triton", True)
 
 
+def attention_inputs(layer, batch, llama_4_scaling):
+    """What the layer's MLA wrapper hands its attention layer for one forward: q, kv_c_normed, k_pe
+    (each with its shape) and the keywords. The attention itself is not run."""
+    seen = []
+
+    def record(q, kv_c_normed, k_pe, **kwargs):
+        seen.append((q.clone(), kv_c_normed.clone(), k_pe.clone(), kwargs))
+        return torch.zeros(kwargs["output_shape"], dtype=q.dtype)
+
+    layer.attn.forward = record
+    with harness.forward_context(layer, batch):
+        layer.wrapper(batch.positions, batch.hidden, llama_4_scaling)
+    return seen
+
+
+def test_the_qkv_norm_front_end_hands_attention_exactly_what_stock_does(layer_pair):
+    """With qkv_norm applied (reference provider: it rounds where vLLM's RMSNorm does) the wrapper's
+    front end hands the attention layer the same q, kv_c_normed and k_pe, shapes included, as
+    stock, with vLLM's llama-4 query scaling too (K3 never passes one; the wrapper's signature takes
+    it). On vLLM 0.29 the front end is the overlay's own forward (plain_wrapper.py)."""
+    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    stock, fused, activation = layer_pair(
+        spec, {"K3_AMD_OVERLAY": "qkv_norm", "K3_AMD_OVERLAY_QKV_NORM_PROVIDER": "reference"})
+    assert activation.evidence.fusion("qkv_norm").state == "applied"
+    batch = harness.decode_batch([stock, fused], SEQ_LENS)
+    scaling = 1.0 + torch.rand((batch.hidden.shape[0], 1, 1), generator=torch.Generator().manual_seed(3))
+    for llama_4_scaling in (None, scaling.to(spec.dtype)):
+        (expected,), (got,) = (attention_inputs(layer, batch, llama_4_scaling) for layer in (stock, fused))
+        for want, have in zip(expected[:3], got[:3], strict=True):
+            assert have.shape == want.shape and torch.equal(have, want)
+        assert got[3] == expected[3]
+    assert expected[2].shape == (batch.hidden.shape[0], 1, spec.rope)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("tokens", [0, 1, 7, 64, 512, 4096])
 @pytest.mark.parametrize("provider", ["reference", "triton"])
