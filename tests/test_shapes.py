@@ -19,10 +19,14 @@ from k3_amd_overlay.targets import sources as src
 from k3_amd_overlay.targets.defects import UPSTREAM_DEFECTS, W_UK_T_BEFORE_LOAD, present_defects
 from k3_amd_overlay.targets.installer import DECODE_FUSIONS, LayerInstaller
 from k3_amd_overlay.targets.shapes import (
+    ATTEND_SEAM,
     FUSED_DECODE_PARAMS,
+    FUSED_DECODE_SEAM,
     K3_DECODE_WRAPPER,
     K3_NORM_WRAPPER,
+    NO_UPSTREAM_DECODE,
     PLAIN_WRAPPER,
+    SHARED_FRONT_END,
     UPSTREAM_DECODE_MIN_LATENT_HEADS,
     VLLM_SHAPES,
     recognise,
@@ -115,6 +119,7 @@ def test_the_anchor_descriptions_word_for_word():
         f"{attn}: MLAAttention._v_up_proj(x, out)",
         f"{src.ATTENTION}: get_attention_context(layer_name)",
     ]
+    assert PLAIN_WRAPPER.identity[2].what == f"{src.LINEAR}: no {w}"
     assert K3_NORM_WRAPPER.identity[2].what == (
         f"{mla}: no fused decode of its own (no _fused_decode, no fused_qk_rope_concat_and_cache_mla)")
     assert [a.what for a in PLAIN_WRAPPER.fusion_anchors[QKV_NORM]] == [
@@ -198,6 +203,48 @@ def test_probes_read_code_not_comments_or_nested_definitions(tmp_path):
     assert src.assigns_self_attr(fn, "value") and src.assigns_self_attr(fn, "typed")
     assert not src.assigns_self_attr(fn, "other") and not src.assigns_self_attr(method, "value")
     assert not src.assigns_self_attr(None, "value")
+
+
+def _holds(anchor, tmp_path: Path, rel: str, code: str) -> bool:
+    root = tmp_path / str(len(list(tmp_path.iterdir())))
+    _write(root, rel, code)
+    return anchor.holds(src.VllmSources(root))
+
+
+def _k3(body: str) -> str:
+    return f"class {src.K3_WRAPPER}:\n" + textwrap.indent(textwrap.dedent(body), "    ")
+
+
+def test_an_anchor_of_several_clauses_needs_each_of_them(tmp_path):
+    """Every release has all of an anchor's clauses or none, so only small sources tell "and" from
+    "or", a clause dropped, or a parameter list read too far."""
+    supported, set_at_init = FUSED_DECODE_SEAM[0], FUSED_DECODE_SEAM[1]
+    assert _holds(supported, tmp_path, src.K3_MLA, _k3("def _fused_qk_prep_supported(self): pass"))
+    assert not _holds(supported, tmp_path, src.K3_MLA, _k3("def _fused_qk_prep_supported(self, layer): pass"))
+    assert not _holds(supported, tmp_path, src.K3_MLA, _k3("def other(self): pass"))
+
+    for init, holds in (("self._fused_qk_prep = self._fused_qk_prep_supported()", True),
+                        ("self._fused_qk_prep = True", False),
+                        ("self.ready = self._fused_qk_prep_supported()", False)):
+        assert _holds(set_at_init, tmp_path, src.K3_MLA, _k3(f"def __init__(self):\n    {init}")) is holds, init
+
+    for code, holds in (("def forward(self, q):\n    return self.mla_attn(q)", True),
+                        ("def forward(self, q):\n    return self._fused_decode(q)", False),
+                        ("def forward(self, q):\n    return fused_qk_rope_concat_and_cache_mla(q)", False)):
+        assert _holds(NO_UPSTREAM_DECODE, tmp_path, src.K3_MLA, _k3(code)) is holds, code
+
+    forward = ATTEND_SEAM[0]
+    for params, holds in (("q, kv_c_normed, k_pe, output_shape, q_dcp_replicated", True),
+                          ("q, kv_c_normed, k_pe, output_shape, q_dcp_replicated, extra=None", True),
+                          ("q, k_pe, kv_c_normed, output_shape, q_dcp_replicated", False)):
+        code = f"class MLAAttention:\n    def forward(self, {params}): pass\n"
+        assert _holds(forward, tmp_path, src.MLA_ATTENTION, code) is holds, params
+
+    norms = SHARED_FRONT_END[1]
+    for calls, holds in (("self.q_a_layernorm(q); self.kv_a_layernorm(kv)", True),
+                         ("self.q_a_layernorm(q)", False), ("self.kv_a_layernorm(kv)", False)):
+        code = f"class MultiHeadLatentAttentionWrapper:\n    def forward(self, q, kv):\n        {calls}\n"
+        assert _holds(norms, tmp_path, src.SHARED_MLA, code) is holds, calls
 
 
 def test_vllm_root_is_the_importable_package_or_none(monkeypatch):

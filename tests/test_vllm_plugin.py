@@ -203,8 +203,11 @@ except Exception as exc:
 after = dict(vars(k3)) if k3 is not None else dict(vars(linear))
 """ + ACTIVE + """
 result(error=error, untouched=all(after[k] is before[k] for k in before) and set(after) == set(before),
-       applied=applied(), fusions=fusions())
+       applied=applied(), fusions=fusions(), plain=k3 is None)
 """
+OOT_REFUSAL = ("vllm.models.kimi_k3.amd.linear:MultiHeadLatentAttentionWrapper: an out-of-tree replacement "
+               "<class '__main__.OotWrapper'> is registered for MultiHeadLatentAttentionWrapper; every overlay "
+               "patch reverted")
 
 
 @pytest.mark.parametrize("strict", ["1", "0"])
@@ -214,9 +217,11 @@ def test_live_drift_reverts_everything(strict, tmp_path):
     assert res["untouched"] is True and res["applied"] == []
     if strict == "1":
         assert res["error"].startswith("OverlayActivationError") and "live anchor check failed" in res["error"]
+        assert (OOT_REFUSAL in res["error"]) is res["plain"], res["error"]
     else:
         assert res["error"] is None
         assert {s for s, _ in res["fusions"].values()} == {"refused"}
+        assert all((OOT_REFUSAL in reason) is res["plain"] for _, reason in res["fusions"].values()), res["fusions"]
 
 
 @pytest.mark.parametrize("switch,expect,code", [
