@@ -6,7 +6,9 @@
 # Not part of CI (hours for the whole list on 2 cores); results go to docs/verification.md.
 # Each module's mutmut cache is kept in .mutants/ (ignored by git): a second run resumes, keeps the
 # mutants already killed whose line is unchanged, and tests every other mutant (survivors too)
-# again. Delete .mutants/ for a run from scratch.
+# again. Delete .mutants/ for a run from scratch. mutmut 2.5.1 keys a mutant by its line's text, so
+# mutants on a line whose text repeats (a lone ")") can stay untested: scripts/mutmut_repeated_lines.py
+# applies those one at a time.
 #   scripts/mutants.sh [MODULE ...]      default: every module below; e.g. scripts/mutants.sh verdict.py
 # Environment: K3OVL_MUTANTS_VLLM (default 0.33.0), K3OVL_VENV_ROOT (as scripts/setup_venvs.sh),
 # K3OVL_MUTANTS_FAST=1 (leave out the tests that need vLLM, and vLLM's import, per mutant: seconds
