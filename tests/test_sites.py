@@ -229,3 +229,20 @@ def test_the_plain_wrappers_own_front_end_takes_only_the_k3_shape(indexer, spars
     layer.__dict__[QKV_NORM_SITE] = QkvNormSite(LayerDecision(state, "reference", "r"), None, lambda n: None)
     assert cls._k3_front_end(layer) is takes
     assert cls.__name__ == cls.__qualname__ == "K3OverlayMLAWrapper"
+
+
+def test_a_decode_site_without_a_kv_connector_runs_its_step_directly(monkeypatch):
+    from k3_amd_overlay.fusions import qk_cache as qk
+    from k3_amd_overlay.targets.decode import DecodeSite
+
+    applied = LayerDecision(FusionState.APPLIED, "reference", "")
+    site = DecodeSite(qk.DecodePlan(applied, applied), lambda n: None, lambda n: None)
+    assert (site.fmt, site.context, site.kv_transfer, site.query_heads) == (None, None, None, 0)
+    attn = types.SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
+    out = torch.randn(2, 3)
+    monkeypatch.setattr(site, "_fused_step", lambda *args: out)
+    assert site.fused_decode("qk_cache", attn, *([None] * 7)) is out
+    calls = []
+    site.kv_transfer = lambda name, step: calls.append(name) or step()
+    assert site.fused_decode("qk_cache", attn, *([None] * 7)) is out
+    assert calls == ["model.layers.0.self_attn.attn"]
