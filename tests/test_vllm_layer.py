@@ -43,6 +43,13 @@ def written_rows(layer):
     return layer.attn.kv_cache.view(-1, layer.spec.latent).ne(0).any(dim=1)
 
 
+def decode_site(layer):
+    """The layer's decode site: on its MLA wrapper (vLLM 0.32+) or on its attention layer."""
+    from k3_amd_overlay.targets.decode import DECODE_SITE
+
+    return vars(layer.wrapper).get(DECODE_SITE) or vars(layer.attn)[DECODE_SITE]
+
+
 def aiter_on(monkeypatch, mla: bool = False) -> None:
     """vLLM's AITER switches as a ROCm server with VLLM_ROCM_USE_AITER=1 (and AITER MLA) sees them."""
     from vllm._aiter_ops import rocm_aiter_ops
@@ -62,8 +69,12 @@ def test_qk_cache_decode_matches_stock(provider, tmp_path, monkeypatch, layer_pa
         spec, {"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": provider})
     batch = harness.decode_batch([stock, fused], SEQ_LENS, padding=2)
     before = fused.attn.kv_cache.clone()
+    site = decode_site(fused)
+    counted, evidence_hook = [], site.on_effective
+    site.on_effective = lambda rows: counted.append(rows) or evidence_hook(rows)
     out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
     n = batch.num_tokens
+    assert counted == [n + 2]  # the batch as launched, padding rows included (a graph's captured size)
     entry = activation.evidence.fusion("qk_cache")
     assert (entry.state, entry.provider, entry.effective) == ("applied", provider, True)
     # one fused launch replaced the stock KV write and the stock concat+quant; MQA ran once
