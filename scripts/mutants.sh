@@ -153,4 +153,6 @@ echo "mutmut 2.5.1, $(date -u +%F):"
 printf '%s\n' "${report[@]}"
 }
 
-main "$@"
+# "; exit" on the same line: bash has read it before main runs, so an edit of this file during a
+# run cannot make bash read on at a shifted offset once main returns
+main "$@"; exit
