@@ -5,6 +5,7 @@ is real and what is replaced, and why)."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import mxfp4_standin
 import pytest
@@ -623,6 +624,63 @@ def test_query_heads_follow_the_aiter_backends_own_padding(heads):
     zero_copy = installed_vllm_version().startswith("0.33") and 16 % heads != 0
     assert vllm_env.padded_query_heads(SimpleNamespace(impl=aiter_impl), heads) == (16 if zero_copy else heads)
     assert vllm_env.padded_query_heads(SimpleNamespace(impl=other_impl), heads) == heads
+
+
+def test_the_aiter_mla_module_is_where_this_vllm_defines_its_backend():
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(vllm_env.AITER_MLA_MODULE)
+    tree = ast.parse(Path(spec.origin).read_text())
+    classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    assert {"AiterMLAImpl", "AiterMLAHelper"} <= classes
+
+
+def test_the_aiter_padding_is_asked_once_per_head_count(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    asked = []
+
+    def get_actual_mla_num_heads(heads):
+        asked.append(heads)
+        return 16
+
+    helper = SimpleNamespace(get_actual_mla_num_heads=get_actual_mla_num_heads,
+                             get_mla_padded_q=lambda heads, probe: probe)
+    monkeypatch.setitem(sys.modules, vllm_env.AITER_MLA_MODULE, SimpleNamespace(AiterMLAHelper=helper))
+    vllm_env._aiter_zero_copy_heads.cache_clear()
+    try:
+        assert [vllm_env._aiter_zero_copy_heads(h) for h in (12, 12, 3, 12)] == [16, 16, 16, 16]
+        assert asked == [12, 3]
+    finally:
+        vllm_env._aiter_zero_copy_heads.cache_clear()
+
+
+def test_without_a_vllm_config_in_context_each_answer_falls_back(monkeypatch):
+    """Outside a vLLM config (the ops' own tests, ``doctor``): no batch-size hint (the buffers grow
+    on demand), nothing compiled whole, no coverage to record."""
+    from types import SimpleNamespace
+
+    import vllm.config
+    from vllm.config.compilation import CompilationMode
+
+    def no_config():
+        raise RuntimeError("no vLLM config in context")
+
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", no_config)
+    assert (vllm_env.max_batched_tokens(), vllm_env.whole_model_compiled(), vllm_env.model_coverage()) == (0, False, {})
+    for mode, whole in ((CompilationMode.STOCK_TORCH_COMPILE, True), (CompilationMode.NONE, False)):
+        config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
+                                 compilation_config=SimpleNamespace(mode=mode))
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda config=config: config)
+        assert (vllm_env.max_batched_tokens(), vllm_env.whole_model_compiled()) == (8192, whole)
+
+
+def test_the_aiter_switch_refusal_word_for_word():
+    assert vllm_env.AITER_SWITCHED_OFF == (
+        "vLLM has AITER switched off (rocm_aiter_ops.is_enabled() is False: VLLM_ROCM_USE_AITER is unset or 0, "
+        "or this is not a supported ROCm GPU)")
 
 
 @pytest.mark.parametrize("method,gaps", [(None, 0), ("mtp", 0), ("dspark", 1)])
