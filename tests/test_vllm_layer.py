@@ -696,9 +696,17 @@ def test_coverage_names_the_model_and_what_is_not_covered(method, gaps, monkeypa
     coverage = vllm_env.model_coverage()
     assert coverage["architecture"] == "KimiK3ForConditionalGeneration" and coverage["speculative_method"] == method
     assert coverage["text_model"] == ["KimiLinearForCausalLM"]
-    assert len(coverage["not_covered"]) == gaps
-    if gaps:
-        assert "DSpark" in coverage["not_covered"][0]
+    assert coverage["not_covered"] == [vllm_env.DSPARK_NOT_COVERED] * gaps
+    assert vllm_env.DSPARK_NOT_COVERED == (
+        "the DSpark drafter (speculative method 'dspark', K3DSparkModel) builds vLLM's NVIDIA MLA, not the K3 "
+        "AMD layers the overlay patches: its decode runs stock")
+    # a ModelConfig without ``architecture``: the first of the checkpoint's architectures is served
+    config.model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=["KimiLinearForCausalLM", "X"]))
+    assert vllm_env.model_coverage()["architecture"] == "KimiLinearForCausalLM"
+
+
+def test_the_kv_connector_hooks_are_made_once_per_process():
+    assert vllm_env.kv_transfer_hooks() is vllm_env.kv_transfer_hooks()
 
 
 def test_a_batch_the_overlay_leaves_on_a_layer_vllm_does_not_fuse_runs_the_stock_call(tmp_path, monkeypatch,
