@@ -19,6 +19,7 @@ PROMPTS = ["The quick brown fox", "One plus one is", "Kimi reads long documents"
 
 
 def hold_requests_until_first_step(engine) -> None:
+    """Pause ``engine``'s scheduler now and resume it at its first ``step()`` (see the module doc)."""
     engine.engine_core.call_utility("pause_scheduler", "keep", False)
     step = engine.step
 
