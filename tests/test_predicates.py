@@ -447,7 +447,5 @@ def test_every_decision_and_its_inputs_are_frozen():
 
 
 def test_vllms_own_dual_norm_decision_word_for_word():
-    from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
-
     assert decide_qkv_norm(QkvNormInputs(False, True, True, "auto", {})) == LayerDecision(
         FusionState.UPSTREAM, "aiter", "vLLM's AITER dual RMSNorm is on")

@@ -45,10 +45,10 @@ def written_rows(layer):
 
 
 def decode_site(layer):
-    """The layer's decode site: on its MLA wrapper (vLLM 0.32+) or on its attention layer."""
+    """The layer's decode site (the installer keeps it on the MLA wrapper on every vLLM)."""
     from k3_amd_overlay.targets.decode import DECODE_SITE
 
-    return vars(layer.wrapper).get(DECODE_SITE) or vars(layer.attn)[DECODE_SITE]
+    return vars(layer.wrapper)[DECODE_SITE]
 
 
 def aiter_on(monkeypatch, mla: bool = False) -> None:
