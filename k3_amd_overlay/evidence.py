@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,15 +19,18 @@ from typing import Any
 from k3_amd_overlay import markers
 from k3_amd_overlay.fusions.states import FUSED_STATES, FusionState, LayerDecision
 from k3_amd_overlay.package import FUSIONS, __version__
-from k3_amd_overlay.phases import Phase, current_phase
+from k3_amd_overlay.phases import Phase, capturing_graph, current_phase, in_warmup
 from k3_amd_overlay.record import FusionEntry, LayerTally, MarkerRecord
 from k3_amd_overlay.settings import Mode, OverlaySettings
 from k3_amd_overlay.versions import installed_vllm_version
 
 logger = logging.getLogger("vllm.k3_amd_overlay")
 API_SERVER_MODULE_FILE = os.path.join("entrypoints", "openai", "api_server.py")
+# A Ray actor's process (vLLM's Ray executor runs its workers as Ray actors) runs this script.
+RAY_WORKER_SCRIPT = os.path.join("ray", "_private", "workers", "default_worker.py")
 # Marker rewrites for run counts: at these counts, then at most every MARKER_INTERVAL_S seconds.
 MARKER_INTERVAL_S = 2.0
+REPLAY_COUNTED = "_k3_overlay_counted_fusions"  # on a CUDA graph instance: the fusions its replays count for
 
 
 # `vllm` CLI commands that only talk to a server or print: they never build a model, so they
@@ -48,8 +52,8 @@ def is_cli_client(argv: list[str] | None = None) -> bool:
 
 
 def process_role(argv: list[str] | None = None, name: str | None = None) -> str:
-    """engine-core, worker, api-server (``vllm serve`` or the OpenAI server module), cli-client,
-    or main (an offline engine: ``LLM``, ``vllm bench throughput``, a script)."""
+    """engine-core, worker (a vLLM worker process or a Ray actor), api-server (``vllm serve`` or
+    the OpenAI server module), cli-client, or main (an offline engine: ``LLM``, ``vllm bench throughput``, a script)."""
     argv = sys.argv if argv is None else argv
     name = multiprocessing.current_process().name if name is None else name
     for needle, role in PROCESS_NAME_ROLES:
@@ -60,6 +64,8 @@ def process_role(argv: list[str] | None = None, name: str | None = None) -> str:
     command = _vllm_command(argv)
     if (command and command[0] == "serve") or (argv and argv[0].endswith(API_SERVER_MODULE_FILE)):
         return "api-server"
+    if argv and argv[0].endswith(RAY_WORKER_SCRIPT):
+        return "worker"
     return "main" if name == "MainProcess" else name
 
 
@@ -75,6 +81,7 @@ class Evidence:
         self._counting_layer: dict[str, str] = {}
         self._last_write = 0.0
         self._flush_registered = False
+        self._generation = 0  # bumped in a forked child: the parent's first-run flags are not the child's
         pid = os.getpid()
         self.record = MarkerRecord(
             pid=pid,
@@ -90,10 +97,40 @@ class Evidence:
             strict=settings.strict,
             vllm_shape=shape,
         )
+        self._forked = False
         try:
             self._directory = markers.ensure_marker_dir(settings.marker_dir)
         except markers.MarkerDirError as exc:
             self.marker_error = str(exc)
+        # A forked child (vLLM's fork start method: an offline LLM's engine core and workers) loads no
+        # plugin again and would keep this record, pid and all: it becomes its own process's record.
+        this = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (evidence := this()) is not None and evidence._after_fork())
+
+    def _after_fork(self) -> None:
+        """In a forked child: its own pid, start time and role; the parent's run counts dropped (the
+        states and layer tallies stay: the child holds the same patches and any layer already built)."""
+        self._lock = threading.Lock()  # another thread may have held the parent's at fork
+        self._forked = True
+        self._generation += 1
+        self._effective_layers = {f: set() for f in FUSIONS}
+        self._counting_layer = {}
+        self._flush_registered = False
+        record = self.record
+        record.pid = os.getpid()
+        record.start_ticks = markers.process_start_ticks(record.pid)
+        self.marker_path = None
+        for entry in record.fusions.values():
+            entry.effective, entry.effective_layers = False, 0
+            entry.runs = {phase: 0 for phase in entry.runs}
+            entry.captured_sizes = []
+        self._write()
+
+    def _refresh_identity(self) -> None:
+        """A forked child's role and process name, read at each write: multiprocessing names the
+        child only after the fork hooks have run."""
+        self.record.role = process_role()
+        self.record.process_name = multiprocessing.current_process().name
 
     @staticmethod
     def _initial_state(settings: OverlaySettings, fusion: str) -> FusionState:
@@ -165,16 +202,17 @@ class Evidence:
         records that the fused path ran on this layer. The first layer to run a fusion also counts
         every batch by phase (warm-up, graph capture with the captured size, served), so the
         counts are batches, not layer calls. No device work: safe under graph capture."""
-        done = False
+        done_in = -1  # the generation (process) in which this layer's first run was recorded
 
         def mark(num_tokens: int) -> None:
-            nonlocal done
+            nonlocal done_in
+            done = done_in == self._generation
             if done and self._counting_layer.get(fusion) != layer:
                 return
             phase = current_phase()
             with self._lock:
                 if not done:
-                    done = True
+                    done_in = self._generation
                     layers = self._effective_layers[fusion]
                     layers.add(layer)
                     entry = self.fusion(fusion)
@@ -185,10 +223,41 @@ class Evidence:
                     force = False
                 if self._counting_layer[fusion] == layer:
                     force = self._count(fusion, phase, num_tokens) or force
+                    if phase is Phase.CAPTURE:
+                        self._count_replays(capturing_graph(), fusion)
                 if force or time.monotonic() - self._last_write >= MARKER_INTERVAL_S:
                     self._write()
 
         return mark
+
+    def _count_replays(self, graph: Any, fusion: str) -> None:
+        """Count each replay of ``graph`` (being captured with ``fusion``'s fused path in it) as a
+        batch of that fusion: vLLM replays a graph by calling its ``replay`` from Python (both model
+        runners, and a breakable capture's segments), so this one graph instance gets a ``replay``
+        of its own that counts, then replays. Nothing else of torch or vLLM changes."""
+        if graph is None:
+            return
+        fusions = graph.__dict__.get(REPLAY_COUNTED)
+        if fusions is None:
+            fusions = graph.__dict__[REPLAY_COUNTED] = []
+            replay, this = type(graph).replay, weakref.ref(graph)  # no cycle: the graph frees as before
+
+            def _k3_overlay_counted_replay() -> None:
+                replay(this())
+                self._replayed(fusions)
+
+            graph.replay = _k3_overlay_counted_replay
+        if fusion not in fusions:
+            fusions.append(fusion)
+
+    def _replayed(self, fusions: list[str]) -> None:
+        phase = Phase.WARMUP if in_warmup(sys._getframe(1)) else Phase.REPLAY
+        with self._lock:
+            force = False
+            for fusion in fusions:
+                force = self._count(fusion, phase, 0) or force
+            if force or time.monotonic() - self._last_write >= MARKER_INTERVAL_S:
+                self._write()
 
     def _count(self, fusion: str, phase: Phase, num_tokens: int) -> bool:
         """Count one batch; True where the marker must be rewritten now (a new captured size, or a
@@ -234,6 +303,8 @@ class Evidence:
             _emit(level, prefix + line)
 
     def _write(self) -> None:
+        if self._forked:
+            self._refresh_identity()
         self.record.updated = time.time()
         self._last_write = time.monotonic()
         if self._directory is None:

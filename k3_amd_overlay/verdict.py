@@ -37,6 +37,7 @@ class _Proof:
 
     captured: list[tuple[str, list[int]]] = field(default_factory=list)  # (where, graph sizes)
     served: list[tuple[str, int]] = field(default_factory=list)  # (where, eager served batches)
+    replayed: list[tuple[str, int]] = field(default_factory=list)  # (where, served graph replays)
     warmup: int = 0
 
     def add(self, pid: int, entry: FusionEntry, via: str | None = None) -> None:
@@ -45,15 +46,24 @@ class _Proof:
             self.captured.append((where, list(entry.captured_sizes)))
         if entry.runs[Phase.SERVED]:
             self.served.append((where, entry.runs[Phase.SERVED]))
+        if entry.runs[Phase.REPLAY]:
+            self.replayed.append((where, entry.runs[Phase.REPLAY]))
         self.warmup += entry.runs[Phase.WARMUP]
 
+    def graphs(self) -> str:
+        count = sum(len(sizes) for _, sizes in self.captured)
+        where = "; ".join(f"{w}: sizes {', '.join(map(str, sizes))}" for w, sizes in self.captured)
+        return f"{count} graph{'s' if count != 1 else ''} ({where})"
+
     def describe(self) -> str:
+        """What proves served traffic took the fused path; empty where nothing does. A capture alone
+        happens at startup, before any request: only its replays outside vLLM's warm-up count."""
         parts = []
-        if self.captured:
-            graphs = sum(len(sizes) for _, sizes in self.captured)
-            where = "; ".join(f"{w}: sizes {', '.join(map(str, sizes))}" for w, sizes in self.captured)
-            parts.append(f"captured in {graphs} graph{'s' if graphs != 1 else ''} ({where}), which "
-                         "replay it for served batches of those sizes")
+        if self.replayed:
+            replays = sum(n for _, n in self.replayed)
+            where = ", ".join(f"{w}: {n}" for w, n in self.replayed)
+            parts.append(f"{replays} replay{'s' if replays != 1 else ''} of the {self.graphs()} that recorded it, "
+                         f"for served batches ({where})")
         if self.served:
             batches = sum(n for _, n in self.served)
             where = ", ".join(f"{w}: {n}" for w, n in self.served)
@@ -68,9 +78,10 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
           require_effective: bool, static: bool = False, allow_mixed: bool = False) -> Verdict:
     """``fused`` holds where every process runs the overlay on (auto), each process that built K3
     MLA layers has each fusion applied (the overlay's) or upstream (this vLLM's own), some process
-    built layers, and, with ``require_effective``, each fusion's fused path served traffic: it was
-    captured into a CUDA/HIP graph, or ran on an eager batch after startup. Runs in vLLM's own
-    warm-up batches (profile run, warm-up, dummy batches) prove nothing about served traffic.
+    built layers, and, with ``require_effective``, each fusion's fused path served traffic: a graph
+    whose capture recorded it was replayed, or it ran on an eager batch, after startup. A capture
+    alone, and runs or replays in vLLM's own warm-up batches (profile run, warm-up, dummy batches),
+    prove nothing about served traffic.
     ``stock`` holds only where every process runs the overlay in stock mode, each fusion forced
     stock and its fused path never run. A process with the overlay off proves neither.
     A process whose layers split (some fused, some not) is not a fused arm unless ``allow_mixed``.
@@ -134,6 +145,10 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
             proved = proof.describe()
             if proved:
                 verdict.ok(f"{fusion}: served traffic took the fused path: {proved}")
+            elif proof.captured:
+                verdict.fail(f"{fusion}: captured into {proof.graphs()} at startup, but no served batch has run "
+                             "it yet (no replay of those graphs, no eager batch): send a request (a decode step) "
+                             "first")
             elif proof.warmup:
                 verdict.fail(f"{fusion}: its fused path ran only in vLLM's own warm-up batches ({proof.warmup}), "
                              "which proves nothing about served traffic; send a request (a decode step) first")

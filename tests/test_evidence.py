@@ -116,7 +116,7 @@ def test_effective_hook_records_once_and_counts_layers(tmp_path):
     entry = MarkerRecord.from_json(json.loads(evidence.marker_path.read_text())).fusions["qk_cache"]
     assert entry.effective is True and entry.effective_layers == 3
     # batches are counted at one layer: 5 batches through 3 layers are 5 batches, not 15
-    assert entry.runs == {"warmup": 0, "capture": 0, "served": 5}
+    assert entry.runs == {"warmup": 0, "capture": 0, "served": 5, "replay": 0}
 
 
 def _dummy_run(hook):  # named as vLLM's model runner names its own dummy batches
@@ -130,7 +130,7 @@ def test_runs_are_counted_by_phase(tmp_path):
     _dummy_run(hook)
     hook(3)
     entry = evidence.fusion("qkv_norm")
-    assert entry.runs == {"warmup": 2, "capture": 0, "served": 1}
+    assert entry.runs == {"warmup": 2, "capture": 0, "served": 1, "replay": 0}
     evidence.flush()
     assert json.loads(evidence.marker_path.read_text())["fusions"]["qkv_norm"]["runs"]["served"] == 1
 
@@ -174,8 +174,10 @@ def test_process_roles(argv, name, role):
     assert process_role(argv, name) == role
 
 
-def record(mode, qkv, qk, effective=True, pid=1, layers=2, served=3, captured=(), warmup=5, role="worker"):
-    runs = {"warmup": warmup if effective else 0, "capture": len(captured), "served": served if effective else 0}
+def record(mode, qkv, qk, effective=True, pid=1, layers=2, served=3, captured=(), warmup=5, role="worker",
+           replayed=0):
+    runs = {"warmup": warmup if effective else 0, "capture": len(captured), "served": served if effective else 0,
+            "replay": replayed}
     entry = {"provider": "triton", "reason": "r", "effective": effective, "layers": layers,
              "runs": runs, "captured_sizes": list(captured)}
     return {"pid": pid, "role": role, "vllm_version": "0.33.0", "mode": mode,
@@ -186,7 +188,10 @@ def record(mode, qkv, qk, effective=True, pid=1, layers=2, served=3, captured=()
     ([record("auto", "applied", "upstream")], "fused", True),
     ([record("auto", "applied", "upstream", effective=False)], "fused", False),
     ([record("auto", "applied", "upstream", served=0)], "fused", False),  # warm-up batches only
-    ([record("auto", "applied", "upstream", served=0, captured=(1, 2, 4))], "fused", True),
+    # a capture alone happens at startup, before any request: it proves nothing (issue 19, fault 4)
+    ([record("auto", "applied", "upstream", served=0, captured=(1, 2, 4))], "fused", False),
+    ([record("auto", "applied", "upstream", served=0, captured=(1, 2, 4), replayed=7)], "fused", True),
+    ([record("auto", "applied", "upstream", served=0, captured=(1, 2, 4), warmup=3)], "fused", False),
     ([record("auto", "applied", "refused")], "fused", False),
     ([record("auto", "pending", "pending", layers=0, effective=False, role="api-server"),
       record("auto", "applied", "applied", pid=2)], "fused", True),
@@ -206,13 +211,23 @@ def test_check_verdicts(records, expect, holds):
 
 
 def test_check_says_what_it_proved():
-    lines = judge([record("auto", "applied", "upstream", served=7, captured=(1, 2))], "fused", ["qk_cache"],
-                  require_effective=True).lines
-    assert lines[-1] == ("ok   qk_cache: served traffic took the fused path: captured in 2 graphs (pid 1: sizes 1, 2), "
-                         "which replay it for served batches of those sizes; 7 eager batches after startup (pid 1: 7)")
+    lines = judge([record("auto", "applied", "upstream", served=7, captured=(1, 2), replayed=40)], "fused",
+                  ["qk_cache"], require_effective=True).lines
+    assert lines[-1] == ("ok   qk_cache: served traffic took the fused path: 40 replays of the 2 graphs (pid 1: sizes "
+                         "1, 2) that recorded it, for served batches (pid 1: 40); 7 eager batches after startup "
+                         "(pid 1: 7)")
     lines = judge([record("auto", "applied", "upstream", served=0)], "fused", ["qk_cache"],
                   require_effective=True).lines
     assert lines[-1].startswith("FAIL qk_cache: its fused path ran only in vLLM's own warm-up batches (5)")
+
+
+def test_a_server_with_graphs_that_served_no_request_fails_with_that_reason():
+    """Issue 19, fault 4: captures happen at startup; before the first request nothing was served."""
+    lines = judge([record("auto", "applied", "applied", served=0, captured=(1, 2, 4))], "fused", ["qk_cache"],
+                  require_effective=True).lines
+    assert lines[-1] == ("FAIL qk_cache: captured into 3 graphs (pid 1: sizes 1, 2, 4) at startup, but no served "
+                         "batch has run it yet (no replay of those graphs, no eager batch): send a request (a decode "
+                         "step) first")
 
 
 def test_check_reads_live_markers_and_ignores_dead_ones(tmp_path):
@@ -255,23 +270,23 @@ def test_each_warm_up_name_is_a_method_of_vllms_workers_and_marks_a_warm_up_batc
 def test_the_proof_line_sums_processes_and_names_each():
     """Two worker processes: graphs and eager batches listed per process and summed, and the
     absorbed launch's runs counted for qk_cache, said so."""
-    one = record("auto", "applied", "applied", pid=1, served=3, captured=(1, 2))
-    two = record("auto", "applied", "applied", pid=2, served=5, captured=(4,))
+    one = record("auto", "applied", "applied", pid=1, served=3, captured=(1, 2), replayed=6)
+    two = record("auto", "applied", "applied", pid=2, served=5, captured=(4,), replayed=1)
     two["fusions"]["absorb_qk_cache"] = {**two["fusions"]["qk_cache"], "captured_sizes": [], "runs": {
-        "warmup": 0, "capture": 0, "served": 2}}
+        "warmup": 0, "capture": 0, "served": 2, "replay": 0}}
     lines = judge([one, two], "fused", ["qk_cache"], require_effective=True).lines
-    assert lines[-1] == ("ok   qk_cache: served traffic took the fused path: captured in 3 graphs (pid 1: sizes 1, "
-                         "2; pid 2: sizes 4), which replay it for served batches of those sizes; 10 eager batches "
-                         "after startup (pid 1: 3, pid 2: 5, pid 2 in the absorb_qk_cache launch: 2)")
+    assert lines[-1] == ("ok   qk_cache: served traffic took the fused path: 7 replays of the 3 graphs (pid 1: sizes "
+                         "1, 2; pid 2: sizes 4) that recorded it, for served batches (pid 1: 6, pid 2: 1); 10 eager "
+                         "batches after startup (pid 1: 3, pid 2: 5, pid 2 in the absorb_qk_cache launch: 2)")
 
 
-@pytest.mark.parametrize("served,captured,text", [
-    (1, (8,), "captured in 1 graph (pid 1: sizes 8), which replay it for served batches of those sizes; "
-              "1 eager batch after startup (pid 1: 1)"),
-    (2, (), "2 eager batches after startup (pid 1: 2)"),
+@pytest.mark.parametrize("served,captured,replayed,text", [
+    (1, (8,), 1, "1 replay of the 1 graph (pid 1: sizes 8) that recorded it, for served batches (pid 1: 1); "
+                 "1 eager batch after startup (pid 1: 1)"),
+    (2, (), 0, "2 eager batches after startup (pid 1: 2)"),
 ])
-def test_the_proof_line_counts_in_words(served, captured, text):
-    lines = judge([record("auto", "applied", "applied", served=served, captured=captured)], "fused",
+def test_the_proof_line_counts_in_words(served, captured, replayed, text):
+    lines = judge([record("auto", "applied", "applied", served=served, captured=captured, replayed=replayed)], "fused",
                   ["qk_cache"], require_effective=True).lines
     assert lines[-1] == f"ok   qk_cache: served traffic took the fused path: {text}"
 
@@ -369,7 +384,7 @@ def test_a_fresh_record_serialises_with_its_defaults_and_schema_2():
     entry = FusionEntry(FusionState.PENDING)
     assert entry.to_json() == {"state": "pending", "provider": None, "reason": "", "layers": 0, "layer_states": {},
                                "effective": False, "effective_layers": 0,
-                               "runs": {"warmup": 0, "capture": 0, "served": 0}, "captured_sizes": []}
+                               "runs": {"warmup": 0, "capture": 0, "served": 0, "replay": 0}, "captured_sizes": []}
     record = MarkerRecord(pid=3, mode=Mode.AUTO, fusions={"qk_cache": entry})
     data = record.to_json()
     assert data["schema"] == 2 and data["mode"] == "auto" and data["fusions"]["qk_cache"] == entry.to_json()
@@ -571,7 +586,7 @@ def test_the_marker_keeps_up_with_new_layers_and_each_phases_first_batch(tmp_pat
     phase[0] = phases.Phase.SERVED
     before = time.time()
     first(4)  # served batch 1 after 4 warm-up batches
-    assert saved()["runs"] == {"warmup": 4, "capture": 0, "served": 1}
+    assert saved()["runs"] == {"warmup": 4, "capture": 0, "served": 1, "replay": 0}
     assert before <= json.loads(evidence.marker_path.read_text())["updated"] <= time.time()
     assert registered == [evidence.flush]
 

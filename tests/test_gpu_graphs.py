@@ -98,27 +98,68 @@ def _dummy_run(hook, size):  # named as vLLM's model runner names its own warm-u
     hook(size)
 
 
-def test_fused_runs_are_told_apart_warm_up_capture_and_served(tmp_path):
+def capture_model(graph):  # named as vLLM's model runner names its capture (one of its warm-up methods)
+    for _ in range(2):
+        graph.replay()
+
+
+def test_fused_runs_are_told_apart_warm_up_capture_served_and_replayed(tmp_path):
     """On a GPU the evidence hook sees a CUDA-graph capture through the stream's capture state:
     a run inside vLLM's warm-up counts as warm-up, one inside a capture as the captured graph's
-    size, an eager one as served; a graph replay does not run the hook at all."""
+    size, an eager one as served. The graph's replays count too (issue 19, fault 4): as replays
+    when called for the engine's own batches, as warm-up inside vLLM's capture methods; a graph
+    without the fused path is not counted."""
     from k3_amd_overlay.evidence import Evidence
+    from k3_amd_overlay.fusions.states import FusionState, LayerDecision
     from k3_amd_overlay.settings import load_settings
 
     settings = load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path / "m")})
     evidence = Evidence(settings)
+    evidence.note_layer("qk_cache", LayerDecision(FusionState.APPLIED, "triton", "r"))
     hook = evidence.effective_hook("qk_cache", "layer.0")
     x = torch.zeros(8, device="cuda")
     _dummy_run(hook, 8)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    graph, other = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         hook(8)
         y = x + 1
+    with torch.cuda.graph(other):
+        z = x + 2
+    entry = evidence.fusion("qk_cache")
+    assert entry.runs == {"warmup": 1, "capture": 1, "served": 0, "replay": 0}
+    capture_model(graph)
     for _ in range(3):
         graph.replay()
+        other.replay()
     hook(5)
     torch.cuda.synchronize()
-    entry = evidence.fusion("qk_cache")
-    assert entry.runs == {"warmup": 1, "capture": 1, "served": 1} and entry.captured_sizes == [8]
-    assert y.sum().item() == 8
+    assert entry.runs == {"warmup": 3, "capture": 1, "served": 1, "replay": 3} and entry.captured_sizes == [8]
+    assert y.sum().item() == 8 and z.sum().item() == 16
+    evidence.flush()
+    from k3_amd_overlay.verdict import judge
+
+    line = judge([evidence.record], "fused", ["qk_cache"], require_effective=True).lines[-1]
+    assert line.startswith("ok   qk_cache: served traffic took the fused path: 3 replays of the 1 graph"), line
+
+
+def test_a_server_with_graphs_and_no_request_does_not_prove_served_traffic(tmp_path):
+    """Capture happens at startup: before any replay for a served batch, ``fused`` does not hold."""
+    from k3_amd_overlay.evidence import Evidence
+    from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+    from k3_amd_overlay.settings import load_settings
+    from k3_amd_overlay.verdict import judge
+
+    evidence = Evidence(load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path / "m")}))
+    evidence.note_layer("qk_cache", LayerDecision(FusionState.APPLIED, "triton", "r"))
+    hook = evidence.effective_hook("qk_cache", "layer.0")
+    x = torch.zeros(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hook(8)
+        x.add_(1)
+    verdict = judge([evidence.record], "fused", ["qk_cache"], require_effective=True)
+    assert not verdict.holds and "captured into 1 graph" in verdict.lines[-1] and "send a request" in verdict.lines[-1]
+    graph.replay()
+    verdict = judge([evidence.record], "fused", ["qk_cache"], require_effective=True)
+    assert verdict.holds, verdict.lines

@@ -183,10 +183,21 @@ def test_the_batch_facts_the_per_batch_predicate_reads():
     assert batch_facts(meta, slots, cache, torch.zeros(1)).dcp_replicated
 
 
+def upstream_site(on_effective, kv_transfer=None):
+    """A decode site on a layer vLLM 0.32+'s own fused decode keeps (the overlay takes no batch)."""
+    from k3_amd_overlay.fusions.qk_cache import DecodePlan
+    from k3_amd_overlay.targets.decode import DecodeSite
+
+    plan = DecodePlan(LayerDecision(FusionState.UPSTREAM, "aiter", "r"),
+                      LayerDecision(FusionState.DISABLED, None, "deferred"), upstream_fuses=True)
+    return DecodeSite(plan=plan, on_effective=on_effective, on_absorb_effective=on_effective, kv_transfer=kv_transfer)
+
+
 @pytest.mark.parametrize("connector", [True, False])
-def test_a_batch_left_to_vllms_own_fused_decode_runs_between_the_connectors_hooks(connector):
+def test_a_batch_left_to_vllms_own_fused_decode_runs_between_the_connectors_hooks(connector, monkeypatch):
     """vLLM 0.32+'s fused decode skips the KV connector's per-layer hooks that the stock attention op
     runs; the overlay runs vLLM's own call inside them, and counts the batch as vLLM's fusion."""
+    from k3_amd_overlay.targets import vllm_env
     from k3_amd_overlay.targets.k3_wrapper import fused_decode_wrapper
 
     counted, hooked, ran = [], [], []
@@ -195,16 +206,44 @@ def test_a_batch_left_to_vllms_own_fused_decode_runs_between_the_connectors_hook
         hooked.append(layer_name)
         return step()
 
-    site = types.SimpleNamespace(
-        plan=types.SimpleNamespace(upstream_keeps=True, decision=LayerDecision(FusionState.UPSTREAM, None, "r")),
-        path_for=lambda *args: None, on_effective=counted.append, kv_transfer=transfer if connector else None)
+    meta = types.SimpleNamespace(num_actual_tokens=7, num_decode_tokens=7)
+    cache, slots = torch.zeros(1), torch.arange(7)
+    monkeypatch.setattr(vllm_env, "get_attention_context", lambda name: (meta, "layer", cache, slots))
     layer = types.SimpleNamespace(mla_attn=types.SimpleNamespace(layer_name="layers.0.attn"))
-    layer.__dict__[DECODE_SITE] = site
+    layer.__dict__[DECODE_SITE] = upstream_site(counted.append, transfer if connector else None)
     q = torch.randn(7, 4, 8)
-    args = (q, "kv", "pe", "positions", (7, 32), "metadata", "layer", torch.zeros(1), torch.arange(7))
+    args = (q, "kv", "pe", "positions", (7, 32), meta, "layer", cache, slots)
     assert fused_decode_wrapper(lambda *a: ran.append(a) or "vllm's", layer, args, {}) == "vllm's"
     assert ran == [args] and counted == [7]
     assert hooked == (["layers.0.attn"] if connector else [])
+
+
+def test_a_replayed_batch_with_prefill_rows_never_takes_vllms_own_fused_decode(monkeypatch):
+    """Issue 19, fault 1: under a breakable capture the site runs again for each replayed batch, with
+    that batch's context; one with prefill rows goes to the stock attention call, not to vLLM's own
+    fused decode (which the capture's decode-only dummy batch had chosen)."""
+    from k3_amd_overlay.targets import vllm_env
+    from k3_amd_overlay.targets.k3_wrapper import fused_decode_wrapper
+
+    meta = types.SimpleNamespace(num_actual_tokens=7, num_decode_tokens=3)
+    context = (meta, "layer", torch.zeros(1), torch.arange(7))
+    monkeypatch.setattr(vllm_env, "get_attention_context", lambda name: context)
+    attended, counted = [], []
+
+    class Attention:  # the layer's MLAAttention: only its call matters here
+        layer_name = "layers.0.attn"
+
+        def __call__(self, *args, **kwargs):
+            attended.append((args, kwargs))
+            return "stock"
+
+    layer = types.SimpleNamespace(mla_attn=Attention())
+    layer.__dict__[DECODE_SITE] = upstream_site(counted.append)
+    q = torch.randn(7, 4, 8)
+    args = (q, "kv", "pe", "positions", (7, 32), "capture-time metadata", "layer", torch.zeros(1), torch.arange(7))
+    assert fused_decode_wrapper(lambda *a: pytest.fail("vLLM's fused decode took a mixed batch"), layer, args, {}) \
+        == "stock"
+    assert attended == [((q, "kv", "pe"), {"output_shape": (7, 32)})] and counted == []
 
 
 @pytest.mark.parametrize(("indexer", "sparse", "q_lora", "rotary", "dcp", "state", "takes"), [

@@ -142,6 +142,12 @@ def batch_fusable(batch: BatchFacts | None) -> bool:
     )
 
 
+def upstream_takes(batch: BatchFacts | None) -> bool:
+    """vLLM 0.32+'s own per-batch test for its fused decode (the K3 MLA wrapper's forward):
+    metadata, a KV cache and its slots, and no prefill rows."""
+    return batch is not None and batch.has_cache and batch.num_actual_tokens == batch.num_decode_tokens
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     """One layer's decode decisions (qk_cache, absorb_qk_cache) and whose fused decode it has."""

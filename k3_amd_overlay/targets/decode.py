@@ -17,12 +17,25 @@ from k3_amd_overlay.fusions.qk_cache import AbsorbVariant, BatchFacts, DecodePat
 from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
 from k3_amd_overlay.ops import qk_cache as qk_cache_op
 from k3_amd_overlay.ops.reference import absorb_w_uk_reference
+from k3_amd_overlay.targets import vllm_env
 
 DECODE_SITE = "_k3_overlay_qk_cache"  # the attribute a layer (wrapper or MLAAttention) holds its site under
 ContextGetter = Callable[[str], tuple[Any, Any, torch.Tensor, torch.Tensor | None]]
 # Runs one layer's attention step between the KV connector's hooks (wait_for_layer_load before,
 # save_kv_layer after), as vLLM runs its stock attention call: (layer name, the step) -> its output.
 KvTransfer = Callable[[str, Callable[[], torch.Tensor]], torch.Tensor]
+# A route of the site: (..., output=None) -> the step's output, written into ``output`` where given.
+Route = Callable[..., torch.Tensor]
+EagerStep = Callable[..., None]  # into_output, made an eager break by vLLM's eager_break_during_capture
+
+
+def into_output(route: Route, output: torch.Tensor, *args: Any) -> None:
+    """Run one route with its result left in ``output`` (a buffer allocated before the step). Under
+    vLLM's breakable CUDA-graph capture this runs as an eager break: it is replayed as a Python call,
+    so the route decides fused or stock from each replayed batch's own attention metadata."""
+    result = route(*args, output=output)
+    if result.data_ptr() != output.data_ptr():
+        output.copy_(result)
 
 
 def batch_facts(attn_metadata: Any, slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -43,8 +56,9 @@ def absorb_w_uk(attn: Any, variant: AbsorbVariant, q_nope_t: torch.Tensor) -> to
         from vllm._aiter_ops import rocm_aiter_ops
 
         fp8_attention = attn.kv_cache_dtype.startswith("fp8")
+        # Y (the output) is required on vLLM 0.29-0.30 and optional from 0.31; AITER allocates it when None.
         return rocm_aiter_ops.batched_gemm_a16wfp4(
-            q_nope_t, attn.W_K, attn.W_K_scale, transpose_bm=True, prequant=True,
+            q_nope_t, attn.W_K, attn.W_K_scale, None, transpose_bm=True, prequant=True,
             y_scale=attn._q_scale if fp8_attention else None,
         )
     if variant is AbsorbVariant.FP8:
@@ -67,27 +81,40 @@ class DecodeSite:
     context: ContextGetter | None = None  # vLLM's per-layer attention context, where the overlay fuses
     kv_transfer: KvTransfer | None = None  # vLLM's KV-connector hooks (disaggregation, offloading)
     query_heads: int = 0  # heads the fp8 query buffer is allocated with (> the layer's: backend padding)
+    eager_step: EagerStep | None = None  # ``into_output`` as an eager break of vLLM's breakable capture
 
     def path_for(self, attn_metadata: Any, slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
                  q_dcp_replicated: torch.Tensor | None) -> DecodePath | None:
         return self.plan.path_for(batch_facts(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated))
 
+    def through_break(self, route: Route, q: torch.Tensor, output_shape: Any, *args: Any) -> torch.Tensor:
+        """``route(*args)``, or, while vLLM's breakable CUDA-graph capture records this layer, the
+        route as an eager break writing into a buffer allocated inside the capture (stable across
+        replays): work decided per batch must not be recorded with the capture's dummy batch."""
+        if self.eager_step is None or not vllm_env.breakable_capture_active():
+            return route(*args, output=None)
+        output = torch.empty(output_shape, dtype=q.dtype, device=q.device)
+        self.eager_step(route, output, *args)
+        return output
+
     def fused_decode(self, path: DecodePath, attn: Any, q: torch.Tensor, kv_c_normed: torch.Tensor,
                      k_pe: torch.Tensor, output_shape: Any, attn_metadata: Any,
-                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     output: torch.Tensor | None = None) -> torch.Tensor:
         """The decode-only MLA step with the fused launch ``path`` names; the MQA kernel and the V
         up-projection are stock's. A configured KV connector's per-layer hooks run around it, as
         around vLLM's stock attention call."""
 
         def step() -> torch.Tensor:
             return self._fused_step(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache,
-                                    slot_mapping)
+                                    slot_mapping, output)
 
         return self.kv_transfer(attn.layer_name, step) if self.kv_transfer is not None else step()
 
     def _fused_step(self, path: DecodePath, attn: Any, q: torch.Tensor, kv_c_normed: torch.Tensor,
                     k_pe: torch.Tensor, output_shape: Any, attn_metadata: Any,
-                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    output: torch.Tensor | None) -> torch.Tensor:
         assert self.fmt is not None
         plan = self.plan
         batch_rows = q.shape[0]  # with CUDA-graph padding: the captured graph's size
@@ -121,7 +148,8 @@ class DecodeSite:
             qk_cache_op.run_provider(plan.decision.provider, ql_nope, q_pe, kv_c, k_pe, cache, slots,
                                      attn._k_scale, attn._q_scale, q_out, self.fmt)
         attn_out, _ = attn.impl.forward_mqa(q_out, cache, attn_metadata, attn)
-        output = torch.empty(output_shape, dtype=q.dtype, device=q.device)
+        if output is None:
+            output = torch.empty(output_shape, dtype=q.dtype, device=q.device)
         attn._v_up_proj(attn_out, out=output[:num_tokens])
         return output
 
@@ -131,9 +159,18 @@ class DecodeSite:
         """The site for an MLAAttention call: a fused decode when the plan takes this batch, else
         stock. Under torch.compile tracing it stands down to the stock call (no evidence hook either)."""
         if self.context is not None and not torch.compiler.is_compiling():
-            attn_metadata, _, kv_cache, slot_mapping = self.context(attn.layer_name)
-            path = self.path_for(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated)
-            if path is not None:
-                return self.fused_decode(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata,
-                                         kv_cache, slot_mapping)
+            return self.through_break(self.route_attention, q, output_shape, attn, stock, q, kv_c_normed, k_pe,
+                                      output_shape, q_dcp_replicated)
+        return stock(q, kv_c_normed, k_pe, output_shape=output_shape, q_dcp_replicated=q_dcp_replicated)
+
+    def route_attention(self, attn: Any, stock: Callable[..., torch.Tensor], q: torch.Tensor,
+                        kv_c_normed: torch.Tensor, k_pe: torch.Tensor, output_shape: Any,
+                        q_dcp_replicated: torch.Tensor | None, output: torch.Tensor | None = None) -> torch.Tensor:
+        """One batch of an MLAAttention call, decided from this batch's attention context."""
+        assert self.context is not None
+        attn_metadata, _, kv_cache, slot_mapping = self.context(attn.layer_name)
+        path = self.path_for(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated)
+        if path is not None:
+            return self.fused_decode(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata,
+                                     kv_cache, slot_mapping, output)
         return stock(q, kv_c_normed, k_pe, output_shape=output_shape, q_dcp_replicated=q_dcp_replicated)

@@ -4,6 +4,7 @@ shape comes through ``install_sites``). Runs in vLLM processes only, as each K3 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from k3_amd_overlay.ops import absorb_qk_cache, aiter_qk_cache, qk_cache, rmsnor
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import Mode, OverlaySettings
 from k3_amd_overlay.targets import attend_hook, vllm_env
-from k3_amd_overlay.targets.decode import DECODE_SITE, DecodeSite
+from k3_amd_overlay.targets.decode import DECODE_SITE, DecodeSite, EagerStep, into_output
 from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormCallback, QkvNormSite
 
 DECODE_FUSIONS = frozenset({QK_CACHE, ABSORB_QK_CACHE})  # both act at the one decode site
@@ -46,6 +47,12 @@ def absorb_variant(attn: Any) -> AbsorbVariant:
     if getattr(attn, "is_amx_bmm_enabled", False):
         return AbsorbVariant.AMX
     return AbsorbVariant.BF16
+
+
+@functools.cache
+def eager_step() -> EagerStep | None:
+    """The decode site's step as vLLM's eager break, made once per process (None without breakable graphs)."""
+    return vllm_env.breakable_eager_break(into_output)
 
 
 def layer_device(wrapper: Any) -> torch.device:
@@ -143,6 +150,8 @@ class LayerInstaller:
         )
         if plan.overlay_fuses:
             site.fmt, site.context = vllm_env.vllm_fp8_format(), vllm_env.get_attention_context
+        if plan.overlay_fuses or plan.upstream_keeps:
+            site.eager_step = eager_step()
         setattr(wrapper, DECODE_SITE, site)
         for fusion, layer_decision in ((QK_CACHE, decision), (ABSORB_QK_CACHE, absorb)):
             if requested(fusion):

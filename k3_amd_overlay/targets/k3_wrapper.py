@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 
+from k3_amd_overlay.fusions.qk_cache import upstream_takes
 from k3_amd_overlay.fusions.states import FusionState
-from k3_amd_overlay.targets.decode import DECODE_SITE, DecodeSite
+from k3_amd_overlay.targets import vllm_env
+from k3_amd_overlay.targets.decode import DECODE_SITE, DecodeSite, batch_facts
 from k3_amd_overlay.targets.defects import W_UK_T_BEFORE_LOAD
 from k3_amd_overlay.targets.installer import LayerInstaller, install_sites
 from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormSite
@@ -77,7 +79,8 @@ def decide_fused_qk_prep(installer: LayerInstaller) -> Callable[..., bool]:
 def _fused_decode_args(q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                        positions: torch.Tensor, output_shape: Any, attn_metadata: Any, layer: Any,
                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[Any, ...]:
-    return q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache, slot_mapping
+    """The arguments the site reads itself; the batch's context is read again where it is routed."""
+    return q, kv_c_normed, k_pe, positions, output_shape
 
 
 def _k3_overlay_fused_decode(wrapped: Wrapped, instance: Any, args: tuple[Any, ...],
@@ -87,26 +90,40 @@ def _k3_overlay_fused_decode(wrapped: Wrapped, instance: Any, args: tuple[Any, .
     site: DecodeSite | None = instance.__dict__.get(DECODE_SITE)
     if site is None:
         return wrapped(*args, **kwargs)
-    q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache, slot_mapping = _fused_decode_args(
-        *args, **kwargs)
+    q, kv_c_normed, k_pe, positions, output_shape = _fused_decode_args(*args, **kwargs)
     if torch.compiler.is_compiling():  # stand down under tracing: vLLM's own path, or stock
         if site.plan.upstream_keeps:
             return wrapped(*args, **kwargs)
         return instance.mla_attn(q, kv_c_normed, k_pe, output_shape=output_shape)
+    return site.through_break(_route_fused_decode, q, output_shape, site, wrapped, instance, q, kv_c_normed, k_pe,
+                              positions, output_shape)
+
+
+def _route_fused_decode(site: DecodeSite, wrapped: Wrapped, instance: Any, q: torch.Tensor,
+                        kv_c_normed: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor, output_shape: Any,
+                        output: torch.Tensor | None = None) -> torch.Tensor:
+    """One batch vLLM's K3 forward sent to ``_fused_decode``, decided from this batch's attention
+    context (read here, not taken from the call: under a breakable capture this runs again for each
+    replayed batch, which need not be decode-only)."""
+    attn = instance.mla_attn
+    attn_metadata, layer, kv_cache, slot_mapping = vllm_env.get_attention_context(attn.layer_name)
     path = site.path_for(attn_metadata, slot_mapping, kv_cache, None)
     if path is not None:  # the overlay's own decision for this batch comes first
-        return site.fused_decode(path, instance.mla_attn, q, kv_c_normed, k_pe, output_shape,
-                                 attn_metadata, kv_cache, slot_mapping)
-    if site.plan.upstream_keeps:  # a batch the overlay does not take, on a layer vLLM fuses: vLLM's own,
-        if site.plan.decision.state is FusionState.UPSTREAM:  # between the KV connector's hooks that vLLM's
-            site.on_effective(q.shape[0])  # own fused decode skips (the stock attention op runs them)
-        if site.kv_transfer is None:
-            return wrapped(*args, **kwargs)
-        return site.kv_transfer(instance.mla_attn.layer_name, lambda: wrapped(*args, **kwargs))
-    # The overlay turned the branch on for a batch its per-batch predicate refuses (e.g. over the
-    # absorbed path's token limit with qk_cache not requested): the stock attention call writes the
-    # KV cache and quantises the query itself.
-    return instance.mla_attn(q, kv_c_normed, k_pe, output_shape=output_shape)
+        return site.fused_decode(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache,
+                                 slot_mapping, output)
+    if site.plan.upstream_keeps and upstream_takes(batch_facts(attn_metadata, slot_mapping, kv_cache, None)):
+        # a decode batch the overlay does not take, on a layer vLLM fuses: vLLM's own, between the KV
+        # connector's hooks that vLLM's own fused decode skips (the stock attention op runs them)
+        def upstream() -> torch.Tensor:
+            return wrapped(q, kv_c_normed, k_pe, positions, output_shape, attn_metadata, layer, kv_cache, slot_mapping)
+
+        if site.plan.decision.state is FusionState.UPSTREAM:
+            site.on_effective(q.shape[0])
+        return upstream() if site.kv_transfer is None else site.kv_transfer(attn.layer_name, upstream)
+    # Any other batch (e.g. over the absorbed path's token limit with qk_cache not requested, or a
+    # replayed batch with prefill rows): the stock attention call writes the KV cache and quantises
+    # the query itself.
+    return attn(q, kv_c_normed, k_pe, output_shape=output_shape)
 
 
 normalize_q_kv_wrapper = _k3_overlay_normalize_q_kv

@@ -6,6 +6,8 @@ here, each lazy, each falling back where no vLLM config is in context (the ops' 
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -129,7 +131,41 @@ def model_coverage() -> dict[str, Any]:
     except Exception:  # no model config in context (tests, doctor)
         return {}
     return {"architecture": served, "text_model": text, "speculative_method": method,
-            "not_covered": [DSPARK_NOT_COVERED] if method == "dspark" else []}
+            "not_covered": [DSPARK_NOT_COVERED] if method == "dspark" else [],
+            "breakable_cudagraph": BREAKABLE_EAGER_BREAK if breakable_enabled() else None}
+
+
+BREAKABLE_MODULE = "vllm.compilation.breakable_cudagraph"  # vLLM 0.29-0.33
+BREAKABLE_EAGER_BREAK = ("breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1): the fused decode site runs as an "
+                         "eager break, deciding fused or stock for each replayed batch from its own metadata")
+
+
+def breakable_enabled() -> bool:
+    """This process captures breakable CUDA graphs (vLLM 0.29 turns them on by default for K3 and
+    Kimi-Linear; 0.30-0.33 when VLLM_USE_BREAKABLE_CUDAGRAPH=1)."""
+    try:
+        from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+    except ImportError:
+        return False
+    return bool(is_breakable_cudagraph_enabled())
+
+
+def breakable_eager_break(fn: Callable[..., None]) -> Callable[..., None] | None:
+    """``fn`` made an eager break by vLLM's own ``eager_break_during_capture`` (the decorator vLLM's
+    NVIDIA K3 MLA and its unified MLA attention op wear): inside a breakable capture it ends the
+    graph segment, runs eagerly, and is replayed as a Python call; elsewhere (and under a FULL
+    graph) a plain call. None where this process does not capture breakable graphs."""
+    if not breakable_enabled():
+        return None
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+
+    return eager_break_during_capture(fn)
+
+
+def breakable_capture_active() -> bool:
+    """vLLM's breakable capture is recording on this thread (read per call: no import on the hot path)."""
+    module = sys.modules.get(BREAKABLE_MODULE)
+    return module is not None and module.BreakableCUDAGraphCapture.current() is not None
 
 
 def get_attention_context(layer_name: str) -> tuple[Any, Any, torch.Tensor, torch.Tensor | None]:
