@@ -113,6 +113,11 @@ def _cpu_attention_core_for_fp8(undo: contextlib.ExitStack) -> None:
         if str(_STATE["config"].cache_config.cache_dtype).startswith("fp8"):
             self.supports_quant_query_input = True
 
+    # On a CPU with AMX tiles vLLM prefers its AMX MLA backend (and its AMX W_UK BMM, whose weight
+    # packing needs vLLM's compiled CPU ops, absent from these wheels): the harness's core is CPU MLA.
+    original_amx = torch.cpu._is_amx_tile_supported
+    torch.cpu._is_amx_tile_supported = lambda: False
+    undo.callback(setattr, torch.cpu, "_is_amx_tile_supported", original_amx)
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     CPUMLAImpl.__init__ = __init__
     undo.callback(setattr, CpuPlatform, "get_attn_backend_cls", original_backend)

@@ -644,3 +644,42 @@ def test_unreadable_markers_are_listed_with_the_readable_ones(tmp_path):
     assert (good.path.name, good.error, good.live) == ("2.json", None, True) and good.record.pid == os.getpid()
     with pytest.raises(dataclasses.FrozenInstanceError):
         good.live = False
+
+
+def _forked_worker(evidence: Evidence, layer: str) -> None:
+    """A forked vLLM worker: it builds a layer and runs a batch, with the record it inherited."""
+    evidence.note_layer("qk_cache", LayerDecision(FusionState.APPLIED, "triton", "r"))
+    evidence.effective_hook("qk_cache", layer)(4)
+    evidence.flush()
+
+
+def test_each_forked_process_writes_its_own_marker(tmp_path):
+    """Issue 19, fault 3: vLLM's fork start method (an offline LLM's engine core and workers) does not
+    load plugins again in the child. Each child must still leave its own marker: its pid, start time
+    and role, and its own runs, not the parent's file, pid or counts."""
+    evidence = Evidence(settings_for(tmp_path))
+    evidence.effective_hook("qk_cache", "parent.layer")(4)  # a run in the parent, not the children's
+    evidence.flush()
+    context = multiprocessing.get_context("fork")
+    children = [context.Process(target=_forked_worker, args=(evidence, f"layer.{i}"), name=name)
+                for i, name in enumerate(("EngineCore_DP0", "VllmWorker-0"))]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(30)
+        assert child.exitcode == 0
+    records = {r.pid: r for r in (m.record for m in markers.read_markers(tmp_path / "m"))}
+    assert set(records) == {os.getpid(), *(c.pid for c in children)}
+    for child, role in zip(children, ("engine-core", "worker"), strict=True):
+        mine = records[child.pid]
+        assert (mine.role, mine.process_name) == (role, child.name)
+        assert mine.fusions["qk_cache"].runs[phases.Phase.SERVED] == 1 and mine.fusions["qk_cache"].layers == 1
+        assert mine.fusions["qk_cache"].effective_layers == 1
+    parent = records[os.getpid()]
+    assert parent.role == "main" and parent.fusions["qk_cache"].layers == 0
+    assert parent.start_ticks == markers.process_start_ticks(os.getpid())
+
+
+def test_a_ray_actor_is_a_worker():
+    argv = ["/venv/lib/python3.11/site-packages/ray/_private/workers/default_worker.py", "--node-ip-address=x"]
+    assert process_role(argv, "MainProcess") == "worker"

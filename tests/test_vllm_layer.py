@@ -12,7 +12,7 @@ import pytest
 import torch
 from machine import HAS_VLLM
 from parity import reference_pair, rmsnorm_inputs, rmsnorm_problems
-from vllm_support import next_layer_index, overlay, shape_name
+from vllm_support import next_layer_index, overlay, shape_name, with_real_signature
 
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.ops import rmsnorm_pair
@@ -378,7 +378,8 @@ def test_fp8_bmm_layer_absorbed_decode_matches_stock(fusion, provider, tmp_path,
     from vllm._aiter_ops import rocm_aiter_ops
 
     monkeypatch.setattr(rocm_aiter_ops, "is_fp8bmm_enabled", classmethod(lambda cls: True))
-    monkeypatch.setattr(rocm_aiter_ops, "triton_fp8_bmm", staticmethod(aiter_fp8_bmm))
+    monkeypatch.setattr(rocm_aiter_ops, "triton_fp8_bmm",
+                        staticmethod(with_real_signature(rocm_aiter_ops.triton_fp8_bmm, aiter_fp8_bmm)))
     spec = harness.LayerSpec(kv_cache_dtype="fp8", **K3_LAYER)
     stock, fused, activation = layer_pair(
         spec, {"K3_AMD_OVERLAY": fusion, f"K3_AMD_OVERLAY_{fusion.upper()}_PROVIDER": provider})
@@ -421,7 +422,8 @@ def test_fp4_bmm_layer_absorbed_decode_matches_stock(fusion, provider, tmp_path,
     from vllm.model_executor.layers.quantization.quark import utils as quark_utils
 
     monkeypatch.setattr(rocm_aiter_ops, "is_fp4bmm_enabled", classmethod(lambda cls: True))
-    monkeypatch.setattr(rocm_aiter_ops, "batched_gemm_a16wfp4", staticmethod(vllm_fp4_bmm))
+    monkeypatch.setattr(rocm_aiter_ops, "batched_gemm_a16wfp4",
+                        staticmethod(with_real_signature(rocm_aiter_ops.batched_gemm_a16wfp4, vllm_fp4_bmm)))
     monkeypatch.setattr(quark_utils, "quark_quantize_weight_to_mxfp4", quark_mxfp4)
     mxfp4_standin.install_gemm_module(monkeypatch)
     spec = harness.LayerSpec(kv_cache_dtype="fp8", **K3_LAYER)

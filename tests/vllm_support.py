@@ -3,6 +3,7 @@ running vLLM's own plugin loading in a fresh subprocess."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import os
@@ -59,3 +60,19 @@ def run_vllm_process(code: str, tmp_path: Path, timeout: float = 300,
         if line.startswith("RESULT="):
             return proc, json.loads(line[len("RESULT="):])
     return proc, None
+
+
+def with_real_signature(real: Any, standin: Any) -> Any:
+    """``standin`` behind the installed release's real signature of ``real``: a call that would not
+    bind on the real function raises its TypeError here too, then the stand-in gets the arguments in
+    the real function's order, defaults applied. A lenient stand-in (a default the
+    real one lacks) once hid a TypeError on vLLM 0.29-0.30."""
+    signature = inspect.signature(real)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return standin(*bound.args, **bound.kwargs)
+
+    call.__signature__ = signature  # type: ignore[attr-defined]
+    return call
