@@ -163,7 +163,7 @@ def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
     healthy = True
     if importlib.util.find_spec("vllm") is not None:
         from k3_amd_overlay.targets import sources
-        from k3_amd_overlay.targets.defects import present_defects
+        from k3_amd_overlay.targets.defects import present_defects, trigger_words
         from k3_amd_overlay.targets.shapes import recognise
 
         vllm_sources = sources.VllmSources(sources.vllm_root())
@@ -176,7 +176,7 @@ def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
             "anchors missing per fusion": found.missing_for_fusion,
             "shapes not matched": found.missing_identity,
             "known vLLM defects in this release": [
-                f"{d.describe()}; {'TRIGGERED by this environment' if d.triggered(env) else 'not triggered here'}"
+                f"{d.describe()}; {trigger_words(d.triggered(env))}"
                 for d in present_defects(vllm_sources)] or "none known",
         }
         by_tp = qk_cache_by_tp(shape.upstream[QK_CACHE] if shape else "")

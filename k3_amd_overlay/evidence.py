@@ -170,9 +170,18 @@ class Evidence:
             self.record.upstream_defects = defects
             self._write()
         for defect in defects:
-            if defect["triggered"]:
+            if defect["triggered"] is not False:
+                how = "triggers" if defect["triggered"] else f"may trigger ({defect['when']})"
                 _emit(logging.WARNING, f"k3-amd-overlay: this vLLM has a known defect that this environment "
-                                       f"triggers, with or without the overlay: {defect['name']}: {defect['what']}")
+                                       f"{how}, with or without the overlay: {defect['name']}: {defect['what']}")
+
+    def defect_outcome(self, name: str, fired: bool) -> None:
+        """What building a layer showed of a defect whose trigger is decided per layer."""
+        with self._lock:
+            for defect in self.record.upstream_defects:
+                if defect["name"] == name and defect["triggered"] is not True:
+                    defect["triggered"] = fired
+            self._write()
 
     def set_fusion(self, name: str, state: FusionState, reason: str, provider: str | None = None) -> None:
         with self._lock:

@@ -240,7 +240,7 @@ def test_the_known_defects_of_the_vllm_faced_are_recorded_with_their_trigger(tmp
     active = activation.activate(_settings(tmp_path))
     assert active.evidence.record.upstream_defects == [
         {"name": W_UK_T_BEFORE_LOAD.name, "what": W_UK_T_BEFORE_LOAD.what, "when": W_UK_T_BEFORE_LOAD.when,
-         "triggered": triggering}]
+         "triggered": None if triggering else False}]  # None: may fire, decided per layer by vLLM
 
 
 def test_log_lines_go_to_vllms_logger_tree():

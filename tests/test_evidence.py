@@ -683,3 +683,15 @@ def test_each_forked_process_writes_its_own_marker(tmp_path):
 def test_a_ray_actor_is_a_worker():
     argv = ["/venv/lib/python3.11/site-packages/ray/_private/workers/default_worker.py", "--node-ip-address=x"]
     assert process_role(argv, "MainProcess") == "worker"
+
+
+def test_a_defect_decided_per_layer_records_what_the_layer_build_showed(tmp_path):
+    """A defect the environment leaves possible (None) becomes True or False once vLLM built a layer;
+    a True stays True (one layer that fired is enough)."""
+    evidence = Evidence(settings_for(tmp_path))
+    evidence.set_upstream_defects([{"name": "d", "what": "w", "when": "x", "triggered": None}])
+    evidence.defect_outcome("d", fired=False)
+    assert evidence.record.upstream_defects[0]["triggered"] is False
+    evidence.defect_outcome("d", fired=True)
+    evidence.defect_outcome("d", fired=False)
+    assert evidence.record.upstream_defects[0]["triggered"] is True

@@ -217,6 +217,21 @@ def test_the_aiter_provider_has_its_tables_built_at_install(tmp_path, here, monk
     assert built == []
     _installer(tmp_path, switch="qk_cache", qk_cache="aiter").install_qk_cache(_layer(), upstream_fuses=False)
     assert built == [("positions", torch.device("cpu"), 8192), ("identity", torch.device("cpu"), torch.float32, 64)]
+    built.clear()  # issue 19: the absorbed launch's aiter provider reads the same tables
+    site = _installer(tmp_path, switch="absorb_qk_cache", absorb_qk_cache="aiter").install_qk_cache(
+        _layer(is_aiter_triton_fp8_bmm_enabled=True), upstream_fuses=False)
+    assert site.plan.absorb_decision.provider == "aiter"
+    assert built == [("positions", torch.device("cpu"), 8192), ("identity", torch.device("cpu"), torch.float32, 64)]
+
+
+def test_a_zero_positions_buffer_a_graph_may_read_is_never_freed():
+    """Issue 19: a larger eager batch after a capture replaces the shared buffer; the old one (whose
+    address a graph holds) stays allocated and zero."""
+    device = torch.device("cpu")
+    aiter_qk_cache._zero_positions.pop(device, None)
+    first = aiter_qk_cache.zero_positions(device, 4)
+    larger = aiter_qk_cache.zero_positions(device, 64)
+    assert larger.numel() == 64 and any(t.data_ptr() == first.data_ptr() for t in aiter_qk_cache._outgrown)
 
 
 @pytest.mark.parametrize("via_attend_hook", [True, False])

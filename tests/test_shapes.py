@@ -16,7 +16,7 @@ from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import load_settings
 from k3_amd_overlay.targets import sources as src
-from k3_amd_overlay.targets.defects import UPSTREAM_DEFECTS, W_UK_T_BEFORE_LOAD, present_defects
+from k3_amd_overlay.targets.defects import UPSTREAM_DEFECTS, W_UK_T_BEFORE_LOAD, present_defects, trigger_words
 from k3_amd_overlay.targets.installer import DECODE_FUSIONS, LayerInstaller
 from k3_amd_overlay.targets.shapes import (
     ATTEND_SEAM,
@@ -343,18 +343,21 @@ def test_a_source_where_the_check_is_not_called_at_init_has_no_defect(tmp_path):
 
 @pytest.mark.parametrize(("env", "fires"), [
     ({}, False),
-    ({"VLLM_ROCM_USE_AITER": "1"}, False),  # the fp8 and fp4 BMMs default on
-    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP8BMM": "0"}, False),
+    ({"VLLM_ROCM_USE_AITER": "1"}, False),  # the fp8 BMM defaults on: vLLM never reads W_UK_T
+    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP8BMM": "0"}, None),  # fp4 BMM: gfx950 + bf16 only
     ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, False),
     ({"VLLM_ROCM_USE_AITER_FP8BMM": "0", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, False),  # AITER defaults off
-    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP8BMM": "0", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, True),
+    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP8BMM": "0", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, None),
     ({"VLLM_ROCM_USE_AITER": "True ", "VLLM_ROCM_USE_AITER_FP8BMM": "false", "VLLM_ROCM_USE_AITER_FP4BMM": "0"},
-     True),
+     None),
     ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MLA": "0", "VLLM_ROCM_USE_AITER_FP8BMM": "0",
       "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, False),
     ({"VLLM_ROCM_USE_AITER": "0", "VLLM_ROCM_USE_AITER_FP8BMM": "0", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, False),
 ])
 def test_the_defect_fires_in_exactly_the_environment_vllm_reads(env, fires):
+    """Issue 19, fault 5: the environment alone never says "not triggered" where vLLM may still read
+    W_UK_T (the fp4 BMM variable defaults on, but vLLM uses the fp4 BMM only on gfx950 with a bf16
+    kv_b_proj: on an MI300X the defect fires); the rest is decided per layer, by vLLM."""
     assert W_UK_T_BEFORE_LOAD.triggered(env) is fires
 
 
@@ -366,7 +369,11 @@ def test_the_defect_is_described_word_for_word():
         "not exist yet): building the model fails with AttributeError, with or without this overlay; keep "
         "VLLM_ROCM_USE_AITER_FP8BMM on (vLLM then never fuses the decode itself) or use a vLLM whose check "
         "does not read W_UK_T (0.33) (fires when VLLM_ROCM_USE_AITER=1 with AITER MLA on and "
-        "VLLM_ROCM_USE_AITER_FP8BMM=0, fp4 BMM off, at >= 4 heads per rank)")
+        "VLLM_ROCM_USE_AITER_FP8BMM=0, on a layer with an fp8 KV cache and >= 4 heads per rank where vLLM's fp4 "
+        "BMM is off (it is on only with VLLM_ROCM_USE_AITER_FP4BMM, a gfx950 GPU and a bf16 kv_b_proj: every "
+        "MI300X takes the defect))")
+    assert [trigger_words(t) for t in (None, True, False)] == [
+        "may fire here: decided per layer when vLLM builds it", "TRIGGERED here", "not triggered here"]
 
 
 def test_shapes_anchors_and_recognitions_are_frozen(tmp_path):

@@ -153,7 +153,9 @@ def test_vllms_own_w_uk_t_failure_is_named_on_the_exception_and_others_pass_unto
     from k3_amd_overlay.targets.defects import W_UK_T_BEFORE_LOAD
     from k3_amd_overlay.targets.k3_wrapper import decide_fused_qk_prep
 
-    decide = decide_fused_qk_prep(installer=None)  # the installer is not reached when vLLM's check fails
+    outcomes = []  # the installer is reached only to record the defect's outcome when vLLM's check fails
+    decide = decide_fused_qk_prep(installer=types.SimpleNamespace(evidence=types.SimpleNamespace(
+        defect_outcome=lambda name, fired: outcomes.append((name, fired)))))
 
     def fails(message):
         def check():
@@ -167,6 +169,7 @@ def test_vllms_own_w_uk_t_failure_is_named_on_the_exception_and_others_pass_unto
     with pytest.raises(AttributeError) as raised:
         decide(fails("'MLAAttention' object has no attribute 'W_UV'"), object(), (), {})
     assert not hasattr(raised.value, "__notes__")
+    assert outcomes == [(W_UK_T_BEFORE_LOAD.name, True)]
 
 
 def test_the_batch_facts_the_per_batch_predicate_reads():

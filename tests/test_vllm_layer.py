@@ -560,9 +560,10 @@ def test_vllm_032_defect_is_named_not_worsened(switch, tmp_path, monkeypatch, ai
         with pytest.raises(AttributeError, match="W_UK_T") as failure:
             harness.build_layer(spec, next_layer_index())
         defects = activation.evidence.record.upstream_defects
-        assert [(d["name"], d["triggered"]) for d in defects] == [("vllm-k3-fused-qk-prep-reads-W_UK_T-before-load",
-                                                                   True)]
     decode_patched = switch != "qkv_norm"  # qkv_norm alone leaves vLLM's decode check unwrapped
+    # before any layer the environment says "may fire"; the wrapped check records that it did
+    assert [(d["name"], d["triggered"]) for d in defects] == [("vllm-k3-fused-qk-prep-reads-W_UK_T-before-load",
+                                                               True if decode_patched else None)]
     assert any("a known vLLM defect" in note for note in getattr(failure.value, "__notes__", [])) is decode_patched
 
 

@@ -24,6 +24,7 @@ AITER_BASE_ARITY = 14
 _op: Callable[..., Any] | None = None
 _identity_tables: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
 _zero_positions: dict[torch.device, torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []  # zero-position buffers a larger batch replaced, never freed
 
 
 def load_op() -> Callable[..., Any]:
@@ -104,6 +105,8 @@ def reserve_zero_positions(device: torch.device, num_tokens: int) -> None:
     held = _zero_positions.get(device)
     if held is None or held.numel() < num_tokens:
         _not_inside_capture(device, f"the zero-positions buffer for {num_tokens} tokens")
+        if held is not None:  # a graph captured earlier may read it: it stays allocated (and zero)
+            _outgrown.append(held)
         _zero_positions[device] = torch.zeros(max(num_tokens, 1), dtype=torch.int64, device=device)
 
 

@@ -17,7 +17,10 @@ K3_WRAPPER = src.K3_WRAPPER
 class UpstreamDefect:
     name: str
     present: Callable[[src.VllmSources], bool]  # this vLLM's source has it
-    triggered: Callable[[Mapping[str, str]], bool]  # the environment that makes it fire
+    # From the environment alone: False where it rules the defect out, None where it may fire (the
+    # rest of the trigger is per layer: vLLM evaluates it when it builds the layer, and the overlay
+    # records what happened then), True where the environment alone makes it fire.
+    triggered: Callable[[Mapping[str, str]], bool | None]
     when: str  # the trigger, in words
     what: str  # what fails, and the way out
 
@@ -36,19 +39,37 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     return env.get(name, "1" if default else "0").strip().lower() in ("1", "true")
 
 
+def _w_uk_t_possible(env: Mapping[str, str]) -> bool | None:
+    """vLLM 0.32's ``_fused_qk_prep_supported`` reads ``W_UK_T`` (before load) only with AITER MLA on
+    and its fp8 BMM off; whether it gets there is decided per layer (fp8 KV cache, kv_lora_rank x heads
+    >= 2048, no DCP/PCP/HiSparse/padded heads, and its fp4 BMM off: that needs
+    VLLM_ROCM_USE_AITER_FP4BMM, a CDNA 4 (gfx950) GPU and a bf16 kv_b_proj)."""
+    on = (_flag(env, "VLLM_ROCM_USE_AITER", False) and _flag(env, "VLLM_ROCM_USE_AITER_MLA", True)
+          and not _flag(env, "VLLM_ROCM_USE_AITER_FP8BMM", True))
+    return None if on else False
+
+
 W_UK_T_BEFORE_LOAD = UpstreamDefect(
     name="vllm-k3-fused-qk-prep-reads-W_UK_T-before-load",
     present=_fused_qk_prep_reads_w_uk_t,
-    triggered=lambda env: (_flag(env, "VLLM_ROCM_USE_AITER", False) and _flag(env, "VLLM_ROCM_USE_AITER_MLA", True)
-                           and not _flag(env, "VLLM_ROCM_USE_AITER_FP8BMM", True)
-                           and not _flag(env, "VLLM_ROCM_USE_AITER_FP4BMM", True)),
-    when="VLLM_ROCM_USE_AITER=1 with AITER MLA on and VLLM_ROCM_USE_AITER_FP8BMM=0, fp4 BMM off, at >= 4 heads "
-         "per rank",
+    triggered=_w_uk_t_possible,
+    when="VLLM_ROCM_USE_AITER=1 with AITER MLA on and VLLM_ROCM_USE_AITER_FP8BMM=0, on a layer with an fp8 KV "
+         "cache and >= 4 heads per rank where vLLM's fp4 BMM is off (it is on only with "
+         "VLLM_ROCM_USE_AITER_FP4BMM, a gfx950 GPU and a bf16 kv_b_proj: every MI300X takes the defect)",
     what=(f"vLLM's {K3_WRAPPER}.__init__ calls _fused_qk_prep_supported(), which reads attn.W_UK_T before the "
           "weights are loaded (W_UK_T does not exist yet): building the model fails with AttributeError, with "
           "or without this overlay; keep VLLM_ROCM_USE_AITER_FP8BMM on (vLLM then never fuses the decode itself) "
           "or use a vLLM whose check does not read W_UK_T (0.33)"),
 )
+
+
+def trigger_words(triggered: bool | None) -> str:
+    """How the doctor and the log say a defect's state."""
+    if triggered is None:
+        return "may fire here: decided per layer when vLLM builds it"
+    return "TRIGGERED here" if triggered else "not triggered here"
+
+
 UPSTREAM_DEFECTS: tuple[UpstreamDefect, ...] = (W_UK_T_BEFORE_LOAD,)
 
 

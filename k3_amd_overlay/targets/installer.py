@@ -135,7 +135,7 @@ class LayerInstaller:
                 layer_device(wrapper), attn.qk_nope_head_dim, attn.kv_lora_rank, attn.qk_rope_head_dim,
                 fp8_weights=inputs.absorb is AbsorbVariant.FP8, mxfp4_weights=inputs.absorb is AbsorbVariant.FP4))
             absorb = decide_absorb(inputs, decision, self.settings.provider(ABSORB_QK_CACHE), missing)
-        if decision.state is FusionState.APPLIED and decision.provider == "aiter":
+        if any(d.state is FusionState.APPLIED and d.provider == "aiter" for d in (decision, absorb)):
             # every table and buffer the fused path reads, built now, never inside a graph capture
             aiter_qk_cache.reserve_zero_positions(layer_device(wrapper), vllm_env.max_batched_tokens())
             aiter_qk_cache.reserve_identity_table(layer_device(wrapper), wrapper.kv_a_layernorm.weight.dtype,

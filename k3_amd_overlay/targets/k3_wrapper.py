@@ -68,9 +68,11 @@ def decide_fused_qk_prep(installer: LayerInstaller) -> Callable[..., bool]:
             upstream = bool(wrapped(*args, **kwargs))
         except AttributeError as exc:  # vLLM's own defect, as it fails without the overlay: name it
             if "W_UK_T" in str(exc):
+                installer.evidence.defect_outcome(W_UK_T_BEFORE_LOAD.name, fired=True)
                 exc.add_note(f"k3-amd-overlay: a known vLLM defect, not the overlay's: "
                              f"{W_UK_T_BEFORE_LOAD.describe()}")
             raise
+        installer.evidence.defect_outcome(W_UK_T_BEFORE_LOAD.name, fired=False)
         return installer.install_qk_cache(instance, upstream_fuses=upstream).plan.fused_decode_on
 
     return _k3_overlay_decide_qk_cache
