@@ -136,7 +136,8 @@ def test_a_fusion_whose_anchors_are_missing_is_refused_alone_or_stops_startup(tm
         FusionState.REFUSED, reason)
     assert warnings == [f"k3-amd-overlay: qkv_norm refused: {reason}"]
     keys = [spec.key for specs in active.specs_by_module.values() for spec in specs]
-    assert keys == ["k3_wrapper.fused_qk_prep_supported", "k3_wrapper.fused_decode", "linear.report_layers"]
+    assert keys == ["k3_wrapper.fused_qk_prep_supported", "k3_wrapper.fused_decode", "linear.report_layers",
+                    "mtp.report_layers"]
     assert all(QKV_NORM not in spec.fusions for specs in active.specs_by_module.values() for spec in specs)
     assert active.evidence.fusion(QK_CACHE).state is FusionState.PENDING
 
@@ -146,8 +147,8 @@ def test_a_live_anchor_failing_reverts_everything_and_later_hooks_do_nothing(tmp
                                                                             warnings, strict):
     _facing(monkeypatch, tree_of(MATRIX[-1]), "0.33.0")
     active = activation.activate(_settings(tmp_path, strict=strict))
-    (first, on_mla), (second, on_linear) = hooks
-    assert (first, second) == (MLA, LINEAR)
+    (first, on_mla), (second, on_linear), (third, _) = hooks
+    assert (first, second, third) == (MLA, LINEAR, "vllm.models.kimi_k3.amd.mtp")
     reverted = []
     monkeypatch.setattr(active.engine, "revert_all", lambda: reverted.append(True) or [])
     drifted = types.ModuleType(MLA)  # the module as imported lacks the class the anchors named

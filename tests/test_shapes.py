@@ -276,10 +276,12 @@ def _specs(shape, installer, fusions):
 
 FUSION_SETS = [set(c) for n in range(len(FUSIONS) + 1) for c in itertools.combinations(sorted(FUSIONS), n)]
 MLA, LINEAR, W = "vllm.models.kimi_k3.amd.mla", "vllm.models.kimi_k3.amd.linear", src.K3_WRAPPER
+MTP = "vllm.models.kimi_k3.amd.mtp"
 
 
 def _report(fusions) -> list[tuple]:
-    return [("linear.report_layers", LINEAR, "KimiLinearModel.__init__", tuple(sorted(fusions)), None)]
+    return [("linear.report_layers", LINEAR, "KimiLinearModel.__init__", tuple(sorted(fusions)), None),
+            ("mtp.report_layers", MTP, "KimiK3MultiTokenPredictor.__init__", tuple(sorted(fusions)), None)]
 
 
 def _norm_specs(hooked) -> list[tuple]:

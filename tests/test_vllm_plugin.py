@@ -16,20 +16,22 @@ from vllm_support import run_vllm_process, shape_name
 pytestmark = pytest.mark.vllm
 
 EXPECTED_PATCHES = {
-    "plain_wrapper": ["linear.mla_wrapper", "linear.report_layers"],
-    "k3_norm_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv", "linear.report_layers"],
+    "plain_wrapper": ["linear.mla_wrapper", "linear.report_layers", "mtp.report_layers"],
+    "k3_norm_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv", "linear.report_layers", "mtp.report_layers"],
     "k3_decode_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv",
-                          "k3_wrapper.fused_qk_prep_supported", "k3_wrapper.fused_decode", "linear.report_layers"],
+                          "k3_wrapper.fused_qk_prep_supported", "k3_wrapper.fused_decode", "linear.report_layers",
+                          "mtp.report_layers"],
 }
 STOCK_PATCHES = {
     "plain_wrapper": [],
-    "k3_norm_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv", "linear.report_layers"],
+    "k3_norm_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv", "linear.report_layers", "mtp.report_layers"],
     "k3_decode_wrapper": EXPECTED_PATCHES["k3_decode_wrapper"],
 }
 
 SNAPSHOT = """
 import importlib, inspect
 import vllm.models.kimi_k3.amd.linear as linear
+import vllm.models.kimi_k3.amd.mtp  # the MTP draft model's module (imported for speculative decoding)
 import vllm.model_executor.layers.mla as shared
 def snapshot():
     objs = {"linear." + k: v for k, v in vars(linear).items()}
@@ -117,6 +119,7 @@ def test_stock_mode_disables_only_what_this_vllm_fuses_itself(shape, tmp_path):
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 import vllm.models.kimi_k3.amd.linear
+import vllm.models.kimi_k3.amd.mtp
 """ + ACTIVE + "result(applied=applied(), fusions=fusions())", tmp_path, K3_AMD_OVERLAY="stock")
     assert res is not None, proc.stderr[-3000:]
     assert res["applied"] == STOCK_PATCHES[shape]

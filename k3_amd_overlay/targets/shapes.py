@@ -16,10 +16,12 @@ from k3_amd_overlay.targets.installer import DECODE_FUSIONS, LayerInstaller
 from k3_amd_overlay.targets.plain_wrapper import k3_wrapper_class
 
 LINEAR_MODULE = "vllm.models.kimi_k3.amd.linear"
+MTP_MODULE = "vllm.models.kimi_k3.amd.mtp"
 K3_MLA_MODULE = "vllm.models.kimi_k3.amd.mla"
 SHARED_MLA_MODULE = "vllm.model_executor.layers.mla"
 K3_WRAPPER = src.K3_WRAPPER
 TEXT_MODEL = "KimiLinearModel"  # the K3 (and Kimi-Linear) text model: builds every decoder layer
+MTP_MODEL = "KimiK3MultiTokenPredictor"  # the MTP draft model: builds the draft's decoder layers
 SHARED_WRAPPER = "MultiHeadLatentAttentionWrapper"
 FUSED_DECODE_PARAMS = ("q", "kv_c_normed", "k_pe", "positions", "output_shape", "attn_metadata",
                        "layer", "kv_cache", "slot_mapping")
@@ -124,11 +126,14 @@ def _init_spec(installer: LayerInstaller, fusions: frozenset[str], attend_hook: 
 
 
 def _report_spec(installer: LayerInstaller, specs: list[PatchSpec]) -> list[PatchSpec]:
-    """Where anything decides per layer, log the decisions once the text model is built."""
+    """Where anything decides per layer, log the decisions once the text model is built, and again
+    once the MTP draft model is (its layers are K3 MLA layers too, built after the text model)."""
     if not specs:
         return []
     fusions = tuple(sorted({f for spec in specs for f in spec.fusions}))
     return [PatchSpec(key="linear.report_layers", module=LINEAR_MODULE, attribute=f"{TEXT_MODEL}.__init__",
+                      fusions=fusions, wrapper=k3_wrapper.report_layers(installer)),
+            PatchSpec(key="mtp.report_layers", module=MTP_MODULE, attribute=f"{MTP_MODEL}.__init__",
                       fusions=fusions, wrapper=k3_wrapper.report_layers(installer))]
 
 

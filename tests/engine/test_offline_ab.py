@@ -81,7 +81,7 @@ def test_fused_arm_evidence(results, arm, fusions):
     assert worker["vllm_version"].startswith("0.32.0")
     assert worker["coverage"] == {"architecture": "KimiK3ForConditionalGeneration",
                                   "text_model": ["KimiLinearForCausalLM"], "speculative_method": None,
-                                  "not_covered": []}
+                                  "not_covered": [], "breakable_cudagraph": None}  # eager: no breakable graphs
     for fusion in fusions:
         entry = worker["fusions"][fusion]
         assert entry["state"] == "applied" and entry["provider"] == "reference", entry
