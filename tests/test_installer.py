@@ -96,8 +96,10 @@ def test_each_layer_attribute_becomes_its_predicate_input(tmp_path, here):
         provider_missing={"triton": None, "aiter": "vLLM has AITER off", "reference": None},
         kv_cache_dtype="fp8", rotation=Rotation.IDENTITY, dcp_world_size=1, pcp=False, hisparse=False,
         q_pad_num_heads=None, num_heads=8, absorb=AbsorbVariant.BF16, quant_query_input=True,
-        upstream_fuses=True, traced_whole=False)
+        upstream_fuses=True, traced_whole=False, activation_dtype="float32")  # the layer's norm weight dtype
     assert here["qk_cache"] == ((torch.device("cpu"),), {})
+    layer.kv_a_layernorm.weight = torch.ones(4, dtype=torch.float16)
+    assert _installer(tmp_path).qk_cache_inputs(layer, upstream_fuses=True).activation_dtype == "float16"
     odd = _layer(dcp_world_size=4, use_pcp=1, hisparse_cache=object(), q_pad_num_heads=16,
                  supports_quant_query_input=0, is_aiter_triton_fp8_bmm_enabled=True, kv_cache_dtype="auto")
     odd.num_heads, odd.rotary_emb = "4", None

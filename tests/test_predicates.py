@@ -330,6 +330,10 @@ def test_qkv_norm_under_whole_model_compilation_and_its_reasons():
     (dict(absorb=qk.AbsorbVariant.AMX), "the amx W_UK absorption is not reproduced"),
     (dict(quant_query_input=False), "the attention backend does not take an fp8 query"),
     (dict(traced_whole=True), qk.TRACED_WHOLE),
+    (dict(activation_dtype="float16", absorb=qk.AbsorbVariant.FP8),
+     "fp16 activations with the fp8 W_UK BMM: its GEMM returns bf16 ql_nope, which the fused path would round to fp16"),
+    (dict(activation_dtype="float16", absorb=qk.AbsorbVariant.FP4),
+     "fp16 activations with the fp4 W_UK BMM: its GEMM returns bf16 ql_nope, which the fused path would round to fp16"),
 ])
 def test_every_refusal_reason_word_for_word(changes, reason):
     """What the marker, the log and `check` print for each refused layer, for both decode fusions;
@@ -339,6 +343,12 @@ def test_every_refusal_reason_word_for_word(changes, reason):
         assert (decision.state, decision.provider, decision.reason) == (FusionState.REFUSED, None, reason)
     upstream = inputs(**changes, upstream_fuses=True, provider_setting="triton")
     assert qk.decide_qk_cache(upstream).reason == reason + "; vLLM's own fused decode keeps the layer"
+
+
+def test_fp16_activations_are_refused_only_with_the_quantised_absorptions():
+    """Issue 19: fp16 layers with the bf16 W_UK_T keep fusing (stock's bmm returns fp16 there too)."""
+    assert qk.decide_qk_cache(inputs(activation_dtype="float16")).state is FusionState.APPLIED
+    assert qk.decide_qk_cache(inputs(absorb=qk.AbsorbVariant.FP8)).state is FusionState.APPLIED
 
 
 def test_every_decode_decision_word_for_word():

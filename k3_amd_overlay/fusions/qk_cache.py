@@ -63,6 +63,7 @@ class QkCacheInputs:
     quant_query_input: bool  # the attention backend takes an fp8 query (stock quantises it too)
     upstream_fuses: bool  # this vLLM's own fused decode takes this layer
     traced_whole: bool = False  # vLLM compiles the whole model (STOCK_TORCH_COMPILE, fullgraph)
+    activation_dtype: str = "bfloat16"  # the layer's activations (torch dtype name)
 
 
 def _refusal(x: QkCacheInputs) -> str | None:
@@ -79,6 +80,9 @@ def _refusal(x: QkCacheInputs) -> str | None:
         (x.absorb not in FOLDED_ABSORPTIONS, f"the {x.absorb.value} W_UK absorption is not reproduced"),
         (not x.quant_query_input, "the attention backend does not take an fp8 query"),
         (x.traced_whole, TRACED_WHOLE),
+        (x.activation_dtype == "float16" and x.absorb in (AbsorbVariant.FP8, AbsorbVariant.FP4),
+         f"fp16 activations with the {x.absorb.value} W_UK BMM: its GEMM returns bf16 ql_nope, which the fused "
+         "path would round to fp16"),
     ]
     return next((reason for refused, reason in refusals if refused), None)
 

@@ -121,6 +121,7 @@ class LayerInstaller:
             quant_query_input=bool(getattr(impl, "supports_quant_query_input", False)),
             upstream_fuses=upstream_fuses,
             traced_whole=vllm_env.whole_model_compiled(),
+            activation_dtype=str(wrapper.kv_a_layernorm.weight.dtype).removeprefix("torch."),
         )
 
     def install_qk_cache(self, wrapper: Any, upstream_fuses: bool) -> DecodeSite:
