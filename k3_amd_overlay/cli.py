@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -58,10 +59,29 @@ def static_record(timeout: float = 600.0) -> tuple[MarkerRecord | None, str]:
     return None, (proc.stderr or proc.stdout)[-4000:]
 
 
+def merged_records(paths: list[str]) -> tuple[list[MarkerRecord], list[str]]:
+    """The records of several nodes' ``check --json`` outputs (``-``: standard input), to judge a
+    deployment across nodes (multi-node tensor, pipeline or data parallelism) as one."""
+    records, notes = [], []
+    for path in paths:
+        try:
+            data = json.load(sys.stdin if path == "-" else open(path))
+            node = [MarkerRecord.from_json(r) for r in data["records"]]
+        except (OSError, ValueError, KeyError, TypeError, RecordError) as exc:
+            raise SystemExit(f"--merge: {path} is not the output of `k3-amd-overlay check --json`: {exc}") from None
+        records += node
+        notes.append(f"note {path}: {len(node)} process{'es' if len(node) != 1 else ''} from host "
+                     f"{data.get('host', 'unknown')}")
+    return records, notes
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     wanted = _fusions(args.fusions)
     notes: list[str] = []
-    if args.static:
+    if args.merge:
+        records, notes = merged_records(args.merge)
+        require_effective = not args.no_effective
+    elif args.static:
         record, log = static_record()
         if record is None:
             print(f"FAIL the static probe did not complete (vLLM plugin loading or the K3 AMD import failed):\n{log}")
@@ -81,8 +101,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     verdict = judge(records, args.expect, wanted, require_effective, static=args.static,
                     allow_mixed=args.allow_mixed)
     if args.json:
-        print(json.dumps({"expect": args.expect, "holds": verdict.holds, "lines": verdict.lines,
-                          "notes": notes, "records": [r.to_json() for r in records]}, indent=1))
+        print(json.dumps({"expect": args.expect, "holds": verdict.holds, "lines": verdict.lines, "notes": notes,
+                          "host": socket.gethostname(), "records": [r.to_json() for r in records]}, indent=1))
     else:
         for line in notes + verdict.lines:
             print(line)
@@ -147,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--allow-mixed", action="store_true",
                        help="for --expect fused: accept a process where only some layers took a fusion")
     check.add_argument("--marker-dir", help=f"default: ${MARKER_DIR} or the per-user directory")
+    check.add_argument("--merge", nargs="+", metavar="FILE",
+                       help="judge the processes of several nodes as one deployment: each FILE is one node's "
+                            "`check --json` output (- for standard input); this node's markers are not read")
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_check)
     census = sub.add_parser("census", help="kernel census of profiler traces, before/after a fusion")

@@ -695,3 +695,27 @@ def test_a_defect_decided_per_layer_records_what_the_layer_build_showed(tmp_path
     evidence.defect_outcome("d", fired=True)
     evidence.defect_outcome("d", fired=False)
     assert evidence.record.upstream_defects[0]["triggered"] is True
+
+
+def test_check_merges_the_json_of_several_nodes_into_one_verdict(tmp_path, capsys):
+    """Issue 19: across nodes each node's `check --json` sees only its own markers; `--merge` judges
+    their records together: both nodes fused holds, one node stock fails, naming the process."""
+    from k3_amd_overlay.cli import main
+
+    def node(name, *records):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"expect": "fused", "holds": True, "lines": [], "notes": [], "host": name,
+                                    "records": [MarkerRecord.from_json(r).to_json() for r in records]}))
+        return str(path)
+
+    one = node("node-a", record("auto", "applied", "applied", pid=11))
+    two = node("node-b", record("auto", "applied", "applied", pid=11, served=0, replayed=4, captured=(1,)))
+    stock = node("node-c", record("stock", "forced-stock", "forced-stock", pid=12, effective=False))
+    assert main(["check", "--expect", "fused", "--merge", one, two]) == 0
+    out = capsys.readouterr().out
+    assert f"note {one}: 1 process from host node-a" in out and "HOLDS: expect fused (2 processes)" in out
+    assert main(["check", "--expect", "fused", "--merge", one, stock]) == 1
+    assert "FAIL pid 12 (worker, vLLM 0.33.0): qkv_norm=forced-stock" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"bad\.json is not the output of `k3-amd-overlay check --json`"):
+        main(["check", "--expect", "fused", "--merge", str(tmp_path / "bad.json")])
