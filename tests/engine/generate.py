@@ -39,6 +39,8 @@ def main() -> None:
     if os.environ.get("K3ENGINE_KV_CONNECTOR"):  # the test kit's recording connector
         kwargs["kv_transfer_config"] = {"kv_connector": "RecordingConnector", "kv_role": "kv_both",
                                         "kv_connector_module_path": "k3_engine_testkit"}
+    if os.environ.get("K3ENGINE_TP"):  # heads split across ranks, one worker process per rank
+        kwargs["tensor_parallel_size"] = int(os.environ["K3ENGINE_TP"])
     llm = LLM(model=sys.argv[1], **kwargs)
     hold_requests_until_first_step(llm.llm_engine)
     max_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 16
