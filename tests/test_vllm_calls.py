@@ -28,6 +28,8 @@ INTERNALS = {
                                 False),
     "eager_break_during_capture": ("vllm.compilation.breakable_cudagraph", "eager_break_during_capture", False),
     "vllm_pair": ("vllm.models.common.ops.fused_qk_rmsnorm", "fused_q_kv_rmsnorm", False),
+    # the op vLLM registers from this function when AITER is installed (its schema is the function's)
+    "torch.ops.vllm.fused_mla_dual_rms_norm": ("vllm._aiter_ops", "_fused_mla_dual_rms_norm_impl", False),
     "AiterMLAHelper.get_actual_mla_num_heads": ("vllm.v1.attention.backends.mla.rocm_aiter_mla",
                                                 "AiterMLAHelper.get_actual_mla_num_heads", False),
     "AiterMLAHelper.get_mla_padded_q": ("vllm.v1.attention.backends.mla.rocm_aiter_mla",
@@ -70,7 +72,8 @@ def resolve(callee: str) -> tuple[object | None, bool]:
 def test_the_scan_finds_the_calls_it_checks():
     callees = {callee for _, callee, _ in calls_in_package()}
     assert {"rocm_aiter_ops.batched_gemm_a16wfp4", "rocm_aiter_ops.triton_fp8_bmm", "attn.impl.forward_mqa",
-            "attn._v_up_proj", "vllm_ctx", "maybe_transfer_kv_layer", "eager_break_during_capture"} <= callees
+            "attn._v_up_proj", "vllm_ctx", "maybe_transfer_kv_layer", "eager_break_during_capture",
+            "torch.ops.vllm.fused_mla_dual_rms_norm"} <= callees
 
 
 @pytest.mark.parametrize("where,callee,call", calls_in_package(),

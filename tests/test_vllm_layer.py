@@ -424,7 +424,8 @@ def test_fp4_bmm_layer_absorbed_decode_matches_stock(fusion, provider, tmp_path,
     monkeypatch.setattr(rocm_aiter_ops, "is_fp4bmm_enabled", classmethod(lambda cls: True))
     monkeypatch.setattr(rocm_aiter_ops, "batched_gemm_a16wfp4",
                         staticmethod(with_real_signature(rocm_aiter_ops.batched_gemm_a16wfp4, vllm_fp4_bmm)))
-    monkeypatch.setattr(quark_utils, "quark_quantize_weight_to_mxfp4", quark_mxfp4)
+    monkeypatch.setattr(quark_utils, "quark_quantize_weight_to_mxfp4",
+                        with_real_signature(quark_utils.quark_quantize_weight_to_mxfp4, quark_mxfp4))
     mxfp4_standin.install_gemm_module(monkeypatch)
     spec = harness.LayerSpec(kv_cache_dtype="fp8", **K3_LAYER)
     stock, fused, activation = layer_pair(
