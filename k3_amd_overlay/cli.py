@@ -32,13 +32,17 @@ print("K3_AMD_OVERLAY_RECORD=" + json.dumps(record))
 """
 
 
+class UsageError(ValueError):
+    """A command line that asks for something impossible: exit 2 with the message, like argparse."""
+
+
 def _fusions(value: str | None) -> list[str] | None:
     if not value:
         return None
     names = [v.strip() for v in value.split(",") if v.strip()]
     bad = [n for n in names if n not in FUSIONS]
     if bad:
-        raise SystemExit(f"--fusions: unknown {', '.join(bad)}; allowed: {', '.join(FUSIONS)}")
+        raise UsageError(f"--fusions: unknown {', '.join(bad)}; allowed: {', '.join(FUSIONS)}")
     return names
 
 
@@ -68,41 +72,65 @@ def merged_records(paths: list[str]) -> tuple[list[MarkerRecord], list[str]]:
             data = json.load(sys.stdin if path == "-" else open(path))
             node = [MarkerRecord.from_json(r) for r in data["records"]]
         except (OSError, ValueError, KeyError, TypeError, RecordError) as exc:
-            raise SystemExit(f"--merge: {path} is not the output of `k3-amd-overlay check --json`: {exc}") from None
+            raise UsageError(f"--merge: {path} is not the output of `k3-amd-overlay check --json`: {exc}") from None
         records += node
         notes.append(f"note {path}: {len(node)} process{'es' if len(node) != 1 else ''} from host "
                      f"{data.get('host', 'unknown')}")
     return records, notes
 
 
+def live_records(directory: Path, prune: bool) -> tuple[list[MarkerRecord], list[str]]:
+    """The records of live processes in ``directory``, and a note per file set aside (or removed)."""
+    found = markers.read_markers(directory) if directory.is_dir() else []
+    records = [m.record for m in found if m.live and m.record]
+    stale = [m for m in found if m.record and not m.live]
+    notes = [f"markers read from {directory}: {len(records)} live, {len(stale)} stale, "
+             f"{sum(1 for m in found if m.error)} unreadable" + ("" if directory.is_dir() else " (no such directory)")]
+    for m in found:
+        if m.error:
+            notes.append(f"note {m.path}: {m.error}")
+        elif not m.live:
+            assert m.record is not None
+            if prune:
+                m.path.unlink(missing_ok=True)
+                notes.append(f"note {m.path}: pid {m.record.pid} is gone; stale marker removed (--prune)")
+            else:
+                notes.append(f"note {m.path}: pid {m.record.pid} is gone (or its pid was reused); stale, ignored "
+                             "(--prune removes such files)")
+    return records, notes
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     wanted = _fusions(args.fusions)
-    notes: list[str] = []
+    if sum(map(bool, (args.merge, args.static))) > 1 or (args.prune and (args.merge or args.static)):
+        raise UsageError("--merge, --static and --prune each judge other processes: give at most one")
+    marker_dir = None
     if args.merge:
         records, notes = merged_records(args.merge)
         require_effective = not args.no_effective
     elif args.static:
         record, log = static_record()
         if record is None:
-            print(f"FAIL the static probe did not complete (vLLM plugin loading or the K3 AMD import failed):\n{log}")
+            line = f"FAIL the static probe did not complete (vLLM plugin loading or the K3 AMD import failed):\n{log}"
+            if args.json:
+                print(json.dumps({"expect": args.expect, "holds": False, "lines": [line], "notes": [],
+                                  "host": socket.gethostname(), "marker_dir": None, "records": []}, indent=1))
+            else:
+                print(line)
             return 1
-        records = [record]
+        records, notes = [record], []
         require_effective = False
     else:
         directory = Path(args.marker_dir or os.environ.get(MARKER_DIR) or markers.default_marker_dir())
-        found = markers.read_markers(directory) if directory.is_dir() else []
-        records = [m.record for m in found if m.live and m.record]
-        for m in found:
-            if m.error:
-                notes.append(f"note {m.path}: {m.error}")
-            elif not m.live:
-                notes.append(f"note {m.path}: pid {m.record.pid} is gone (or its pid was reused); stale, ignored")
+        marker_dir = str(directory)
+        records, notes = live_records(directory, args.prune)
         require_effective = not args.no_effective
     verdict = judge(records, args.expect, wanted, require_effective, static=args.static,
                     allow_mixed=args.allow_mixed)
     if args.json:
         print(json.dumps({"expect": args.expect, "holds": verdict.holds, "lines": verdict.lines, "notes": notes,
-                          "host": socket.gethostname(), "records": [r.to_json() for r in records]}, indent=1))
+                          "host": socket.gethostname(), "marker_dir": marker_dir,
+                          "records": [r.to_json() for r in records]}, indent=1))
     else:
         for line in notes + verdict.lines:
             print(line)
@@ -170,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--merge", nargs="+", metavar="FILE",
                        help="judge the processes of several nodes as one deployment: each FILE is one node's "
                             "`check --json` output (- for standard input); this node's markers are not read")
-    check.add_argument("--json", action="store_true")
+    check.add_argument("--prune", action="store_true",
+                       help="remove the markers of processes that are gone (stale files pile up otherwise)")
+    check.add_argument("--json", action="store_true", help="one JSON object on every path (exit codes as without)")
     check.set_defaults(func=cmd_check)
     census = sub.add_parser("census", help="kernel census of profiler traces, before/after a fusion")
     census.add_argument("traces", nargs="+", help="trace files (.json, .json.gz) or folders; one per rank")
@@ -190,8 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    """0: holds / healthy; 1: does not hold / not healthy; 2: a usage error (argparse's code)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"k3-amd-overlay: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -329,6 +329,9 @@ class Evidence:
         with self._lock:
             self._write()
         _emit(logging.WARNING if self.marker_error else logging.INFO, self.summary_line())
+        if self.marker_error:
+            _emit(logging.WARNING, f"k3-amd-overlay: WARNING: this process writes no marker, so `k3-amd-overlay "
+                                   f"check` cannot see it: {self.marker_error}")
 
     def summary_line(self) -> str:
         r = self.record

@@ -125,6 +125,9 @@ class MarkerRecord:
         if not isinstance(data, dict):
             raise RecordError(f"not a JSON object: {type(data).__name__}")
         known = {f.name for f in fields(cls)}
+        if data.get("schema", SCHEMA) != SCHEMA:
+            raise RecordError(f"marker schema {data['schema']!r}; this k3-amd-overlay reads schema {SCHEMA} "
+                              "(another version of the overlay wrote it)")
         try:
             values = {k: v for k, v in data.items() if k in known}
             values["pid"] = int(data["pid"])

@@ -67,7 +67,7 @@ def test_unusable_marker_dir_is_reported_never_raised(tmp_path, emitted):
     evidence = Evidence(settings_for(tmp_path))
     evidence.publish()
     assert evidence.marker_path is None and "symlink" in evidence.marker_error
-    assert emitted[-1][0] == logging.WARNING and "marker-error=" in emitted[-1][1]
+    assert emitted[-2][0] == logging.WARNING and "marker-error=" in emitted[-2][1]
 
 
 def test_write_failure_is_reported_once_and_serving_goes_on(tmp_path, emitted):
@@ -717,5 +717,64 @@ def test_check_merges_the_json_of_several_nodes_into_one_verdict(tmp_path, capsy
     assert main(["check", "--expect", "fused", "--merge", one, stock]) == 1
     assert "FAIL pid 12 (worker, vLLM 0.33.0): qkv_norm=forced-stock" in capsys.readouterr().out
     (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(SystemExit, match=r"bad\.json is not the output of `k3-amd-overlay check --json`"):
-        main(["check", "--expect", "fused", "--merge", str(tmp_path / "bad.json")])
+    assert main(["check", "--expect", "fused", "--merge", str(tmp_path / "bad.json")]) == 2
+    assert "bad.json is not the output of `k3-amd-overlay check --json`" in capsys.readouterr().err
+
+
+def test_check_names_its_marker_directory_prunes_stale_markers_and_rejects_unknown_schemas(tmp_path, capsys):
+    """Issue 21: `check` says which directory it read and what it found there; `--prune` removes the
+    markers of processes that are gone; a marker of another schema is unreadable, not judged."""
+    from k3_amd_overlay.cli import main
+
+    directory = markers.ensure_marker_dir(tmp_path / "m")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    markers.write_marker(directory, dead.pid, {**record("auto", "applied", "applied", pid=dead.pid), "start_ticks": 1})
+    markers.write_marker(directory, os.getpid(), {**record("auto", "applied", "applied", pid=os.getpid()),
+                                                  "start_ticks": markers.process_start_ticks(os.getpid()),
+                                                  "schema": 99})
+    assert main(["check", "--expect", "fused", "--marker-dir", str(directory)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"markers read from {directory}: 0 live, 1 stale, 1 unreadable\n")
+    assert "marker schema 99; this k3-amd-overlay reads schema 2 (another version of the overlay wrote it)" in out
+    assert "(--prune removes such files)" in out and (directory / f"{dead.pid}.json").exists()
+    assert main(["check", "--expect", "fused", "--marker-dir", str(directory), "--prune"]) == 1
+    assert f"pid {dead.pid} is gone; stale marker removed (--prune)" in capsys.readouterr().out
+    assert not (directory / f"{dead.pid}.json").exists() and (directory / f"{os.getpid()}.json").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--fusions", "qk_cache,fast"], "--fusions: unknown fast; allowed: qkv_norm, qk_cache, absorb_qk_cache"),
+    (["--static", "--merge", "x.json"], "--merge, --static and --prune each judge other processes: give at most one"),
+    (["--static", "--prune"], "--merge, --static and --prune each judge other processes: give at most one"),
+])
+def test_check_usage_errors_exit_2_with_the_reason(argv, message, capsys):
+    from k3_amd_overlay.cli import main
+
+    assert main(["check", "--expect", "fused", *argv]) == 2
+    assert capsys.readouterr().err.endswith(f"k3-amd-overlay: error: {message}\n")
+
+
+def test_check_json_is_json_when_the_static_probe_fails(monkeypatch, capsys):
+    from k3_amd_overlay import cli
+
+    monkeypatch.setattr(cli, "static_record", lambda: (None, "ImportError: no vllm"))
+    assert cli.main(["check", "--expect", "fused", "--static", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["holds"] is False and out["records"] == [] and "ImportError: no vllm" in out["lines"][0]
+
+
+def test_an_unusable_marker_directory_is_a_warning_line_of_its_own(tmp_path, capsys):
+    directory = tmp_path / "open"
+    directory.mkdir(mode=0o777)
+    directory.chmod(0o777)
+    evidence = Evidence(load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_MARKER_DIR": str(directory)}))
+    evidence.publish()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith("k3-amd-overlay: WARNING: this process writes no marker, so `k3-amd-overlay "
+                                f"check` cannot see it: marker directory {directory} is writable by group or others")
+
+
+def test_python_m_runs_the_command_line():
+    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("k3-amd-overlay ")

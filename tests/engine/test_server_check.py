@@ -34,6 +34,7 @@ def test_switch_on_proves_fused_only_after_served_traffic(serve, vllm_bin):
     after = server.check("--expect", "fused")
     assert after.returncode == 0, lines(after)
     out = after.stdout
+    assert out.startswith(f"markers read from {server.marker_dir}: 3 live, 0 stale, 0 unreadable\n"), lines(after)
     assert "ok   absorb_qk_cache: served traffic took the fused path: " in out
     assert "eager batches after startup" in out
     assert "qk_cache: served traffic took the fused path" in out and "in the absorb_qk_cache launch" in out
@@ -42,7 +43,7 @@ def test_switch_on_proves_fused_only_after_served_traffic(serve, vllm_bin):
     assert server.check("--expect", "stock").returncode == 1
 
     report = json.loads(server.check("--expect", "fused", "--json").stdout)
-    assert report["holds"] is True
+    assert report["holds"] is True and report["marker_dir"] == str(server.marker_dir)
     assert sorted(r["role"] for r in report["records"]) == ["api-server", "engine-core", "worker"]
 
     # a `vllm` CLI client started with the same switch leaves no evidence
