@@ -207,22 +207,61 @@ def render_serving(rows: Sequence[MetricRow]) -> str:
     return "\n".join(lines)
 
 
+SIGNIFICANCE = 0.05  # the two-sided level at which a paired difference is called a difference
+
+
+def mcnemar_exact_p(only_a: int, only_b: int) -> float:
+    """McNemar's exact test (two-sided): of the questions exactly one arm answered right, is the
+    split between the arms more uneven than a fair coin's? The binomial tail of min(b, c) in b + c
+    trials at 1/2, doubled, capped at 1."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(only_a, only_b) + 1)) / 2 ** n
+    return min(1.0, 2.0 * tail)
+
+
 @dataclass(frozen=True)
-class AccuracyComparison:
-    accuracy_a: float
-    accuracy_b: float
-    samples: int
+class PairedAccuracy:
+    """Both arms' per-question outcomes on the same questions (lm-eval's --log_samples)."""
+
+    questions: int
+    right_a: int
+    right_b: int
+    only_a: int  # questions arm A answered right and arm B wrong
+    only_b: int  # questions arm B answered right and arm A wrong
+
+    @classmethod
+    def from_outcomes(cls, a: dict[Any, bool], b: dict[Any, bool]) -> PairedAccuracy:
+        """Outcomes keyed by question; only questions both arms answered are compared (the rest
+        would be unpaired): ValueError where the arms share none."""
+        shared = sorted(set(a) & set(b), key=str)
+        if not shared:
+            raise ValueError("the arms answered no question in common: nothing to pair")
+        return cls(len(shared), sum(a[q] for q in shared), sum(b[q] for q in shared),
+                   sum(a[q] and not b[q] for q in shared), sum(b[q] and not a[q] for q in shared))
+
+    @property
+    def accuracy_a(self) -> float:
+        return self.right_a / self.questions
+
+    @property
+    def accuracy_b(self) -> float:
+        return self.right_b / self.questions
 
     @property
     def delta(self) -> float:
         return self.accuracy_b - self.accuracy_a
 
     @property
-    def se_diff(self) -> float:
-        """Binomial standard error of the difference of two independent accuracies over n questions."""
-        n = self.samples
-        return math.sqrt(self.accuracy_a * (1 - self.accuracy_a) / n + self.accuracy_b * (1 - self.accuracy_b) / n)
+    def p_value(self) -> float:
+        return mcnemar_exact_p(self.only_a, self.only_b)
 
-    @property
-    def inside_se(self) -> bool:
-        return abs(self.delta) <= self.se_diff
+    def verdict(self) -> str:
+        p = self.p_value
+        if p >= SIGNIFICANCE:
+            return (f"no difference detected at this n: McNemar exact p = {p:.4f} (>= {SIGNIFICANCE}) over "
+                    f"{self.questions} paired questions")
+        direction = "less" if self.delta < 0 else "more"
+        return (f"B is {direction} accurate than A: McNemar exact p = {p:.4f} (< {SIGNIFICANCE}); "
+                f"{self.only_a} questions only A answered right, {self.only_b} only B")

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """GSM8K accuracy A/B: for each arm (only K3_AMD_OVERLAY differs) start the server, prove the arm
 with `k3-amd-overlay check`, run lm-eval gsm8k (5-shot, all 1319 questions by default) against it,
-stop it; print each arm's accuracy, the delta, the binomial standard error of the difference and
-whether the delta is inside it.
+stop it; print each arm's accuracy and, since both arms answer the same questions, the paired
+comparison (lm-eval's --log_samples gives each question's outcome): how many questions only one arm
+got right, McNemar's exact test on them, and the verdict.
 
     scripts/gsm8k_ab.py --model /models/Kimi-K3 --serve-args "--tensor-parallel-size 8 ..." --out gsm8k-out
 
@@ -76,10 +77,28 @@ def accuracy(output_dir: Path, task: str, metric: str) -> tuple[float, int]:
     return value, int(samples.get("effective", samples.get("original", 0)))
 
 
+def outcomes(output_dir: Path, task: str, metric: str) -> dict[int, bool]:
+    """Each question's outcome (``doc_id`` -> right) under ``metric`` ("name,filter"), from the
+    samples file lm-eval writes with --log_samples."""
+    name, _, filter_key = metric.partition(",")
+    files = sorted(output_dir.rglob(f"samples_{task}_*.jsonl"))
+    if not files:
+        raise arms.ArmFailed(f"no lm-eval samples_{task}_*.jsonl under {output_dir} (was --log_samples passed?)")
+    found = {}
+    for line in files[-1].read_text().splitlines():
+        row = json.loads(line)
+        if not filter_key or row.get("filter") == filter_key:
+            found[int(row["doc_id"])] = float(row[name]) > 0
+    if not found:
+        raise arms.ArmFailed(f"{files[-1]} has no {metric} outcome")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     name = args.served_model_name or args.model
     scores: dict[str, tuple[float, int]] = {}
+    per_question: dict[str, dict[int, bool]] = {}
     task, include = args.task, []
     if args.data_file:
         try:
@@ -99,24 +118,26 @@ def main(argv: list[str] | None = None) -> int:
                               "tokenized_requests=False" + (f",{args.extra_model_args}" if args.extra_model_args else ""))
                 command = [*arms.split_command(args.lm_eval_cmd), "--model", "local-completions", "--model_args",
                            model_args, "--tasks", task, "--num_fewshot", str(args.num_fewshot),
-                           "--output_path", str(workdir / "lm_eval"), *include]
+                           "--output_path", str(workdir / "lm_eval"), "--log_samples", *include]
                 if args.limit:
                     command += ["--limit", str(args.limit)]
                 with open(workdir / "lm_eval.log", "w") as log:
                     if subprocess.run(command, stdout=log, stderr=log).returncode != 0:
                         raise arms.ArmFailed(f"arm {arm.label}: lm-eval failed; log: {workdir / 'lm_eval.log'}")
                 scores[arm.label] = accuracy(workdir / "lm_eval", task, args.metric)
+                per_question[arm.label] = outcomes(workdir / "lm_eval", task, args.metric)
         except arms.ArmFailed as exc:
             print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
             return 1
     (acc_a, n_a), (acc_b, n_b) = scores["A"], scores["B"]
-    comparison = arms.AccuracyComparison(acc_a, acc_b, min(n_a, n_b))
+    paired = arms.PairedAccuracy.from_outcomes(per_question["A"], per_question["B"])
     lines = [
         f"| arm | K3_AMD_OVERLAY | {task} {args.metric} | questions |", "|---|---|---|---|",
         f"| A | {args.arm_a} | {acc_a:.4f} | {n_a} |", f"| B | {args.arm_b} | {acc_b:.4f} | {n_b} |",
         "",
-        f"delta (B - A): {100 * comparison.delta:+.2f} pp; binomial se of the difference: "
-        f"{100 * comparison.se_diff:.2f} pp; the delta is {'inside' if comparison.inside_se else 'OUTSIDE'} one se",
+        f"paired over {paired.questions} questions: delta (B - A) {100 * paired.delta:+.2f} pp; right only with A: "
+        f"{paired.only_a}, only with B: {paired.only_b}",
+        f"verdict: {paired.verdict()}",
     ]
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

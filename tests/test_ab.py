@@ -56,13 +56,39 @@ def test_serving_table_arithmetic():
     assert row in arms.render_serving([tpot])
 
 
-def test_accuracy_statistics():
-    c = arms.AccuracyComparison(0.9704, 0.9629, 1319)
-    assert c.delta == pytest.approx(-0.0075)
-    assert c.se_diff == pytest.approx(((0.9704 * 0.0296 + 0.9629 * 0.0371) / 1319) ** 0.5)
-    # pair 3 of the GSM8K A/B in the vLLM pull request "[ROCm][Kimi-K3][Perf] Fuse MLA decode KV-cache
-    # write and Q-prep via AITER": -0.75 pp against ~0.70 pp
-    assert not c.inside_se
+def test_mcnemar_exact_p_values_known_by_hand():
+    assert arms.mcnemar_exact_p(0, 0) == 1.0
+    assert arms.mcnemar_exact_p(12, 0) == pytest.approx(2 / 2 ** 12)  # 0.000488
+    assert arms.mcnemar_exact_p(1, 5) == pytest.approx(2 * (1 + 6) / 64)  # 0.21875
+    assert arms.mcnemar_exact_p(5, 1) == arms.mcnemar_exact_p(1, 5)
+    assert arms.mcnemar_exact_p(10, 10) == 1.0  # capped
+
+
+def test_paired_accuracy_finds_what_an_unpaired_se_misses():
+    """Issue 21: both arms answer the same 1319 questions; B loses 12 that A got right and gains
+    none. Compared unpaired, -0.91 pp is 1.2 binomial standard errors (0.74 pp): nothing to see;
+    paired, it is decisive: McNemar's exact p = 0.0005. Ten lost and ten gained are no difference."""
+    a = {q: q % 30 != 0 for q in range(1319)}  # 1275 right
+    lost = [q for q in range(1319) if a[q]][:12]
+    b = {q: a[q] and q not in lost for q in range(1319)}
+    paired = arms.PairedAccuracy.from_outcomes(a, b)
+    assert (paired.questions, paired.only_a, paired.only_b, paired.right_a - paired.right_b) == (1319, 12, 0, 12)
+    assert paired.delta == pytest.approx(-12 / 1319)
+    assert round(paired.p_value, 4) == 0.0005
+    assert paired.verdict() == ("B is less accurate than A: McNemar exact p = 0.0005 (< 0.05); 12 questions only A "
+                                "answered right, 0 only B")
+    flipped = {q for q in range(1319) if not a[q]}
+    flipped = set(sorted(flipped)[:10]) | set(lost[:10])
+    swapped = arms.PairedAccuracy.from_outcomes(a, {q: a[q] != (q in flipped) for q in range(1319)})
+    assert (swapped.only_a, swapped.only_b) == (10, 10)
+    assert swapped.verdict().startswith("no difference detected at this n: McNemar exact p = ")
+
+
+def test_paired_accuracy_pairs_only_shared_questions():
+    paired = arms.PairedAccuracy.from_outcomes({1: True, 2: False, 3: True}, {2: True, 3: True, 4: False})
+    assert (paired.questions, paired.only_a, paired.only_b) == (2, 0, 1)
+    with pytest.raises(ValueError, match="no question in common"):
+        arms.PairedAccuracy.from_outcomes({1: True}, {2: True})
 
 
 def test_ab_serve_end_to_end(tmp_path):
@@ -104,6 +130,6 @@ def test_gsm8k_ab_end_to_end(tmp_path):
                       "--lm-eval-cmd", f"{sys.executable} {STANDINS / 'fake_lm_eval.py'}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| A | stock | 0.9000 | 40 |" in proc.stdout and "| B | 1 | 0.8750 | 40 |" in proc.stdout
-    se = ((0.9 * 0.1 + 0.875 * 0.125) / 40) ** 0.5
-    expected = f"delta (B - A): -2.50 pp; binomial se of the difference: {100 * se:.2f} pp; the delta is inside"
-    assert expected in proc.stdout
+    assert "paired over 40 questions: delta (B - A) -2.50 pp; right only with A: 1, only with B: 0" in proc.stdout
+    assert ("verdict: no difference detected at this n: McNemar exact p = 1.0000 (>= 0.05) over 40 paired "
+            "questions") in proc.stdout

@@ -74,6 +74,7 @@ def test_gsm8k_ab_against_real_servers_on_a_local_file(checkpoint, vllm_bin, tmp
                env=harness_env(vllm_bin, tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| A | stock |" in proc.stdout and "| B | 1 |" in proc.stdout and "| 3 |" in proc.stdout
+    assert "paired over 3 questions" in proc.stdout and "verdict: " in proc.stdout  # lm-eval's --log_samples
     assert "HOLDS: expect fused" in (out / "armB" / "check.txt").read_text()
     assert "HOLDS: expect stock" in (out / "armA" / "check.txt").read_text()
     assert (out / "tasks" / "gsm8k_local.yaml").is_file()
