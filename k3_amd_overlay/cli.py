@@ -1,7 +1,8 @@
 """``k3-amd-overlay``: ``doctor`` (what this machine and vLLM give, what the overlay would do and
 why, each reachable provider against its reference), ``check`` (whether the live vLLM processes,
-or a fresh one with ``--static``, are fused or stock as an A/B arm expects) and ``census`` (kernel
-launches in profiler traces, before and after a fusion)."""
+or a fresh one with ``--static``, are fused or stock as an A/B arm expects), ``census`` (kernel
+launches in profiler traces, before and after a fusion), and the tools ``ab-serve``, ``gsm8k-ab``
+and ``bench``."""
 
 from __future__ import annotations
 
@@ -180,12 +181,22 @@ def cmd_census(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+# The operator's tools, each its own module with its own options (``k3-amd-overlay NAME --help``).
+TOOLS = {
+    "ab-serve": ("k3_amd_overlay.ab_serve", "serving A/B: each arm a proved server, ABBA repeats, vllm bench serve"),
+    "gsm8k-ab": ("k3_amd_overlay.gsm8k_ab", "accuracy A/B: lm-eval GSM8K against each proved arm, paired"),
+    "bench": ("k3_amd_overlay.bench.kernels", "kernel benchmarks at K3 shapes against the unfused path (GPU)"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3-amd-overlay", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"k3-amd-overlay {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="prove an A/B arm: are the live vLLM processes fused or stock?")
-    check.add_argument("--expect", choices=("fused", "stock"), required=True)
+    check.add_argument("--expect", choices=("fused", "stock", "off"), required=True,
+                       help="fused: the overlay's (or vLLM's own) fused paths took served traffic; stock: "
+                            "K3_AMD_OVERLAY=stock, nothing fused, vLLM's own fusions off too; off: the overlay off")
     check.add_argument("--fusions", help=f"comma list of {','.join(FUSIONS)} (default: those each process "
                                          "requested, i.e. not 'disabled')")
     check.add_argument("--static", action="store_true",
@@ -216,11 +227,18 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--switch", help="judge this K3_AMD_OVERLAY value instead of the environment's")
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=cmd_doctor)
+    for name, (_, summary) in TOOLS.items():  # listed here; run by main() with their own parsers
+        sub.add_parser(name, help=summary, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """0: holds / healthy; 1: does not hold / not healthy; 2: a usage error (argparse's code)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in TOOLS:
+        import importlib
+
+        return int(importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

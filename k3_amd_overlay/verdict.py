@@ -10,7 +10,7 @@ from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE
 from k3_amd_overlay.phases import Phase
 from k3_amd_overlay.record import FusionEntry, MarkerRecord
-from k3_amd_overlay.settings import Mode
+from k3_amd_overlay.settings import SWITCH, Mode
 
 
 @dataclass
@@ -71,6 +71,21 @@ class _Proof:
         return "; ".join(parts)
 
 
+def _judge_off(records: list[MarkerRecord]) -> Verdict:
+    """``off`` (the A/B baseline of vLLM as it is): no live process runs the overlay. With the
+    overlay off the plugin writes no marker, so no record at all holds too."""
+    verdict = Verdict()
+    if not records:
+        verdict.ok("no live vLLM process has overlay evidence here: the overlay is off (or not installed)")
+    for record in records:
+        who = f"pid {record.pid} ({record.role}, vLLM {record.vllm_version})"
+        if record.mode is Mode.OFF:
+            verdict.ok(f"{who}: overlay off")
+        else:
+            verdict.fail(f"{who}: overlay in {record.mode.value} mode ({SWITCH}={record.switch!r})")
+    return verdict
+
+
 NOT_RECORDED = FusionEntry(FusionState.DISABLED, reason="not in this process's record")
 
 
@@ -90,6 +105,8 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
     ``fused`` then holds where each fusion is patched (``pending``) or already decided fused."""
     verdict = Verdict()
     records = [r for r in records if r.role != "cli-client"]
+    if expect == "off":
+        return _judge_off(records)
     named = list(fusions) if fusions is not None else None
     if not records:
         verdict.fail("no live vLLM process has left overlay evidence (is the server up, the plugin "

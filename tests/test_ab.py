@@ -5,12 +5,14 @@ the run, and the tables' arithmetic."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from k3_amd_overlay import ab_stats as stats
 from k3_amd_overlay import arms
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,34 +36,70 @@ def run_script(name: str, *args: str, env: dict | None = None) -> subprocess.Com
                           env=full_env, timeout=600)
 
 
-def test_abba_order():
+def test_abba_order_and_the_default_arms_answer_the_operators_question():
     a, b = arms.default_arms()
     assert [(r, arm.label) for r, arm in arms.abba((a, b), 3)] == [(0, "A"), (0, "B"), (1, "B"), (1, "A"),
                                                                  (2, "A"), (2, "B")]
-    assert (a.expect, b.expect) == ("stock", "fused")
+    assert (a.switch, a.expect, b.switch, b.expect) == ("0", "off", "1", "fused")  # vLLM as it is vs the overlay
+    assert [arms.expectation(s) for s in ("stock", "qk_cache", "", "0")] == ["stock", "fused", "off", "off"]
+    c = arms.Arm("C", "stock", "stock")
+    assert [arm.label for _, arm in arms.abba((a, b, c), 2)] == ["A", "B", "C", "C", "B", "A"]
 
 
-def test_serving_table_arithmetic():
-    results = {"A": {8: [{"median_tpot_ms": 20.0, "output_throughput": 100.0},
-                         {"median_tpot_ms": 22.0, "output_throughput": 110.0}]},
-               "B": {8: [{"median_tpot_ms": 20.0, "output_throughput": 104.0},
-                         {"median_tpot_ms": 20.2, "output_throughput": 106.0}]}}
-    tpot, tput = arms.serving_rows(results)
-    assert (tpot.baseline, tpot.fused) == (21.0, 20.1)
-    assert tpot.ratio == pytest.approx(21.0 / 20.1)
-    assert tpot.spread_a == pytest.approx(100 * 2 / 21) and tpot.spread_b == pytest.approx(100 * 0.2 / 20.1)
-    assert tpot.inside_noise  # 4.5% better, but arm A alone swings 9.5%
-    assert tput.ratio == pytest.approx(105.0 / 105.0) and tput.inside_noise
-    row = "| 8 | TPOT p50 (ms) | 21.00 | 20.10 | 1.045x | 9.52% | 1.00% | inside noise |"
-    assert row in arms.render_serving([tpot])
+def bench_runs(key, values):
+    return [{key: v} for v in values]
+
+
+def test_paired_serving_statistics_on_known_sets():
+    """Each repeat pairs A and B; the ratio is the median paired ratio, the p-value an exact
+    sign-flip test: 6 repeats all 5% faster give the smallest p six pairs can give (2/64) and call it;
+    3 repeats can never reach p < 0.05 (the smallest is 2/8), however consistent."""
+    a = [20.0, 22.0, 21.0, 20.5, 21.5, 20.8]
+    faster = {"A": {8: bench_runs("median_tpot_ms", a)}, "B": {8: bench_runs("median_tpot_ms", [x / 1.05 for x in a])}}
+    (row,) = stats.serving_rows(faster)
+    assert (row.repeats, row.median_a) == (6, statistics.median(a))
+    assert row.ratio == pytest.approx(1.05) and row.ci_low == pytest.approx(1.05) and row.ci_high == pytest.approx(1.05)
+    assert row.p_value == pytest.approx(2 / 64) and row.verdict == "faster"
+    three = {"A": {8: bench_runs("median_tpot_ms", a[:3])},
+             "B": {8: bench_runs("median_tpot_ms", [x * 1.2 for x in a[:3]])}}
+    (row,) = stats.serving_rows(three)
+    assert row.ratio == pytest.approx(1 / 1.2) and row.p_value == pytest.approx(2 / 8)
+    assert row.verdict == "no difference detected at this n"
+    slower = {"A": {1: bench_runs("output_throughput", a)},
+              "B": {1: bench_runs("output_throughput", [x * 0.9 for x in a])}}
+    (row,) = stats.serving_rows(slower)
+    assert row.ratio == pytest.approx(0.9) and row.verdict == "slower"
+    mixed = [1.05, 0.95, 1.04, 0.96, 1.05, 0.95]
+    noisy = {"A": {1: bench_runs("output_throughput", a)},
+             "B": {1: bench_runs("output_throughput", [x * m for x, m in zip(a, mixed, strict=True)])}}
+    (row,) = stats.serving_rows(noisy)
+    assert row.p_value > 0.5 and row.verdict == "no difference detected at this n" and row.ci_low < 1 < row.ci_high
+
+
+def test_sign_flip_p_by_hand():
+    assert stats.sign_flip_p([]) == 1.0
+    assert stats.sign_flip_p([1.0, 1.0]) == 0.5  # (+,+) and (-,-) reach |mean| 1 of 4 patterns
+    assert stats.sign_flip_p([1.0, -1.0, 2.0]) == pytest.approx(6 / 8)  # sums 2, -2, 4, 0, 0, -4, 2, -2: six reach 2
+
+
+def test_the_serving_table_and_its_json():
+    a = [20.0, 22.0, 21.0, 20.5, 21.5, 20.8]
+    (row,) = stats.serving_rows({"A": {8: bench_runs("median_tpot_ms", a)},
+                                 "B": {8: bench_runs("median_tpot_ms", [x / 1.05 for x in a])}})
+    assert "| 8 | TPOT p50 (ms) | 20.90 | 19.90 | 1.050x | 1.050-1.050x | 0.031 | 6 | faster |" in \
+        stats.render_serving([row])
+    assert row.to_json()["verdict"] == "faster"
+    assert [m for m, _, _ in stats.SERVING_METRICS] == [
+        "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)",
+        "E2EL p50 (ms)", "E2EL p99 (ms)", "out tok/s"]
 
 
 def test_mcnemar_exact_p_values_known_by_hand():
-    assert arms.mcnemar_exact_p(0, 0) == 1.0
-    assert arms.mcnemar_exact_p(12, 0) == pytest.approx(2 / 2 ** 12)  # 0.000488
-    assert arms.mcnemar_exact_p(1, 5) == pytest.approx(2 * (1 + 6) / 64)  # 0.21875
-    assert arms.mcnemar_exact_p(5, 1) == arms.mcnemar_exact_p(1, 5)
-    assert arms.mcnemar_exact_p(10, 10) == 1.0  # capped
+    assert stats.mcnemar_exact_p(0, 0) == 1.0
+    assert stats.mcnemar_exact_p(12, 0) == pytest.approx(2 / 2 ** 12)  # 0.000488
+    assert stats.mcnemar_exact_p(1, 5) == pytest.approx(2 * (1 + 6) / 64)  # 0.21875
+    assert stats.mcnemar_exact_p(5, 1) == stats.mcnemar_exact_p(1, 5)
+    assert stats.mcnemar_exact_p(10, 10) == 1.0  # capped
 
 
 def test_paired_accuracy_finds_what_an_unpaired_se_misses():
@@ -71,7 +109,7 @@ def test_paired_accuracy_finds_what_an_unpaired_se_misses():
     a = {q: q % 30 != 0 for q in range(1319)}  # 1275 right
     lost = [q for q in range(1319) if a[q]][:12]
     b = {q: a[q] and q not in lost for q in range(1319)}
-    paired = arms.PairedAccuracy.from_outcomes(a, b)
+    paired = stats.PairedAccuracy.from_outcomes(a, b)
     assert (paired.questions, paired.only_a, paired.only_b, paired.right_a - paired.right_b) == (1319, 12, 0, 12)
     assert paired.delta == pytest.approx(-12 / 1319)
     assert round(paired.p_value, 4) == 0.0005
@@ -79,49 +117,91 @@ def test_paired_accuracy_finds_what_an_unpaired_se_misses():
                                 "answered right, 0 only B")
     flipped = {q for q in range(1319) if not a[q]}
     flipped = set(sorted(flipped)[:10]) | set(lost[:10])
-    swapped = arms.PairedAccuracy.from_outcomes(a, {q: a[q] != (q in flipped) for q in range(1319)})
+    swapped = stats.PairedAccuracy.from_outcomes(a, {q: a[q] != (q in flipped) for q in range(1319)})
     assert (swapped.only_a, swapped.only_b) == (10, 10)
     assert swapped.verdict().startswith("no difference detected at this n: McNemar exact p = ")
 
 
 def test_paired_accuracy_pairs_only_shared_questions():
-    paired = arms.PairedAccuracy.from_outcomes({1: True, 2: False, 3: True}, {2: True, 3: True, 4: False})
+    paired = stats.PairedAccuracy.from_outcomes({1: True, 2: False, 3: True}, {2: True, 3: True, 4: False})
     assert (paired.questions, paired.only_a, paired.only_b) == (2, 0, 1)
     with pytest.raises(ValueError, match="no question in common"):
-        arms.PairedAccuracy.from_outcomes({1: True}, {2: True})
+        stats.PairedAccuracy.from_outcomes({1: True}, {2: True})
+
+
+def serve_standin(tmp_path, *args, env=None):
+    return run_script("ab_serve.py", "--model", "k3", "--out", str(tmp_path), "--port", str(free_port()),
+                      "--health-timeout", "60", "--serve-cmd", f"{sys.executable} {STANDINS / 'fake_serve.py'}",
+                      "--bench-cmd", f"{sys.executable} {STANDINS / 'fake_bench.py'}", *args, env=env)
 
 
 def test_ab_serve_end_to_end(tmp_path):
-    proc = run_script("ab_serve.py", "--model", "k3", "--concurrency", "1", "8", "--repeats", "2",
-                      "--out", str(tmp_path), "--port", str(free_port()), "--health-timeout", "60",
-                      "--serve-cmd", f"{sys.executable} {STANDINS / 'fake_serve.py'}",
-                      "--bench-cmd", f"{sys.executable} {STANDINS / 'fake_bench.py'}")
+    proc = serve_standin(tmp_path, "--concurrency", "1", "8", "--repeats", "2", "--num-prompts", "5")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     starts = [line.split(", ", 1)[1].removesuffix(": starting")
               for line in proc.stdout.splitlines() if line.endswith(": starting")]
-    assert starts == ["arm A (K3_AMD_OVERLAY=stock)", "arm B (K3_AMD_OVERLAY=1)",
-                      "arm B (K3_AMD_OVERLAY=1)", "arm A (K3_AMD_OVERLAY=stock)"]
-    rows = {(r["concurrency"], r["metric"]): r for r in json.loads((tmp_path / "summary.json").read_text())}
+    assert starts == ["arm A (K3_AMD_OVERLAY=0)", "arm B (K3_AMD_OVERLAY=1)",
+                      "arm B (K3_AMD_OVERLAY=1)", "arm A (K3_AMD_OVERLAY=0)"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = {(r["concurrency"], r["metric"]): r for r in summary["rows"]["B_vs_A"]}
     tpot = rows[(8, "TPOT p50 (ms)")]
-    assert tpot["baseline"] == pytest.approx(20.0, abs=0.06) and tpot["fused"] == pytest.approx(19.0, abs=0.06)
-    assert tpot["ratio"] == pytest.approx(20 / 19, abs=0.01) and tpot["inside_noise"] is False
-    assert "| 1 | out tok/s |" in proc.stdout
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["repeat0-armA", "repeat0-armB", "repeat1-armA",
-                                                         "repeat1-armB", "summary.json", "summary.md"]
+    assert tpot["median_a"] == pytest.approx(20.0, abs=0.06) and tpot["median_b"] == pytest.approx(19.0, abs=0.06)
+    assert tpot["ratio"] == pytest.approx(20 / 19, abs=0.01) and tpot["repeats"] == 2
+    assert tpot["verdict"] == "no difference detected at this n"  # 2 pairs: the smallest exact p is 0.5
+    assert (8, "TPOT p99 (ms)") in rows and "| 1 | out tok/s |" in proc.stdout
+    env = summary["environment"]
+    assert env["arms"] == {"A": {"switch": "0", "expect": "off"}, "B": {"switch": "1", "expect": "fused"}}
+    assert env["overlay_version"] and env["num_prompts"] == 5 and env["repeats"] == 2 and summary["aborted"] is None
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["repeat0-armA", "repeat0-armB",
+                                                                       "repeat1-armA", "repeat1-armB"]
     assert "HOLDS: expect fused" in (tmp_path / "repeat0-armB" / "check.txt").read_text()
+    assert "HOLDS: expect off" in (tmp_path / "repeat0-armA" / "check.txt").read_text()
     assert (tmp_path / "repeat1-armA" / "bench-c8.json").exists()
+    (tmp_path / "summary.md").unlink()
+    again = subprocess.run([sys.executable, "-m", "k3_amd_overlay", "ab-serve", "report", str(tmp_path)],
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert "| 8 | TPOT p50 (ms) |" in again.stdout and (tmp_path / "summary.md").exists()
+
+
+def test_ab_serve_with_the_stock_arm_compares_both_with_off(tmp_path):
+    proc = serve_standin(tmp_path, "--concurrency", "1", "--repeats", "1", "--with-stock")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "### B (K3_AMD_OVERLAY=1) vs A (K3_AMD_OVERLAY=0)" in proc.stdout
+    assert "### C (K3_AMD_OVERLAY=stock) vs A (K3_AMD_OVERLAY=0)" in proc.stdout
+    assert "HOLDS: expect stock" in (tmp_path / "repeat0-armC" / "check.txt").read_text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--repeats", "0"], "--repeats 0: at least 1"),
+    (["--arm-b", "yes"], "--arm-b: K3_AMD_OVERLAY='yes' is not valid"),
+    (["--arm-a", "1"], "the arms must differ: --arm-a='1', --arm-b='1'"),
+    (["--num-prompts", "0"], "--num-prompts 0: at least 1"),
+    (["--serve-cmd", "no-such-vllm serve"], "--serve-cmd 'no-such-vllm serve': no-such-vllm is not an executable"),
+])
+def test_ab_serve_rejects_bad_arguments_before_any_server_starts(tmp_path, args, message):
+    proc = serve_standin(tmp_path / "out", "--concurrency", "1", *args)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_ab_serve_out_pointing_at_a_file_and_a_wrong_served_name_say_so(tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = serve_standin(tmp_path / "file", "--concurrency", "1")
+    assert proc.returncode == 2 and "is a file, not a directory" in proc.stderr
+    proc = serve_standin(tmp_path / "out", "--concurrency", "1", "--repeats", "1", env={"STANDIN_SERVED_NAME": "other"})
+    assert proc.returncode == 1 and "HTTP 404" in proc.stderr and "--served-model-name" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ABORTED (" in (tmp_path / "out" / "summary.md").read_text()
 
 
 def test_ab_serve_aborts_when_arm_b_is_really_stock(tmp_path):
-    proc = run_script("ab_serve.py", "--model", "k3", "--concurrency", "1", "--repeats", "1",
-                      "--out", str(tmp_path), "--port", str(free_port()), "--health-timeout", "60",
-                      "--serve-cmd", f"{sys.executable} {STANDINS / 'fake_serve.py'}",
-                      "--bench-cmd", f"{sys.executable} {STANDINS / 'fake_bench.py'}",
-                      env={"STANDIN_LIE": "stock"})
+    proc = serve_standin(tmp_path, "--concurrency", "1", "--repeats", "1", "--arm-a", "stock",
+                         env={"STANDIN_LIE": "stock"})
     assert proc.returncode == 1
     assert "ABORTED: arm B (K3_AMD_OVERLAY=1) is not fused" in proc.stderr
     assert "forced-stock" in proc.stderr and str(tmp_path / "repeat0-armB") in proc.stderr
     assert not (tmp_path / "repeat0-armB" / "bench-c1.json").exists()
+    assert json.loads((tmp_path / "summary.json").read_text())["aborted"].startswith("arm B (K3_AMD_OVERLAY=1)")
 
 
 def test_gsm8k_ab_end_to_end(tmp_path):
@@ -129,7 +209,7 @@ def test_gsm8k_ab_end_to_end(tmp_path):
                       "--health-timeout", "60", "--serve-cmd", f"{sys.executable} {STANDINS / 'fake_serve.py'}",
                       "--lm-eval-cmd", f"{sys.executable} {STANDINS / 'fake_lm_eval.py'}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| A | stock | 0.9000 | 40 |" in proc.stdout and "| B | 1 | 0.8750 | 40 |" in proc.stdout
+    assert "| A | 0 | 0.9000 | 40 |" in proc.stdout and "| B | 1 | 0.8750 | 40 |" in proc.stdout
     assert "paired over 40 questions: delta (B - A) -2.50 pp; right only with A: 1, only with B: 0" in proc.stdout
     assert ("verdict: no difference detected at this n: McNemar exact p = 1.0000 (>= 0.05) over 40 paired "
             "questions") in proc.stdout

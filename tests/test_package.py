@@ -76,3 +76,25 @@ def test_the_package_ships_no_test_scaffolding():
     assert not any("testing" in n or "standin" in n or "harness" in n for n in names), sorted(names)
     source = "\n".join(p.read_text() for p in package.rglob("*.py"))
     assert "k3_standin" not in source and "pytest" not in source
+
+
+def test_the_wheel_carries_its_license_and_type_marker():
+    from importlib import metadata
+
+    files = {str(f) for f in metadata.distribution("k3-amd-overlay").files or []}
+    assert any(f.endswith("LICENSE") for f in files), sorted(files)
+    assert "k3_amd_overlay/py.typed" in files
+    meta = metadata.metadata("k3-amd-overlay")
+    assert meta["License-Expression"] == "Apache-2.0" and "Typing :: Typed" in meta.get_all("Classifier")
+    assert {"plot", "gsm8k", "tools"} <= set(meta.get_all("Provides-Extra"))
+
+
+@pytest.mark.parametrize("tool", ["ab-serve", "gsm8k-ab", "bench"])
+def test_each_operator_tool_is_a_subcommand_of_the_installed_cli(tool):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay", tool, "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: k3-amd-overlay {tool}"), proc.stderr
+    top = subprocess.run([sys.executable, "-m", "k3_amd_overlay", "--help"], capture_output=True, text=True).stdout
+    assert tool in top

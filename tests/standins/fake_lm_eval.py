@@ -17,7 +17,7 @@ args, _ = p.parse_known_args()
 base = dict(kv.split("=", 1) for kv in args.model_args.split(","))["base_url"].rsplit("/v1/", 1)[0]
 urllib.request.urlopen(urllib.request.Request(f"{base}/v1/completions", data=b"{}", method="POST")).read()
 switch = json.loads(urllib.request.urlopen(f"{base}/standin/arm").read())["switch"]
-correct = 36 if switch == "stock" else 35
+correct = 36 if switch in ("stock", "0", "") else 35
 out = Path(args.output_path, "model")
 out.mkdir(parents=True, exist_ok=True)
 (out / "results_2026-11-29.json").write_text(json.dumps({
@@ -25,7 +25,7 @@ out.mkdir(parents=True, exist_ok=True)
     "n-samples": {args.tasks: {"original": 40, "effective": 40}},
 }))
 if args.log_samples:
-    right = set(range(36)) if switch == "stock" else set(range(36)) - {3}
+    right = set(range(36)) if correct == 36 else set(range(36)) - {3}
     rows = [{"doc_id": q, "filter": f, "metrics": ["exact_match"], "exact_match": float(q in right)}
             for q in range(40) for f in ("strict-match", "flexible-extract")]
     (out / f"samples_{args.tasks}_2026-11-29.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

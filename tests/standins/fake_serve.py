@@ -1,7 +1,8 @@
 """A loopback stand-in for `vllm serve MODEL --port P ...`: it leaves overlay evidence exactly as a
 vLLM process with the overlay would (the real Evidence and marker code, from K3_AMD_OVERLAY), and
 answers /health, /v1/completions, /v1/chat/completions and /standin/arm until stopped.
-STANDIN_LIE=stock makes it record stock whatever the switch says (an arm mix-up to be caught)."""
+STANDIN_LIE=stock makes it record stock whatever the switch says (an arm mix-up to be caught);
+STANDIN_SERVED_NAME answers 404 to a completion for any other model name, as vLLM does."""
 
 import json
 import os
@@ -18,14 +19,15 @@ env = dict(os.environ)
 if env.get("STANDIN_LIE"):
     env["K3_AMD_OVERLAY"] = env["STANDIN_LIE"]
 settings = load_settings(env)
-evidence = Evidence(settings)
-for fusion in settings.fusions:
+evidence = Evidence(settings) if settings.enabled else None  # off: the plugin installs nothing, writes no marker
+for fusion in settings.fusions if evidence else ():
     if settings.mode is Mode.AUTO:
         evidence.note_layer(fusion, LayerDecision(FusionState.APPLIED, "standin", "stand-in"))
         evidence.effective_hook(fusion, "model.layers.3.self_attn.attn")(1)
     else:
         evidence.note_layer(fusion, LayerDecision(FusionState.FORCED_STOCK, None, "stock mode"))
-evidence.publish()
+if evidence:
+    evidence.publish()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -46,7 +48,11 @@ class Handler(BaseHTTPRequestHandler):
             self.send_error(404)
 
     def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        served = os.environ.get("STANDIN_SERVED_NAME")
+        if served and body and json.loads(body).get("model") != served:  # as vLLM answers a model it does not serve
+            self.send_error(404, f"The model does not exist; this server serves {served}")
+            return
         self._reply({"choices": [{"text": " Paris"}]})
 
     def log_message(self, *args):

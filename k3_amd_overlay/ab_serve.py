@@ -1,0 +1,285 @@
+"""``k3-amd-overlay ab-serve``: a serving A/B that cannot A/B against itself. For each repeat, in
+ABBA order, start the server for one arm (identical arguments, only K3_AMD_OVERLAY differs), wait
+for health, send one request, prove the arm with ``k3-amd-overlay check`` (abort if it does not
+hold), run ``vllm bench serve`` at each concurrency, stop the server. Every raw result stays under
+--out; the table (ab_stats.py) gives per concurrency and metric each arm's median, the paired ratio
+over the repeats with its 95% bootstrap interval, an exact test's p and the verdict ("faster",
+"slower", "no difference detected at this n"); summary.json adds what ran where, summary.png plots it.
+
+    k3-amd-overlay ab-serve --model /models/Kimi-K3 --concurrency 1 8 32 --repeats 6 \\
+        --serve-args "--tensor-parallel-size 8 --kv-cache-dtype fp8 --trust-remote-code" --out ab-out
+    k3-amd-overlay ab-serve report ab-out      # re-summarise saved runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from k3_amd_overlay import ab_stats, arms, markers
+from k3_amd_overlay.package import __version__
+from k3_amd_overlay.settings import SettingsError, load_settings
+
+BENCH_DEFAULTS = ("--backend openai-chat --endpoint /v1/chat/completions --dataset-name random "
+                  "--random-input-len 1024 --random-output-len 8192 --random-range-ratio 0 --ignore-eos "
+                  "--seed 42 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99")
+PROMPTS_PER_CONCURRENCY = 4  # default --num-prompts: this many requests per concurrent slot
+RUN_DIR = re.compile(r"repeat(\d+)-arm([ABC])")
+
+
+class UsageError(ValueError):
+    """A bad argument, found before any server starts."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="k3-amd-overlay ab-serve", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="the checkpoint the server loads")
+    p.add_argument("--served-model-name", help="the name the server answers to (default: --model)")
+    p.add_argument("--serve-args", default="", help="server arguments, identical for every arm")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="bench concurrencies, each run")
+    p.add_argument("--num-prompts", type=int,
+                   help=f"requests per bench run (default: {PROMPTS_PER_CONCURRENCY} x the concurrency)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="ABBA repeats; an exact test can call a difference from 6 on")
+    p.add_argument("--arm-a", default="0", help="K3_AMD_OVERLAY of the baseline arm (0: vLLM as it is)")
+    p.add_argument("--arm-b", default="1", help="K3_AMD_OVERLAY of the candidate arm")
+    p.add_argument("--with-stock", action="store_true",
+                   help="a third arm C with K3_AMD_OVERLAY=stock: the unfused path, vLLM's own fusions off too "
+                        "(on vLLM 0.30+ that also turns off what vLLM fuses by itself), compared with A as well")
+    p.add_argument("--port", type=int, default=8010)
+    p.add_argument("--out", type=Path, required=True, help="a directory for every raw result and the summary")
+    p.add_argument("--serve-cmd", default="vllm serve")
+    p.add_argument("--bench-cmd", default="vllm bench serve")
+    p.add_argument("--bench-args", default=BENCH_DEFAULTS, help="vllm bench serve arguments (the vLLM K3 PR's)")
+    p.add_argument("--tokenizer", help="passed to the bench (default: the model)")
+    p.add_argument("--health-timeout", type=float, default=3600.0, help="seconds for a server to become healthy")
+    p.add_argument("--profile-window", type=float, metavar="SECONDS",
+                   help="per arm: /start_profile this long after the bench starts, /stop_profile after "
+                        "(the server needs --profiler-config in --serve-args)")
+    return p
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Every argument checked before the first server starts (a run can take hours)."""
+    if args.repeats < 1:
+        raise UsageError(f"--repeats {args.repeats}: at least 1")
+    if min(args.concurrency) < 1:
+        raise UsageError(f"--concurrency {args.concurrency}: each at least 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise UsageError(f"--num-prompts {args.num_prompts}: at least 1")
+    if args.health_timeout <= 0:
+        raise UsageError(f"--health-timeout {args.health_timeout}: must be positive")
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out} is a file, not a directory")
+    switches = [("--arm-a", args.arm_a), ("--arm-b", args.arm_b)]
+    if args.with_stock:
+        switches.append(("the stock arm", "stock"))
+    for name, value in switches:
+        try:
+            load_settings({"K3_AMD_OVERLAY": value})
+        except SettingsError as exc:
+            raise UsageError(f"{name}: {exc}") from None
+    values = [v for _, v in switches]
+    if len(set(values)) != len(values):
+        raise UsageError(f"the arms must differ: {', '.join(f'{n}={v!r}' for n, v in switches)}")
+    for name, command in (("--serve-cmd", args.serve_cmd), ("--bench-cmd", args.bench_cmd)):
+        words = arms.split_command(command)
+        if not words or shutil.which(words[0]) is None:
+            raise UsageError(f"{name} {command!r}: {words[0] if words else 'nothing'} is not an executable on PATH")
+
+
+def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, result: Path) -> dict:
+    prompts = args.num_prompts or PROMPTS_PER_CONCURRENCY * concurrency
+    name = args.served_model_name or args.model
+    command = [*arms.split_command(args.bench_cmd), "--model", name, "--tokenizer", args.tokenizer or args.model,
+               "--base-url", server.url, *arms.split_command(args.bench_args), "--num-prompts", str(prompts),
+               "--max-concurrency", str(concurrency), "--save-result", "--result-dir", str(result.parent),
+               "--result-filename", result.name]
+    log = result.with_suffix(".log")
+    with open(log, "w") as handle:
+        if args.profile_window:
+            def window() -> None:
+                time.sleep(args.profile_window)
+                urllib.request.urlopen(urllib.request.Request(f"{server.url}/start_profile", method="POST")).read()
+                time.sleep(args.profile_window)
+                urllib.request.urlopen(urllib.request.Request(f"{server.url}/stop_profile", method="POST")).read()
+
+            threading.Thread(target=window, daemon=True).start()
+        code = subprocess.run(command, stdout=handle, stderr=handle).returncode
+    if code != 0 or not result.exists():
+        raise arms.ArmFailed(f"arm {server.arm.label}: bench at concurrency {concurrency} failed; log: {log}")
+    return json.loads(result.read_text())
+
+
+def load_results(out: Path) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """Every saved bench result under ``out``, by arm and concurrency, in repeat order."""
+    runs = sorted((int(m.group(1)), m.group(2), d) for d in out.iterdir() if (m := RUN_DIR.fullmatch(d.name)))
+    results: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    for _, label, directory in runs:
+        for path in sorted(directory.glob("bench-c*.json")):
+            concurrency = int(path.stem.removeprefix("bench-c"))
+            results.setdefault(label, {}).setdefault(concurrency, []).append(json.loads(path.read_text()))
+    return results
+
+
+def _first_line(command: list[str]) -> str | None:
+    if shutil.which(command[0]) is None:
+        return None
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
+def environment(args: argparse.Namespace, arm_list: list[arms.Arm]) -> dict[str, Any]:
+    """What ran where, for summary.json: versions (vLLM as the proved arms' markers record it), the
+    GPU, the arguments, the overlay's source revision where it is a git checkout."""
+    vllm_versions = sorted({m.record.vllm_version for d in args.out.glob("repeat*-arm*/markers") if d.is_dir()
+                            for m in markers.read_markers(d) if m.record and m.record.vllm_version})
+    package_dir = Path(__file__).resolve().parent
+    return {
+        "overlay_version": __version__,
+        "overlay_git_sha": _first_line(["git", "-C", str(package_dir), "rev-parse", "HEAD"]),
+        "vllm_versions": vllm_versions,
+        "gpu": _first_line(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
+        or _first_line(["amd-smi", "static", "--asic", "--csv"]) or _first_line(["rocm-smi", "--showproductname"]),
+        "model": args.model, "served_model_name": args.served_model_name or args.model,
+        "serve_args": args.serve_args, "bench_args": args.bench_args, "concurrency": args.concurrency,
+        "num_prompts": args.num_prompts or f"{PROMPTS_PER_CONCURRENCY} x concurrency",
+        "repeats": args.repeats, "arms": {a.label: {"switch": a.switch, "expect": a.expect} for a in arm_list},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def summarise(out: Path, arm_list: list[arms.Arm], env: dict[str, Any], aborted: str | None = None) -> str:
+    """Write summary.md, summary.json and summary.png from the results saved under ``out``; return
+    the text (what an abort leaves is summarised too, over the repeats both arms completed)."""
+    results = load_results(out)
+    sections, rows_json = [], {}
+    for candidate in [a for a in arm_list if a.label != "A"]:
+        rows = ab_stats.serving_rows(results, candidate.label, "A")
+        title = (f"{candidate.label} (K3_AMD_OVERLAY={candidate.switch}) vs A (K3_AMD_OVERLAY={arm_list[0].switch}); "
+                 "B vs A > 1: the candidate is better")
+        sections.append(f"### {title}\n\n{ab_stats.render_serving(rows)}")
+        rows_json[f"{candidate.label}_vs_A"] = [r.to_json() for r in rows]
+    text = "\n\n".join(sections) + "\n\n" + (
+        "Paired over the ABBA repeats: the ratio is the median of the per-repeat ratios; 95% CI: percentile "
+        "bootstrap (10,000 resamples) of the mean paired log-ratio; p: exact two-sided sign-flip test; "
+        f"verdict at p < {ab_stats.SIGNIFICANCE}.")
+    if aborted:
+        text = f"ABORTED ({aborted}); the table covers the repeats both arms completed\n\n{text}"
+    (out / "summary.md").write_text(text + "\n")
+    (out / "summary.json").write_text(json.dumps({"environment": env, "aborted": aborted, "rows": rows_json},
+                                                 indent=1, default=str))
+    plotted = plot_serving(results, arm_list, out / "summary.png")
+    return text + ("\n\nplot: " + str(out / "summary.png") if plotted else f"\n\nplot skipped: {plot_missing()}")
+
+
+def plot_missing() -> str | None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "matplotlib is not installed (pip install 'k3-amd-overlay[plot]')"
+    return None
+
+
+PLOTTED = (("TPOT p50 (ms)", "median_tpot_ms"), ("TTFT p50 (ms)", "median_ttft_ms"), ("out tok/s", "output_throughput"))
+
+
+def plot_serving(results: dict[str, dict[int, list[dict[str, Any]]]], arm_list: list[arms.Arm], path: Path) -> bool:
+    """Latency and throughput per concurrency and arm: the median over the repeats, bars from the
+    lowest to the highest repeat."""
+    if plot_missing():
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(PLOTTED), figsize=(5 * len(PLOTTED), 4))
+    for axis, (label, key) in zip(axes, PLOTTED, strict=True):
+        for arm in arm_list:
+            by_c = {c: [r[key] for r in runs if key in r] for c, runs in results.get(arm.label, {}).items()}
+            points = sorted((c, v) for c, v in by_c.items() if v)
+            if not points:
+                continue
+            xs = [c for c, _ in points]
+            mid = [sorted(v)[len(v) // 2] for _, v in points]
+            low = [m - min(v) for m, (_, v) in zip(mid, points, strict=True)]
+            high = [max(v) - m for m, (_, v) in zip(mid, points, strict=True)]
+            axis.errorbar(xs, mid, yerr=[low, high], marker="o", capsize=3,
+                          label=f"{arm.label}: K3_AMD_OVERLAY={arm.switch}")
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrency")
+        axis.set_title(label)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def report(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="k3-amd-overlay ab-serve report",
+                                description="re-summarise the runs saved under an ab-serve --out directory")
+    p.add_argument("out", type=Path)
+    args = p.parse_args(argv)
+    summary = args.out / "summary.json"
+    if not summary.is_file():
+        print(f"k3-amd-overlay ab-serve report: {summary} not found (not an ab-serve --out directory)",
+              file=sys.stderr)
+        return 2
+    previous = json.loads(summary.read_text())
+    env = previous.get("environment", {})
+    arm_list = [arms.Arm(label, a["switch"], a["expect"]) for label, a in sorted(env.get("arms", {}).items())]
+    print(summarise(args.out, arm_list, env, previous.get("aborted")))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:
+        return report(argv[1:])
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        validate(args)
+    except UsageError as exc:
+        p.print_usage(sys.stderr)
+        print(f"k3-amd-overlay ab-serve: error: {exc}", file=sys.stderr)
+        return 2
+    arm_list = list(arms.default_arms(args.arm_a, args.arm_b))
+    if args.with_stock:
+        arm_list.append(arms.Arm("C", "stock", arms.expectation("stock")))
+    args.out.mkdir(parents=True, exist_ok=True)
+    order = arms.abba(arm_list, args.repeats)
+    aborted = None
+    for step, (repeat, arm) in enumerate(order, start=1):
+        workdir = args.out / f"repeat{repeat}-arm{arm.label}"
+        print(f"[{step}/{len(order)}] repeat {repeat}, arm {arm.label} (K3_AMD_OVERLAY={arm.switch}): starting",
+              flush=True)
+        try:
+            with arms.proved_server(arm, args.serve_cmd, args.model, args.serve_args, args.port, workdir,
+                                    args.health_timeout, served_name=args.served_model_name) as server:
+                print(f"[{step}/{len(order)}] arm {arm.label} proved {arm.expect}", flush=True)
+                for concurrency in args.concurrency:
+                    print(f"[{step}/{len(order)}] arm {arm.label}: bench at concurrency {concurrency}", flush=True)
+                    bench(args, server, concurrency, workdir / f"bench-c{concurrency}.json")
+        except arms.ArmFailed as exc:
+            print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
+            aborted = str(exc).splitlines()[0]
+            break
+    print("\n" + summarise(args.out, arm_list, environment(args, arm_list), aborted))
+    return 1 if aborted else 0

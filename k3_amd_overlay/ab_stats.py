@@ -1,0 +1,183 @@
+"""The statistics of the A/B tables, kept apart from running servers so they are tested on
+outcome sets whose answer is known.
+
+Serving: both arms run once per repeat (ABBA order), so repeat r gives a pair (A_r, B_r) per metric.
+Each pair's ratio (> 1: B better) is one observation; the table gives each arm's median, the median
+paired ratio, a 95% percentile-bootstrap interval of the mean paired log-ratio (10,000 resamples of
+the pairs, seeded), and an exact two-sided sign-flip test of the paired log-ratios (every one of the
+2^n sign patterns) for the verdict. With n pairs the smallest p an exact test can give is 2 / 2^n:
+from 6 repeats on it can fall below 0.05.
+
+Accuracy: both arms answer the same questions, so the questions only one arm got right decide
+(McNemar's exact test)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+SIGNIFICANCE = 0.05  # the two-sided level at which a paired difference is called a difference
+BOOTSTRAP_RESAMPLES = 10_000
+EXACT_MAX_PAIRS = 16  # up to 2^16 sign patterns enumerated; beyond, the same number drawn at random
+
+# (label, key in `vllm bench serve --save-result` JSON, higher is better)
+SERVING_METRICS: tuple[tuple[str, str, bool], ...] = (
+    ("TTFT p50 (ms)", "median_ttft_ms", False),
+    ("TTFT p99 (ms)", "p99_ttft_ms", False),
+    ("TPOT p50 (ms)", "median_tpot_ms", False),
+    ("TPOT p99 (ms)", "p99_tpot_ms", False),
+    ("ITL p50 (ms)", "median_itl_ms", False),
+    ("ITL p99 (ms)", "p99_itl_ms", False),
+    ("E2EL p50 (ms)", "median_e2el_ms", False),
+    ("E2EL p99 (ms)", "p99_e2el_ms", False),
+    ("out tok/s", "output_throughput", True),
+)
+
+
+def sign_flip_p(values: Sequence[float]) -> float:
+    """Exact two-sided sign-flip (paired permutation) test that ``values`` (paired differences)
+    are centred on 0: the share of sign patterns whose |mean| is at least the observed one."""
+    n = len(values)
+    if n == 0:
+        return 1.0
+    observed = abs(statistics.fmean(values)) - 1e-12
+    if n <= EXACT_MAX_PAIRS:
+        patterns = itertools.product((1, -1), repeat=n)
+        total = 2 ** n
+    else:
+        rng = random.Random(0)
+        total = 2 ** EXACT_MAX_PAIRS
+        patterns = (tuple(rng.choice((1, -1)) for _ in range(n)) for _ in range(total))
+    hits = sum(abs(statistics.fmean(s * v for s, v in zip(signs, values, strict=True))) >= observed
+               for signs in patterns)
+    return hits / total
+
+
+def bootstrap_interval(values: Sequence[float], seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean of ``values``."""
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(statistics.fmean(rng.choices(values, k=n)) for _ in range(BOOTSTRAP_RESAMPLES))
+    return means[int(0.025 * BOOTSTRAP_RESAMPLES)], means[int(0.975 * BOOTSTRAP_RESAMPLES) - 1]
+
+
+@dataclass(frozen=True)
+class MetricRow:
+    concurrency: int
+    metric: str
+    repeats: int
+    median_a: float
+    median_b: float
+    ratio: float  # median paired ratio; > 1: arm B is better (lower latency or higher throughput)
+    ci_low: float  # 95% bootstrap interval of the paired ratio (geometric mean)
+    ci_high: float
+    p_value: float  # exact sign-flip test of the paired log-ratios
+
+    @property
+    def verdict(self) -> str:
+        if self.p_value < SIGNIFICANCE:
+            return "faster" if self.ratio > 1 else "slower"
+        return "no difference detected at this n"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "verdict": self.verdict}
+
+
+def paired_row(concurrency: int, metric: str, higher_better: bool, a: Sequence[float],
+               b: Sequence[float]) -> MetricRow:
+    """One metric at one concurrency from the arms' per-repeat values, paired by repeat."""
+    ratios = [(y / x if higher_better else x / y) for x, y in zip(a, b, strict=True)]
+    logs = [math.log(r) for r in ratios]
+    low, high = bootstrap_interval(logs)
+    return MetricRow(concurrency, metric, len(ratios), statistics.median(a), statistics.median(b),
+                     statistics.median(ratios), math.exp(low), math.exp(high), sign_flip_p(logs))
+
+
+def serving_rows(results: dict[str, dict[int, list[dict[str, Any]]]], candidate: str = "B",
+                 baseline: str = "A") -> list[MetricRow]:
+    """results[arm label][concurrency] = one bench JSON per repeat, in repeat order -> the rows of
+    ``candidate`` against ``baseline``, over the repeats both arms completed (a metric either arm
+    lacks is left out)."""
+    rows = []
+    for concurrency in sorted(results.get(baseline, {})):
+        runs_a, runs_b = results[baseline][concurrency], results.get(candidate, {}).get(concurrency, [])
+        pairs = list(zip(runs_a, runs_b, strict=False))
+        for label, key, higher_better in SERVING_METRICS:
+            usable = [(x[key], y[key]) for x, y in pairs if key in x and key in y and x[key] > 0 and y[key] > 0]
+            if usable:
+                a, b = zip(*usable, strict=True)
+                rows.append(paired_row(concurrency, label, higher_better, a, b))
+    return rows
+
+
+def render_serving(rows: Sequence[MetricRow]) -> str:
+    lines = ["| conc | metric | A median | B median | B vs A (paired) | 95% CI | p | n | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.concurrency} | {r.metric} | {r.median_a:.2f} | {r.median_b:.2f} | {r.ratio:.3f}x | "
+                     f"{r.ci_low:.3f}-{r.ci_high:.3f}x | {r.p_value:.3f} | {r.repeats} | {r.verdict} |")
+    return "\n".join(lines)
+
+
+
+
+def mcnemar_exact_p(only_a: int, only_b: int) -> float:
+    """McNemar's exact test (two-sided): of the questions exactly one arm answered right, is the
+    split between the arms more uneven than a fair coin's? The binomial tail of min(b, c) in b + c
+    trials at 1/2, doubled, capped at 1."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(only_a, only_b) + 1)) / 2 ** n
+    return min(1.0, 2.0 * tail)
+
+
+@dataclass(frozen=True)
+class PairedAccuracy:
+    """Both arms' per-question outcomes on the same questions (lm-eval's --log_samples)."""
+
+    questions: int
+    right_a: int
+    right_b: int
+    only_a: int  # questions arm A answered right and arm B wrong
+    only_b: int  # questions arm B answered right and arm A wrong
+
+    @classmethod
+    def from_outcomes(cls, a: dict[Any, bool], b: dict[Any, bool]) -> PairedAccuracy:
+        """Outcomes keyed by question; only questions both arms answered are compared (the rest
+        would be unpaired): ValueError where the arms share none."""
+        shared = sorted(set(a) & set(b), key=str)
+        if not shared:
+            raise ValueError("the arms answered no question in common: nothing to pair")
+        return cls(len(shared), sum(a[q] for q in shared), sum(b[q] for q in shared),
+                   sum(a[q] and not b[q] for q in shared), sum(b[q] and not a[q] for q in shared))
+
+    @property
+    def accuracy_a(self) -> float:
+        return self.right_a / self.questions
+
+    @property
+    def accuracy_b(self) -> float:
+        return self.right_b / self.questions
+
+    @property
+    def delta(self) -> float:
+        return self.accuracy_b - self.accuracy_a
+
+    @property
+    def p_value(self) -> float:
+        return mcnemar_exact_p(self.only_a, self.only_b)
+
+    def verdict(self) -> str:
+        p = self.p_value
+        if p >= SIGNIFICANCE:
+            return (f"no difference detected at this n: McNemar exact p = {p:.4f} (>= {SIGNIFICANCE}) over "
+                    f"{self.questions} paired questions")
+        direction = "less" if self.delta < 0 else "more"
+        return (f"B is {direction} accurate than A: McNemar exact p = {p:.4f} (< {SIGNIFICANCE}); "
+                f"{self.only_a} questions only A answered right, {self.only_b} only B")

@@ -1,0 +1,176 @@
+"""GSM8K accuracy A/B: for each arm (only K3_AMD_OVERLAY differs) start the server, prove the arm
+with `k3-amd-overlay check`, run lm-eval gsm8k (5-shot, all 1319 questions by default) against it,
+stop it; print each arm's accuracy and, since both arms answer the same questions, the paired
+comparison (lm-eval's --log_samples gives each question's outcome): how many questions only one arm
+got right, McNemar's exact test on them, and the verdict.
+
+    k3-amd-overlay gsm8k-ab --model /models/Kimi-K3 --serve-args "--tensor-parallel-size 8 ..." --out gsm8k-out
+
+Air-gapped: ``--data-file gsm8k-test.jsonl`` (GSM8K's own format: one ``{"question", "answer"}`` per
+line) evaluates lm-eval's own gsm8k task on that file, few-shot examples drawn from it too; nothing
+is downloaded (with HF_DATASETS_OFFLINE=1 set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from k3_amd_overlay import ab_stats, arms
+from k3_amd_overlay.ab_serve import UsageError
+from k3_amd_overlay.settings import SettingsError, load_settings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="k3-amd-overlay gsm8k-ab", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--served-model-name", help="the name the server answers to (default: --model)")
+    p.add_argument("--serve-args", default="")
+    p.add_argument("--arm-a", default="0", help="K3_AMD_OVERLAY of the baseline arm (0: vLLM as it is; stock: the "
+                                               "unfused path, vLLM's own fusions off too)")
+    p.add_argument("--arm-b", default="1", help="K3_AMD_OVERLAY of the candidate arm")
+    p.add_argument("--port", type=int, default=8010)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--serve-cmd", default="vllm serve")
+    p.add_argument("--lm-eval-cmd", default="lm_eval")
+    p.add_argument("--task", default="gsm8k")
+    p.add_argument("--num-fewshot", type=int, default=5)
+    p.add_argument("--limit", type=int, help="questions per arm (default: all)")
+    p.add_argument("--num-concurrent", type=int, default=32)
+    p.add_argument("--metric", default="exact_match,strict-match")
+    p.add_argument("--extra-model-args", default="",
+                   help="appended to lm-eval's --model_args, e.g. max_gen_toks=256,max_length=4096")
+    p.add_argument("--health-timeout", type=float, default=3600.0)
+    p.add_argument("--data-file", type=Path, help="a local GSM8K-format JSONL instead of the hub data set")
+    return p.parse_args(argv)
+
+
+def local_task(task: str, data_file: Path, tasks_dir: Path) -> str:
+    """Write an lm-eval task that is lm-eval's own ``task`` (its prompt, filters and metric, read
+    from the installed lm-eval) over a local JSONL; return the new task's name."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise arms.ArmFailed("--data-file needs lm-eval importable by this Python (pip install 'lm-eval[api]')")
+    base = Path(next(iter(spec.submodule_search_locations))) / "tasks" / task / f"{task}.yaml"
+    if not base.is_file():
+        raise arms.ArmFailed(f"--data-file: lm-eval has no task file {base}")
+    data = str(data_file.resolve())
+    name = f"{task}_local"
+    tasks_dir.mkdir(parents=True, exist_ok=True)
+    (tasks_dir / f"{name}.yaml").write_text("\n".join([
+        f"include: {json.dumps(str(base))}", f"task: {name}", "tag: []", "dataset_path: json", "dataset_name: null",
+        "dataset_kwargs:", "  data_files:", f"    train: {json.dumps(data)}", f"    test: {json.dumps(data)}",
+        "training_split: train", "fewshot_split: train", "test_split: test", ""]))
+    return name
+
+
+def accuracy(output_dir: Path, task: str, metric: str) -> tuple[float, int]:
+    files = sorted(output_dir.rglob("results*.json"))
+    if not files:
+        raise arms.ArmFailed(f"no lm-eval results*.json under {output_dir}")
+    data = json.loads(files[-1].read_text())
+    value = float(data["results"][task][metric])
+    samples = data.get("n-samples", {}).get(task, {})
+    return value, int(samples.get("effective", samples.get("original", 0)))
+
+
+def outcomes(output_dir: Path, task: str, metric: str) -> dict[int, bool]:
+    """Each question's outcome (``doc_id`` -> right) under ``metric`` ("name,filter"), from the
+    samples file lm-eval writes with --log_samples."""
+    name, _, filter_key = metric.partition(",")
+    files = sorted(output_dir.rglob(f"samples_{task}_*.jsonl"))
+    if not files:
+        raise arms.ArmFailed(f"no lm-eval samples_{task}_*.jsonl under {output_dir} (was --log_samples passed?)")
+    found = {}
+    for line in files[-1].read_text().splitlines():
+        row = json.loads(line)
+        if not filter_key or row.get("filter") == filter_key:
+            found[int(row["doc_id"])] = float(row[name]) > 0
+    if not found:
+        raise arms.ArmFailed(f"{files[-1]} has no {metric} outcome")
+    return found
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Every argument checked before the first server starts."""
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit {args.limit}: at least 1")
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out} is a file, not a directory")
+    if args.data_file is not None and not args.data_file.is_file():
+        raise UsageError(f"--data-file {args.data_file}: no such file")
+    for name, value in (("--arm-a", args.arm_a), ("--arm-b", args.arm_b)):
+        try:
+            load_settings({"K3_AMD_OVERLAY": value})
+        except SettingsError as exc:
+            raise UsageError(f"{name}: {exc}") from None
+    if args.arm_a == args.arm_b:
+        raise UsageError(f"the arms must differ: --arm-a and --arm-b are both {args.arm_a!r}")
+    for name, command in (("--serve-cmd", args.serve_cmd), ("--lm-eval-cmd", args.lm_eval_cmd)):
+        words = arms.split_command(command)
+        if not words or shutil.which(words[0]) is None:
+            raise UsageError(f"{name} {command!r}: {words[0] if words else 'nothing'} is not an executable on PATH")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        validate(args)
+    except UsageError as exc:
+        print(f"k3-amd-overlay gsm8k-ab: error: {exc}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model
+    scores: dict[str, tuple[float, int]] = {}
+    per_question: dict[str, dict[int, bool]] = {}
+    task, include = args.task, []
+    if args.data_file:
+        try:
+            task = local_task(args.task, args.data_file, args.out / "tasks")
+        except arms.ArmFailed as exc:
+            print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
+            return 1
+        include = ["--include_path", str(args.out / "tasks")]
+    for arm in arms.default_arms(args.arm_a, args.arm_b):
+        workdir = args.out / f"arm{arm.label}"
+        print(f"arm {arm.label} (K3_AMD_OVERLAY={arm.switch}): starting", flush=True)
+        try:
+            with arms.proved_server(arm, args.serve_cmd, args.model, args.serve_args, args.port, workdir,
+                                    args.health_timeout, served_name=name) as server:
+                print(f"arm {arm.label} proved {arm.expect}; running {task}", flush=True)
+                extra = f",{args.extra_model_args}" if args.extra_model_args else ""
+                model_args = (f"model={name},base_url={server.url}/v1/completions,num_concurrent={args.num_concurrent},"
+                              f"tokenized_requests=False{extra}")
+                command = [*arms.split_command(args.lm_eval_cmd), "--model", "local-completions", "--model_args",
+                           model_args, "--tasks", task, "--num_fewshot", str(args.num_fewshot),
+                           "--output_path", str(workdir / "lm_eval"), "--log_samples", *include]
+                if args.limit:
+                    command += ["--limit", str(args.limit)]
+                with open(workdir / "lm_eval.log", "w") as log:
+                    if subprocess.run(command, stdout=log, stderr=log).returncode != 0:
+                        raise arms.ArmFailed(f"arm {arm.label}: lm-eval failed; log: {workdir / 'lm_eval.log'}")
+                scores[arm.label] = accuracy(workdir / "lm_eval", task, args.metric)
+                per_question[arm.label] = outcomes(workdir / "lm_eval", task, args.metric)
+        except arms.ArmFailed as exc:
+            print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
+            return 1
+    (acc_a, n_a), (acc_b, n_b) = scores["A"], scores["B"]
+    paired = ab_stats.PairedAccuracy.from_outcomes(per_question["A"], per_question["B"])
+    lines = [
+        f"| arm | K3_AMD_OVERLAY | {task} {args.metric} | questions |", "|---|---|---|---|",
+        f"| A | {args.arm_a} | {acc_a:.4f} | {n_a} |", f"| B | {args.arm_b} | {acc_b:.4f} | {n_b} |",
+        "",
+        f"paired over {paired.questions} questions: delta (B - A) {100 * paired.delta:+.2f} pp; right only with A: "
+        f"{paired.only_a}, only with B: {paired.only_b}",
+        f"verdict: {paired.verdict()}",
+    ]
+    (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
