@@ -18,6 +18,7 @@ import datetime
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -216,12 +217,14 @@ def plot_serving(results: dict[str, dict[int, list[dict[str, Any]]]], arm_list: 
             if not points:
                 continue
             xs = [c for c, _ in points]
-            mid = [sorted(v)[len(v) // 2] for _, v in points]
+            mid = [statistics.median(v) for _, v in points]
             low = [m - min(v) for m, (_, v) in zip(mid, points, strict=True)]
             high = [max(v) - m for m, (_, v) in zip(mid, points, strict=True)]
             axis.errorbar(xs, mid, yerr=[low, high], marker="o", capsize=3,
                           label=f"{arm.label}: K3_AMD_OVERLAY={arm.switch}")
+        concurrencies = sorted({c for runs in results.values() for c in runs})
         axis.set_xscale("log", base=2)
+        axis.set_xticks(concurrencies, [str(c) for c in concurrencies])
         axis.set_xlabel("concurrency")
         axis.set_title(label)
         axis.legend(fontsize=8)
