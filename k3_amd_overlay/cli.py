@@ -185,7 +185,8 @@ def cmd_census(args: argparse.Namespace) -> int:
 TOOLS = {
     "ab-serve": ("k3_amd_overlay.ab_serve", "serving A/B: each arm a proved server, ABBA repeats, vllm bench serve"),
     "gsm8k-ab": ("k3_amd_overlay.gsm8k_ab", "accuracy A/B: lm-eval GSM8K against each proved arm, paired"),
-    "bench": ("k3_amd_overlay.bench.kernels", "kernel benchmarks at K3 shapes against the unfused path (GPU)"),
+    "bench": ("k3_amd_overlay.bench.kernels", "kernel benchmarks at K3 shapes against the unfused path (GPU); "
+                                              "`bench plot BENCH.json` draws them"),
 }
 
 
@@ -235,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """0: holds / healthy; 1: does not hold / not healthy; 2: a usage error (argparse's code)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "plot"]:  # needs matplotlib only, not torch: not through the benchmark's module
+        from k3_amd_overlay.bench.plot import main as plot_main
+
+        return plot_main(argv[2:])
     if argv and argv[0] in TOOLS:
         import importlib
 
