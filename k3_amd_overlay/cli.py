@@ -141,14 +141,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from k3_amd_overlay.doctor import run_doctor
+    from k3_amd_overlay.doctor import _snake_keys, render, run_doctor
 
     report, healthy = run_doctor(switch=args.switch)
     if args.json:
-        print(json.dumps(report, indent=1, default=str))
+        print(json.dumps({**_snake_keys(report), "healthy": healthy}, indent=1, default=str))
     else:
-        from k3_amd_overlay.doctor import render
-
         print(render(report))
     return 0 if healthy else 1
 

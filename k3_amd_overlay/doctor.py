@@ -147,6 +147,77 @@ def selftest(device: torch.device) -> list[dict[str, Any]]:
     return results
 
 
+def _snake(name: str) -> str:
+    return "_".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+
+
+def _snake_keys(value: Any) -> Any:
+    """Every dict key of a report in snake_case (the --json form)."""
+    if isinstance(value, dict):
+        return {_snake(str(k)): _snake_keys(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_snake_keys(v) for v in value]
+    return value
+
+
+def fusion_outlook(settings: Any, providers_here: dict[str, dict[str, str | None]]) -> dict[str, dict[str, Any]]:
+    """Per fusion, what a K3 layer built here would get from the overlay (before the layer's own
+    conditions: fp8 KV cache, heads, vLLM's own fusions, which the marker reports per layer)."""
+    from k3_amd_overlay.fusions.states import choose_provider
+    from k3_amd_overlay.package import FUSED_PROVIDERS
+    from k3_amd_overlay.settings import Mode
+
+    outlook = {}
+    for fusion in FUSIONS:
+        if settings.mode is Mode.OFF or not settings.requested(fusion):
+            outlook[fusion] = {"state": "off", "provider": None, "why": "not requested"}
+        elif settings.mode is Mode.STOCK:
+            outlook[fusion] = {"state": "stock", "provider": None, "why": "stock mode (the unfused A/B baseline)"}
+        else:
+            decision = choose_provider(FUSED_PROVIDERS[fusion], settings.provider(fusion), providers_here[fusion])
+            fused = decision.state is FusionState.APPLIED
+            outlook[fusion] = {"state": "fused" if fused else "stock", "provider": decision.provider,
+                               "why": decision.reason}
+    return outlook
+
+
+def verdict_line(report: dict[str, Any]) -> tuple[str, bool]:
+    """The doctor's last line and whether it is healthy: ready where every requested fusion has a
+    provider that runs here and passed its self-test, on a vLLM whose K3 AMD code is recognised."""
+    problems = []
+    if "error" in report.get("switch", {}):
+        problems.append(report["switch"]["error"])
+    shape = report.get("vllm shape", {})
+    if shape.get("recognised") is None and shape.get("note") is None:
+        problems.append("this vLLM's K3 AMD code is not recognised (see vllm shape)")
+    if report.get("activation error"):
+        problems.append(report["activation error"])
+    failed = [f"{r['op']} {r['provider']}" for r in report.get("self-test", []) if r.get("ran") and not r.get("pass")]
+    if failed:
+        problems.append(f"self-test failed: {', '.join(failed)}")
+    outlook = report.get("fusions", {})
+    refused = {f: o["why"] for f, o in outlook.items() if o["state"] == "stock" and o["provider"] is None
+               and not o["why"].startswith("stock mode")}
+    problems += [f"{f} cannot fuse here: {why}" for f, why in refused.items()]
+    if problems:
+        return "not ready: " + "; ".join(problems), False
+    mode = report.get("switch", {}).get("mode")
+    if mode == "off":
+        return "off: K3_AMD_OVERLAY is unset or 0, nothing is patched (vLLM runs as it is)", True
+    if mode == "stock":
+        return ("ready (stock): every fusion forced to the unfused path, vLLM's own fusions off too (the A/B "
+                "baseline)"), True
+    by_provider: dict[str, list[str]] = {}
+    for fusion, o in outlook.items():
+        if o["state"] == "fused":
+            by_provider.setdefault(o["provider"], []).append(fusion)
+    parts = [f"{', '.join(fs)} fuse{'s' if len(fs) == 1 else ''} here via {p}" for p, fs in by_provider.items()]
+    off = [f for f, o in outlook.items() if o["state"] == "off"]
+    if off:
+        parts.append(f"{', '.join(off)} not requested")
+    return "ready: " + "; ".join(parts), True
+
+
 def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
     report: dict[str, Any] = {"versions": versions(), "gpu": gpu()}
     env = dict(os.environ)
@@ -156,12 +227,13 @@ def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
         settings = load_settings(env)
     except SettingsError as exc:
         report["switch"] = {"error": str(exc)}
-        return report, False
+        report["verdict"], healthy = verdict_line(report)
+        return report, healthy
     report["switch"] = {"K3_AMD_OVERLAY": settings.raw, "mode": settings.mode.value,
                         "fusions": sorted(settings.fusions), "strict": settings.strict,
                         "providers": dict(settings.providers)}
-    healthy = True
-    if importlib.util.find_spec("vllm") is not None:
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if has_vllm:
         from k3_amd_overlay.targets import sources
         from k3_amd_overlay.targets.defects import present_defects, trigger_words
         from k3_amd_overlay.targets.shapes import recognise
@@ -172,16 +244,15 @@ def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
         report["vllm shape"] = {
             "recognised": shape.name if shape else None,
             "releases": shape.releases if shape else None,
-            "this vLLM fuses by itself": shape.upstream if shape else {},
-            "anchors missing per fusion": found.missing_for_fusion,
-            "shapes not matched": found.missing_identity,
+            "this vLLM fuses by itself": {f: w for f, w in (shape.upstream if shape else {}).items() if w},
+            "anchors missing per fusion": {f: m for f, m in found.missing_for_fusion.items() if m},
+            "shapes not matched": found.missing_identity if not shape else {},
             "known vLLM defects in this release": [
                 f"{d.describe()}; {trigger_words(d.triggered(env))}"
-                for d in present_defects(vllm_sources)] or "none known",
+                for d in present_defects(vllm_sources)],
         }
-        by_tp = qk_cache_by_tp(shape.upstream[QK_CACHE] if shape else "")
-        report["qk_cache by tensor-parallel size (K3, 96 heads)"] = by_tp
-        healthy &= shape is not None
+        report["qk_cache by tensor-parallel size (K3, 96 heads)"] = qk_cache_by_tp(shape.upstream[QK_CACHE]
+                                                                                  if shape else "")
     else:
         report["vllm shape"] = {"recognised": None, "note": "vLLM is not installed here"}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -196,36 +267,115 @@ def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
         f"{ABSORB_QK_CACHE} (fp8 W_K)": absorb_op.provider_missing(device, *K3_ABSORB_WIDTHS, fp8_weights=True),
         f"{ABSORB_QK_CACHE} (MXFP4 W_K)": absorb_op.provider_missing(device, *K3_ABSORB_WIDTHS, mxfp4_weights=True),
     }
-    if importlib.util.find_spec("vllm") is not None:  # in a vLLM process AITER follows vLLM's switch
+    if has_vllm:  # in a vLLM process AITER follows vLLM's switch
         from k3_amd_overlay.targets.vllm_env import with_vllm_aiter_switch
 
         report["providers here"] = {f: with_vllm_aiter_switch(m) for f, m in report["providers here"].items()}
     report["self-test"] = selftest(device)
-    healthy &= all(r.get("pass", True) for r in report["self-test"])
-    if settings.enabled and importlib.util.find_spec("vllm") is not None:
-        from k3_amd_overlay import activation
+    if settings.enabled and has_vllm:
+        report.update(_activate_here(env))
+    report["fusions"] = fusion_outlook(settings, report["providers here"])
+    report["verdict"], healthy = verdict_line(report)
+    return report, healthy
 
-        active = activation.activate(settings)
-        import vllm.models.kimi_k3.amd.linear  # noqa: F401  (fires the post-import hooks)
 
-        if active is not None:
-            report["patched"] = [{"key": a.spec.key, "target": a.spec.target, "fusions": list(a.spec.fusions)}
-                                 for a in active.engine.applied]
-            report["evidence"] = active.evidence.summary_line()
-            healthy &= all(active.evidence.fusion(f).state is not FusionState.REFUSED for f in settings.fusions)
-    return report, bool(healthy)
+def _activate_here(env: dict[str, str]) -> dict[str, Any]:
+    """Activate in this process as vLLM would (the K3 AMD import fires the hooks), with markers in a
+    directory removed afterwards: the doctor is no vLLM process and leaves no marker behind."""
+    import tempfile
+
+    from k3_amd_overlay import activation
+    from k3_amd_overlay.settings import MARKER_DIR
+
+    with tempfile.TemporaryDirectory(prefix="k3ovl-doctor-") as markers:
+        os.chmod(markers, 0o700)
+        try:
+            active = activation.activate(load_settings({**env, MARKER_DIR: markers}))
+            import vllm.models.kimi_k3.amd.linear  # noqa: F401  (fires the post-import hooks)
+        except activation.OverlayActivationError as exc:
+            return {"activation error": str(exc)}
+        if active is None:
+            return {}
+        refused = {f: active.evidence.fusion(f).reason for f in active.settings.fusions
+                   if active.evidence.fusion(f).state is FusionState.REFUSED}
+        out: dict[str, Any] = {
+            "patched": [{"key": a.spec.key, "target": a.spec.target, "fusions": list(a.spec.fusions)}
+                        for a in active.engine.applied],
+            "evidence": active.evidence.summary_line(),
+        }
+        if refused:
+            out["activation error"] = "; ".join(f"{f} refused: {why}" for f, why in sorted(refused.items()))
+        active.evidence._directory = None  # nothing more is written into the directory being removed
+        return out
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    cells = [[str("" if c is None else c) for c in row] for row in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
+    return [line(cells[0]), "  " + "  ".join("-" * w for w in widths), *(line(r) for r in cells[1:])]
 
 
 def render(report: dict[str, Any]) -> str:
+    """The report for a person: sentences and tables, the verdict last."""
     lines = [f"k3-amd-overlay doctor ({', '.join(FUSIONS)})"]
-    for section, body in report.items():
-        lines.append(f"\n== {section}")
-        if isinstance(body, dict):
-            for key, value in body.items():
-                lines.append(f"  {key}: {value}")
-        elif isinstance(body, list):
-            for item in body:
-                lines.append(f"  - {item}")
-        else:
-            lines.append(f"  {body}")
+    v = report["versions"]
+    lines.append("\n== versions\n  " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in v))
+    g = report["gpu"]
+    lines.append("\n== GPU\n  " + (f"{g['device']} ({g['arch']}, fp8 {g['fp8 format']})" if g["device"] != "cpu"
+                                     else f"none: {g['note']}"))
+    switch = report["switch"]
+    lines.append("\n== switch\n  " + (switch["error"] if "error" in switch else
+                 f"K3_AMD_OVERLAY={switch['K3_AMD_OVERLAY']!r}: mode {switch['mode']}, fusions "
+                 f"{', '.join(switch['fusions']) or 'none'}, strict {switch['strict']}, providers "
+                 + ", ".join(f"{f}={p}" for f, p in switch["providers"].items())))
+    shape = report.get("vllm shape")
+    if shape is None:  # a bad switch stops the report before vLLM is looked at
+        lines.append(f"\n{report['verdict']}")
+        return "\n".join(lines)
+    lines.append("\n== vLLM's K3 AMD code")
+    if shape.get("note"):
+        lines.append(f"  {shape['note']}")
+    elif shape.get("recognised"):
+        lines.append(f"  recognised: {shape['recognised']} (vLLM {shape['releases']})")
+        for fusion, what in shape["this vLLM fuses by itself"].items():
+            lines.append(f"  vLLM fuses {fusion} by itself: {what}")
+        for fusion, missing in shape["anchors missing per fusion"].items():
+            lines.append(f"  {fusion} cannot install: missing {', '.join(missing)}")
+        for defect in shape["known vLLM defects in this release"]:
+            lines.append(f"  known vLLM defect: {defect}")
+    else:
+        lines.append("  NOT recognised: " + "; ".join(f"{n}: missing {', '.join(m)}"
+                                                      for n, m in shape.get("shapes not matched", {}).items()))
+    if report.get("qk_cache by tensor-parallel size (K3, 96 heads)"):
+        lines.append("\n== qk_cache by tensor-parallel size (K3, 96 heads)")
+        lines += _table(["TP", "heads/rank", "who fuses the decode (AITER MLA on, no fp8 BMM)"],
+                        [[r["tp"], r["heads per rank"], r["overlay"]]
+                         for r in report["qk_cache by tensor-parallel size (K3, 96 heads)"]])
+    lines.append("\n== providers here")
+    lines += _table(["fusion", "provider", "runs here"],
+                    [[f, p, "yes" if why is None else f"no: {why}"]
+                     for f, m in report["providers here"].items() for p, why in m.items()])
+    lines.append("\n== self-test against the reference at K3 shapes")
+    lines += _table(["op", "W_UK", "fp8", "provider", "result"],
+                    [[r["op"], r.get("W_UK", ""), r.get("format", ""), r["provider"],
+                      ("pass" if r["pass"] else "FAIL") + _measure(r) if r.get("ran") else f"not run: {r['why not']}"]
+                     for r in report["self-test"]])
+    if report.get("patched"):
+        lines.append("\n== patched in this process\n" + "\n".join(f"  {p['key']}: {p['target']}"
+                                                                for p in report["patched"]))
+    if report.get("activation error"):
+        lines.append(f"\n== activation\n  {report['activation error']}")
+    if report.get("fusions"):
+        lines.append("\n== what a K3 layer built here would get (before its own conditions: fp8 KV cache, heads)")
+        lines += _table(["fusion", "outcome", "provider", "why"],
+                        [[f, o["state"], o["provider"], o["why"]] for f, o in report["fusions"].items()])
+    lines.append(f"\n{report['verdict']}")
     return "\n".join(lines)
+
+
+def _measure(row: dict[str, Any]) -> str:
+    for key in ("max ulp diff", "identical bytes", "identical query bytes"):
+        if key in row:
+            return f" ({key} {row[key]})"
+    return ""

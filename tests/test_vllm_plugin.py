@@ -262,15 +262,53 @@ def test_live_check_follows_the_process(tmp_path):
     assert gone.returncode == 1 and "stale, ignored" in gone.stdout
 
 
-def test_doctor_main_job_is_healthy(tmp_path):
-    """README's first command: the doctor with the overlay on, on CPU with this vLLM."""
+def run_doctor_process(tmp_path, *args, **env_extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
-    env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1", K3_AMD_OVERLAY="1",
-               K3_AMD_OVERLAY_MARKER_DIR=str(tmp_path / "markers"))
-    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.cli", "doctor", "--json"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1", K3_AMD_OVERLAY_MARKER_DIR=str(tmp_path / "markers"),
+               **env_extra)
+    return subprocess.run([sys.executable, "-m", "k3_amd_overlay", "doctor", *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_doctor_main_job_is_healthy(tmp_path):
+    """README's first command: the doctor with the overlay on, on CPU with this vLLM: healthy, its
+    JSON in snake_case with a verdict, and no marker left behind (the doctor is no vLLM process)."""
+    proc = run_doctor_process(tmp_path, "--json", K3_AMD_OVERLAY="1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
-    assert "layer check" not in report  # a layer is proved by `check` against real processes
+    assert report["healthy"] is True and report["verdict"].startswith("ready: ")
+    assert "layer_check" not in report  # a layer is proved by `check` against real processes
     assert {p["key"] for p in report["patched"]} and "qkv_norm=pending" in report["evidence"]
-    assert all(r["pass"] for r in report["self-test"] if r.get("ran"))
+    assert all(r["pass"] for r in report["self_test"] if r.get("ran"))
+    assert set(report) >= {"versions", "gpu", "switch", "vllm_shape", "providers_here", "self_test", "fusions"}
+    assert all(k == k.lower() and " " not in k for k in report["vllm_shape"])
+    assert not list((tmp_path / "markers").glob("*.json"))
+
+
+def test_doctor_for_people_ends_with_its_verdict(tmp_path):
+    proc = run_doctor_process(tmp_path, K3_AMD_OVERLAY="1", K3_AMD_OVERLAY_QK_CACHE_PROVIDER="aiter")
+    lines = proc.stdout.rstrip().splitlines()
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines[-1].startswith("not ready: qk_cache cannot fuse here: no provider can run here (aiter: ")
+    assert "{" not in proc.stdout and "None" not in proc.stdout  # tables and sentences, no dict reprs
+    stock = run_doctor_process(tmp_path, K3_AMD_OVERLAY="stock")
+    assert stock.returncode == 0 and stock.stdout.rstrip().splitlines()[-1].startswith("ready (stock): ")
+    off = run_doctor_process(tmp_path)
+    assert off.returncode == 0 and off.stdout.rstrip().splitlines()[-1] == (
+        "off: K3_AMD_OVERLAY is unset or 0, nothing is patched (vLLM runs as it is)")
+    bad = run_doctor_process(tmp_path, K3_AMD_OVERLAY="fast")
+    assert bad.returncode == 1 and bad.stdout.rstrip().splitlines()[-1].startswith(
+        "not ready: K3_AMD_OVERLAY='fast' is not valid") and "Traceback" not in bad.stderr
+
+
+def test_doctor_on_a_vllm_outside_the_range_says_why_without_a_traceback(tmp_path, monkeypatch):
+    from k3_amd_overlay import activation, doctor
+
+    monkeypatch.setenv("K3_AMD_OVERLAY", "1")
+    monkeypatch.setenv("K3_AMD_OVERLAY_MARKER_DIR", str(tmp_path / "markers"))
+    monkeypatch.setattr(activation, "installed_vllm_version", lambda: "0.28.0")
+    monkeypatch.setattr(activation, "_active", None)
+    monkeypatch.setattr(doctor, "selftest", lambda device: [])
+    report, healthy = doctor.run_doctor()
+    assert not healthy and report["verdict"].startswith("not ready: k3-amd-overlay: vLLM 0.28.0 is outside the "
+                                                        "supported range")
