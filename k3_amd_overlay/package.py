@@ -1,7 +1,7 @@
 """What this package is and what it supports: its version, the vLLM range it declares, and the
 names of the fusions it knows. Data only, imported by everything else, importing nothing."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 DISTRIBUTION = "k3-amd-overlay"
 PLUGIN_NAME = "k3_amd_overlay"

@@ -10,6 +10,8 @@ import sys
 import time
 
 import pytest
+
+import k3_amd_overlay
 from machine import HAS_VLLM
 from vllm_support import run_vllm_process, shape_name
 
@@ -111,7 +113,7 @@ result(before_import=before_import, first=first, second=second, unchanged=unchan
     assert res["reverted"] == list(reversed(EXPECTED_PATCHES[shape]))
     assert res["wrapped_after"] == [] and res["linear_wrapper_is_shared"] is (shape == "plain_wrapper")
     assert res["unchanged"] == []
-    assert "k3-amd-overlay 0.1.0: pid=" in proc.stderr + proc.stdout
+    assert f"k3-amd-overlay {k3_amd_overlay.__version__}: pid=" in proc.stderr + proc.stdout
 
 
 def test_stock_mode_disables_only_what_this_vllm_fuses_itself(shape, tmp_path):
