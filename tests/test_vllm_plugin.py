@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
-
-import k3_amd_overlay
 from machine import HAS_VLLM
 from vllm_support import run_vllm_process, shape_name
+
+import k3_amd_overlay
 
 pytestmark = pytest.mark.vllm
 
