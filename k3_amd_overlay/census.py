@@ -105,7 +105,10 @@ class Census:
 
 def trace_files(paths: Iterable[str | Path]) -> list[Path]:
     files: list[Path] = []
-    for item in map(Path, paths):
+    for text in paths:
+        if not str(text).strip():
+            raise TraceError("an empty path was given (it would scan the current directory): name the traces")
+        item = Path(text)
         if item.is_dir():
             files += sorted(p for p in item.rglob("*") if p.name.endswith((".json", ".json.gz")))
         elif item.is_file():
@@ -217,6 +220,10 @@ def _claims(census: Census, patterns: tuple[str, ...]) -> dict[str, KernelStats]
 def render_comparison(baseline: Census, candidate: Census, steps: int | None, layers: int) -> str:
     lines = []
     ranks = max(len(baseline.ranks), 1), max(len(candidate.ranks), 1)
+    if len(baseline.ranks) != len(candidate.ranks):
+        lines.append(f"WARNING: the baseline has {len(baseline.ranks)} rank trace(s), the candidate "
+                     f"{len(candidate.ranks)}: the summed tables compare different deployments; per-rank figures "
+                     "divide by each arm's own count. Profile both arms with the same parallelism.")
     for fusion, kinds in FUSION_KERNELS.items():
         rows = []
         region = [0.0, 0.0]

@@ -154,6 +154,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_census(args: argparse.Namespace) -> int:
     from k3_amd_overlay import census
 
+    if args.layers < 1 or (args.steps is not None and args.steps < 1):
+        raise UsageError(f"--layers {args.layers} and --steps {args.steps}: each at least 1 (steps: decode steps "
+                         "in the profiled window)")
     try:
         expectations = census.parse_expectations(args.expect or [])
         candidate = census.read_census(args.traces)
@@ -250,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"k3-amd-overlay: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -359,3 +359,38 @@ def test_launches_are_compared_per_rank_of_each_side(tmp_path):
     empty = census.read_census([_trace(tmp_path / "e_rank0.json", {})])
     assert census.render_comparison(empty, fused, steps=None, layers=2).endswith(
         "\nkernel launches per rank: 0 -> 1 (+1, +0.0%)")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--layers", "0"], "--layers 0 and --steps None: each at least 1"),
+    (["--steps", "-3"], "--layers 24 and --steps -3: each at least 1"),
+])
+def test_census_nonsense_arguments_are_usage_errors(tmp_path, capsys, argv, message):
+    trace = _trace(tmp_path / "rank0.json", {"qk_cache_kernel": 2})
+    assert main(["census", str(trace), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_census_refuses_an_empty_path_instead_of_scanning_the_current_directory(capsys):
+    assert main(["census", ""]) == 2
+    assert "an empty path was given" in capsys.readouterr().err
+
+
+def test_census_flags_traces_of_a_different_rank_count(tmp_path, capsys):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "c").mkdir()
+    base = [_trace(tmp_path / "b" / f"rank{r}.json", {"concat_and_cache_mla_kernel": 4}) for r in range(2)]
+    cand = _trace(tmp_path / "c" / "rank0.json", {"qk_cache_kernel": 4})
+    assert main(["census", str(cand), "--baseline", *map(str, base)]) == 0
+    assert ("WARNING: the baseline has 2 rank trace(s), the candidate 1: the summed tables compare different "
+            "deployments") in capsys.readouterr().out
+
+
+def test_census_into_a_closed_pipe_stops_without_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    trace = _trace(tmp_path / "rank0.json", {f"kernel_{i}": 1 for i in range(5000)})
+    proc = subprocess.run(f"{sys.executable} -m k3_amd_overlay census {trace} | head -n 1", shell=True,
+                          capture_output=True, text=True)
+    assert proc.stdout.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
