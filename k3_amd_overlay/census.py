@@ -6,7 +6,16 @@ MLA layers x decode steps" checkable by ``--expect``.
 The traces are read directly: a Kineto trace is a JSON object whose ``traceEvents`` hold one
 complete event (``ph: X``) per GPU kernel with ``cat`` "kernel" (CUDA and ROCm alike, graph
 replays included). Maintained analysers (HolisticTraceAnalysis, AMD TraceLens) do much more but
-pull in pandas and friends that a stock serving image lacks, for what is a group-by over names."""
+pull in pandas and friends that a stock serving image lacks, for what is a group-by over names.
+
+Names alone cannot tell a fusion's kernels apart from the model's others (hipBLASLt names every GEMM
+``Cijk_...``; every RMSNorm matches ``rms_norm_kernel``). Where the overlay is on (stock mode
+included) it opens profiler ranges around the regions its fusions replace (regions.py), and each
+kernel is attributed to the range its launch was made in (the kernel's ``correlation`` id leads to
+its launch on a CPU thread): the comparison then counts only kernels inside those ranges, and inside
+a decode range a GEMM only where the region's own work follows it (the W_UK absorption precedes the
+KV write, concat and quant or the fused launch; the W_UV GEMM after the attention kernel does not).
+Traces without the ranges (overlay off, CUDA-graph replays) fall back to names, and say so."""
 
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ from k3_amd_overlay.kernels.names import (
     STATIC_QUANT_KERNEL,
 )
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
+from k3_amd_overlay.regions import DECODE_REGION, QKV_NORM_REGION, REGION_PREFIX
 
 # One table of the kernels each fusion removes and adds, matched as substrings of the full
 # kernel name: AITER's, vLLM's and the overlay's own. A kernel counts under the longest pattern of
@@ -52,6 +62,11 @@ FUSION_KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 KERNEL_CATEGORIES = frozenset({"kernel", "gpu_op"})
+# The patterns of GEMM kernels: inside a decode range, the W_UK absorption's (before the region's
+# own work) and the W_UV up-projection's (after the attention kernel) look alike.
+GEMM_PATTERNS = frozenset({"batched_gemm_a8w8", "batched_gemm_a16wfp4", "bmm", "gemm", "Cijk_"})
+FUSION_REGIONS = {QKV_NORM: QKV_NORM_REGION, QK_CACHE: DECODE_REGION, ABSORB_QK_CACHE: DECODE_REGION}
+RANGE_CATEGORIES = frozenset({"user_annotation"})
 
 
 class TraceError(ValueError):
@@ -70,9 +85,11 @@ class KernelStats:
 
 @dataclass
 class Census:
-    """Kernel statistics per rank (rank -> kernel name -> stats)."""
+    """Kernel statistics per rank (rank -> kernel name -> stats), and the kernels launched inside
+    each of the overlay's profiler ranges (rank -> [(range name, [(launch time, kernel, µs)])])."""
 
     ranks: dict[str, dict[str, KernelStats]] = field(default_factory=dict)
+    regions: dict[str, list[tuple[str, list[tuple[float, str, float]]]]] = field(default_factory=dict)
 
     def total(self) -> dict[str, KernelStats]:
         summed: dict[str, KernelStats] = defaultdict(KernelStats)
@@ -145,14 +162,52 @@ def read_census(paths: Iterable[str | Path]) -> Census:
     census = Census()
     for index, path in enumerate(trace_files(paths)):
         data = load_trace(path)
-        kernels = census.ranks.setdefault(rank_of(path, data, index), {})
-        for event in data["traceEvents"]:
-            if (isinstance(event, dict) and event.get("ph") == "X"
-                    and str(event.get("cat", "")).lower() in KERNEL_CATEGORIES):
-                stats = kernels.setdefault(str(event.get("name")), KernelStats())
-                stats.count += 1
-                stats.total_us += float(event.get("dur", 0.0))
+        rank = rank_of(path, data, index)
+        kernels = census.ranks.setdefault(rank, {})
+        events = [e for e in data["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
+        gpu = [e for e in events if str(e.get("cat", "")).lower() in KERNEL_CATEGORIES]
+        for event in gpu:
+            stats = kernels.setdefault(str(event.get("name")), KernelStats())
+            stats.count += 1
+            stats.total_us += float(event.get("dur", 0.0))
+        census.regions.setdefault(rank, []).extend(_region_kernels(events, gpu))
     return census
+
+
+def _correlation(event: dict[str, Any]) -> Any:
+    args = event.get("args")
+    return args.get("correlation") if isinstance(args, dict) else None
+
+
+def _region_kernels(events: list[dict[str, Any]], gpu: list[dict[str, Any]]) -> list[tuple[str, list[Any]]]:
+    """Each overlay range of one trace with the kernels launched inside it (innermost range wins)."""
+    ranges: dict[tuple[Any, Any], list[tuple[float, float, int]]] = defaultdict(list)
+    found: list[tuple[str, list[Any]]] = []
+    for event in events:
+        name = str(event.get("name", ""))
+        if str(event.get("cat", "")).lower() in RANGE_CATEGORIES and name.startswith(REGION_PREFIX):
+            start = float(event.get("ts", 0.0))
+            ranges[(event.get("pid"), event.get("tid"))].append((start, start + float(event.get("dur", 0.0)),
+                                                                 len(found)))
+            found.append((name, []))
+    if not found:
+        return []
+    launches = {}
+    for event in events:
+        corr = _correlation(event)
+        if corr is not None and str(event.get("cat", "")).lower() not in KERNEL_CATEGORIES:
+            launches[corr] = (event.get("pid"), event.get("tid"), float(event.get("ts", 0.0)))
+    for kernel in gpu:
+        launch = launches.get(_correlation(kernel))
+        if launch is None:
+            continue
+        pid, tid, at = launch
+        inside = [(start, i) for start, end, i in ranges.get((pid, tid), []) if start <= at <= end]
+        if inside:
+            found[max(inside)[1]][1].append((at, str(kernel.get("name")), float(kernel.get("dur", 0.0))))
+    for _, kernels in found:
+        kernels.sort()
+    return found
 
 
 def parse_expectations(items: Iterable[str]) -> list[tuple[str, int]]:
@@ -217,6 +272,34 @@ def _claims(census: Census, patterns: tuple[str, ...]) -> dict[str, KernelStats]
     return claimed
 
 
+def region_claims(census: Census, fusion: str, patterns: tuple[str, ...]) -> dict[str, KernelStats] | None:
+    """Per pattern of one fusion, the kernels launched inside its range (None where the traces have
+    none of its ranges). Inside a decode range a GEMM counts only where a kernel of the fusion's own
+    region work follows it in that range: the W_UK absorption, not the W_UV up-projection."""
+    instances = [kernels for regions in census.regions.values() for name, kernels in regions
+                 if name == FUSION_REGIONS[fusion]]
+    if not instances:
+        return None
+    claimed = {pattern: KernelStats() for pattern in patterns}
+    own_work = {*FUSION_KERNELS[fusion]["removes"], *FUSION_KERNELS[fusion]["adds"]} - GEMM_PATTERNS
+    for kernels in instances:
+        marks = [claiming_pattern(name) for _, name, _ in kernels]
+        for i, ((_, _, dur), pattern) in enumerate(zip(kernels, marks, strict=True)):
+            if pattern not in claimed:
+                continue
+            if pattern in GEMM_PATTERNS and not own_work.intersection(marks[i + 1:]):
+                continue
+            claimed[pattern].count += 1
+            claimed[pattern].total_us += dur
+    return claimed
+
+
+NO_RANGES = ("counted by kernel name alone: the {side} traces have no {region} ranges (the overlay off, or "
+             "kernels replayed from CUDA graphs), so every matching kernel counts, in or out of the region (every "
+             "GEMM, every RMSNorm); profile eager (--enforce-eager) with the overlay on, K3_AMD_OVERLAY=stock for "
+             "the baseline, for the region's own kernels")
+
+
 def render_comparison(baseline: Census, candidate: Census, steps: int | None, layers: int) -> str:
     lines = []
     ranks = max(len(baseline.ranks), 1), max(len(candidate.ranks), 1)
@@ -228,7 +311,11 @@ def render_comparison(baseline: Census, candidate: Census, steps: int | None, la
         rows = []
         region = [0.0, 0.0]
         patterns = (*kinds["adds"], *kinds["removes"])
-        claimed = {side: _claims(census, patterns) for side, census in (("b", baseline), ("c", candidate))}
+        by_region = {side: region_claims(census, fusion, patterns) for side, census in (("b", baseline),
+                                                                                       ("c", candidate))}
+        missing = [name for side, name in (("b", "baseline"), ("c", "candidate")) if by_region[side] is None]
+        claimed = {side: by_region[side] if not missing else _claims(census, patterns)
+                   for side, census in (("b", baseline), ("c", candidate))}
         for pattern in (*kinds["removes"], *kinds["adds"]):
             b, c = claimed["b"][pattern], claimed["c"][pattern]
             if b.count or c.count:
@@ -238,7 +325,9 @@ def render_comparison(baseline: Census, candidate: Census, steps: int | None, la
                 region[1] += c.total_us
         if not rows:
             continue
-        lines.append(f"\n{fusion} (summed over ranks; count × mean µs = total µs)")
+        how = (NO_RANGES.format(side=" and ".join(missing), region=FUSION_REGIONS[fusion]) if missing
+               else f"counted inside the overlay's {FUSION_REGIONS[fusion]} ranges")
+        lines.append(f"\n{fusion} (summed over ranks; count × mean µs = total µs; {how})")
         lines += _table(rows, ["kernel", "baseline", "candidate"])
         if region[1]:
             lines.append(f"{fusion} region: {region[0]:.1f} µs -> {region[1]:.1f} µs ({region[0] / region[1]:.2f}x)")

@@ -337,7 +337,11 @@ def test_the_comparison_text_word_for_word(tmp_path):
     base = census.read_census([_trace(tmp_path / "b_rank0.json", {"void vllm::rms_norm_kernel<x>": 8})])
     fused = census.read_census([_trace(tmp_path / "f_rank0.json", {"rmsnorm_pair_kernel": 2})])
     assert census.render_comparison(base, fused, steps=2, layers=2) == "\n".join([
-        "", "qkv_norm (summed over ranks; count × mean µs = total µs)",
+        "", "qkv_norm (summed over ranks; count × mean µs = total µs; counted by kernel name alone: the baseline "
+            "and candidate traces have no k3_amd_overlay::qkv_norm ranges (the overlay off, or kernels replayed "
+            "from CUDA graphs), so every matching kernel counts, in or out of the region (every GEMM, every "
+            "RMSNorm); profile eager (--enforce-eager) with the overlay on, K3_AMD_OVERLAY=stock for the baseline, "
+            "for the region's own kernels)",
         "| kernel | baseline | candidate |", "|---|---|---|",
         "| rms_norm_kernel | 8 × 2.00 = 16.0 | 0 × 0.00 = 0.0 |",
         "| rmsnorm_pair_kernel | 0 × 0.00 = 0.0 | 2 × 2.00 = 4.0 |",
@@ -394,3 +398,71 @@ def test_census_into_a_closed_pipe_stops_without_a_traceback(tmp_path):
     proc = subprocess.run(f"{sys.executable} -m k3_amd_overlay census {trace} | head -n 1", shell=True,
                           capture_output=True, text=True)
     assert proc.stdout.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def _ranged_trace(path: Path, steps: list[list[tuple[str | None, list[str]]]], ranges: bool = True) -> Path:
+    """A Kineto-shaped trace: per step, blocks of (overlay range or None, kernels launched in it),
+    each kernel with its launch (a runtime event on the CPU thread) linked by correlation id."""
+    events, t, corr = [], 0.0, 0
+    for blocks in steps:
+        for region_name, kernels in blocks:
+            start = t
+            for name in kernels:
+                corr += 1
+                events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                               "ts": t + 1, "dur": 1, "args": {"correlation": corr}})
+                events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": t + 3, "dur": 2.0,
+                               "args": {"correlation": corr}})
+                t += 4
+            if region_name and ranges:
+                events.append({"ph": "X", "cat": "user_annotation", "name": region_name, "pid": 1, "tid": 1,
+                               "ts": start, "dur": t - start})
+            t += 1
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+GEMM = "Cijk_Ailk_Bljk_BBS_BH_MT64x64x64_MI16x16x16x1"  # hipBLASLt names every GEMM alike
+
+
+def _layer(stock: bool) -> list[tuple[str | None, list[str]]]:
+    """One K3 decoder layer of a decode step as vLLM runs it on ROCm: the model's own GEMMs and norms
+    outside the overlay's ranges, the replaced regions inside them (stock: W_UK GEMM first)."""
+    norms = ["void vllm::rms_norm_kernel<x>"] * 2 if stock else ["rmsnorm_pair_kernel"]
+    decode = (["concat_and_cache_mla_kernel", GEMM, "CatArrayBatchedCopy",
+               "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_0"] if stock else ["absorb_qk_cache_kernel"])
+    return [(None, ["void vllm::fused_add_rms_norm_kernel<x>", GEMM]),  # input norm, q_a/kv_a projection
+            ("k3_amd_overlay::qkv_norm", norms),
+            (None, [GEMM]),  # q_b_proj
+            ("k3_amd_overlay::mla_decode", [*decode, "mla_decode_stage1_kernel", GEMM]),  # ... MQA, then W_UV
+            (None, [GEMM, "void vllm::fused_add_rms_norm_kernel<x>", GEMM, GEMM])]  # o_proj, norm, MoE
+
+
+def test_the_census_counts_only_the_region_each_fusion_replaces(tmp_path):
+    """Issue 21: by name, absorb_qk_cache's "Cijk_" claims every GEMM of the model and qkv_norm's
+    "rms_norm_kernel" every RMSNorm; inside the overlay's ranges only the W_UK GEMM (before the
+    region's own work, not W_UV after the attention kernel) and the q_a/kv_a norms count."""
+    steps, layers = 3, 4
+
+    def window(stock: bool, name: str, ranges: bool = True) -> census.Census:
+        step = [block for _ in range(layers) for block in _layer(stock)]
+        return census.read_census([_ranged_trace(tmp_path / name, [step] * steps, ranges)])
+
+    base, fused = window(True, "b_rank0.json"), window(False, "f_rank0.json")
+    n = steps * layers
+    assert len(base.regions["0"]) == 2 * n and len(fused.regions["0"]) == 2 * n
+    absorb = census.region_claims(base, "absorb_qk_cache", ("Cijk_", "absorb_qk_cache_kernel"))
+    assert absorb["Cijk_"].count == n  # the W_UK GEMM only: not W_UV, q_b_proj, o_proj, MoE
+    assert census.region_claims(fused, "absorb_qk_cache", ("Cijk_",))["Cijk_"].count == 0  # W_UV stays
+    text = census.render_comparison(base, fused, steps=steps, layers=layers)
+    assert f"| Cijk_ | {n} × 2.00 = {2.0 * n:.1f} | 0 × 0.00 = 0.0 |" in text
+    assert f"| rms_norm_kernel | {2 * n} × 2.00 = {4.0 * n:.1f} | 0 × 0.00 = 0.0 |" in text
+    assert "qkv_norm (summed over ranks; count × mean µs = total µs; counted inside the overlay's " \
+           "k3_amd_overlay::qkv_norm ranges)" in text
+    assert f"absorb_qk_cache region: {8.0 * n:.1f} µs -> {2.0 * n:.1f} µs (4.00x)" in text
+    named = census.render_comparison(window(True, "bn_rank0.json", False), window(False, "fn_rank0.json", False),
+                                     steps=steps, layers=layers)
+    # the planted fault the ranges fix: by name, 7 GEMMs per layer in the baseline, 6 in the fused arm,
+    # and the region's 4.00x reads 1.43x
+    assert f"| Cijk_ | {7 * n} × 2.00 = {14.0 * n:.1f} | {6 * n} × 2.00 = {12.0 * n:.1f} |" in named
+    assert "counted by kernel name alone" in named and "absorb_qk_cache region: 240.0 µs -> 168.0 µs (1.43x)" in named

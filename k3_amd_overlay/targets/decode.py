@@ -17,6 +17,7 @@ from k3_amd_overlay.fusions.qk_cache import AbsorbVariant, BatchFacts, DecodePat
 from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
 from k3_amd_overlay.ops import qk_cache as qk_cache_op
 from k3_amd_overlay.ops.reference import absorb_w_uk_reference
+from k3_amd_overlay.regions import DECODE_REGION, region
 from k3_amd_overlay.targets import vllm_env
 
 DECODE_SITE = "_k3_overlay_qk_cache"  # the attribute a layer (wrapper or MLAAttention) holds its site under
@@ -156,12 +157,17 @@ class DecodeSite:
     def attend(self, attn: Any, stock: Callable[..., torch.Tensor], q: torch.Tensor,
                kv_c_normed: torch.Tensor, k_pe: torch.Tensor, output_shape: Any = None,
                q_dcp_replicated: torch.Tensor | None = None) -> torch.Tensor:
-        """The site for an MLAAttention call: a fused decode when the plan takes this batch, else
-        stock. Under torch.compile tracing it stands down to the stock call (no evidence hook either)."""
-        if self.context is not None and not torch.compiler.is_compiling():
-            return self.through_break(self.route_attention, q, output_shape, attn, stock, q, kv_c_normed, k_pe,
-                                      output_shape, q_dcp_replicated)
-        return stock(q, kv_c_normed, k_pe, output_shape=output_shape, q_dcp_replicated=q_dcp_replicated)
+        """The site for an MLAAttention call, inside the census's profiler range: a fused decode when
+        the plan takes this batch, else stock (a layer the overlay does not fuse, in stock mode, only
+        opens the range). Under torch.compile tracing it stands down to the stock call (no evidence
+        hook, no range)."""
+        if torch.compiler.is_compiling():
+            return stock(q, kv_c_normed, k_pe, output_shape=output_shape, q_dcp_replicated=q_dcp_replicated)
+        with region(DECODE_REGION):
+            if self.context is not None:
+                return self.through_break(self.route_attention, q, output_shape, attn, stock, q, kv_c_normed, k_pe,
+                                          output_shape, q_dcp_replicated)
+            return stock(q, kv_c_normed, k_pe, output_shape=output_shape, q_dcp_replicated=q_dcp_replicated)
 
     def route_attention(self, attn: Any, stock: Callable[..., torch.Tensor], q: torch.Tensor,
                         kv_c_normed: torch.Tensor, k_pe: torch.Tensor, output_shape: Any,

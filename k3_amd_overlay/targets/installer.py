@@ -163,11 +163,12 @@ class LayerInstaller:
 def install_sites(installer: LayerInstaller, wrapper: Any, fusions: frozenset[str],
                   decode_via_attend_hook: bool) -> None:
     """Attach a freshly built K3 layer's per-layer sites (every vLLM shape comes through here). The
-    decode site goes on the layer's MLAAttention where vLLM has no fused-decode helper to wrap."""
+    decode site goes on the layer's MLAAttention where vLLM has no fused-decode helper to wrap, and
+    in stock mode, where it only opens the census's profiler range around vLLM's attention call."""
     if QKV_NORM in fusions:
         upstream = bool(wrapper.__dict__.get("_use_eager_qk_rmsnorm_fusion", False))
         installer.install_qkv_norm(wrapper, upstream_fuses=upstream)
     if fusions & DECODE_FUSIONS and decode_via_attend_hook:
         site = installer.install_qk_cache(wrapper, upstream_fuses=False)
-        if site.plan.overlay_fuses:
+        if site.plan.overlay_fuses or installer.stock:  # stock: the census's range around stock's call, nothing else
             attend_hook.install(wrapper.mla_attn, site)

@@ -10,7 +10,8 @@ import torch
 
 from k3_amd_overlay.fusions.qk_cache import upstream_takes
 from k3_amd_overlay.fusions.states import FusionState
-from k3_amd_overlay.targets import vllm_env
+from k3_amd_overlay.regions import DECODE_REGION, region
+from k3_amd_overlay.targets import attend_hook, vllm_env
 from k3_amd_overlay.targets.decode import DECODE_SITE, DecodeSite, batch_facts
 from k3_amd_overlay.targets.defects import W_UK_T_BEFORE_LOAD
 from k3_amd_overlay.targets.installer import LayerInstaller, install_sites
@@ -73,7 +74,10 @@ def decide_fused_qk_prep(installer: LayerInstaller) -> Callable[..., bool]:
                              f"{W_UK_T_BEFORE_LOAD.describe()}")
             raise
         installer.evidence.defect_outcome(W_UK_T_BEFORE_LOAD.name, fired=False)
-        return installer.install_qk_cache(instance, upstream_fuses=upstream).plan.fused_decode_on
+        site = installer.install_qk_cache(instance, upstream_fuses=upstream)
+        if installer.stock:  # vLLM's stock attention call, inside the census's profiler range
+            attend_hook.install(instance.mla_attn, site)
+        return site.plan.fused_decode_on
 
     return _k3_overlay_decide_qk_cache
 
@@ -97,8 +101,9 @@ def _k3_overlay_fused_decode(wrapped: Wrapped, instance: Any, args: tuple[Any, .
         if site.plan.upstream_keeps:
             return wrapped(*args, **kwargs)
         return instance.mla_attn(q, kv_c_normed, k_pe, output_shape=output_shape)
-    return site.through_break(_route_fused_decode, q, output_shape, site, wrapped, instance, q, kv_c_normed, k_pe,
-                              positions, output_shape)
+    with region(DECODE_REGION):
+        return site.through_break(_route_fused_decode, q, output_shape, site, wrapped, instance, q, kv_c_normed,
+                                  k_pe, positions, output_shape)
 
 
 def _route_fused_decode(site: DecodeSite, wrapped: Wrapped, instance: Any, q: torch.Tensor,

@@ -12,6 +12,7 @@ import torch
 
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.ops import rmsnorm_pair
+from k3_amd_overlay.regions import QKV_NORM_REGION, region
 
 QKV_NORM_SITE = "_k3_overlay_qkv_norm"  # the attribute a K3 MLA wrapper holds its site under
 TwoNorms = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -44,8 +45,14 @@ class QkvNormSite:
 
     def normalize(self, q_norm: Any, kv_norm: Any, upstream: TwoNorms | None,
                   q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The one site acting on the decision. Under torch.compile tracing the overlay's kernel
-        (not a registered op) stands down to the two separate norms."""
+        """The one site acting on the decision, inside the census's profiler range. Under
+        torch.compile tracing the overlay's kernel (not a registered op) stands down to the two
+        separate norms."""
+        with region(QKV_NORM_REGION):
+            return self._normalize(q_norm, kv_norm, upstream, q_c, kv_c)
+
+    def _normalize(self, q_norm: Any, kv_norm: Any, upstream: TwoNorms | None,
+                   q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         state = self.decision.state
         if state is FusionState.APPLIED and self.q_kv_norm is not None:
             if torch.compiler.is_compiling():
