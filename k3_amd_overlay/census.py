@@ -49,10 +49,10 @@ FUSION_KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
                     "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal"),
         "adds": ("fuse_qk_rope_concat_and_cache_mla", QK_CACHE_KERNEL),
     },
-    ABSORB_QK_CACHE: {  # the bf16 W_UK_T's bmm (torch/hipBLASLt) or vLLM's fp8 / MXFP4 one (AITER's GEMMs)
+    ABSORB_QK_CACHE: {  # the bf16 W_UK_T's bmm (torch: hipBLASLt's Cijk_, cuBLASLt's nvjet) or vLLM's fp8 / MXFP4 one
         "removes": ("concat_and_cache_mla", "CatArrayBatchedCopy", "scaled_quant",
                     "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal", QK_CACHE_KERNEL, "batched_gemm_a8w8",
-                    "batched_gemm_a16wfp4", "bmm", "gemm", "Cijk_"),
+                    "batched_gemm_a16wfp4", "bmm", "gemm", "Cijk_", "nvjet"),
         "adds": (ABSORB_QK_CACHE_KERNEL, ABSORB_FP8_QK_CACHE_KERNEL, ABSORB_MXFP4_QK_CACHE_KERNEL,
                  "fused_fp8_bmm_rope_cat_and_cache_mla", "fused_fp4_bmm_rope_cat_and_cache_mla", STATIC_QUANT_KERNEL),
     },
@@ -64,7 +64,7 @@ FUSION_KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
 KERNEL_CATEGORIES = frozenset({"kernel", "gpu_op"})
 # The patterns of GEMM kernels: inside a decode range, the W_UK absorption's (before the region's
 # own work) and the W_UV up-projection's (after the attention kernel) look alike.
-GEMM_PATTERNS = frozenset({"batched_gemm_a8w8", "batched_gemm_a16wfp4", "bmm", "gemm", "Cijk_"})
+GEMM_PATTERNS = frozenset({"batched_gemm_a8w8", "batched_gemm_a16wfp4", "bmm", "gemm", "Cijk_", "nvjet"})
 FUSION_REGIONS = {QKV_NORM: QKV_NORM_REGION, QK_CACHE: DECODE_REGION, ABSORB_QK_CACHE: DECODE_REGION}
 RANGE_CATEGORIES = frozenset({"user_annotation"})
 

@@ -167,6 +167,7 @@ NAMED_KERNELS = [
     ("absorb_qk_cache", "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816bmm_64x64_32x6_tn_align8>", "bmm"),
     ("absorb_qk_cache", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "gemm"),
     ("absorb_qk_cache", "Cijk_Alik_Bljk_BBS_BH_MT64x64x64_MI16x16x16x1_SN", "Cijk_"),
+    ("absorb_qk_cache", "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_NNT", "nvjet"),  # cuBLASLt on the H200
     ("absorb_qk_cache", "absorb_qk_cache_kernel", "absorb_qk_cache_kernel"),
     ("absorb_qk_cache", "absorb_fp8_qk_cache_kernel", "absorb_fp8_qk_cache_kernel"),
     ("absorb_qk_cache", "absorb_mxfp4_qk_cache_kernel", "absorb_mxfp4_qk_cache_kernel"),
@@ -466,3 +467,33 @@ def test_the_census_counts_only_the_region_each_fusion_replaces(tmp_path):
     # and the region's 4.00x reads 1.43x
     assert f"| Cijk_ | {7 * n} × 2.00 = {14.0 * n:.1f} | {6 * n} × 2.00 = {12.0 * n:.1f} |" in named
     assert "counted by kernel name alone" in named and "absorb_qk_cache region: 240.0 µs -> 168.0 µs (1.43x)" in named
+
+
+REGION_TRACES = Path(__file__).parent / "data"
+
+
+def test_real_h200_traces_counted_by_region_not_by_name():
+    """Real profiler traces (torch 2.11, NVIDIA H200; scripts/make_region_traces.py): 3 decode steps
+    x 4 decoder layers through the overlay's own sites, stock and fused, amid the model's other GEMMs
+    (cuBLASLt's nvjet kernels: q_a, q_b, W_UK, W_UV, o_proj, a MoE batch) and norms
+    (``fused_add_rms_norm_kernel`` around each layer). Inside the ranges: exactly the 12 W_UK GEMMs,
+    the 24 q_a/kv_a norms; by name the same traces claim 72 GEMMs and 48 norms."""
+    stock = census.read_census([REGION_TRACES / "region-stock-rank0.json.gz"])
+    fused = census.read_census([REGION_TRACES / "region-fused-rank0.json.gz"])
+    absorb = ("nvjet", "concat_and_cache_mla", "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal",
+              "absorb_qk_cache_kernel")
+    counts = {side: {p: s.count for p, s in census.region_claims(c, "absorb_qk_cache", absorb).items()}
+              for side, c in (("stock", stock), ("fused", fused))}
+    assert counts == {"stock": {"nvjet": 12, "concat_and_cache_mla": 12,
+                                "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal": 12, "absorb_qk_cache_kernel": 0},
+                      "fused": {"nvjet": 0, "concat_and_cache_mla": 0,
+                                "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal": 0, "absorb_qk_cache_kernel": 12}}
+    norms = ("rms_norm_kernel", "rmsnorm_pair_kernel")
+    assert {p: s.count for p, s in census.region_claims(stock, "qkv_norm", norms).items()} == {
+        "rms_norm_kernel": 24, "rmsnorm_pair_kernel": 0}
+    assert {p: s.count for p, s in census.region_claims(fused, "qkv_norm", norms).items()} == {
+        "rms_norm_kernel": 0, "rmsnorm_pair_kernel": 12}
+    assert (stock.matching("nvjet").count, fused.matching("nvjet").count) == (72, 60)  # what names alone see
+    assert stock.matching("rms_norm_kernel").count == 48
+    text = census.render_comparison(stock, fused, steps=3, layers=4)
+    assert "| nvjet | 12 × " in text and "counted inside the overlay's k3_amd_overlay::mla_decode ranges" in text
