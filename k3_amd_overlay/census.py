@@ -51,7 +51,8 @@ FUSION_KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     ABSORB_QK_CACHE: {  # the bf16 W_UK_T's bmm (torch: hipBLASLt's Cijk_, cuBLASLt's nvjet) or vLLM's fp8 / MXFP4 one
         "removes": ("concat_and_cache_mla", "CatArrayBatchedCopy", "scaled_quant",
-                    "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal", QK_CACHE_KERNEL, "batched_gemm_a8w8",
+                    "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal", QK_CACHE_KERNEL,
+                    "fuse_qk_rope_concat_and_cache_mla", "batched_gemm_a8w8",
                     "batched_gemm_a16wfp4", "bmm", "gemm", "Cijk_", "nvjet"),
         "adds": (ABSORB_QK_CACHE_KERNEL, ABSORB_FP8_QK_CACHE_KERNEL, ABSORB_MXFP4_QK_CACHE_KERNEL,
                  "fused_fp8_bmm_rope_cat_and_cache_mla", "fused_fp4_bmm_rope_cat_and_cache_mla", STATIC_QUANT_KERNEL),

@@ -195,8 +195,9 @@ def test_every_table_pattern_claims_the_kernel_it_names(tmp_path):
             rows.append(line)
     for fusion, _, pattern in NAMED_KERNELS:
         assert f"| {pattern} | 1 × 2.00 = 2.0 | 0 × 0.00 = 0.0 |" in sections[fusion], (fusion, pattern)
-    # each kernel once per section; the absorbed launch also removes qk_cache's four stock kernels and its launch
-    assert sum(len(rows) - 1 for rows in sections.values()) == len(NAMED_KERNELS) + 5
+    # each kernel once per section; the absorbed launch also removes qk_cache's four stock kernels, its launch
+    # and vLLM's own fused decode (AITER's fused write after vLLM's W_UK GEMM)
+    assert sum(len(rows) - 1 for rows in sections.values()) == len(NAMED_KERNELS) + 6
     assert "| qk_cache_kernel | 1 × 2.00 = 2.0 | 0 × 0.00 = 0.0 |" in sections["absorb_qk_cache"]
     assert census.TABLE_PATTERNS == {p for _, _, p in NAMED_KERNELS}  # every pattern has its kernel here
 
@@ -497,3 +498,24 @@ def test_real_h200_traces_counted_by_region_not_by_name():
     assert stock.matching("rms_norm_kernel").count == 48
     text = census.render_comparison(stock, fused, steps=3, layers=4)
     assert "| nvjet | 12 × " in text and "counted inside the overlay's k3_amd_overlay::mla_decode ranges" in text
+
+
+def test_an_aiter_on_stock_trace_counts_vllms_fp8_w_uk_gemm_and_its_own_fused_decode(tmp_path):
+    """vLLM 0.32+ with AITER on runs its own fused decode in stock traces too (K3_AMD_OVERLAY=stock
+    turns it off; auto defers to it): the fp8 W_UK GEMM (AITER's batched_gemm_a8w8, also used for
+    W_UV after the attention kernel) then AITER's fused write. Inside the decode range only the first
+    GEMM is the absorption; against the overlay's absorbed launch the region is W_UK + AITER's launch."""
+    w_gemm = "_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel"
+    aiter_on = [(None, [w_gemm]),  # q_b_proj through the same AITER GEMM family: outside the range
+                ("k3_amd_overlay::mla_decode", [w_gemm, "void aiter::fuse_qk_rope_concat_and_cache_mla_kernel<bf16>",
+                                                "mla_a8w8_decode_kernel", w_gemm])]
+    fused = [(None, [w_gemm]), ("k3_amd_overlay::mla_decode", ["absorb_fp8_qk_cache_kernel", "mla_a8w8_decode_kernel",
+                                                               w_gemm])]
+    base = census.read_census([_ranged_trace(tmp_path / "b_rank0.json", [aiter_on * 24] * 2)])
+    cand = census.read_census([_ranged_trace(tmp_path / "f_rank0.json", [fused * 24] * 2)])
+    patterns = ("batched_gemm_a8w8", "fuse_qk_rope_concat_and_cache_mla", "absorb_fp8_qk_cache_kernel")
+    assert {p: s.count for p, s in census.region_claims(base, "absorb_qk_cache", patterns).items()} == {
+        "batched_gemm_a8w8": 48, "fuse_qk_rope_concat_and_cache_mla": 48, "absorb_fp8_qk_cache_kernel": 0}
+    assert {p: s.count for p, s in census.region_claims(cand, "absorb_qk_cache", patterns).items()} == {
+        "batched_gemm_a8w8": 0, "fuse_qk_rope_concat_and_cache_mla": 0, "absorb_fp8_qk_cache_kernel": 48}
+    assert base.matching("batched_gemm_a8w8").count == 144  # by name: q_b_proj, W_UK and W_UV alike
