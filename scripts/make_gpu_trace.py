@@ -69,15 +69,23 @@ def main(out: Path) -> None:
             for _ in range(STEPS):
                 graph.replay()
             torch.cuda.synchronize()
-        raw = out / f"trace-{name}-rank0.json"
-        prof.export_chrome_trace(str(raw))
-        data = json.loads(raw.read_text())
-        kernels = [e["name"] for e in data["traceEvents"] if e.get("cat") == "kernel"]
-        print(f"{name}: {len(kernels)} kernel events: " +
-              ", ".join(f"{n[:60]} x{kernels.count(n)}" for n in sorted(set(kernels))))
-        with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        raw.unlink()
+        export_gzipped(prof, out / f"trace-{name}-rank0.json", name)
+
+
+def export_gzipped(prof: torch.profiler.profile, raw: Path, label: str) -> dict:
+    """Write the profiler's Kineto JSON as ``raw``.gz, print its kernels (and the overlay's ranges)
+    by name and count, and return the trace."""
+    prof.export_chrome_trace(str(raw))
+    data = json.loads(raw.read_text())
+    kernels = [e["name"] for e in data["traceEvents"] if e.get("cat") == "kernel"]
+    ranges = [e["name"] for e in data["traceEvents"] if e.get("cat") == "user_annotation"
+              and e["name"].startswith("k3_amd_overlay::")]
+    print(f"{label}: {len(kernels)} kernel events, {len(ranges)} overlay ranges {sorted(set(ranges))}: " +
+          "; ".join(f"{n[:90]} x{kernels.count(n)}" for n in sorted(set(kernels))))
+    with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    return data
 
 
 if __name__ == "__main__":

@@ -16,9 +16,6 @@ and N ``absorb_qk_cache_kernel``, no W_UK GEMM. The script prints each trace's k
 
 from __future__ import annotations
 
-import gzip
-import json
-import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +23,7 @@ from types import SimpleNamespace
 import torch
 import triton
 import triton.language as tl
+from make_gpu_trace import export_gzipped  # scripts/, beside this one
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel
@@ -167,17 +165,7 @@ def main(out: Path) -> None:
             for _ in range(STEPS):
                 step()
             torch.cuda.synchronize()
-        raw = out / f"region-{name}-rank0.json"
-        prof.export_chrome_trace(str(raw))
-        data = json.loads(raw.read_text())
-        kernels = [e["name"] for e in data["traceEvents"] if e.get("cat") == "kernel"]
-        ranges = [e["name"] for e in data["traceEvents"] if e.get("cat") == "user_annotation"
-                  and e["name"].startswith("k3_amd_overlay::")]
-        print(f"{name}: {len(kernels)} kernels, ranges {sorted(set(ranges))} x{len(ranges)}: " +
-              "; ".join(f"{n[:90]} x{kernels.count(n)}" for n in sorted(set(kernels))))
-        with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        raw.unlink()
+        export_gzipped(prof, out / f"region-{name}-rank0.json", name)
 
 
 if __name__ == "__main__":
