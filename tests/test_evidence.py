@@ -764,15 +764,16 @@ def test_check_json_is_json_when_the_static_probe_fails(monkeypatch, capsys):
     assert out["holds"] is False and out["records"] == [] and "ImportError: no vllm" in out["lines"][0]
 
 
-def test_an_unusable_marker_directory_is_a_warning_line_of_its_own(tmp_path, capsys):
+def test_an_unusable_marker_directory_is_a_warning_line_of_its_own(tmp_path, emitted):
     directory = tmp_path / "open"
     directory.mkdir(mode=0o777)
     directory.chmod(0o777)
     evidence = Evidence(load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_MARKER_DIR": str(directory)}))
     evidence.publish()
-    lines = capsys.readouterr().err.splitlines()
-    assert lines[-1].startswith("k3-amd-overlay: WARNING: this process writes no marker, so `k3-amd-overlay "
-                                f"check` cannot see it: marker directory {directory} is writable by group or others")
+    level, line = emitted[-1]
+    assert level == logging.WARNING and line.startswith(
+        "k3-amd-overlay: WARNING: this process writes no marker, so `k3-amd-overlay check` cannot see it: "
+        f"marker directory {directory} is writable by group or others")
 
 
 def test_python_m_runs_the_command_line():
