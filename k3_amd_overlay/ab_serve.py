@@ -29,17 +29,13 @@ from typing import Any
 
 from k3_amd_overlay import ab_stats, arms, markers
 from k3_amd_overlay.package import __version__
-from k3_amd_overlay.settings import SettingsError, load_settings
+from k3_amd_overlay.usage import UsageError, check_executables, check_out_dir, check_switches
 
 BENCH_DEFAULTS = ("--backend openai-chat --endpoint /v1/chat/completions --dataset-name random "
                   "--random-input-len 1024 --random-output-len 8192 --random-range-ratio 0 --ignore-eos "
                   "--seed 42 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99")
 PROMPTS_PER_CONCURRENCY = 4  # default --num-prompts: this many requests per concurrent slot
 RUN_DIR = re.compile(r"repeat(\d+)-arm([ABC])")
-
-
-class UsageError(ValueError):
-    """A bad argument, found before any server starts."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -81,23 +77,15 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--num-prompts {args.num_prompts}: at least 1")
     if args.health_timeout <= 0:
         raise UsageError(f"--health-timeout {args.health_timeout}: must be positive")
-    if args.out.exists() and not args.out.is_dir():
-        raise UsageError(f"--out {args.out} is a file, not a directory")
+    check_out_dir(args.out)
     switches = [("--arm-a", args.arm_a), ("--arm-b", args.arm_b)]
     if args.with_stock:
         switches.append(("the stock arm", "stock"))
-    for name, value in switches:
-        try:
-            load_settings({"K3_AMD_OVERLAY": value})
-        except SettingsError as exc:
-            raise UsageError(f"{name}: {exc}") from None
+    check_switches(switches)
     values = [v for _, v in switches]
     if len(set(values)) != len(values):
         raise UsageError(f"the arms must differ: {', '.join(f'{n}={v!r}' for n, v in switches)}")
-    for name, command in (("--serve-cmd", args.serve_cmd), ("--bench-cmd", args.bench_cmd)):
-        words = arms.split_command(command)
-        if not words or shutil.which(words[0]) is None:
-            raise UsageError(f"{name} {command!r}: {words[0] if words else 'nothing'} is not an executable on PATH")
+    check_executables((("--serve-cmd", args.serve_cmd), ("--bench-cmd", args.bench_cmd)))
 
 
 def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, result: Path) -> dict:

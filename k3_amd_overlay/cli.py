@@ -19,6 +19,7 @@ from k3_amd_overlay import k3, markers
 from k3_amd_overlay.package import FUSIONS, __version__
 from k3_amd_overlay.record import MarkerRecord, RecordError
 from k3_amd_overlay.settings import MARKER_DIR
+from k3_amd_overlay.usage import UsageError
 from k3_amd_overlay.verdict import judge
 
 STATIC_PROBE = """
@@ -31,10 +32,6 @@ activation = active()
 record = activation.evidence.record.to_json() if activation else {"pid": 0, "mode": "off", "fusions": {}}
 print("K3_AMD_OVERLAY_RECORD=" + json.dumps(record))
 """
-
-
-class UsageError(ValueError):
-    """A command line that asks for something impossible: exit 2 with the message, like argparse."""
 
 
 def _fusions(value: str | None) -> list[str] | None:

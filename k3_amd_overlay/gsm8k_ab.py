@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from k3_amd_overlay import ab_stats, arms
-from k3_amd_overlay.ab_serve import UsageError
-from k3_amd_overlay.settings import SettingsError, load_settings
+from k3_amd_overlay.usage import UsageError, check_executables, check_out_dir, check_switches
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,21 +100,13 @@ def validate(args: argparse.Namespace) -> None:
     """Every argument checked before the first server starts."""
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit {args.limit}: at least 1")
-    if args.out.exists() and not args.out.is_dir():
-        raise UsageError(f"--out {args.out} is a file, not a directory")
+    check_out_dir(args.out)
     if args.data_file is not None and not args.data_file.is_file():
         raise UsageError(f"--data-file {args.data_file}: no such file")
-    for name, value in (("--arm-a", args.arm_a), ("--arm-b", args.arm_b)):
-        try:
-            load_settings({"K3_AMD_OVERLAY": value})
-        except SettingsError as exc:
-            raise UsageError(f"{name}: {exc}") from None
+    check_switches((("--arm-a", args.arm_a), ("--arm-b", args.arm_b)))
     if args.arm_a == args.arm_b:
         raise UsageError(f"the arms must differ: --arm-a and --arm-b are both {args.arm_a!r}")
-    for name, command in (("--serve-cmd", args.serve_cmd), ("--lm-eval-cmd", args.lm_eval_cmd)):
-        words = arms.split_command(command)
-        if not words or shutil.which(words[0]) is None:
-            raise UsageError(f"{name} {command!r}: {words[0] if words else 'nothing'} is not an executable on PATH")
+    check_executables((("--serve-cmd", args.serve_cmd), ("--lm-eval-cmd", args.lm_eval_cmd)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -213,3 +213,15 @@ def test_gsm8k_ab_end_to_end(tmp_path):
     assert "paired over 40 questions: delta (B - A) -2.50 pp; right only with A: 1, only with B: 0" in proc.stdout
     assert ("verdict: no difference detected at this n: McNemar exact p = 1.0000 (>= 0.05) over 40 paired "
             "questions") in proc.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--arm-a", "1"], "the arms must differ: --arm-a and --arm-b are both '1'"),
+    (["--arm-b", "fast"], "--arm-b: K3_AMD_OVERLAY='fast' is not valid"),
+    (["--limit", "0"], "--limit 0: at least 1"),
+    (["--lm-eval-cmd", "no-such-lm-eval"], "--lm-eval-cmd 'no-such-lm-eval': no-such-lm-eval is not an executable"),
+])
+def test_gsm8k_ab_rejects_bad_arguments_before_any_server_starts(tmp_path, args, message):
+    proc = run_script("gsm8k_ab.py", "--model", "k3", "--out", str(tmp_path / "out"), *args)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()

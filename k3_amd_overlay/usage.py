@@ -1,0 +1,37 @@
+"""Usage errors of the command line and its tools: the one exception (exit 2, as argparse's own),
+and the argument checks the A/B tools share, run before any server starts."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from k3_amd_overlay.settings import SWITCH, SettingsError, load_settings
+
+
+class UsageError(ValueError):
+    """A command line that asks for something impossible; the message names the value and why."""
+
+
+def check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory")
+
+
+def check_switches(named: Iterable[tuple[str, str]]) -> None:
+    """Each (option, K3_AMD_OVERLAY value) is a valid switch value."""
+    for name, value in named:
+        try:
+            load_settings({SWITCH: value})
+        except SettingsError as exc:
+            raise UsageError(f"{name}: {exc}") from None
+
+
+def check_executables(named: Iterable[tuple[str, str]]) -> None:
+    """Each (option, command line) starts with an executable on PATH."""
+    for name, command in named:
+        words = shlex.split(command)
+        if not words or shutil.which(words[0]) is None:
+            raise UsageError(f"{name} {command!r}: {words[0] if words else 'nothing'} is not an executable on PATH")
