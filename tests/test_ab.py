@@ -222,6 +222,7 @@ def test_gsm8k_ab_end_to_end(tmp_path):
     (["--lm-eval-cmd", "no-such-lm-eval"], "--lm-eval-cmd 'no-such-lm-eval': no-such-lm-eval is not an executable"),
 ])
 def test_gsm8k_ab_rejects_bad_arguments_before_any_server_starts(tmp_path, args, message):
-    proc = run_script("gsm8k_ab.py", "--model", "k3", "--out", str(tmp_path / "out"), *args)
+    proc = run_script("gsm8k_ab.py", "--model", "k3", "--out", str(tmp_path / "out"),
+                      "--serve-cmd", f"{sys.executable} {STANDINS / 'fake_serve.py'}", *args)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
