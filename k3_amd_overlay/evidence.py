@@ -163,6 +163,12 @@ class Evidence:
         for gap in coverage.get("not_covered", []):
             _emit(logging.WARNING, f"k3-amd-overlay: not covered in this process: {gap}")
 
+    def set_launch_configs(self, launch_configs: dict[str, Any]) -> None:
+        """The GPU arch and where each kernel's launch configs come from (kernels/launch_configs.py)."""
+        with self._lock:
+            self.record.launch_configs = launch_configs
+            self._write()
+
     def set_upstream_defects(self, defects: list[dict[str, Any]]) -> None:
         """Known defects of this vLLM's own K3 code (targets/defects.py), and whether this
         process's environment triggers them."""

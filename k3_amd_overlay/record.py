@@ -107,6 +107,7 @@ class MarkerRecord:
     patches: list[str] = field(default_factory=list)
     upstream_defects: list[dict[str, Any]] = field(default_factory=list)
     coverage: dict[str, Any] = field(default_factory=dict)
+    launch_configs: dict[str, Any] = field(default_factory=dict)  # arch, device, each kernel's config file
     updated: float = 0.0
 
     def builds_layers(self) -> bool:

@@ -9,6 +9,9 @@
 ``K3_AMD_OVERLAY_MARKER_DIR``  where per-process evidence markers go (default: a 0700 per-user
                              directory).
 ``K3_AMD_OVERLAY_<FUSION>_PROVIDER``  force one provider for a fusion (default ``auto``).
+``K3_AMD_OVERLAY_KERNEL_CONFIGS``  a launch-config file written by ``k3-amd-overlay tune``, or a
+                             directory of them (the one tuned on this GPU is used); default: the
+                             package's file for the GPU's arch.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from k3_amd_overlay.package import AUTO, FUSIONS, PROVIDERS
 SWITCH = "K3_AMD_OVERLAY"
 STRICT = "K3_AMD_OVERLAY_STRICT"
 MARKER_DIR = "K3_AMD_OVERLAY_MARKER_DIR"
+KERNEL_CONFIGS = "K3_AMD_OVERLAY_KERNEL_CONFIGS"
 ENV_PREFIX = SWITCH  # every variable of the overlay starts with this; Ray forwarding relies on it
 
 PROVIDER_SETTINGS: dict[str, tuple[str, ...]] = {f: (AUTO, *names) for f, names in PROVIDERS.items()}
@@ -32,7 +36,7 @@ def provider_variable(fusion: str) -> str:
     return f"{SWITCH}_{fusion.upper()}_PROVIDER"
 
 
-KNOWN_VARIABLES = frozenset({SWITCH, STRICT, MARKER_DIR, *(provider_variable(f) for f in FUSIONS)})
+KNOWN_VARIABLES = frozenset({SWITCH, STRICT, MARKER_DIR, KERNEL_CONFIGS, *(provider_variable(f) for f in FUSIONS)})
 
 
 class Mode(str, enum.Enum):

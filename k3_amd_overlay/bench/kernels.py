@@ -28,7 +28,7 @@ from k3_amd_overlay.bench.timing import bandwidth_bytes_per_us, eager_us, graph_
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
 from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
 from k3_amd_overlay.kernels.absorb_mxfp4_qk_cache import absorb_mxfp4_qk_cache
-from k3_amd_overlay.kernels.absorb_qk_cache import BLOCK_N, absorb_qk_cache
+from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
 from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
 from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
 from k3_amd_overlay.kernels.static_quant import scaled_quant
@@ -147,7 +147,7 @@ def decode_step_inputs(tokens: int, heads: int) -> tuple[torch.Tensor, ...]:
 
 
 def bench_absorb(heads_list: list[int], tokens_list: list[int], bw: float, empty: dict[str, float],
-                 fmt: Fp8Format = E4M3FN, block_n: int = BLOCK_N) -> list[dict]:
+                 fmt: Fp8Format = E4M3FN, block_n: int | None = None) -> list[dict]:
     """The W_UK absorption folded in: bmm + three launches (stock), bmm + one qk_cache launch, and
     one absorb_qk_cache launch; the floor counts W_UK_T read once."""
     results = []

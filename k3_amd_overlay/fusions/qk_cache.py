@@ -178,11 +178,14 @@ class DecodePlan:
         vLLM's own fused decode keeps the layer or the overlay fuses it."""
         return self.upstream_keeps or self.overlay_fuses
 
-    def path_for(self, batch: BatchFacts | None) -> DecodePath | None:
-        """The one decision per batch: the fused launch to take, or None for the stock path."""
-        if not self.overlay_fuses or not batch_fusable(batch):
+    def path_for(self, batch: BatchFacts | None, failed: frozenset[str] = frozenset()) -> DecodePath | None:
+        """The one decision per batch: the fused launch to take, or None for the stock path
+        (``failed``: fusions whose kernel failed in this process, refused from then on)."""
+        absorb_on = self.absorb_decision.state is FusionState.APPLIED and ABSORB_QK_CACHE not in failed
+        qk_on = self.decision.state is FusionState.APPLIED and QK_CACHE not in failed
+        if not (absorb_on or qk_on) or not batch_fusable(batch):
             return None
         assert batch is not None
-        if self.absorb_decision.state is FusionState.APPLIED and batch.num_actual_tokens <= ABSORB_MAX_TOKENS:
+        if absorb_on and batch.num_actual_tokens <= ABSORB_MAX_TOKENS:
             return DecodePath.ABSORB
-        return DecodePath.QK_CACHE if self.decision.state is FusionState.APPLIED else None
+        return DecodePath.QK_CACHE if qk_on else None

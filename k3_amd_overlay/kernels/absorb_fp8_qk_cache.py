@@ -12,24 +12,14 @@ import triton
 import triton.language as tl
 
 from k3_amd_overlay.fp8 import Fp8Format, format_of
-from k3_amd_overlay.kernels.absorb_qk_cache import block_t, query_operands, store_query
+from k3_amd_overlay.kernels import target
+from k3_amd_overlay.kernels.absorb_qk_cache import absorb_launch, query_operands, store_query
+from k3_amd_overlay.kernels.launch import launch
+from k3_amd_overlay.kernels.names import ABSORB_FP8_QK_CACHE_KERNEL
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
 
 GROUP = 128  # vLLM quantises q_nope in groups of 128 (``triton_fp8_bmm(..., group_size=128)``)
-
-
-def launch_shape(num_tokens: int, num_heads: int) -> tuple[int, int, int]:
-    """(latent columns per program, warps, tokens per program): the fastest of 16-128 x 1-8 x 1/16+ on
-    an H200 by batch and heads per rank (docs/benchmarks.md): one token without tensor cores for a
-    single token, then narrow programs for small batches and few wide ones for large."""
-    if num_tokens == 1:
-        return 32, 4, 1
-    if num_tokens <= 8:
-        return (16, 4, 16) if num_heads <= 6 else (64, 8, 16)
-    if num_tokens <= 64 and num_heads <= 6:
-        return 32, 8, block_t(num_tokens)
-    return 128, 8, block_t(num_tokens)
 
 
 @triton.jit
@@ -83,21 +73,20 @@ def absorb_fp8_qk_cache(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torc
                         q_out_bytes: torch.Tensor, fmt: Fp8Format, block_n: int | None = None,
                         num_warps: int | None = None, block_tokens: int | None = None) -> None:
     """Launch on validated inputs: q_nope [T, H, P = 128]; W_K [H, L, P] fp8 (any strides);
-    W_K_scale one fp32 element; k_pe 2-D; uint8 views of cache and q_out. ``block_n`` and
-    ``num_warps``: the launch shape, by default ``launch_shape``'s (benchmarks compare others)."""
+    W_K_scale one fp32 element; k_pe 2-D; uint8 views of cache and q_out. ``block_n``,
+    ``num_warps``, ``block_tokens``: the launch shape, by default the arch's config (sweeps compare
+    others)."""
     num_tokens, num_heads, nope = q_nope.shape
-    default_n, default_warps, default_t = launch_shape(num_tokens, num_heads)
-    block_n, num_warps = block_n or default_n, num_warps or default_warps
     lora, rope = w_k.shape[1], q_pe.shape[-1]
-    block_n, tokens_per_program = min(block_n, lora), block_tokens or default_t
-    grid = (num_heads * triton.cdiv(num_tokens, tokens_per_program) * (lora // block_n) + num_tokens,)
-    absorb_fp8_qk_cache_kernel[grid](
+    grid, config = absorb_launch(ABSORB_FP8_QK_CACHE_KERNEL, q_nope, lora, block_n, num_warps, block_tokens)
+    launch(
+        absorb_fp8_qk_cache_kernel, grid,
         q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,
         q_nope.stride(0), q_nope.stride(1), w_k.stride(0), w_k.stride(1), w_k.stride(2),
         q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0),
         cache_bytes.stride(1), q_out_bytes.stride(0), q_out_bytes.stride(1),
         num_tokens, num_heads, cache_bytes.shape[1], fmt.fmax,
-        W_FMAX=format_of(w_k.dtype).fmax, P=nope, L=lora, R=rope, BLOCK_T=tokens_per_program, BLOCK_N=block_n,
+        W_FMAX=format_of(w_k.dtype).fmax, P=nope, L=lora, R=rope,
         FP8_MODE=fp8_mode(fmt, q_nope.device), W_FP8_MODE=fp8_mode(format_of(w_k.dtype), q_nope.device),
-        num_warps=num_warps, DOT_IN_FP32=q_nope.device.type != "cuda", EMULATE_BF16=emulate_bf16(q_nope.device),
+        DOT_IN_FP32=not target.of(q_nope.device).gpu, EMULATE_BF16=emulate_bf16(q_nope.device), **config,
     )

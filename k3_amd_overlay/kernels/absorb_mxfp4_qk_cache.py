@@ -19,22 +19,12 @@ import triton.language as tl
 
 from k3_amd_overlay import mxfp4
 from k3_amd_overlay.fp8 import Fp8Format
-from k3_amd_overlay.kernels.absorb_qk_cache import block_t, query_rows, store_query
+from k3_amd_overlay.kernels import target
+from k3_amd_overlay.kernels.absorb_qk_cache import absorb_launch, query_rows, store_query
+from k3_amd_overlay.kernels.launch import launch
+from k3_amd_overlay.kernels.names import ABSORB_MXFP4_QK_CACHE_KERNEL
 from k3_amd_overlay.kernels.qk_cache import fp8_mode, write_kv_row
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
-
-
-def launch_shape(num_tokens: int, num_heads: int) -> tuple[int, int, int]:
-    """(latent columns per program, warps, tokens per program): the fastest of 16-128 x 4/8 x 1/16+ on an
-    H200 (docs/benchmarks.md): narrow one-token programs for one token, then wider column blocks with
-    more warps as heads and tokens grow (the in-register dequant is the work that grows)."""
-    if num_tokens == 1:
-        return 16, 4, 1
-    if num_tokens <= 8:
-        return (32, 4, 16) if num_heads <= 6 else (64, 8, 16)
-    if num_tokens <= 32:
-        return 32, 4, 16
-    return (64, 8, block_t(num_tokens)) if num_tokens <= 64 else (128, 8, block_t(num_tokens))
 
 
 @triton.jit
@@ -129,24 +119,21 @@ def absorb_mxfp4_qk_cache(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: to
                           num_warps: int | None = None, block_tokens: int | None = None) -> None:
     """Launch on validated inputs: q_nope [T, H, P]; W_K [H, L, P / 2] uint8 and W_K_scale
     [H, L, P / 32] uint8 (any strides: vLLM's are transposed views); k_pe 2-D; uint8 views of cache
-    and q_out. ``block_n``, ``num_warps``, ``block_tokens``: the launch shape (default
-    ``launch_shape``'s)."""
+    and q_out. ``block_n``, ``num_warps``, ``block_tokens``: the launch shape (default the arch's
+    config)."""
     num_tokens, num_heads, nope = q_nope.shape
-    default_n, default_warps, default_t = launch_shape(num_tokens, num_heads)
     lora, rope = w_k.shape[1], q_pe.shape[-1]
-    block_n, num_warps = min(block_n or default_n, lora), num_warps or default_warps
-    tokens_per_program = block_tokens or default_t
-    grid = (num_heads * triton.cdiv(num_tokens, tokens_per_program) * (lora // block_n) + num_tokens,)
-    absorb_mxfp4_qk_cache_kernel[grid](
+    grid, config = absorb_launch(ABSORB_MXFP4_QK_CACHE_KERNEL, q_nope, lora, block_n, num_warps, block_tokens)
+    launch(
+        absorb_mxfp4_qk_cache_kernel, grid,
         q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,
         q_nope.stride(0), q_nope.stride(1), w_k.stride(0), w_k.stride(1), w_k.stride(2),
         w_k_scale.stride(0), w_k_scale.stride(1), w_k_scale.stride(2),
         q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0),
         cache_bytes.stride(1), q_out_bytes.stride(0), q_out_bytes.stride(1),
         num_tokens, num_heads, cache_bytes.shape[1], fmt.fmax,
-        P=nope, L=lora, R=rope, BLOCK_T=tokens_per_program, BLOCK_N=block_n, GROUP=mxfp4.GROUP,
+        P=nope, L=lora, R=rope, GROUP=mxfp4.GROUP,
         AMAX_ROUND_BITS=mxfp4.AMAX_ROUND_BITS, EXPONENT_OFFSET=mxfp4.SCALE_EXPONENT_OFFSET,
-        E2M1_MAX=mxfp4.E2M1_MAX, FP8_MODE=fp8_mode(fmt, q_nope.device), num_warps=num_warps,
-        DOT_IN_FP32=q_nope.device.type != "cuda",
-        EMULATE_BF16=emulate_bf16(q_nope.device),
+        E2M1_MAX=mxfp4.E2M1_MAX, FP8_MODE=fp8_mode(fmt, q_nope.device),
+        DOT_IN_FP32=not target.of(q_nope.device).gpu, EMULATE_BF16=emulate_bf16(q_nope.device), **config,
     )

@@ -16,16 +16,26 @@ import triton
 import triton.language as tl
 
 from k3_amd_overlay.fp8 import Fp8Format
+from k3_amd_overlay.kernels import target
+from k3_amd_overlay.kernels.launch import config_for, launch
+from k3_amd_overlay.kernels.names import ABSORB_QK_CACHE_KERNEL
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
 
-BLOCK_N = 32  # best of 32/64/128 on an H200 at B <= 32 (docs/benchmarks.md)
 
-
-def block_t(num_tokens: int) -> int:
-    """Tokens per program: tl.dot needs at least 16; larger batches take more tokens per program
-    so that each W_UK_T slice is re-read fewer times."""
-    return 16 if num_tokens <= 32 else 32 if num_tokens <= 128 else 64
+def absorb_launch(kernel_name: str, q_nope: torch.Tensor, lora: int, block_n: int | None, num_warps: int | None,
+                  block_tokens: int | None) -> tuple[tuple[int], dict[str, int]]:
+    """Grid and launch options of an absorb kernel: the arch's config for this batch and head count
+    (``launch_configs``; tl.dot takes at least 16 tokens a program, larger batches more so that each
+    weight slice is re-read fewer times), any of BLOCK_N, num_warps, BLOCK_T overridden (benchmark
+    sweeps), BLOCK_N at most L. Query programs (head, token block, column block), then one per token."""
+    num_tokens, num_heads, _ = q_nope.shape
+    config = config_for(kernel_name, q_nope.device, num_tokens, num_heads)
+    config["BLOCK_N"] = min(block_n or config["BLOCK_N"], lora)
+    config["num_warps"] = num_warps or config["num_warps"]
+    config["BLOCK_T"] = block_tokens or config["BLOCK_T"]
+    query_programs = num_heads * triton.cdiv(num_tokens, config["BLOCK_T"]) * (lora // config["BLOCK_N"])
+    return (query_programs + num_tokens,), config
 
 
 @triton.jit
@@ -106,21 +116,20 @@ def absorb_qk_cache_kernel(
 def absorb_qk_cache(q_nope: torch.Tensor, w_uk_t: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
                     k_pe: torch.Tensor, cache_bytes: torch.Tensor, slot_mapping: torch.Tensor,
                     k_scale: torch.Tensor, q_scale: torch.Tensor, q_out_bytes: torch.Tensor,
-                    fmt: Fp8Format, block_n: int = BLOCK_N) -> None:
+                    fmt: Fp8Format, block_n: int | None = None) -> None:
     """Launch on validated inputs (power-of-two P, L, R; k_pe 2-D; uint8 views of cache and q_out);
-    ``block_n``: latent columns per program (benchmarks compare others)."""
+    ``block_n``: latent columns per program (default the arch's config; benchmarks compare others)."""
     num_tokens, num_heads, nope = q_nope.shape
     lora, rope = w_uk_t.shape[-1], q_pe.shape[-1]
-    block_n, tokens_per_program = min(block_n, lora), block_t(num_tokens)
-    grid = (num_heads * triton.cdiv(num_tokens, tokens_per_program) * (lora // block_n) + num_tokens,)
-    absorb_qk_cache_kernel[grid](
+    grid, config = absorb_launch(ABSORB_QK_CACHE_KERNEL, q_nope, lora, block_n, None, None)
+    launch(
+        absorb_qk_cache_kernel, grid,
         q_nope, w_uk_t, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,
         q_nope.stride(0), q_nope.stride(1), w_uk_t.stride(0), w_uk_t.stride(1), w_uk_t.stride(2),
         q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0),
         cache_bytes.stride(1), q_out_bytes.stride(0), q_out_bytes.stride(1),
         num_tokens, num_heads, cache_bytes.shape[1], fmt.fmax,
-        P=nope, L=lora, R=rope, BLOCK_T=tokens_per_program, BLOCK_N=block_n,
-        FP8_MODE=fp8_mode(fmt, q_nope.device), num_warps=4,
-        DOT_IN_FP32=q_nope.device.type != "cuda" or q_nope.dtype == torch.float32,
-        EMULATE_BF16=emulate_bf16(q_nope.device),
+        P=nope, L=lora, R=rope, FP8_MODE=fp8_mode(fmt, q_nope.device),
+        DOT_IN_FP32=not target.of(q_nope.device).gpu or q_nope.dtype == torch.float32,
+        EMULATE_BF16=emulate_bf16(q_nope.device), **config,
     )

@@ -9,6 +9,9 @@ import triton
 import triton.language as tl
 
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
+from k3_amd_overlay.kernels import target
+from k3_amd_overlay.kernels.launch import config_for, launch
+from k3_amd_overlay.kernels.names import QK_CACHE_KERNEL
 
 # How the kernel produces fp8 bits (a constexpr, chosen once per call from format and platform).
 FP8_NATIVE_FN = 0  # tl.float8e4nv: OCP e4m3fn (NVIDIA, MI355X)
@@ -16,15 +19,13 @@ FP8_NATIVE_FNUZ = 1  # tl.float8e4b8: e4m3fnuz, AMD only (MI300X)
 FP8_FNUZ_BY_INT = 2  # e4m3fnuz by integer rounding where the native type is missing (CUDA, CPU)
 FP8_FN_BY_INT = 3  # e4m3fn by integer rounding under the CPU interpreter, whose native cast drops a
 # mantissa carry into the exponent (124.3 -> 64, not 128; Triton 3.x)
-# Four query heads per program, 4 warps: fastest of the variants measured on an
-# H200 from B=1 to B=1024 (docs/benchmarks.md); folding the KV row into a head program was slower.
-HEADS_PER_PROGRAM = 4
 
 
 def fp8_mode(fmt: Fp8Format, device: torch.device) -> int:
+    where = target.of(device)
     if fmt is E4M3FN:
-        return FP8_NATIVE_FN if device.type == "cuda" else FP8_FN_BY_INT
-    if fmt is E4M3FNUZ and device.type == "cuda" and torch.version.hip is not None:
+        return FP8_NATIVE_FN if where.gpu else FP8_FN_BY_INT
+    if fmt is E4M3FNUZ and where.backend == target.HIP:
         return FP8_NATIVE_FNUZ
     return FP8_FNUZ_BY_INT
 
@@ -129,15 +130,18 @@ def qk_cache_kernel(
 def qk_cache(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
              cache_bytes: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
              q_scale: torch.Tensor, q_out_bytes: torch.Tensor, fmt: Fp8Format) -> None:
-    """Launch on validated inputs; k_pe is 2-D, cache_bytes and q_out_bytes are uint8 views."""
+    """Launch on validated inputs; k_pe is 2-D, cache_bytes and q_out_bytes are uint8 views. The
+    launch config (heads a program, warps) is the arch's (``launch_configs``)."""
     num_tokens, num_heads, lora = ql_nope.shape
     rope = q_pe.shape[-1]
-    qk_cache_kernel[(num_tokens, triton.cdiv(num_heads, HEADS_PER_PROGRAM) + 1)](
+    config = config_for(QK_CACHE_KERNEL, ql_nope.device, num_tokens, num_heads)
+    launch(
+        qk_cache_kernel, (num_tokens, triton.cdiv(num_heads, config["HEADS"]) + 1),
         ql_nope, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,
         ql_nope.stride(0), ql_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0), cache_bytes.stride(1),
         q_out_bytes.stride(0), q_out_bytes.stride(1),
         num_heads, cache_bytes.shape[1], fmt.fmax,
         L=lora, R=rope, BLOCK_L=triton.next_power_of_2(lora), BLOCK_R=triton.next_power_of_2(rope),
-        HEADS=HEADS_PER_PROGRAM, FP8_MODE=fp8_mode(fmt, ql_nope.device), num_warps=4,
+        FP8_MODE=fp8_mode(fmt, ql_nope.device), **config,
     )

@@ -1,9 +1,10 @@
 """Triton kernels for RMSNorm: the q_a/kv_a pair in one launch, and the single-tensor kernel of
 the same design that the benchmark's two-launch baseline uses.
 
-Design (variants measured on an H200, docs/benchmarks.md): one flat grid, q rows one per program and
-kv rows four per program, so both kinds of program carry about 2048 lanes at 4 warps; putting a
-token's two rows in one program, or more warps, was slower on an H200 at every T measured."""
+Design: one flat grid of q-row programs then kv-row programs, rows per program and warps from the
+arch's launch configs (on an H200 one q row and four kv rows a program, about 2048 lanes each at 4
+warps, was fastest at every T measured; a token's two rows in one program was slower:
+docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from k3_amd_overlay.kernels.launch import config_for, launch
+from k3_amd_overlay.kernels.names import RMSNORM_PAIR_KERNEL
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
-
-ROWS_Q = 1
-ROWS_KV = 4
-NUM_WARPS = 4
 
 
 @triton.jit
@@ -66,18 +65,19 @@ def rmsnorm_pair(q_c: torch.Tensor, kv_c: torch.Tensor, q_weight: torch.Tensor,
                  q_out: torch.Tensor, kv_out: torch.Tensor) -> None:
     num_tokens, q_size = q_c.shape
     kv_size = kv_c.shape[1]
-    grid = (triton.cdiv(num_tokens, ROWS_Q) + triton.cdiv(num_tokens, ROWS_KV),)
-    rmsnorm_pair_kernel[grid](
+    config = config_for(RMSNORM_PAIR_KERNEL, q_c.device, num_tokens)
+    grid = (triton.cdiv(num_tokens, config["ROWS_Q"]) + triton.cdiv(num_tokens, config["ROWS_KV"]),)
+    launch(
+        rmsnorm_pair_kernel, grid,
         q_c, q_out, q_weight, q_c.stride(0), q_out.stride(0), q_eps,
         kv_c, kv_out, kv_weight, kv_c.stride(0), kv_out.stride(0), kv_eps, num_tokens,
         Q=q_size, KV=kv_size, BLOCK_Q=triton.next_power_of_2(q_size),
-        BLOCK_KV=triton.next_power_of_2(kv_size), ROWS_Q=ROWS_Q, ROWS_KV=ROWS_KV,
-        EMULATE_BF16=emulate_bf16(q_c.device), num_warps=NUM_WARPS,
+        BLOCK_KV=triton.next_power_of_2(kv_size), EMULATE_BF16=emulate_bf16(q_c.device), **config,
     )
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
-            rows: int = 1, num_warps: int = NUM_WARPS) -> None:
+            rows: int = 1, num_warps: int = 4) -> None:
     """One RMSNorm launch (the benchmark baseline picks its best ``rows``/``num_warps``)."""
     num_tokens, size = x.shape
     rmsnorm_kernel[(triton.cdiv(num_tokens, rows),)](

@@ -8,10 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
+from k3_amd_overlay.kernels import target
+
 
 def emulate_bf16(device: torch.device) -> bool:
     """Whether kernels launched for ``device`` must round bf16 on the bits (not a CUDA/HIP GPU)."""
-    return device.type != "cuda"
+    return not target.of(device).gpu
 
 
 @triton.jit

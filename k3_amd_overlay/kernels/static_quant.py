@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 
 from k3_amd_overlay.fp8 import Fp8Format
+from k3_amd_overlay.kernels.launch import config_for, launch
+from k3_amd_overlay.kernels.names import STATIC_QUANT_KERNEL
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode
 
 
@@ -28,6 +30,8 @@ def query_fp8_quant_kernel(x_ptr, out_ptr, scale_ptr, fmax, heads, s_x_t, s_x_h,
 def scaled_quant(x: torch.Tensor, scale: torch.Tensor, out_bytes: torch.Tensor, fmt: Fp8Format) -> None:
     """``out = fp8(clamp(x / scale))`` for x [T, H, D] (unit last stride) into a uint8 view [T, H, D]."""
     tokens, heads, width = x.shape
-    query_fp8_quant_kernel[(tokens * heads,)](
+    launch(
+        query_fp8_quant_kernel, (tokens * heads,),
         x, out_bytes, scale, fmt.fmax, heads, x.stride(0), x.stride(1), out_bytes.stride(0), out_bytes.stride(1),
-        D=width, BLOCK=triton.next_power_of_2(width), FP8_MODE=fp8_mode(fmt, x.device), num_warps=4)
+        D=width, BLOCK=triton.next_power_of_2(width), FP8_MODE=fp8_mode(fmt, x.device),
+        **config_for(STATIC_QUANT_KERNEL, x.device, tokens, heads))

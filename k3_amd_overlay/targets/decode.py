@@ -2,7 +2,9 @@
 (fusions/qk_cache.py). For a batch the plan takes, it runs one fused launch in place of the KV
 write, the query concat and its fp8 quant (after vLLM's own W_UK absorption) or of all four (the
 absorption bf16, fp8 or MXFP4, as the layer's stock path runs it), then vLLM's own MQA kernel and V
-up-projection; any other batch runs vLLM's stock attention call."""
+up-projection; any other batch runs vLLM's stock attention call. A fused launch that fails (a
+kernel this GPU's Triton cannot build) refuses its fusion for the process and the batch runs stock
+(kernel_failures.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,15 @@ from typing import Any
 
 import torch
 
+from k3_amd_overlay import kernel_failures
 from k3_amd_overlay.fp8 import Fp8Format, format_of
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant, BatchFacts, DecodePath, DecodePlan
+from k3_amd_overlay.kernels import names
+from k3_amd_overlay.kernels.probe import precompile_once
 from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
 from k3_amd_overlay.ops import qk_cache as qk_cache_op
 from k3_amd_overlay.ops.reference import absorb_w_uk_reference
+from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE
 from k3_amd_overlay.regions import DECODE_REGION, region
 from k3_amd_overlay.targets import vllm_env
 
@@ -28,6 +34,8 @@ KvTransfer = Callable[[str, Callable[[], torch.Tensor]], torch.Tensor]
 # A route of the site: (..., output=None) -> the step's output, written into ``output`` where given.
 Route = Callable[..., torch.Tensor]
 EagerStep = Callable[..., None]  # into_output, made an eager break by vLLM's eager_break_during_capture
+ABSORB_KERNELS = {AbsorbVariant.FP4: names.ABSORB_MXFP4_QK_CACHE_KERNEL, AbsorbVariant.FP8:
+                  names.ABSORB_FP8_QK_CACHE_KERNEL}  # the Triton kernel of each absorbed variant
 
 
 def into_output(route: Route, output: torch.Tensor, *args: Any) -> None:
@@ -83,10 +91,24 @@ class DecodeSite:
     kv_transfer: KvTransfer | None = None  # vLLM's KV-connector hooks (disaggregation, offloading)
     query_heads: int = 0  # heads the fp8 query buffer is allocated with (> the layer's: backend padding)
     eager_step: EagerStep | None = None  # ``into_output`` as an eager break of vLLM's breakable capture
+    on_failure: Callable[[str, str], None] | None = None  # records a fusion refused for a failed kernel
 
     def path_for(self, attn_metadata: Any, slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
                  q_dcp_replicated: torch.Tensor | None) -> DecodePath | None:
-        return self.plan.path_for(batch_facts(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated))
+        return self.plan.path_for(batch_facts(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated),
+                                  kernel_failures.failed())
+
+    def try_fused_decode(self, path: DecodePath, attn: Any, q: torch.Tensor, kv_c_normed: torch.Tensor,
+                         k_pe: torch.Tensor, output_shape: Any, attn_metadata: Any, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, output: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``fused_decode``, or None where its fused launch failed: the fusion is refused for the
+        process from now on, and the caller routes this batch as if the plan had not taken it."""
+        try:
+            return self.fused_decode(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache,
+                                     slot_mapping, output)
+        except kernel_failures.KernelFailed as failure:
+            kernel_failures.refuse(failure, self.on_failure or (lambda fusion, why: None))
+            return None
 
     def through_break(self, route: Route, q: torch.Tensor, output_shape: Any, *args: Any) -> torch.Tensor:
         """``route(*args)``, or, while vLLM's breakable CUDA-graph capture records this layer, the
@@ -130,24 +152,36 @@ class DecodeSite:
                             dtype=self.fmt.dtype, device=q.device)[:, :heads]
         kv_c, k_pe, slots = kv_c_normed[:num_tokens], k_pe[:num_tokens].reshape(num_tokens, -1), \
             slot_mapping.flatten()[:num_tokens]
-        if path is DecodePath.ABSORB and plan.absorb is AbsorbVariant.FP4:
+        if path is DecodePath.ABSORB:
+            provider = plan.absorb_decision.provider
+            kernel = ABSORB_KERNELS.get(plan.absorb, names.ABSORB_QK_CACHE_KERNEL)
+            weight = attn.W_K if plan.absorb in ABSORB_KERNELS else attn.W_UK_T
+
+            def launch() -> None:
+                precompile_once(provider, kernel, q.device, q.dtype, heads, self.fmt)
+                if plan.absorb is AbsorbVariant.FP4:
+                    absorb_op.run_mxfp4_provider(provider, q_nope, weight, attn.W_K_scale, q_pe, kv_c, k_pe, cache,
+                                                 slots, attn._k_scale, attn._q_scale, q_out, self.fmt)
+                elif plan.absorb is AbsorbVariant.FP8:
+                    absorb_op.run_fp8_provider(provider, q_nope, weight, attn.W_K_scale, q_pe, kv_c, k_pe, cache,
+                                               slots, attn._k_scale, attn._q_scale, q_out, self.fmt,
+                                               format_of(weight.dtype))
+                else:
+                    absorb_op.run_provider(provider, q_nope, weight, q_pe, kv_c, k_pe, cache, slots, attn._k_scale,
+                                           attn._q_scale, q_out, self.fmt)
+
+            kernel_failures.guarded(ABSORB_QK_CACHE, launch)
             self.on_absorb_effective(batch_rows)
-            absorb_op.run_mxfp4_provider(plan.absorb_decision.provider, q_nope, attn.W_K, attn.W_K_scale, q_pe, kv_c,
-                                         k_pe, cache, slots, attn._k_scale, attn._q_scale, q_out, self.fmt)
-        elif path is DecodePath.ABSORB and plan.absorb is AbsorbVariant.FP8:
-            self.on_absorb_effective(batch_rows)
-            absorb_op.run_fp8_provider(plan.absorb_decision.provider, q_nope, attn.W_K, attn.W_K_scale, q_pe, kv_c,
-                                       k_pe, cache, slots, attn._k_scale, attn._q_scale, q_out, self.fmt,
-                                       format_of(attn.W_K.dtype))
-        elif path is DecodePath.ABSORB:
-            self.on_absorb_effective(batch_rows)
-            absorb_op.run_provider(plan.absorb_decision.provider, q_nope, attn.W_UK_T, q_pe, kv_c, k_pe, cache, slots,
-                                   attn._k_scale, attn._q_scale, q_out, self.fmt)
         else:
-            self.on_effective(batch_rows)
             ql_nope = absorb_w_uk(attn, plan.absorb, q_nope.transpose(0, 1))
-            qk_cache_op.run_provider(plan.decision.provider, ql_nope, q_pe, kv_c, k_pe, cache, slots,
-                                     attn._k_scale, attn._q_scale, q_out, self.fmt)
+
+            def launch() -> None:
+                precompile_once(plan.decision.provider, names.QK_CACHE_KERNEL, q.device, q.dtype, heads, self.fmt)
+                qk_cache_op.run_provider(plan.decision.provider, ql_nope, q_pe, kv_c, k_pe, cache, slots,
+                                         attn._k_scale, attn._q_scale, q_out, self.fmt)
+
+            kernel_failures.guarded(QK_CACHE, launch)
+            self.on_effective(batch_rows)
         attn_out, _ = attn.impl.forward_mqa(q_out, cache, attn_metadata, attn)
         if output is None:
             output = torch.empty(output_shape, dtype=q.dtype, device=q.device)
@@ -177,6 +211,8 @@ class DecodeSite:
         attn_metadata, _, kv_cache, slot_mapping = self.context(attn.layer_name)
         path = self.path_for(attn_metadata, slot_mapping, kv_cache, q_dcp_replicated)
         if path is not None:
-            return self.fused_decode(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata,
-                                     kv_cache, slot_mapping, output)
+            fused = self.try_fused_decode(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata,
+                                          kv_cache, slot_mapping, output)
+            if fused is not None:
+                return fused
         return stock(q, kv_c_normed, k_pe, output_shape=output_shape, q_dcp_replicated=q_dcp_replicated)

@@ -21,6 +21,7 @@ from k3_amd_overlay.fusions.qk_cache import (
 )
 from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.kernels import launch
 from k3_amd_overlay.ops import absorb_qk_cache, aiter_qk_cache, qk_cache, rmsnorm_pair
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import Mode, OverlaySettings
@@ -67,17 +68,25 @@ class LayerInstaller:
     evidence: Evidence
     coverage_recorded: bool = False
 
-    def record_coverage(self) -> None:
+    def record_coverage(self, wrapper: Any) -> None:
+        """Once per process: what vLLM serves here, and the launch configs this GPU's kernels use
+        (a bad K3_AMD_OVERLAY_KERNEL_CONFIGS raises here, at the first layer, loudly)."""
         if not self.coverage_recorded:
             self.coverage_recorded = True
             self.evidence.set_coverage(vllm_env.model_coverage())
+            if not self.stock:
+                self.evidence.set_launch_configs(launch.describe(layer_device(wrapper)))
+
+    def refuse_failed(self, fusion: str, why: str) -> None:
+        """A fused kernel failed in this process: ``fusion`` is refused from now on (stock runs)."""
+        self.evidence.set_fusion(fusion, FusionState.REFUSED, why)
 
     @property
     def stock(self) -> bool:
         return self.settings.mode is Mode.STOCK
 
     def install_qkv_norm(self, wrapper: Any, upstream_fuses: bool) -> QkvNormSite:
-        self.record_coverage()
+        self.record_coverage(wrapper)
         q_norm = wrapper.q_a_layernorm
         kv_norm = wrapper.kv_a_layernorm
         has_q = q_norm is not None
@@ -97,7 +106,8 @@ class LayerInstaller:
         callback = QkvNormCallback(q_norm, kv_norm, decision.provider) if decision.state is FusionState.APPLIED \
             else None
         site = QkvNormSite(decision, callback,
-                           self.evidence.effective_hook(QKV_NORM, wrapper.mla_attn.layer_name))
+                           self.evidence.effective_hook(QKV_NORM, wrapper.mla_attn.layer_name),
+                           on_failure=self.refuse_failed)
         setattr(wrapper, QKV_NORM_SITE, site)
         self.evidence.note_layer(QKV_NORM, decision)
         return site
@@ -125,7 +135,7 @@ class LayerInstaller:
         )
 
     def install_qk_cache(self, wrapper: Any, upstream_fuses: bool) -> DecodeSite:
-        self.record_coverage()
+        self.record_coverage(wrapper)
         attn = wrapper.mla_attn
         inputs = self.qk_cache_inputs(wrapper, upstream_fuses)
         requested = self.settings.requested
@@ -148,6 +158,7 @@ class LayerInstaller:
             on_absorb_effective=self.evidence.effective_hook(ABSORB_QK_CACHE, attn.layer_name),
             kv_transfer=vllm_env.kv_transfer_hooks(),
             query_heads=vllm_env.padded_query_heads(attn, inputs.num_heads),
+            on_failure=self.refuse_failed,
         )
         if plan.overlay_fuses:
             site.fmt, site.context = vllm_env.vllm_fp8_format(), vllm_env.get_attention_context

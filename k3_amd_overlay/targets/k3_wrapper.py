@@ -116,8 +116,10 @@ def _route_fused_decode(site: DecodeSite, wrapped: Wrapped, instance: Any, q: to
     attn_metadata, layer, kv_cache, slot_mapping = vllm_env.get_attention_context(attn.layer_name)
     path = site.path_for(attn_metadata, slot_mapping, kv_cache, None)
     if path is not None:  # the overlay's own decision for this batch comes first
-        return site.fused_decode(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache,
-                                 slot_mapping, output)
+        fused = site.try_fused_decode(path, attn, q, kv_c_normed, k_pe, output_shape, attn_metadata, kv_cache,
+                                      slot_mapping, output)
+        if fused is not None:
+            return fused
     if site.plan.upstream_keeps and upstream_takes(batch_facts(attn_metadata, slot_mapping, kv_cache, None)):
         # a decode batch the overlay does not take, on a layer vLLM fuses: vLLM's own, between the KV
         # connector's hooks that vLLM's own fused decode skips (the stock attention op runs them)

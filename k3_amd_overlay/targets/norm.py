@@ -1,6 +1,7 @@
 """The qkv_norm site of one K3 MLA layer: the ``q_kv_norm`` callback (both RMSNorms of the layer
 through one provider launch) and ``QkvNormSite.normalize``, the one site acting on the layer's
-qkv_norm decision (fusions/qkv_norm.py)."""
+qkv_norm decision (fusions/qkv_norm.py). A fused launch that fails refuses qkv_norm for the process;
+the two stock norms run (kernel_failures.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from typing import Any
 
 import torch
 
+from k3_amd_overlay import kernel_failures
+from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.kernels.names import RMSNORM_PAIR_KERNEL
+from k3_amd_overlay.kernels.probe import precompile_once
 from k3_amd_overlay.ops import rmsnorm_pair
+from k3_amd_overlay.package import QKV_NORM
 from k3_amd_overlay.regions import QKV_NORM_REGION, region
 
 QKV_NORM_SITE = "_k3_overlay_qkv_norm"  # the attribute a K3 MLA wrapper holds its site under
@@ -29,6 +35,7 @@ class QkvNormCallback:
         self.provider = provider
 
     def __call__(self, q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        precompile_once(self.provider, RMSNORM_PAIR_KERNEL, q_c.device, q_c.dtype, 1, E4M3FN)
         return rmsnorm_pair.run_provider(
             self.provider, q_c, kv_c, self.q_norm.weight, self.kv_norm.weight,
             self.q_norm.variance_epsilon, self.kv_norm.variance_epsilon,
@@ -42,6 +49,7 @@ class QkvNormSite:
     decision: LayerDecision
     q_kv_norm: QkvNormCallback | None
     on_effective: Callable[[int], None]  # given the batch's token count
+    on_failure: Callable[[str, str], None] | None = None  # records qkv_norm refused for a failed kernel
 
     def normalize(self, q_norm: Any, kv_norm: Any, upstream: TwoNorms | None,
                   q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,11 +62,17 @@ class QkvNormSite:
     def _normalize(self, q_norm: Any, kv_norm: Any, upstream: TwoNorms | None,
                    q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         state = self.decision.state
-        if state is FusionState.APPLIED and self.q_kv_norm is not None:
+        if state is FusionState.APPLIED and self.q_kv_norm is not None and QKV_NORM not in kernel_failures.failed():
             if torch.compiler.is_compiling():
                 return q_norm(q_c), kv_norm(kv_c)
+            callback = self.q_kv_norm
+            try:
+                normed = kernel_failures.guarded(QKV_NORM, lambda: callback(q_c, kv_c))
+            except kernel_failures.KernelFailed as failure:
+                kernel_failures.refuse(failure, self.on_failure or (lambda fusion, why: None))
+                return q_norm(q_c), kv_norm(kv_c)
             self.on_effective(q_c.shape[0])
-            return self.q_kv_norm(q_c, kv_c)
+            return normed
         if state is FusionState.UPSTREAM and upstream is not None:
             if not torch.compiler.is_compiling():
                 self.on_effective(q_c.shape[0])

@@ -1,0 +1,278 @@
+"""``k3-amd-overlay kernels``: build every Triton kernel of the overlay for an AMD GPU arch
+(gfx942: MI300X/MI325X, gfx950: MI355X) at every launch configuration its dispatch can choose there
+for vLLM's decode batches, with no AMD GPU needed, and report what the code objects say: target,
+registers, LDS, spills, scratch, waves per SIMD, the matrix instruction, and whether the dot's
+warps each compute the same tile.
+
+    k3-amd-overlay kernels [--arch gfx942|gfx950] [--json]
+
+Each arch compiles in its own process (Triton keeps one JIT cache per device id; a second arch in
+the same process could reuse the first's target), launched through the kernels' own launchers with
+Triton's driver answering the AMD target and nothing run. Exit status 1 when a configuration vLLM
+reaches fails to compile, spills, uses scratch, holds fewer than ``MIN_WAVES`` waves per SIMD or
+repeats its tile across warps."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from k3_amd_overlay.kernels import launch_configs, names
+from k3_amd_overlay.usage import UsageError
+
+AMD_ARCHS = ("gfx942", "gfx950")
+MIN_WAVES = 4
+# CDNA3/CDNA4 (AMD's ISA guides): 512 VGPRs+AGPRs per SIMD lane in granules of 8, at most 8 waves per
+# SIMD, 4 SIMDs per CU; LDS per CU 64 KiB on gfx942, 160 KiB on gfx950.
+REGISTERS_PER_LANE = 512
+REGISTER_GRANULE = 8
+MAX_WAVES_PER_SIMD = 8
+SIMDS_PER_CU = 4
+LDS_PER_CU = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
+# fp8 formats by arch: MI300's e4m3fnuz, MI355X's OCP e4m3fn (vLLM's current_platform.fp8_dtype())
+FP8_FORMAT = {"gfx942": "e4m3fnuz", "gfx950": "e4m3fn"}
+KERNEL_ORDER = (names.RMSNORM_PAIR_KERNEL, names.QK_CACHE_KERNEL, names.STATIC_QUANT_KERNEL,
+                names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL, names.ABSORB_MXFP4_QK_CACHE_KERNEL)
+
+
+def query_dtypes(kernel: str, arch: str) -> tuple[str, ...]:
+    """The activation dtypes vLLM runs ``kernel`` with on ``arch``: the model dtype, bf16 or fp16
+    (vLLM's ROCm MLA backends, ROCM_AITER_MLA and TRITON_MLA, support only those); the fp8 and
+    MXFP4 absorbed paths not with fp16 (the overlay refuses fp16 there); MXFP4 only on gfx950 (vLLM's
+    ``rocm_aiter_ops.is_fp4bmm_enabled``: CDNA4 only) for a bf16 kv_b_proj."""
+    if kernel == names.ABSORB_MXFP4_QK_CACHE_KERNEL:
+        return ("bfloat16",) if arch == "gfx950" else ()
+    if kernel in (names.ABSORB_FP8_QK_CACHE_KERNEL, names.STATIC_QUANT_KERNEL):
+        return ("bfloat16",)
+    return ("bfloat16", "float16")
+
+
+@dataclass
+class Entry:
+    """One compiled configuration (the JSON fields the issue names first, then the context)."""
+
+    kernel: str
+    config: dict[str, int]
+    compiled: bool
+    error: str | None = None
+    target: str | None = None
+    vgpr: int | None = None
+    agpr: int | None = None
+    sgpr: int | None = None
+    lds_bytes: int | None = None
+    vgpr_spill: int | None = None
+    sgpr_spill: int | None = None
+    scratch_bytes: int | None = None
+    waves_per_simd: int | None = None
+    dtype: str = ""
+    shapes: list[str] = field(default_factory=list)  # the (tokens, heads) rules this config serves
+    mfma: str | None = None
+    tile_copies: int = 1
+    problems: list[str] = field(default_factory=list)
+
+
+_META = re.compile(r"^\s*\.(vgpr_count|agpr_count|sgpr_count|vgpr_spill_count|sgpr_spill_count|"
+                   r"private_segment_fixed_size):\s*(\d+)", re.M)
+_TARGET = re.compile(r"\.amdgcn_target\s+\"[^\"]*-(gfx\w+)")
+_MFMA_LAYOUT = re.compile(r"amd_mfma<\{[^}]*?warpsPerCTA = \[(\d+), (\d+)\][^}]*?instrShape = \[(\d+), (\d+)")
+_DOT_RESULT = re.compile(r"tt\.dot [^\n]*-> tensor<(\d+)x(\d+)x")
+
+
+def isa_facts(amdgcn: str) -> dict[str, Any]:
+    facts: dict[str, Any] = {}
+    for key, value in _META.findall(amdgcn):
+        facts.setdefault(key, int(value))
+    found = _TARGET.search(amdgcn)
+    facts["target"] = found.group(1) if found else None
+    return facts
+
+
+def waves_per_simd(vgpr: int, agpr: int, lds_bytes: int, num_warps: int, arch: str) -> int:
+    """Occupancy from registers (AGPRs follow the VGPRs at a multiple of 4) and LDS."""
+    registers = ((vgpr + 3) // 4 * 4 + agpr) if agpr else vgpr
+    allocated = max(REGISTER_GRANULE, -(-registers // REGISTER_GRANULE) * REGISTER_GRANULE)
+    waves = min(MAX_WAVES_PER_SIMD, REGISTERS_PER_LANE // allocated)
+    if lds_bytes:
+        groups_per_cu = LDS_PER_CU[arch] // lds_bytes
+        waves = min(waves, groups_per_cu * num_warps // SIMDS_PER_CU)
+    return waves
+
+
+def tile_copies(ttgir: str) -> int:
+    """How many warps compute each part of the dot's tile (1: none repeated): the warps laid along
+    a dimension over more rows or columns than the tile has compute copies of each other's work
+    (8 warps on a 16-row tile: each of the 8 computes the whole tile)."""
+    layout, dot = _MFMA_LAYOUT.search(ttgir), _DOT_RESULT.search(ttgir)
+    if layout is None or dot is None:
+        return 1
+    warps_m, warps_n, instr_m, instr_n = (int(g) for g in layout.groups())
+    rows, cols = int(dot.group(1)), int(dot.group(2))
+    return max(1, warps_m * instr_m // rows) * max(1, warps_n * instr_n // cols)
+
+
+def describe(compiled: Any, kernel: str, options: dict[str, Any], arch: str, dtype: str) -> Entry:
+    amdgcn = compiled.asm.get("amdgcn", "")
+    facts = isa_facts(amdgcn)
+    keys = (*launch_configs.KERNEL_PARAMETERS[kernel], *launch_configs.LAUNCH_OPTIONS)
+    config = {k: v for k, v in options.items() if k in keys}
+    entry = Entry(kernel=kernel, config=config, compiled=True, dtype=dtype,
+                  target=facts["target"],
+                  vgpr=int(facts.get("vgpr_count", 0)), agpr=int(facts.get("agpr_count", 0)),
+                  sgpr=int(facts.get("sgpr_count", 0)), lds_bytes=int(compiled.metadata.shared),
+                  vgpr_spill=int(facts.get("vgpr_spill_count", 0)), sgpr_spill=int(facts.get("sgpr_spill_count", 0)),
+                  scratch_bytes=int(facts.get("private_segment_fixed_size", 0)))
+    entry.waves_per_simd = waves_per_simd(entry.vgpr or 0, entry.agpr or 0, entry.lds_bytes or 0,
+                                          int(options.get("num_warps", 4)), arch)
+    mfma = re.search(r"\bv_mfma_\w+", amdgcn)
+    entry.mfma = mfma.group(0) if mfma else None
+    entry.tile_copies = tile_copies(compiled.asm.get("ttgir", ""))
+    return entry
+
+
+def problems(entry: Entry, arch: str) -> list[str]:
+    if not entry.compiled:
+        return ["compile error"]
+    found = []
+    if entry.target != arch:
+        found.append(f"built for {entry.target}, not {arch}")
+    if entry.vgpr_spill or entry.sgpr_spill:
+        found.append(f"spills {entry.vgpr_spill} VGPRs, {entry.sgpr_spill} SGPRs")
+    if entry.scratch_bytes:
+        found.append(f"{entry.scratch_bytes} B scratch")
+    if (entry.waves_per_simd or 0) < MIN_WAVES:
+        found.append(f"{entry.waves_per_simd} waves per SIMD (< {MIN_WAVES})")
+    if entry.tile_copies > 1:
+        found.append(f"the dot's tile computed {entry.tile_copies} times over by its warps")
+    return found
+
+
+# ---- the compiling process (one arch) ----------------------------------------------------------
+
+class AotDriver:
+    """Triton's active driver for compile-only runs: answers an AMD target, launches nothing."""
+
+    def __init__(self, arch: str) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("hip", arch, 64)
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: Any = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> Any:
+        import torch
+
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+def compile_arch(arch: str) -> dict[str, Any]:
+    """Compile everything for ``arch`` in this process (its Triton driver is replaced)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    import triton
+    from triton.runtime import driver
+
+    from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ
+    from k3_amd_overlay.kernels import probe, target
+
+    driver.set_active(AotDriver(arch))
+    fmt = E4M3FNUZ if FP8_FORMAT[arch] == "e4m3fnuz" else E4M3FN
+    entries = []
+    for kernel in KERNEL_ORDER:
+        for dtype in query_dtypes(kernel, arch):
+            for config, tokens, heads, labels in probe.reachable(kernel, arch):
+                with target.compile_only(arch) as session:
+                    try:
+                        probe.launch_at(kernel, torch.device("cpu"), getattr(torch, dtype), tokens, heads, fmt)
+                        error = None
+                    except Exception as exc:  # the compiler's own message is the report
+                        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                if error is not None or not session.compiled:
+                    entry = Entry(kernel=kernel, config=dict(config), compiled=False, dtype=dtype,
+                                  error=error or "nothing was compiled")
+                else:
+                    name, options, compiled = session.compiled[-1]
+                    entry = describe(compiled, name, options, arch, dtype)
+                entry.shapes = labels
+                entry.problems = problems(entry, arch)
+                entries.append(asdict(entry))
+    return {"arch": arch, "triton": triton.__version__, "fp8_format": FP8_FORMAT[arch], "kernels": entries}
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+def local_arch() -> str:
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or torch.version.hip is None or not torch.cuda.is_available():
+        raise UsageError("no AMD GPU here: pass --arch " + " or ".join(AMD_ARCHS))
+    return str(torch.cuda.get_device_properties(0).gcnArchName).split(":")[0]
+
+
+def run_worker(arch: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.compile_report", "--worker", arch],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling for {arch} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout)
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [f"## {report['arch']} (Triton {report['triton']}, fp8 {report['fp8_format']})", "",
+             "| kernel | dtype | config | serves | VGPR | AGPR | SGPR | LDS B | spill V/S | scratch B | waves | "
+             "MFMA | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in report["kernels"]:
+        config = " ".join(f"{k}={v}" for k, v in e["config"].items())
+        verdict = "; ".join(e["problems"]) or "ok"
+        if not e["compiled"]:
+            lines.append(f"| {e['kernel']} | {e['dtype']} | {config} | {', '.join(e['shapes'])} | | | | | | | | | "
+                         f"{e['error']} |")
+            continue
+        lines.append(f"| {e['kernel']} | {e['dtype']} | {config} | {', '.join(e['shapes'])} | {e['vgpr']} | "
+                     f"{e['agpr']} | {e['sgpr']} | {e['lds_bytes']} | {e['vgpr_spill']}/{e['sgpr_spill']} | "
+                     f"{e['scratch_bytes']} | {e['waves_per_simd']} | {e['mfma'] or '-'} | {verdict} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="k3-amd-overlay kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=AMD_ARCHS, help="the AMD arch to build for (default: this machine's GPU)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        json.dump(compile_arch(args.worker), sys.stdout)
+        return 0
+    try:
+        arch = args.arch or local_arch()
+    except UsageError as exc:
+        print(f"k3-amd-overlay kernels: {exc}", file=sys.stderr)
+        return 2
+    report = run_worker(arch)
+    print(json.dumps(report, indent=1) if args.json else table(report))
+    failing = [e for e in report["kernels"] if e["problems"]]
+    if failing and not args.json:
+        print(f"\n{len(failing)} of {len(report['kernels'])} configurations fall short on {arch}", file=sys.stderr)
+    return 1 if failing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

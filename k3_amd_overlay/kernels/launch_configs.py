@@ -1,0 +1,213 @@
+"""Launch configurations of the overlay's Triton kernels, per GPU arch, read from JSON.
+
+The package ships one file per arch (``configs/<arch>.json``: sm90, where the original shapes were
+measured, and AMD's gfx942 and gfx950); ``k3-amd-overlay tune`` writes a file for one device, which
+the variable ``K3_AMD_OVERLAY_KERNEL_CONFIGS`` (a file, or a directory of tuned files) puts first.
+A file holds, per kernel, rules tried in order: ``{"tokens": T, "heads": H, "config": {...}}``
+matches a launch of at most T tokens and at most H query heads (either left out: any), the last
+rule of each kernel matching everything. A config sets the kernel's launch constexprs and options;
+AMD-only options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``) are dropped on other
+backends, whose Triton rejects them."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k3_amd_overlay.kernels import names
+from k3_amd_overlay.settings import KERNEL_CONFIGS
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+SCHEMA = 1
+SHIPPED_ARCHS = ("sm90", "gfx942", "gfx950")
+AMD_ONLY_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", *AMD_ONLY_OPTIONS)
+# The constexprs each kernel's config must set (num_warps too); tile sizes are powers of two.
+KERNEL_PARAMETERS: dict[str, tuple[str, ...]] = {
+    names.RMSNORM_PAIR_KERNEL: ("ROWS_Q", "ROWS_KV"),
+    names.QK_CACHE_KERNEL: ("HEADS",),
+    names.STATIC_QUANT_KERNEL: (),
+    names.ABSORB_QK_CACHE_KERNEL: ("BLOCK_N", "BLOCK_T"),
+    names.ABSORB_FP8_QK_CACHE_KERNEL: ("BLOCK_N", "BLOCK_T"),
+    names.ABSORB_MXFP4_QK_CACHE_KERNEL: ("BLOCK_N", "BLOCK_T"),
+}
+# tl.dot needs 16 rows: the absorb kernels take one token a program (no dot) or at least 16
+DOT_TILE_KERNELS = (names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL,
+                    names.ABSORB_MXFP4_QK_CACHE_KERNEL)
+
+
+class LaunchConfigError(ValueError):
+    """A launch-config file (shipped, tuned, or named by K3_AMD_OVERLAY_KERNEL_CONFIGS) is unusable."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    tokens: int | None
+    heads: int | None
+    config: tuple[tuple[str, int], ...]
+
+    def matches(self, num_tokens: int, num_heads: int) -> bool:
+        return (self.tokens is None or num_tokens <= self.tokens) and (self.heads is None or num_heads <= self.heads)
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """One parsed file: its arch, where it came from, the device it was tuned on (None: untuned) and
+    each kernel's rules."""
+
+    path: str
+    arch: str
+    tuned_on: str | None
+    kernels: dict[str, tuple[Rule, ...]]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one kernel's configs come from in this process (for the marker, doctor and check)."""
+
+    file: str
+    arch: str
+    tuned_on: str | None
+    this_device: bool  # tuned on the device this process runs on
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "arch": self.arch, "tuned_on": self.tuned_on, "tuned_here": self.this_device}
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise LaunchConfigError(f"{where}: {value!r} is not a positive integer")
+    return value
+
+
+def _parse_config(kernel: str, config: Any, where: str) -> tuple[tuple[str, int], ...]:
+    if not isinstance(config, dict):
+        raise LaunchConfigError(f"{where}: config must be an object, got {config!r}")
+    required = (*KERNEL_PARAMETERS[kernel], "num_warps")
+    allowed = (*KERNEL_PARAMETERS[kernel], *LAUNCH_OPTIONS)
+    missing = [k for k in required if k not in config]
+    unknown = [k for k in config if k not in allowed]
+    if missing or unknown:
+        raise LaunchConfigError(f"{where}: config {config} lacks {missing} or has unknown keys {unknown} "
+                                f"(allowed: {', '.join(allowed)})")
+    # an AMD-only option of 0 leaves the choice to the compiler, as in Triton
+    values = {k: 0 if k in AMD_ONLY_OPTIONS and v == 0 else _positive_int(v, f"{where} {k}")
+              for k, v in config.items()}
+    for key in (*KERNEL_PARAMETERS[kernel], "num_warps"):
+        if values[key] & (values[key] - 1):
+            raise LaunchConfigError(f"{where}: {key} = {values[key]} is not a power of two")
+    if kernel in DOT_TILE_KERNELS and 1 < values["BLOCK_T"] < 16:
+        raise LaunchConfigError(f"{where}: BLOCK_T = {values['BLOCK_T']}: 1 (no dot) or at least 16 (tl.dot's "
+                                "smallest tile)")
+    return tuple(sorted(values.items()))
+
+
+def _parse_rules(kernel: str, rules: Any, where: str) -> tuple[Rule, ...]:
+    if not isinstance(rules, list) or not rules:
+        raise LaunchConfigError(f"{where}: a non-empty list of rules is needed, got {rules!r}")
+    parsed = []
+    for i, rule in enumerate(rules):
+        here = f"{where} rule {i}"
+        if not isinstance(rule, dict) or set(rule) - {"tokens", "heads", "config", "note"} or "config" not in rule:
+            raise LaunchConfigError(f"{here}: {rule!r} must be {{tokens?, heads?, config, note?}}")
+        bounds = [None if rule.get(k) is None else _positive_int(rule[k], f"{here} {k}") for k in ("tokens", "heads")]
+        parsed.append(Rule(bounds[0], bounds[1], _parse_config(kernel, rule["config"], here)))
+    if parsed[-1].tokens is not None or parsed[-1].heads is not None:
+        raise LaunchConfigError(f"{where}: the last rule must match every launch (no tokens or heads bound)")
+    return tuple(parsed)
+
+
+def parse(data: Any, path: str) -> ConfigFile:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise LaunchConfigError(f"{path}: not a launch-config file of schema {SCHEMA}")
+    arch, kernels = data.get("arch"), data.get("kernels")
+    if not isinstance(arch, str) or not isinstance(kernels, dict):
+        raise LaunchConfigError(f"{path}: needs a string 'arch' and a 'kernels' object")
+    unknown = sorted(set(kernels) - set(KERNEL_PARAMETERS))
+    if unknown:
+        raise LaunchConfigError(f"{path}: unknown kernels {unknown} (known: {', '.join(KERNEL_PARAMETERS)})")
+    tuned = data.get("tuned_on")
+    device = tuned.get("device") if isinstance(tuned, dict) else None
+    return ConfigFile(path, arch, device, {k: _parse_rules(k, v, f"{path} {k}") for k, v in kernels.items()})
+
+
+def load(path: str | Path) -> ConfigFile:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise LaunchConfigError(f"cannot read launch configs {path}: {exc}") from None
+    return parse(data, str(path))
+
+
+def shipped_arch(arch: str) -> str:
+    """The shipped file an arch uses: its own, else sm90's for NVIDIA and the CPU interpreter, gfx942's
+    for another AMD arch (both untuned there)."""
+    if arch in SHIPPED_ARCHS:
+        return arch
+    return "gfx942" if arch.startswith("gfx") else "sm90"
+
+
+@functools.cache
+def shipped(arch: str) -> ConfigFile:
+    table = load(CONFIG_DIR / f"{arch}.json")
+    missing = sorted(set(KERNEL_PARAMETERS) - set(table.kernels))
+    if missing:
+        raise LaunchConfigError(f"{table.path}: the shipped file lacks {missing}")
+    return table
+
+
+def tuned_file(setting: str, arch: str, device_name: str | None) -> ConfigFile | None:
+    """The tuned file ``setting`` names for this arch and device: the file itself (which must be for
+    ``arch``), or in a directory the file tuned on this device for this arch (None if there is none)."""
+    path = Path(setting)
+    if path.is_dir():
+        for candidate in sorted(path.glob("*.json")):
+            table = load(candidate)
+            if table.arch == arch and table.tuned_on is not None and table.tuned_on == device_name:
+                return table
+        return None
+    table = load(path)
+    if table.arch != arch:
+        raise LaunchConfigError(f"{KERNEL_CONFIGS}={setting}: its configs are for {table.arch}, this GPU is {arch}")
+    return table
+
+
+@functools.cache
+def _resolve(arch: str, device_name: str | None, setting: str) -> dict[str, tuple[tuple[Rule, ...], Source]]:
+    base = shipped(shipped_arch(arch))
+    tuned = tuned_file(setting, arch, device_name) if setting else None
+    resolved = {}
+    for kernel in KERNEL_PARAMETERS:
+        table = tuned if tuned is not None and kernel in tuned.kernels else base
+        resolved[kernel] = (table.kernels[kernel], Source(table.path, table.arch, table.tuned_on,
+                                                          table.tuned_on is not None and table.tuned_on == device_name))
+    return resolved
+
+
+def resolve(arch: str, device_name: str | None = None) -> dict[str, tuple[tuple[Rule, ...], Source]]:
+    """Each kernel's rules and their source for a GPU of ``arch`` named ``device_name``."""
+    return _resolve(arch, device_name, os.environ.get(KERNEL_CONFIGS, ""))
+
+
+def sources(arch: str, device_name: str | None = None) -> dict[str, dict[str, Any]]:
+    return {kernel: source.to_json() for kernel, (_, source) in resolve(arch, device_name).items()}
+
+
+def rule_for(rules: tuple[Rule, ...], num_tokens: int, num_heads: int) -> Rule:
+    return next(rule for rule in rules if rule.matches(num_tokens, num_heads))
+
+
+def choose(kernel: str, arch: str, device_name: str | None, num_tokens: int, num_heads: int = 1,
+           amd: bool = False) -> dict[str, int]:
+    """The config of a launch of ``kernel`` for ``num_tokens`` tokens and ``num_heads`` heads
+    (AMD-only options kept where ``amd``)."""
+    rules, _ = resolve(arch, device_name)[kernel]
+    config = dict(rule_for(rules, num_tokens, num_heads).config)
+    if not amd:
+        for option in AMD_ONLY_OPTIONS:
+            config.pop(option, None)
+    return config

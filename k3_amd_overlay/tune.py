@@ -1,0 +1,266 @@
+"""``k3-amd-overlay tune``: find the fastest launch config of each overlay kernel on this GPU, per
+batch size and per-rank head count, and write them as a launch-config file for this device.
+
+    k3-amd-overlay tune [--out FILE|DIR] [--heads 3 6 12 16] [--tokens 1 8 32 64 128 256] [--kernels ...]
+
+For each kernel, batch and head count, every candidate config is launched once on fresh random
+inputs and its bytes checked against the stock path's (the reference providers: the KV-cache rows
+byte for byte; the fp8 query codes within one step of the reference's, and no more of them off than
+the shipped config has plus 0.1%); the candidates that pass are timed under CUDA/HIP-graph replay
+(median) beside the shipped config, and the fastest is kept. The file (``<arch>-<device>.json`` in
+a directory) is used when ``K3_AMD_OVERLAY_KERNEL_CONFIGS`` names it or its directory; the marker,
+``doctor`` and ``check`` then say that these kernels were tuned on this device."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from k3_amd_overlay.kernels import launch_configs, names
+from k3_amd_overlay.usage import UsageError
+
+TUNED_KERNELS = (names.RMSNORM_PAIR_KERNEL, names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL,
+                 names.ABSORB_FP8_QK_CACHE_KERNEL, names.ABSORB_MXFP4_QK_CACHE_KERNEL)
+DEFAULT_HEADS = (3, 6, 12, 16)  # K3's 96 heads at TP 32, 16, 8 and 6
+DEFAULT_TOKENS = (1, 8, 32, 64, 128, 256)  # the decode batches of `k3-amd-overlay bench`
+NORM_TOKENS = (1, 8, 64, 512, 4096, 16384)  # qkv_norm runs on every batch, prefill included
+MISMATCH_ALLOWANCE = 1e-3  # extra share of query codes a candidate may have one step off the reference
+
+
+def candidates(kernel: str, tokens: int, amd: bool) -> list[dict[str, int]]:
+    """The configs tried for ``kernel`` at ``tokens`` tokens (AMD adds the 16-wide MFMA option)."""
+    warps = (1, 2, 4, 8) if amd else (2, 4, 8)
+    if kernel == names.RMSNORM_PAIR_KERNEL:
+        return [{"ROWS_Q": q, "ROWS_KV": kv, "num_warps": w} for q in (1, 2) for kv in (1, 2, 4, 8)
+                for w in warps if w >= 2]
+    if kernel == names.QK_CACHE_KERNEL:
+        return [{"HEADS": h, "num_warps": w} for h in (1, 2, 4, 8) for w in warps]
+    tiles = [t for t in (16, 32, 64) if t == 16 or t <= tokens]
+    if tokens == 1 and kernel != names.ABSORB_QK_CACHE_KERNEL:
+        tiles = [1, *tiles]
+    found = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in tiles for n in (16, 32, 64, 128) for w in warps]
+    if amd:
+        found += [{**c, "matrix_instr_nonkdim": 16} for c in found if c["BLOCK_T"] >= 16]
+    return found
+
+
+def _codes_apart(got: Any, want: Any) -> tuple[int, int]:
+    """(elements that differ, elements more than one code apart) of two same-shaped code tensors
+    (fp8 bytes or bf16/fp16 bits: sign and magnitude)."""
+    import torch
+
+    got_i, want_i = got.view(-1).to(torch.int32), want.view(-1).to(torch.int32)
+    bits = got.element_size() * 8
+    sign = 1 << (bits - 1)
+    magnitude = sign - 1
+    apart = ((got_i & magnitude) - (want_i & magnitude)).abs()
+    differ = got_i != want_i
+    far = differ & (((got_i & sign) != (want_i & sign)) | (apart > 1))
+    return int(differ.sum()), int(far.sum())
+
+
+class Case:
+    """One kernel at one batch and head count: inputs, the reference's bytes, a launch."""
+
+    def __init__(self, kernel: str, tokens: int, heads: int, fmt: Any) -> None:
+        import torch
+
+        from k3_amd_overlay import k3
+        from k3_amd_overlay.bench.kernels import decode_step_inputs, mxfp4_weights
+        from k3_amd_overlay.ops import reference
+
+        self.kernel = kernel
+        lora, nope = k3.KV_LORA_RANK, k3.QK_NOPE_HEAD_DIM
+        if kernel == names.RMSNORM_PAIR_KERNEL:
+            from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm_pair
+
+            latent = torch.randn(tokens, k3.Q_LORA_RANK + k3.LATENT_ROW, dtype=torch.bfloat16, device="cuda")
+            q_c, kv = latent[:, : k3.Q_LORA_RANK], latent[:, k3.Q_LORA_RANK: k3.Q_LORA_RANK + lora]
+            q_w = torch.randn(k3.Q_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+            kv_w = torch.randn(lora, dtype=torch.bfloat16, device="cuda")
+            self.outputs = (torch.empty(tokens, k3.Q_LORA_RANK, dtype=torch.bfloat16, device="cuda"),
+                            torch.empty(tokens, lora, dtype=torch.bfloat16, device="cuda"))
+            self.wanted = reference.rmsnorm_pair_reference(q_c, kv, q_w, kv_w, 1e-5, 1e-5)
+            self.run = lambda: rmsnorm_pair(q_c, kv, q_w, kv_w, 1e-5, 1e-5, *self.outputs)
+            return
+        q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(tokens, heads)
+        self.outputs = (q_out, cache)
+        self.poison()  # the cache rows the step does not write stay poisoned in both
+        want_out, want_cache = torch.empty_like(q_out), cache.clone()
+
+        def stock(ql_nope: Any) -> None:
+            reference.qk_cache_reference(ql_nope, q_pe, kv_c, k_pe, want_cache.view(fmt.dtype), slots, k_scale,
+                                         q_scale, want_out.view(fmt.dtype), fmt)
+
+        if kernel == names.QK_CACHE_KERNEL:
+            from k3_amd_overlay.kernels.qk_cache import qk_cache
+
+            ql_nope = torch.randn(heads, tokens, lora, dtype=torch.bfloat16, device="cuda").transpose(0, 1)
+            stock(ql_nope)
+            self.run = lambda: qk_cache(ql_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt)
+        elif kernel == names.ABSORB_QK_CACHE_KERNEL:
+            from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
+
+            w_uk_t = (torch.randn(lora, heads, nope, device="cuda") * 0.05).to(torch.bfloat16).permute(1, 2, 0)
+            stock(reference.absorb_w_uk_reference(q_nope, w_uk_t))
+            self.run = lambda: absorb_qk_cache(q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale,
+                                               q_out, fmt)
+        elif kernel == names.ABSORB_FP8_QK_CACHE_KERNEL:
+            from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
+
+            w_k = (torch.randn(heads, lora, nope, device="cuda") * 40).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
+            w_k_scale = torch.tensor(0.003, device="cuda")
+            stock(reference.absorb_w_k_fp8_reference(q_nope, w_k, w_k_scale, fmt))
+            self.run = lambda: absorb_fp8_qk_cache(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache, slots, k_scale,
+                                                   q_scale, q_out, fmt)
+        else:
+            from k3_amd_overlay.kernels.absorb_mxfp4_qk_cache import absorb_mxfp4_qk_cache
+
+            w_k, w_k_scale = mxfp4_weights(heads)
+            stock(reference.absorb_w_k_mxfp4_reference(q_nope, w_k, w_k_scale, q_scale))
+            self.run = lambda: absorb_mxfp4_qk_cache(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache, slots,
+                                                     k_scale, q_scale, q_out, fmt)
+        self.wanted = (want_out, want_cache)
+
+    def poison(self) -> None:
+        """Fill every output with a byte pattern no correct write leaves behind."""
+        import torch
+
+        for out in self.outputs:
+            out.view(torch.uint8).fill_(0xA5)
+
+    def mismatches(self, config: dict[str, int] | None) -> tuple[int, int]:
+        """Run once under ``config`` (None: the shipped one) into poisoned outputs: (codes one step
+        off, codes further off or never written) against the reference."""
+        from k3_amd_overlay.kernels.launch import forced
+
+        self.poison()
+        with forced(config) if config is not None else contextlib.nullcontext():
+            self.run()
+        near = far = 0
+        for out, want in zip(self.outputs, self.wanted, strict=True):
+            differ, apart = _codes_apart(out, want)
+            near, far = near + differ - apart, far + apart
+        return near, far
+
+
+def time_us(run: Callable[[], None], config: dict[str, int] | None) -> float:
+    """Median µs of one launch under ``config`` (None: the shipped one), CUDA/HIP-graph replay."""
+    from k3_amd_overlay.bench.timing import graph_us
+    from k3_amd_overlay.kernels.launch import forced
+
+    with forced(config) if config is not None else contextlib.nullcontext():
+        return graph_us(run, per_graph=20, reps=50)
+
+
+def tune_case(case: Case, tried: Iterable[dict[str, int]], log: Callable[[str], None]) -> tuple[dict[str, int], float,
+                                                                                                float]:
+    """The fastest config that passes the bytes check: (config, its µs, the shipped config's µs)."""
+    base_near, base_far = case.mismatches(None)
+    if base_far:
+        raise RuntimeError(f"{case.kernel}: the shipped config is {base_far} codes off the reference")
+    allowed = base_near + int(MISMATCH_ALLOWANCE * sum(w.numel() for w in case.wanted))
+    shipped_us = time_us(case.run, None)
+    best: tuple[float, dict[str, int]] | None = None
+    for config in tried:
+        try:
+            near, far = case.mismatches(config)
+        except Exception as exc:  # a config this GPU cannot build or launch is not a candidate
+            log(f"    {config}: {type(exc).__name__}")
+            continue
+        if far or near > allowed:
+            log(f"    {config}: rejected ({far} codes off, {near} one step off; allowed {allowed})")
+            continue
+        us = time_us(case.run, config)
+        if best is None or us < best[0]:
+            best = (us, config)
+    if best is None:
+        raise RuntimeError(f"{case.kernel}: no candidate passed")
+    return best[1], best[0], shipped_us
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+
+
+def out_path(out: str, arch: str, device: str) -> Path:
+    path = Path(out)
+    return path / f"{arch}-{device_slug(device)}.json" if path.is_dir() or not path.suffix else path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="k3-amd-overlay tune", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=".", help="a file, or a directory for <arch>-<device>.json (default .)")
+    parser.add_argument("--heads", type=int, nargs="+", default=list(DEFAULT_HEADS), help="per-rank query heads")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS), help="decode batch sizes")
+    parser.add_argument("--kernels", nargs="+", choices=TUNED_KERNELS, default=list(TUNED_KERNELS))
+    parser.add_argument("--verbose", action="store_true", help="say why each rejected candidate was")
+    args = parser.parse_args(argv)
+    try:
+        for name, values in (("--heads", args.heads), ("--tokens", args.tokens)):
+            if any(v < 1 for v in values):
+                raise UsageError(f"{name} {values}: every value must be a positive integer")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("no GPU here: tune runs on the GPU it tunes for")
+    except UsageError as exc:
+        print(f"k3-amd-overlay tune: {exc}", file=sys.stderr)
+        return 2
+    import triton
+
+    from k3_amd_overlay.fp8 import device_format
+    from k3_amd_overlay.kernels import target
+    from k3_amd_overlay.kernels.launch import device_name
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    where, name, fmt = target.of(device), device_name(device), device_format(device)
+    amd = where.backend == target.HIP
+
+    def log(line: str) -> None:
+        if args.verbose:
+            print(line, file=sys.stderr)
+
+    torch.manual_seed(0)
+    heads_bins, token_bins = sorted(set(args.heads)), sorted(set(args.tokens))
+    kernels: dict[str, list[dict[str, Any]]] = {}
+    print(f"tuning on {name} ({where.arch}), torch {torch.__version__}, triton {triton.__version__}")
+    print("| kernel | T | H | shipped µs | tuned µs | ratio | tuned config |")
+    print("|---|---|---|---|---|---|---|")
+    for kernel in args.kernels:
+        if kernel == names.ABSORB_MXFP4_QK_CACHE_KERNEL and where.backend == target.HIP and where.arch != "gfx950":
+            continue  # vLLM's MXFP4 absorption runs on CDNA4 only
+        rules = []
+        for heads in (1,) if kernel == names.RMSNORM_PAIR_KERNEL else heads_bins:
+            for tokens in NORM_TOKENS if kernel == names.RMSNORM_PAIR_KERNEL else token_bins:
+                case = Case(kernel, tokens, heads, fmt)
+                config, us, shipped_us = tune_case(case, candidates(kernel, tokens, amd), log)
+                print(f"| {kernel} | {tokens} | {heads} | {shipped_us:.2f} | {us:.2f} | {shipped_us / us:.2f} | "
+                      f"{config} |", flush=True)
+                rule: dict[str, Any] = {"tokens": tokens, "config": config, "note": f"{us:.2f} us"}
+                if kernel != names.RMSNORM_PAIR_KERNEL:
+                    rule["heads"] = heads
+                rules.append(rule)
+        rules.append({"config": rules[-1]["config"], "note": "beyond the tuned batches and heads: the largest's"})
+        kernels[kernel] = rules
+    data = {"schema": launch_configs.SCHEMA, "arch": where.arch,
+            "origin": "k3-amd-overlay tune: the fastest candidate passing the bytes check, graph replay, median",
+            "tuned_on": {"device": name, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                         "triton": triton.__version__, "command": " ".join(["k3-amd-overlay", "tune", *(argv or [])])},
+            "kernels": kernels}
+    launch_configs.parse(data, "tune output")  # what the overlay will read back
+    path = out_path(args.out, where.arch, name)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {path}; use it with {launch_configs.KERNEL_CONFIGS}={path} (or its directory)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
