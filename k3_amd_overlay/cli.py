@@ -1,8 +1,8 @@
 """``k3-amd-overlay``: ``doctor`` (what this machine and vLLM give, what the overlay would do and
 why, each reachable provider against its reference), ``check`` (whether the live vLLM processes,
 or a fresh one with ``--static``, are fused or stock as an A/B arm expects), ``census`` (kernel
-launches in profiler traces, before and after a fusion), and the tools ``ab-serve``, ``gsm8k-ab``
-and ``bench``."""
+launches in profiler traces, before and after a fusion), and the tools ``ab-serve``, ``gsm8k-ab``,
+``bench``, ``kernels`` (the AMD compile report) and ``tune`` (launch configs for this GPU)."""
 
 from __future__ import annotations
 
@@ -185,6 +185,9 @@ TOOLS = {
     "gsm8k-ab": ("k3_amd_overlay.gsm8k_ab", "accuracy A/B: lm-eval GSM8K against each proved arm, paired"),
     "bench": ("k3_amd_overlay.bench.kernels", "kernel benchmarks at K3 shapes against the unfused path (GPU); "
                                               "`bench plot BENCH.json` draws them"),
+    "kernels": ("k3_amd_overlay.compile_report", "compile every kernel for gfx942/gfx950 (no GPU needed): "
+                                                 "registers, LDS, spills, waves per SIMD"),
+    "tune": ("k3_amd_overlay.tune", "time each kernel's candidate launch configs on this GPU; write its config file"),
 }
 
 

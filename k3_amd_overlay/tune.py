@@ -1,7 +1,8 @@
 """``k3-amd-overlay tune``: find the fastest launch config of each overlay kernel on this GPU, per
 batch size and per-rank head count, and write them as a launch-config file for this device.
 
-    k3-amd-overlay tune [--out FILE|DIR] [--heads 3 6 12 16] [--tokens 1 8 32 64 128 256] [--kernels ...]
+    k3-amd-overlay tune [--out FILE|DIR] [--heads H ...] [--tokens T ...] [--kernels K ...]
+    k3-amd-overlay tune --compare FILE    (FILE's configs against the shipped ones, side by side)
 
 For each kernel, batch and head count, every candidate config is launched once on fresh random
 inputs and its bytes checked against the stock path's (the reference providers: the KV-cache rows
@@ -28,9 +29,7 @@ from k3_amd_overlay.usage import UsageError
 
 TUNED_KERNELS = (names.RMSNORM_PAIR_KERNEL, names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL,
                  names.ABSORB_FP8_QK_CACHE_KERNEL, names.ABSORB_MXFP4_QK_CACHE_KERNEL)
-DEFAULT_HEADS = (3, 6, 12, 16)  # K3's 96 heads at TP 32, 16, 8 and 6
-DEFAULT_TOKENS = (1, 8, 32, 64, 128, 256)  # the decode batches of `k3-amd-overlay bench`
-NORM_TOKENS = (1, 8, 64, 512, 4096, 16384)  # qkv_norm runs on every batch, prefill included
+MIN_GAIN = 0.02  # a candidate replaces the shipped config only if faster by more than this
 MISMATCH_ALLOWANCE = 1e-3  # extra share of query codes a candidate may have one step off the reference
 
 
@@ -160,16 +159,30 @@ def time_us(run: Callable[[], None], config: dict[str, int] | None) -> float:
         return graph_us(run, per_graph=20, reps=50)
 
 
-def tune_case(case: Case, tried: Iterable[dict[str, int]], log: Callable[[str], None]) -> tuple[dict[str, int], float,
-                                                                                                float]:
-    """The fastest config that passes the bytes check: (config, its µs, the shipped config's µs)."""
-    base_near, base_far = case.mismatches(None)
+def interleaved_us(run: Callable[[], None], configs: list[dict[str, int] | None], rounds: int = 3) -> list[float]:
+    """Each config's median µs over ``rounds`` rounds taken in turn (drift hits all alike)."""
+    import statistics
+
+    times: list[list[float]] = [[] for _ in configs]
+    for _ in range(rounds):
+        for i, config in enumerate(configs):
+            times[i].append(time_us(run, config))
+    return [statistics.median(t) for t in times]
+
+
+def tune_case(case: Case, shipped: dict[str, int], tried: Iterable[dict[str, int]],
+              log: Callable[[str], None]) -> tuple[dict[str, int], float, float]:
+    """The fastest config passing the bytes check: (config, its µs, the shipped config's µs). A
+    candidate replaces the shipped config only where it is faster by more than ``MIN_GAIN`` in an
+    interleaved re-timing of the two."""
+    base_near, base_far = case.mismatches(shipped)
     if base_far:
         raise RuntimeError(f"{case.kernel}: the shipped config is {base_far} codes off the reference")
     allowed = base_near + int(MISMATCH_ALLOWANCE * sum(w.numel() for w in case.wanted))
-    shipped_us = time_us(case.run, None)
     best: tuple[float, dict[str, int]] | None = None
     for config in tried:
+        if config == shipped:
+            continue
         try:
             near, far = case.mismatches(config)
         except Exception as exc:  # a config this GPU cannot build or launch is not a candidate
@@ -182,8 +195,64 @@ def tune_case(case: Case, tried: Iterable[dict[str, int]], log: Callable[[str], 
         if best is None or us < best[0]:
             best = (us, config)
     if best is None:
-        raise RuntimeError(f"{case.kernel}: no candidate passed")
-    return best[1], best[0], shipped_us
+        shipped_us = time_us(case.run, shipped)
+        return shipped, shipped_us, shipped_us
+    best_us, shipped_us = interleaved_us(case.run, [best[1], shipped])
+    return (best[1], best_us, shipped_us) if best_us < shipped_us * (1 - MIN_GAIN) else (shipped, shipped_us,
+                                                                                         shipped_us)
+
+
+def shipped_rules(arch: str, kernel: str) -> tuple[launch_configs.Rule, ...]:
+    return launch_configs.shipped(launch_configs.shipped_arch(arch)).kernels[kernel]
+
+
+def shapes_of(kernel: str, heads: list[int], tokens: list[int] | None) -> list[tuple[int, int]]:
+    """(tokens, heads) to tune or compare ``kernel`` at: the benchmarks' shapes by default."""
+    from k3_amd_overlay.bench import shapes
+
+    if kernel == names.RMSNORM_PAIR_KERNEL:
+        return [(t, 1) for t in tokens or shapes.NORM_TOKENS]
+    batches = tokens or (shapes.QK_CACHE_BATCHES if kernel == names.QK_CACHE_KERNEL else shapes.ABSORB_BATCHES)
+    return [(t, h) for h in heads for t in batches]
+
+
+def reachable_here(kernel: str, arch: str, amd: bool) -> bool:
+    return not (kernel == names.ABSORB_MXFP4_QK_CACHE_KERNEL and amd and arch != "gfx950")  # CDNA4 only in vLLM
+
+
+def compare(path: str, kernels: list[str], heads: list[int], fmt: Any, arch: str, amd: bool) -> int:
+    """Time ``path``'s config against the shipped one at every shape, interleaved; 1 where any of
+    ``path``'s is slower by more than ``MIN_GAIN``."""
+    table = launch_configs.load(path)
+    slower = 0
+    print(f"| kernel | T | H | shipped µs | {Path(path).name} µs | shipped / it |")
+    print("|---|---|---|---|---|---|")
+    for kernel in kernels:
+        if kernel not in table.kernels or not reachable_here(kernel, arch, amd):
+            continue
+        for tokens, heads_here in shapes_of(kernel, heads, None):
+            case = Case(kernel, tokens, heads_here, fmt)
+            mine = dict(launch_configs.rule_for(table.kernels[kernel], tokens, heads_here).config)
+            shipped = dict(launch_configs.rule_for(shipped_rules(arch, kernel), tokens, heads_here).config)
+            mine_us, shipped_us = interleaved_us(case.run, [mine, shipped])
+            slower += mine_us > shipped_us * (1 + MIN_GAIN)
+            print(f"| {kernel} | {tokens} | {heads_here} | {shipped_us:.2f} | {mine_us:.2f} | "
+                  f"{shipped_us / mine_us:.2f} |", flush=True)
+    print(f"{slower} shapes slower than the shipped configs by more than {MIN_GAIN:.0%}")
+    return 1 if slower else 0
+
+
+def with_catch_alls(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tuned rules in lookup order (heads, then tokens, ascending), each head count closed by its
+    largest batch's config for any larger batch, the last config for anything beyond."""
+    ordered: list[dict[str, Any]] = []
+    for rule in sorted(rules, key=lambda r: (r.get("heads", 0), r["tokens"])):
+        if ordered and "heads" in rule and ordered[-1].get("heads") != rule["heads"]:
+            ordered.append({"heads": ordered[-1]["heads"], "config": ordered[-1]["config"],
+                            "note": "larger batches: the largest tuned batch's"})
+        ordered.append(rule)
+    ordered.append({"config": ordered[-1]["config"], "note": "beyond the tuned batches and heads: the largest's"})
+    return ordered
 
 
 def device_slug(name: str) -> str:
@@ -197,16 +266,21 @@ def out_path(out: str, arch: str, device: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="k3-amd-overlay tune", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=".", help="a file, or a directory for <arch>-<device>.json (default .)")
-    parser.add_argument("--heads", type=int, nargs="+", default=list(DEFAULT_HEADS), help="per-rank query heads")
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS), help="decode batch sizes")
+    parser.add_argument("--out", default=".", help="a file, or a directory for <arch>-<device>.json (default .); "
+                        "an existing file for this arch and GPU keeps the kernels not tuned now")
+    parser.add_argument("--heads", type=int, nargs="+", help="per-rank query heads (default: the benchmarks')")
+    parser.add_argument("--tokens", type=int, nargs="+", help="batch sizes (default: the benchmarks')")
     parser.add_argument("--kernels", nargs="+", choices=TUNED_KERNELS, default=list(TUNED_KERNELS))
+    parser.add_argument("--compare", metavar="FILE", help="instead of tuning: time FILE's configs against the "
+                        "shipped ones at the benchmarks' shapes; exit 1 where FILE's are slower")
     parser.add_argument("--verbose", action="store_true", help="say why each rejected candidate was")
     args = parser.parse_args(argv)
     try:
         for name, values in (("--heads", args.heads), ("--tokens", args.tokens)):
-            if any(v < 1 for v in values):
+            if values is not None and any(v < 1 for v in values):
                 raise UsageError(f"{name} {values}: every value must be a positive integer")
+        if args.compare and not Path(args.compare).is_file():
+            raise UsageError(f"--compare {args.compare}: no such file")
         import torch
 
         if not torch.cuda.is_available():
@@ -216,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
+    from k3_amd_overlay.bench import shapes
     from k3_amd_overlay.fp8 import device_format
     from k3_amd_overlay.kernels import target
     from k3_amd_overlay.kernels.launch import device_name
@@ -223,43 +298,54 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     where, name, fmt = target.of(device), device_name(device), device_format(device)
     amd = where.backend == target.HIP
+    heads = sorted(set(args.heads or shapes.HEADS))
+    torch.manual_seed(0)
+    print(f"{name} ({where.arch}), torch {torch.__version__}, triton {triton.__version__}")
+    if args.compare:
+        return compare(args.compare, args.kernels, heads, fmt, where.arch, amd)
 
     def log(line: str) -> None:
         if args.verbose:
             print(line, file=sys.stderr)
 
-    torch.manual_seed(0)
-    heads_bins, token_bins = sorted(set(args.heads)), sorted(set(args.tokens))
-    kernels: dict[str, list[dict[str, Any]]] = {}
-    print(f"tuning on {name} ({where.arch}), torch {torch.__version__}, triton {triton.__version__}")
-    print("| kernel | T | H | shipped µs | tuned µs | ratio | tuned config |")
+    path = out_path(args.out, where.arch, name)
+    print("| kernel | T | H | shipped µs | tuned µs | shipped / tuned | tuned config |")
     print("|---|---|---|---|---|---|---|")
     for kernel in args.kernels:
-        if kernel == names.ABSORB_MXFP4_QK_CACHE_KERNEL and where.backend == target.HIP and where.arch != "gfx950":
-            continue  # vLLM's MXFP4 absorption runs on CDNA4 only
+        if not reachable_here(kernel, where.arch, amd):
+            continue
         rules = []
-        for heads in (1,) if kernel == names.RMSNORM_PAIR_KERNEL else heads_bins:
-            for tokens in NORM_TOKENS if kernel == names.RMSNORM_PAIR_KERNEL else token_bins:
-                case = Case(kernel, tokens, heads, fmt)
-                config, us, shipped_us = tune_case(case, candidates(kernel, tokens, amd), log)
-                print(f"| {kernel} | {tokens} | {heads} | {shipped_us:.2f} | {us:.2f} | {shipped_us / us:.2f} | "
-                      f"{config} |", flush=True)
-                rule: dict[str, Any] = {"tokens": tokens, "config": config, "note": f"{us:.2f} us"}
-                if kernel != names.RMSNORM_PAIR_KERNEL:
-                    rule["heads"] = heads
-                rules.append(rule)
-        rules.append({"config": rules[-1]["config"], "note": "beyond the tuned batches and heads: the largest's"})
-        kernels[kernel] = rules
-    data = {"schema": launch_configs.SCHEMA, "arch": where.arch,
-            "origin": "k3-amd-overlay tune: the fastest candidate passing the bytes check, graph replay, median",
-            "tuned_on": {"device": name, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-                         "triton": triton.__version__, "command": " ".join(["k3-amd-overlay", "tune", *(argv or [])])},
-            "kernels": kernels}
-    launch_configs.parse(data, "tune output")  # what the overlay will read back
-    path = out_path(args.out, where.arch, name)
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {path}; use it with {launch_configs.KERNEL_CONFIGS}={path} (or its directory)")
+        for tokens, heads_here in shapes_of(kernel, heads, sorted(set(args.tokens)) if args.tokens else None):
+            case = Case(kernel, tokens, heads_here, fmt)
+            shipped = dict(launch_configs.rule_for(shipped_rules(where.arch, kernel), tokens, heads_here).config)
+            config, us, shipped_us = tune_case(case, shipped, candidates(kernel, tokens, amd), log)
+            print(f"| {kernel} | {tokens} | {heads_here} | {shipped_us:.2f} | {us:.2f} | {shipped_us / us:.2f} | "
+                  f"{config} |", flush=True)
+            rule: dict[str, Any] = {"tokens": tokens, "config": config, "note": f"{us:.2f} us"}
+            if kernel != names.RMSNORM_PAIR_KERNEL:
+                rule["heads"] = heads_here
+            rules.append(rule)
+        write(path, where.arch, name, {kernel: with_catch_alls(rules)}, torch.__version__, triton.__version__)
+    print(f"wrote {path}; the overlay uses it with {launch_configs.KERNEL_CONFIGS}={path} (or its directory)")
     return 0
+
+
+def write(path: Path, arch: str, device: str, kernels: dict[str, list[dict[str, Any]]], torch_version: str,
+          triton_version: str) -> None:
+    """Write (after each kernel, so an interrupted run keeps what it finished) ``kernels``' rules into
+    ``path``, keeping the other kernels of a file tuned before for this arch and GPU."""
+    if path.is_file():
+        before = json.loads(path.read_text())
+        if before.get("arch") == arch and (before.get("tuned_on") or {}).get("device") == device:
+            kernels = {**before.get("kernels", {}), **kernels}
+    data = {"schema": launch_configs.SCHEMA, "arch": arch,
+            "origin": "k3-amd-overlay tune: per shape the fastest candidate passing the bytes check, graph replay, "
+                      f"median; the shipped config kept unless beaten by more than {MIN_GAIN:.0%}",
+            "tuned_on": {"device": device, "date": datetime.date.today().isoformat(), "torch": torch_version,
+                         "triton": triton_version},
+            "kernels": kernels}
+    launch_configs.parse(data, str(path))  # what the overlay will read back
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def test_the_variable_names_are_the_documented_ones():
     assert (module.SWITCH, module.STRICT, module.MARKER_DIR, module.ENV_PREFIX) == (
         "K3_AMD_OVERLAY", "K3_AMD_OVERLAY_STRICT", "K3_AMD_OVERLAY_MARKER_DIR", "K3_AMD_OVERLAY")
     assert module.KNOWN_VARIABLES == {
-        "K3_AMD_OVERLAY", "K3_AMD_OVERLAY_STRICT", "K3_AMD_OVERLAY_MARKER_DIR",
+        "K3_AMD_OVERLAY", "K3_AMD_OVERLAY_STRICT", "K3_AMD_OVERLAY_MARKER_DIR", "K3_AMD_OVERLAY_KERNEL_CONFIGS",
         "K3_AMD_OVERLAY_QKV_NORM_PROVIDER", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER",
         "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER"}
     assert module.PROVIDER_SETTINGS == {
@@ -85,7 +85,8 @@ def test_the_variable_names_are_the_documented_ones():
     ("K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER", "vllm", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER='vllm' is not "
      "valid; allowed: auto, triton, aiter, reference"),
     ("K3_AMD_OVERLAY_QKV_NORM_PROVIDR", "triton", "unknown overlay variable(s) K3_AMD_OVERLAY_QKV_NORM_PROVIDR; "
-     "known: K3_AMD_OVERLAY, K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER, K3_AMD_OVERLAY_MARKER_DIR, "
+     "known: K3_AMD_OVERLAY, K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER, K3_AMD_OVERLAY_KERNEL_CONFIGS, "
+     "K3_AMD_OVERLAY_MARKER_DIR, "
      "K3_AMD_OVERLAY_QKV_NORM_PROVIDER, K3_AMD_OVERLAY_QK_CACHE_PROVIDER, K3_AMD_OVERLAY_STRICT"),
 ])
 def test_each_error_message_in_full(variable, value, message):

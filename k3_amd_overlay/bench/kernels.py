@@ -24,6 +24,7 @@ from k3_amd_overlay.bench.baselines import (
     _one_load_kernel,
     concat_and_cache_mla_like_kernel,
 )
+from k3_amd_overlay.bench.shapes import ABSORB_BATCHES, HEADS, NORM_TOKENS, QK_CACHE_BATCHES
 from k3_amd_overlay.bench.timing import bandwidth_bytes_per_us, eager_us, graph_us
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
 from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
@@ -390,9 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {props.name}; torch {torch.__version__}; triton {triton.__version__}; "
           f"copy bandwidth {bw / 1e6:.2f} TB/s; empty launch graph {empty['graph']:.2f} µs, eager {empty['eager']:.2f} µs; "
           f"one-load launch graph {empty['one_load_graph']:.2f} µs, eager {empty['one_load_eager']:.2f} µs")
-    tokens = [1, 8, 64, 512] if args.quick else [1, 8, 64, 512, 4096, 16384]
-    heads = [3, 12] if args.quick else [3, 6, 12, 16]
-    batch = [1, 32, 256] if args.quick else [1, 8, 32, 128, 256, 1024]
+    tokens = [1, 8, 64, 512] if args.quick else NORM_TOKENS
+    heads = [3, 12] if args.quick else HEADS
+    batch = [1, 32, 256] if args.quick else QK_CACHE_BATCHES
+    absorb_batches = [1, 32, 256] if args.quick else ABSORB_BATCHES
     results = []
     if args.only in (None, "qkv_norm"):
         results += bench_qkv_norm(tokens, bw, empty)
@@ -404,18 +406,16 @@ def main(argv: list[str] | None = None) -> int:
             results += bench_absorb([3, 12, 16], [1, 32, 256], bw, empty, block_n=block_n)
     elif args.only in (None, "absorb_qk_cache"):
         results += bench_absorb([3, 12] if args.quick else [3, 12, 16],
-                                [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty)
+                                absorb_batches, bw, empty)
     if args.sweep_fp8:
         results += sweep_absorb_fp8([3, 12, 16], [1, 4, 8, 32, 64])
     elif args.only in (None, "absorb_fp8"):
-        results += bench_absorb_fp8([3, 12] if args.quick else [3, 6, 12, 16],
-                                    [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty, peers)
+        results += bench_absorb_fp8(heads, absorb_batches, bw, empty, peers)
     if args.sweep_mxfp4:
         results += bench_absorb_mxfp4([3, 12, 16], [1, 4, 8, 32, 64], bw, empty, False, sweep=True)
     elif args.only in (None, "absorb_mxfp4"):
         mxfp4_peers = peers and not aiter_peers.fp4_missing()
-        results += bench_absorb_mxfp4([3, 12] if args.quick else [3, 6, 12, 16],
-                                      [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256], bw, empty,
+        results += bench_absorb_mxfp4(heads, absorb_batches, bw, empty,
                                       mxfp4_peers)
     if args.json:
         with open(args.json, "w") as handle:
