@@ -195,7 +195,8 @@ def compile_arch(arch: str) -> dict[str, Any]:
     entries = []
     for kernel in KERNEL_ORDER:
         for dtype in query_dtypes(kernel, arch):
-            for config, tokens, heads, labels in probe.reachable(kernel, arch):
+            for config, samples, labels in probe.reachable(kernel, arch):
+                tokens, heads = samples[0]
                 with target.compile_only(arch) as session:
                     try:
                         probe.launch_at(kernel, torch.device("cpu"), getattr(torch, dtype), tokens, heads, fmt)

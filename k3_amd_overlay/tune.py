@@ -345,7 +345,7 @@ def write(path: Path, arch: str, device: str, kernels: dict[str, list[dict[str, 
                          "triton": triton_version},
             "kernels": kernels}
     launch_configs.parse(data, str(path))  # what the overlay will read back
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(launch_configs.dumps(data))
 
 
 if __name__ == "__main__":

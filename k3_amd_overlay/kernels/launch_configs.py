@@ -135,6 +135,17 @@ def parse(data: Any, path: str) -> ConfigFile:
     return ConfigFile(path, arch, device, {k: _parse_rules(k, v, f"{path} {k}") for k, v in kernels.items()})
 
 
+def dumps(data: dict[str, Any]) -> str:
+    """A launch-config file's text: the header fields, then each kernel's rules one to a line."""
+    lines = ["{", *(f" {json.dumps(k)}: {json.dumps(v)}," for k, v in data.items() if k != "kernels"), ' "kernels": {']
+    kernels = list(data["kernels"].items())
+    for i, (kernel, rules) in enumerate(kernels):
+        lines.append(f"  {json.dumps(kernel)}: [")
+        lines += [f"   {json.dumps(rule)}" + ("," if j < len(rules) - 1 else "") for j, rule in enumerate(rules)]
+        lines.append("  ]" + ("," if i < len(kernels) - 1 else ""))
+    return "\n".join([*lines, " }", "}"]) + "\n"
+
+
 def load(path: str | Path) -> ConfigFile:
     try:
         data = json.loads(Path(path).read_text())

@@ -20,8 +20,9 @@ ABSORB_WEIGHTS = {names.ABSORB_QK_CACHE_KERNEL: "query dtype", names.ABSORB_FP8_
 
 
 def launch_at(kernel: str, device: torch.device, dtype: torch.dtype, tokens: int, heads: int,
-              fmt: Fp8Format) -> None:
-    """One launch of ``kernel`` for ``tokens`` tokens and ``heads`` heads (fp8 weights in ``fmt``)."""
+              fmt: Fp8Format, block_size: int = 1) -> None:
+    """One launch of ``kernel`` for ``tokens`` tokens and ``heads`` heads (fp8 weights in ``fmt``;
+    the KV cache in blocks of ``block_size``, AITER MLA's 1 by default)."""
     lora, rope, nope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM
 
     def empty(*shape: int, like: torch.dtype = dtype) -> torch.Tensor:
@@ -30,7 +31,7 @@ def launch_at(kernel: str, device: torch.device, dtype: torch.dtype, tokens: int
     q = empty(tokens, heads, nope + rope)
     q_nope, q_pe = q[..., :nope], q[..., nope:]
     kv_c, k_pe = empty(tokens, lora), empty(tokens, rope)
-    cache = empty(tokens + 1, 1, lora + rope, like=torch.uint8)  # AITER MLA's block size 1
+    cache = empty(tokens // block_size + 1, block_size, lora + rope, like=torch.uint8)
     slots = torch.arange(tokens, dtype=torch.int64, device=device)
     scale = torch.ones(1, dtype=torch.float32, device=device)
     q_out = empty(tokens, heads, lora + rope, like=torch.uint8)
@@ -70,47 +71,61 @@ def launch_at(kernel: str, device: torch.device, dtype: torch.dtype, tokens: int
         raise ValueError(f"unknown kernel {kernel!r} (known: {', '.join(launch_configs.KERNEL_PARAMETERS)})")
 
 
+def _specialization(tokens: int) -> int:
+    """Triton compiles an int argument apart when it is 1 or a multiple of 16: the class of ``tokens``."""
+    return 0 if tokens == 1 else 1 if tokens % 16 == 0 else 2
+
+
+Config = tuple[tuple[str, int], ...]
+
+
 def reachable(kernel: str, arch: str, heads: tuple[int, ...] = HEADS,
-              device_name: str | None = None) -> list[tuple[tuple[tuple[str, int], ...], int, int, list[str]]]:
+              device_name: str | None = None) -> list[tuple[Config, list[tuple[int, int]], list[str]]]:
     """Each distinct config the dispatch picks for ``kernel`` on ``arch`` over vLLM's decode batches
-    and these per-rank heads: (config, a batch and heads that reach it, the rules it serves)."""
+    and these per-rank heads: (config, batches and heads that reach it, one for each kind of batch
+    size Triton compiles apart, the rules it serves)."""
     rules, _ = launch_configs.resolve(arch, device_name)[kernel]
     heads_swept = (1,) if kernel == names.RMSNORM_PAIR_KERNEL else heads
-    found: dict[tuple[tuple[str, int], ...], tuple[int, int, list[str]]] = {}
+    # every batch size up to past the largest bound: each rule's first batch of each kind, in order
+    last = max([r.tokens for r in rules if r.tokens is not None] + [max(TOKENS)]) + 32
+    found: dict[Config, tuple[dict[tuple[int, int], tuple[int, int]], list[str]]] = {}
     for rule in rules:
-        hit = next(((t, h) for t in TOKENS for h in heads_swept if launch_configs.rule_for(rules, t, h) is rule), None)
-        if hit is None:
+        hits = [(t, h) for h in heads_swept for t in range(1, last + 1) if launch_configs.rule_for(rules, t, h) is rule]
+        if not hits:
             continue
-        label = f"T<={rule.tokens or 'any'}, H<={rule.heads or 'any'}"
-        if rule.config in found:
-            found[rule.config][2].append(label)
-        else:
-            found[rule.config] = (hit[0], hit[1], [label])
-    return [(config, t, h, labels) for config, (t, h, labels) in found.items()]
+        samples, labels = found.setdefault(rule.config, ({}, []))
+        labels.append(f"T<={rule.tokens or 'any'}, H<={rule.heads or 'any'}")
+        for t, h in hits:
+            samples.setdefault((_specialization(t), h), (t, h))
+    return [(config, list(samples.values()), labels) for config, (samples, labels) in found.items()]
 
 
-def precompile(kernel: str, device: torch.device, dtype: torch.dtype, heads: int, fmt: Fp8Format) -> int:
+def precompile(kernel: str, device: torch.device, dtype: torch.dtype, heads: int, fmt: Fp8Format,
+               block_size: int = 1) -> int:
     """Compile (not run) every config the arch's table can pick for ``kernel`` at ``heads`` heads on
-    ``device``; returns how many. Raises what Triton raises."""
+    ``device``, for each kind of batch size Triton compiles apart; returns how many configs. Raises
+    what Triton raises."""
     where = target.of(device)
     from k3_amd_overlay.kernels.launch import device_name
 
     configs = reachable(kernel, where.arch, (heads,), device_name(device))
     with target.compile_only(None):
-        for _, tokens, config_heads, _ in configs:
-            launch_at(kernel, device, dtype, tokens, config_heads, fmt)
+        for _, samples, _ in configs:
+            for tokens, config_heads in samples:
+                launch_at(kernel, device, dtype, tokens, config_heads, fmt, block_size)
     return len(configs)
 
 
-_precompiled: set[tuple[str, torch.device, torch.dtype, int, str]] = set()
+_precompiled: set[tuple[str, torch.device, torch.dtype, int, str, int]] = set()
 
 
 def precompile_once(provider: str | None, kernel: str, device: torch.device, dtype: torch.dtype, heads: int,
-                    fmt: Fp8Format) -> None:
+                    fmt: Fp8Format, block_size: int = 1) -> None:
     """``precompile`` at the first fused call of a Triton provider on a GPU for this kernel, device,
-    dtype and head count in the process (a site's first call is in vLLM's warm-up run)."""
-    key = (kernel, device, dtype, heads, fmt.name)
+    dtype, head count and cache block size in the process (a site's first call is in vLLM's warm-up
+    run)."""
+    key = (kernel, device, dtype, heads, fmt.name, block_size)
     if provider != "triton" or key in _precompiled or not target.of(device).gpu:
         return
-    precompile(kernel, device, dtype, heads, fmt)
+    precompile(kernel, device, dtype, heads, fmt, block_size)
     _precompiled.add(key)

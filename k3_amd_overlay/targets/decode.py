@@ -158,7 +158,7 @@ class DecodeSite:
             weight = attn.W_K if plan.absorb in ABSORB_KERNELS else attn.W_UK_T
 
             def launch() -> None:
-                precompile_once(provider, kernel, q.device, q.dtype, heads, self.fmt)
+                precompile_once(provider, kernel, q.device, q.dtype, heads, self.fmt, cache.shape[1])
                 if plan.absorb is AbsorbVariant.FP4:
                     absorb_op.run_mxfp4_provider(provider, q_nope, weight, attn.W_K_scale, q_pe, kv_c, k_pe, cache,
                                                  slots, attn._k_scale, attn._q_scale, q_out, self.fmt)
@@ -176,7 +176,8 @@ class DecodeSite:
             ql_nope = absorb_w_uk(attn, plan.absorb, q_nope.transpose(0, 1))
 
             def launch() -> None:
-                precompile_once(plan.decision.provider, names.QK_CACHE_KERNEL, q.device, q.dtype, heads, self.fmt)
+                precompile_once(plan.decision.provider, names.QK_CACHE_KERNEL, q.device, q.dtype, heads, self.fmt,
+                                cache.shape[1])
                 qk_cache_op.run_provider(plan.decision.provider, ql_nope, q_pe, kv_c, k_pe, cache, slots,
                                          attn._k_scale, attn._q_scale, q_out, self.fmt)
 
