@@ -54,6 +54,30 @@ def gpu() -> dict[str, Any]:
             "fp8 format": device_format().name}
 
 
+def launch_configs_here(device: torch.device) -> dict[str, Any]:
+    """Where each kernel's launch configs come from on this machine's GPU (a bad
+    K3_AMD_OVERLAY_KERNEL_CONFIGS is an error here) and, on an AMD GPU, this arch's compile report."""
+    from k3_amd_overlay.kernels import launch
+    from k3_amd_overlay.kernels.launch_configs import LaunchConfigError
+
+    try:
+        found = launch.describe(device)
+    except LaunchConfigError as exc:
+        return {"error": str(exc)}
+    if torch.version.hip is not None and device.type == "cuda":
+        from k3_amd_overlay import compile_report
+
+        try:
+            entries = compile_report.run_worker(found["arch"])["kernels"]
+        except (RuntimeError, KeyError) as exc:
+            found["compile report"] = {"error": str(exc)}
+        else:
+            found["compile report"] = {"configurations": len(entries),
+                                       "falling short": [f"{e['kernel']} {e['config']}: {'; '.join(e['problems'])}"
+                                                         for e in entries if e["problems"]]}
+    return found
+
+
 def qk_cache_by_tp(shape_upstream: str) -> list[dict[str, Any]]:
     from k3_amd_overlay.targets.shapes import UPSTREAM_DECODE_MIN_LATENT_HEADS
 
@@ -192,6 +216,12 @@ def verdict_line(report: dict[str, Any]) -> tuple[str, bool]:
         problems.append("this vLLM's K3 AMD code is not recognised (see vllm shape)")
     if report.get("activation error"):
         problems.append(report["activation error"])
+    launch_configs = report.get("launch configs", {})
+    if "error" in launch_configs:
+        problems.append(launch_configs["error"])
+    short = launch_configs.get("compile report", {}).get("falling short")
+    if short:
+        problems.append(f"{len(short)} kernel configurations fall short on this GPU (see launch configs)")
     failed = [f"{r['op']} {r['provider']}" for r in report.get("self-test", []) if r.get("ran") and not r.get("pass")]
     if failed:
         problems.append(f"self-test failed: {', '.join(failed)}")
@@ -271,6 +301,7 @@ def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
         from k3_amd_overlay.targets.vllm_env import with_vllm_aiter_switch
 
         report["providers here"] = {f: with_vllm_aiter_switch(m) for f, m in report["providers here"].items()}
+    report["launch configs"] = launch_configs_here(device)
     report["self-test"] = selftest(device)
     if settings.enabled and has_vllm:
         report.update(_activate_here(env))
@@ -356,6 +387,25 @@ def render(report: dict[str, Any]) -> str:
     lines += _table(["fusion", "provider", "runs here"],
                     [[f, p, "yes" if why is None else f"no: {why}"]
                      for f, m in report["providers here"].items() for p, why in m.items()])
+    configs = report.get("launch configs", {})
+    lines.append("\n== launch configs (" + (f"{configs['arch']}, {configs['device'] or 'no GPU'})" if "arch" in configs
+                                            else "unusable)"))
+    if "error" in configs:
+        lines.append(f"  {configs['error']}")
+    else:
+        lines += _table(["kernel", "config file", "tuned"],
+                        [[k, s["file"], f"on this GPU ({s['tuned_on']})" if s["tuned_here"] else
+                          f"on {s['tuned_on']}, not this GPU" if s["tuned_on"] else "no"]
+                         for k, s in configs["kernels"].items()])
+        report_here = configs.get("compile report")
+        if report_here:
+            if "error" in report_here:
+                lines.append(f"  compile report: {report_here['error']}")
+            else:
+                short = report_here["falling short"]
+                lines.append(f"  compile report: {report_here['configurations']} configurations, {len(short)} falling "
+                             "short")
+                lines += [f"    {line}" for line in short]
     lines.append("\n== self-test against the reference at K3 shapes")
     lines += _table(["op", "W_UK", "fp8", "provider", "result"],
                     [[r["op"], r.get("W_UK", ""), r.get("format", ""), r["provider"],

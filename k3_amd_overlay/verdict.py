@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE
@@ -24,6 +26,21 @@ class Verdict:
 
     def ok(self, line: str) -> None:
         self.lines.append(f"ok   {line}")
+
+    def info(self, line: str) -> None:
+        """A fact for the reader that neither holds nor fails the verdict."""
+        self.lines.append(f"info {line}")
+
+
+def launch_configs_summary(launch_configs: dict[str, Any]) -> str:
+    """Which config file each kernel used in a process and whether it was tuned on that GPU."""
+    by_source: dict[str, list[str]] = {}
+    for kernel, source in launch_configs.get("kernels", {}).items():
+        tuned = ("tuned on this GPU" if source.get("tuned_here") else
+                 f"tuned on {source['tuned_on']}, not this GPU" if source.get("tuned_on") else "untuned")
+        by_source.setdefault(f"{os.path.basename(source.get('file', '?'))} ({tuned})", []).append(kernel)
+    files = "; ".join(f"{where}: {', '.join(kernels)}" for where, kernels in by_source.items())
+    return f"{launch_configs.get('arch')} ({launch_configs.get('device') or 'no GPU'}): {files}"
 
 
 # A fusion whose one launch also does another's work: absorb_qk_cache's launch writes the KV cache
@@ -131,6 +148,8 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
             else:
                 verdict.fail(f"{who}: overlay in {mode.value} mode")
             continue
+        if record.launch_configs and expect == "fused":
+            verdict.info(f"{who}: launch configs {launch_configs_summary(record.launch_configs)}")
         for fusion in wanted:
             entry = entries.get(fusion, NOT_RECORDED)
             proof = proofs.setdefault(fusion, _Proof())

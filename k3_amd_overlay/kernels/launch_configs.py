@@ -103,6 +103,8 @@ def _parse_config(kernel: str, config: Any, where: str) -> tuple[tuple[str, int]
     if kernel in DOT_TILE_KERNELS and 1 < values["BLOCK_T"] < 16:
         raise LaunchConfigError(f"{where}: BLOCK_T = {values['BLOCK_T']}: 1 (no dot) or at least 16 (tl.dot's "
                                 "smallest tile)")
+    if kernel == names.ABSORB_QK_CACHE_KERNEL and values["BLOCK_T"] == 1:
+        raise LaunchConfigError(f"{where}: BLOCK_T = 1: this kernel always takes a tl.dot (at least 16)")
     return tuple(sorted(values.items()))
 
 

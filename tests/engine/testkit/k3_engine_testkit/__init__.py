@@ -18,6 +18,10 @@ Stand-ins, each minimal (docs/verification.md lists them):
    replaced by a fixed fan-in scaled pattern seeded by its name, so arms compare meaningfully.
 4. **KV-connector recorder** (``RecordingConnector``): a ``KVConnectorBase_V1`` that moves no data
    and appends each per-layer hook call to K3ENGINE_CONNECTOR_LOG.
+5. **Planted kernel failure** (K3ENGINE_PLANT_KERNEL_FAILURE=fusion,...): the overlay's provider
+   call of each named fusion raises what Triton raises for a kernel it cannot build for the GPU
+   (``CompilationError``-like, with a compiler message), as an older ROCm Triton or an unexpected
+   arch would; the engine runs no Triton kernel on CPU, so the failure is planted at the call.
 """
 
 from __future__ import annotations
@@ -45,6 +49,29 @@ def register() -> None:
     wrapt.register_post_import_hook(_fp8_cpu_mla, CPU_MLA)
     if os.environ.get("K3ENGINE_WEIGHTS") == "fanin":
         wrapt.register_post_import_hook(_fanin_weights, DUMMY_LOADER)
+    planted = os.environ.get("K3ENGINE_PLANT_KERNEL_FAILURE", "")
+    for fusion in filter(None, planted.split(",")):
+        for module, function in PROVIDER_CALLS[fusion]:
+            wrapt.register_post_import_hook(lambda m, f=function: wrapt.wrap_function_wrapper(m, f, _fail), module)
+
+
+# --- 5. planted kernel failure --------------------------------------------------------------
+
+PROVIDER_CALLS = {  # the overlay's provider calls each fusion's site makes
+    "qkv_norm": [("k3_amd_overlay.ops.rmsnorm_pair", "run_provider")],
+    "qk_cache": [("k3_amd_overlay.ops.qk_cache", "run_provider")],
+    "absorb_qk_cache": [("k3_amd_overlay.ops.absorb_qk_cache", name)
+                        for name in ("run_provider", "run_fp8_provider", "run_mxfp4_provider")],
+}
+PLANTED_MESSAGE = "planted: LLVM ERROR: cannot select the fp8 MFMA for this arch (an older ROCm Triton)"
+
+
+class PlantedCompilationError(RuntimeError):
+    """Stands for triton.compiler.errors.CompilationError (the engine runs no Triton kernel on CPU)."""
+
+
+def _fail(wrapped, instance, args, kwargs):
+    raise PlantedCompilationError(PLANTED_MESSAGE)
 
 
 # --- 2. fp8 KV cache for CPU MLA -------------------------------------------------------------
