@@ -4,7 +4,8 @@
 # suite in each matrix venv against the installed wheel (from a scratch directory, so the source
 # tree is never imported; the release-independent kernel tests in the first venv only), then the
 # real-engine tier (tests/engine) in the engine venv with
-# the test kit installed. Prints one summary line at the end.
+# the test kit installed; meanwhile, on the core the suite leaves idle, the AMD compile reports
+# (scripts/compile_reports.sh: gfx942 and gfx950, three Tritons). Prints one summary line at the end.
 #   scripts/run_tests.sh [VERSION ...]     default: scripts/vllm-versions.txt (the engine tier always runs)
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,6 +28,8 @@ if "${venvs[0]}/bin/ruff" check "$repo"; then echo "[lint] ruff clean"; else ech
 
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
+"$repo/scripts/compile_reports.sh" "${venvs[0]}" "$scratch/kernels" > "$scratch/kernels.log" 2>&1 &
+reports_pid=$!
 passed=0; failed=0; skipped=0
 run_pytest() {  # NAME VENV TESTS...
   local name=$1 venv=$2; shift 2
@@ -52,6 +55,11 @@ for i in "${!versions[@]}"; do
   run_pytest "vLLM ${versions[$i]}" "${venvs[$i]}" "$repo/tests" --ignore="$repo/tests/engine" "${only[@]}"
 done
 run_pytest "real engine (vllm-$engine)" "$engine_venv" "$repo/tests/engine"
+wait "$reports_pid"; reports=$?
+grep -v "WARNING: Location" "$scratch/kernels.log"
+if [ $reports -eq 0 ]; then echo "[kernels] every kernel builds for gfx942 and gfx950 with each Triton: no spill, "\
+"no scratch, >= 4 waves per SIMD, no repeated tile"
+else echo "[kernels] a compile report falls short:"; grep -v "| ok |" "$scratch/kernels/amd-compile-report.md"; status=1; fi
 echo "summary over vLLM ${versions[*]} and the real engine (vllm-$engine), $((SECONDS - start)) s:"
 echo "$passed passed, $failed failed, $skipped skipped"
 exit $status
