@@ -414,7 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep_mxfp4:
         results += bench_absorb_mxfp4([3, 12, 16], [1, 4, 8, 32, 64], bw, empty, False, sweep=True)
     elif args.only in (None, "absorb_mxfp4"):
-        mxfp4_peers = peers and not aiter_peers.fp4_missing()
+        fp4_why = aiter_peers.fp4_missing() if peers else None
+        if fp4_why:
+            print(f"--peers aiter: no MXFP4 peer columns: {fp4_why}", file=sys.stderr)
+        mxfp4_peers = peers and not fp4_why
         results += bench_absorb_mxfp4(heads, absorb_batches, bw, empty,
                                       mxfp4_peers)
     if args.json:
