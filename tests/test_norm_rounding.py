@@ -73,15 +73,17 @@ def test_triton_pair_rounds_like_vllms_rmsnorm_bit_for_bit(dtype, tokens):
 def test_triton_pair_on_random_inputs_differs_only_by_the_fp32_sum_order(dtype, tokens):
     """On random activations the fp32 sum of squares is added up in another order by torch's CUDA
     reduction than by Triton's tree (measured on an H200: the variance differs in the last bit on
-    about a quarter of the rows), which moves at most 1e-4 of the outputs by one unit in the last
+    about a quarter of the rows), which moves a few in 1e5 of the outputs by one unit in the last
     place of the normalised value (so by at most two in the output, after the weight multiply);
-    the single rounding this replaced moved about a quarter of them."""
+    the single rounding this replaced moved about a quarter of them. The bound is 1e-3: inputs are
+    fresh each run, and at 64 tokens the kv output holds 32768 values, so 1e-4 (3 values) failed
+    once on an H200 with 4; the planted single rounding still exceeds it 50-fold."""
     q, kv, q_w, kv_w = rmsnorm_inputs(tokens, dtype, DEVICE)
     got = fused_q_kv_rmsnorm(q, kv, q_w, kv_w, k3.RMS_NORM_EPS, 1e-3, provider="triton")
     want = (rmsnorm_reference(q, q_w, k3.RMS_NORM_EPS), rmsnorm_reference(kv, kv_w, 1e-3))
     for g, w in zip(got, want, strict=True):
         differ = g != w
-        assert differ.float().mean().item() <= 1e-4
+        assert differ.float().mean().item() <= 1e-3
         # within two representable steps of vLLM's value
         w_d, g_d = w[differ].float(), g[differ].float()
         step = torch.nextafter(w[differ].abs(), torch.full_like(w[differ], float("inf"))).float() - w_d.abs()
