@@ -64,11 +64,11 @@ PY
 }
 
 # Builds run two at a time (K3OVL_SETUP_JOBS): pip spends much of each build waiting on one core.
-jobs=${K3OVL_SETUP_JOBS:-2}
+setup_jobs=${K3OVL_SETUP_JOBS:-2}
 pids=(); logs=()
 for v in "${versions[@]}"; do
   if [ -f "$venv_root/vllm-$v/.complete" ]; then echo "[setup] vllm $v: $venv_root/vllm-$v ready"; continue; fi
-  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 1; done
+  while [ "$(jobs -rp | wc -l)" -ge "$setup_jobs" ]; do sleep 1; done
   log="$venv_root/setup-$v.log"
   (set -e; build "$v") > "$log" 2>&1 &
   pids+=($!); logs+=("$log")
