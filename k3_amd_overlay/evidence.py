@@ -20,53 +20,15 @@ from k3_amd_overlay import markers
 from k3_amd_overlay.fusions.states import FUSED_STATES, FusionState, LayerDecision
 from k3_amd_overlay.package import FUSIONS, __version__
 from k3_amd_overlay.phases import Phase, capturing_graph, current_phase, in_warmup
+from k3_amd_overlay.process_identity import process_role
 from k3_amd_overlay.record import FusionEntry, LayerTally, MarkerRecord
 from k3_amd_overlay.settings import Mode, OverlaySettings
 from k3_amd_overlay.versions import installed_vllm_version
 
 logger = logging.getLogger("vllm.k3_amd_overlay")
-API_SERVER_MODULE_FILE = os.path.join("entrypoints", "openai", "api_server.py")
-# A Ray actor's process (vLLM's Ray executor runs its workers as Ray actors) runs this script.
-RAY_WORKER_SCRIPT = os.path.join("ray", "_private", "workers", "default_worker.py")
 # Marker rewrites for run counts: at these counts, then at most every MARKER_INTERVAL_S seconds.
 MARKER_INTERVAL_S = 2.0
 REPLAY_COUNTED = "_k3_overlay_counted_fusions"  # on a CUDA graph instance: the fusions its replays count for
-
-
-# `vllm` CLI commands that only talk to a server or print: they never build a model, so they
-# leave no evidence (a client would otherwise be counted by `check` as a vLLM process).
-CLI_CLIENT_COMMANDS = (("bench", "serve"), ("chat",), ("complete",), ("collect-env",), ("--version",),
-                       ("-v",), ("--help",), ("-h",))
-PROCESS_NAME_ROLES = (("EngineCore", "engine-core"), ("Worker", "worker"), ("ApiServer", "api-server"),
-                      ("APIServer", "api-server"))
-
-
-def _vllm_command(argv: list[str]) -> list[str] | None:
-    """The arguments after ``vllm`` when this process is the ``vllm`` CLI, else None."""
-    return argv[1:] if argv and os.path.basename(argv[0]) == "vllm" else None
-
-
-def is_cli_client(argv: list[str] | None = None) -> bool:
-    command = _vllm_command(sys.argv if argv is None else argv)
-    return command is not None and any(tuple(command[:len(c)]) == c for c in CLI_CLIENT_COMMANDS)
-
-
-def process_role(argv: list[str] | None = None, name: str | None = None) -> str:
-    """engine-core, worker (a vLLM worker process or a Ray actor), api-server (``vllm serve`` or
-    the OpenAI server module), cli-client, or main (an offline engine: ``LLM``, ``vllm bench throughput``, a script)."""
-    argv = sys.argv if argv is None else argv
-    name = multiprocessing.current_process().name if name is None else name
-    for needle, role in PROCESS_NAME_ROLES:
-        if needle in name:
-            return role
-    if is_cli_client(argv):
-        return "cli-client"
-    command = _vllm_command(argv)
-    if (command and command[0] == "serve") or (argv and argv[0].endswith(API_SERVER_MODULE_FILE)):
-        return "api-server"
-    if argv and argv[0].endswith(RAY_WORKER_SCRIPT):
-        return "worker"
-    return "main" if name == "MainProcess" else name
 
 
 class Evidence:

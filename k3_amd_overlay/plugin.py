@@ -18,7 +18,7 @@ logger = logging.getLogger("vllm.k3_amd_overlay")
 
 
 def register() -> None:
-    from k3_amd_overlay.evidence import is_cli_client
+    from k3_amd_overlay.process_identity import is_cli_client
 
     if is_cli_client():
         return

@@ -1,0 +1,48 @@
+"""Which kind of process this is (engine core, worker, API server, a ``vllm`` CLI client, or an
+offline engine's main process), read from ``sys.argv`` and the multiprocessing process name. Cheap
+and import-free of vLLM: the plugin reads it before deciding anything."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+
+API_SERVER_MODULE_FILE = os.path.join("entrypoints", "openai", "api_server.py")
+# A Ray actor's process (vLLM's Ray executor runs its workers as Ray actors) runs this script.
+RAY_WORKER_SCRIPT = os.path.join("ray", "_private", "workers", "default_worker.py")
+
+# `vllm` CLI commands that only talk to a server or print: they never build a model, so they
+# leave no evidence (a client would otherwise be counted by `check` as a vLLM process).
+CLI_CLIENT_COMMANDS = (("bench", "serve"), ("chat",), ("complete",), ("collect-env",), ("--version",),
+                       ("-v",), ("--help",), ("-h",))
+PROCESS_NAME_ROLES = (("EngineCore", "engine-core"), ("Worker", "worker"), ("ApiServer", "api-server"),
+                      ("APIServer", "api-server"))
+
+
+def _vllm_command(argv: list[str]) -> list[str] | None:
+    """The arguments after ``vllm`` when this process is the ``vllm`` CLI, else None."""
+    return argv[1:] if argv and os.path.basename(argv[0]) == "vllm" else None
+
+
+def is_cli_client(argv: list[str] | None = None) -> bool:
+    command = _vllm_command(sys.argv if argv is None else argv)
+    return command is not None and any(tuple(command[:len(c)]) == c for c in CLI_CLIENT_COMMANDS)
+
+
+def process_role(argv: list[str] | None = None, name: str | None = None) -> str:
+    """engine-core, worker (a vLLM worker process or a Ray actor), api-server (``vllm serve`` or
+    the OpenAI server module), cli-client, or main (an offline engine: ``LLM``, ``vllm bench throughput``, a script)."""
+    argv = sys.argv if argv is None else argv
+    name = multiprocessing.current_process().name if name is None else name
+    for needle, role in PROCESS_NAME_ROLES:
+        if needle in name:
+            return role
+    if is_cli_client(argv):
+        return "cli-client"
+    command = _vllm_command(argv)
+    if (command and command[0] == "serve") or (argv and argv[0].endswith(API_SERVER_MODULE_FILE)):
+        return "api-server"
+    if argv and argv[0].endswith(RAY_WORKER_SCRIPT):
+        return "worker"
+    return "main" if name == "MainProcess" else name
