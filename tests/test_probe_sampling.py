@@ -59,9 +59,9 @@ def test_the_norm_kernel_is_sampled_at_one_head_whatever_the_heads(table):
 
 
 def test_the_default_sweep_reaches_every_shipped_rule_that_some_batch_can_pick():
-    """Against the shipped tables: every config the dispatch picks for K3's per-rank heads (12 here;
-    the fake tables above cover several) at any batch (swept past the largest bound) is sampled, at each kind of batch size it is
-    picked for."""
+    """Against the shipped tables: every config the dispatch picks at 12 per-rank heads (the fake
+    tables above cover several) at any batch (swept past the largest bound) is sampled, at each kind
+    of batch size it is picked for."""
     assert probe.HEADS == tuple(sorted(set(k3.HEADS_PER_RANK.values())))
     for arch in launch_configs.SHIPPED_ARCHS:
         for kernel in launch_configs.KERNEL_PARAMETERS:
