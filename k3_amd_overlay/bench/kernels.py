@@ -368,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--absorb-block-n", type=int, nargs="+", help="absorb kernel column blocks to compare")
     parser.add_argument("--sweep-fp8", action="store_true", help="the fp8 absorb kernel's launch shapes")
     parser.add_argument("--sweep-mxfp4", action="store_true", help="the MXFP4 absorb kernel's launch shapes")
-    parser.add_argument("--only", choices=("qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_fp8", "absorb_mxfp4"),
+    parser.add_argument("--only", choices=("qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_fp8", "absorb_mxfp4",
+                                           "layer_step"),
                         help="one section")
     parser.add_argument("--peers", choices=("aiter",), help="add AMD's AITER Triton kernels as columns "
                         f"(on ROCm from the installed AITER; elsewhere from ${aiter_peers.AITER_TREE})")
@@ -420,9 +421,13 @@ def main(argv: list[str] | None = None) -> int:
         mxfp4_peers = peers and not fp4_why
         results += bench_absorb_mxfp4(heads, absorb_batches, bw, empty,
                                       mxfp4_peers)
+    from k3_amd_overlay.bench import layer_step  # it imports this module: not at the top
+
+    if args.only in (None, "layer_step"):  # a shape whose parity failed is not timed and fails the run
+        results += layer_step.bench(heads, absorb_batches, peers)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(dict(device=props.name, torch=torch.__version__, triton=triton.__version__,
                            bandwidth_tb_s=bw / 1e6, empty_us=empty, results=results), handle, indent=1)
-    return 0
+    return 1 if layer_step.failed(results) else 0
 
