@@ -1,0 +1,128 @@
+"""Every mutant mutmut 2.5.1 makes of one module, each tested in a process forked from one that has
+already imported torch and Triton: seconds per mutant where ``scripts/mutants.sh`` (a fresh
+interpreter per mutant, through mutmut's runner) took about a minute on 2 shared cores. Mutants
+are mutmut's own (its generator, in its venv); the tests run in the test venv, on a clone of the
+committed tree (never the working tree). A mutant is killed when the tests fail (pytest exit 1),
+cannot be collected (2), crash (a signal) or run past the time limit; it survives when they pass.
+
+    # from the repository root; scripts/mutants.sh builds the mutmut venv
+    .venvs/mutmut/bin/python scripts/mutmut_forked.py list k3_amd_overlay/tune.py /tmp/tune.json
+    VENV/bin/python scripts/mutmut_forked.py run CLONE k3_amd_overlay/tune.py /tmp/tune.json RESULT.json \
+        -- tests/test_tune_choice.py tests/test_launch_configs.py
+
+``run`` prints one line per survivor (its line and diff) and "MODULE: killed/total"; RESULT.json
+keeps every mutant's outcome. The parent never imports the package: each child imports the
+mutated module afresh.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import signal
+import sys
+import time
+
+TIME_LIMIT_S = 120
+
+
+def list_mutants(path: str, out: str) -> None:
+    from mutmut import Context, list_mutations, mutate
+
+    with open(path) as handle:
+        source = handle.read()
+    lines = source.split("\n")
+    mutants = []
+    for mutation in list_mutations(Context(source=source, filename=path)):
+        mutated, _ = mutate(Context(source=source, mutation_id=mutation, filename=path))
+        diff = [line for line in difflib.unified_diff(lines, mutated.split("\n"), lineterm="", n=0)
+                if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+        mutants.append({"line": mutation.line_number + 1, "diff": diff, "source": mutated})
+    with open(out, "w") as handle:
+        json.dump({"module": path, "original": source, "mutants": mutants}, handle)
+    print(f"{len(mutants)} mutants of {path}")
+
+
+def _test_in_child(clone: str, pytest_args: list[str], log: str) -> int:
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            os.setsid()
+            os.chdir(clone)
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            import pytest
+
+            code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *pytest_args]))
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + TIME_LIMIT_S
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return -999
+        time.sleep(0.05)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # whatever the tests left running
+    except (ProcessLookupError, PermissionError):
+        pass
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def run(clone: str, module: str, mutants_file: str, result_file: str, pytest_args: list[str]) -> None:
+    sys.path.insert(0, clone)
+    os.environ["PYTHONPATH"] = clone + os.pathsep + os.environ.get("PYTHONPATH", "")
+    import torch  # noqa: F401  (the expensive imports, once, before any fork)
+    import triton  # noqa: F401
+
+    with open(mutants_file) as handle:
+        data = json.load(handle)
+    path = os.path.join(clone, module)
+    with open(path) as handle:
+        if handle.read() != data["original"]:
+            raise SystemExit(f"{path} is not the file the mutants were made from")
+    log = os.path.join(clone, "mutant-pytest.log")
+    if _test_in_child(clone, pytest_args, log) != 0:
+        raise SystemExit(f"the tests fail on the unmutated clone; see {log}")
+    results = []
+    try:
+        for i, mutant in enumerate(data["mutants"]):
+            with open(path, "w") as handle:
+                handle.write(mutant["source"])
+            start = time.monotonic()
+            code = _test_in_child(clone, pytest_args, log)
+            outcome = ("survived" if code == 0 else "timeout" if code == -999
+                       else "killed" if code in (1, 2) or code < 0 else f"error {code}")
+            results.append({"id": i, "line": mutant["line"], "diff": mutant["diff"], "outcome": outcome,
+                            "seconds": round(time.monotonic() - start, 1)})
+            if outcome != "killed":
+                print(f"{outcome.upper():9} #{i} line {mutant['line']}: {' | '.join(mutant['diff'])[:400]}", flush=True)
+    finally:
+        with open(path, "w") as handle:
+            handle.write(data["original"])
+        with open(result_file, "w") as handle:
+            json.dump(results, handle, indent=1)
+    killed = sum(r["outcome"] in ("killed", "timeout") for r in results)
+    print(f"{module}: {killed}/{len(results)} mutants killed "
+          f"({sum(r['outcome'] == 'timeout' for r in results)} by the time limit)")
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["list"]:
+        list_mutants(argv[1], argv[2])
+    elif argv[:1] == ["run"]:
+        split = argv.index("--")
+        run(*argv[1:split], argv[split + 1:])
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,383 @@
+"""``tune``'s decisions, made on a GPU, reached on a CPU through fakes (``tests/fakes_gpu.py``): a
+scripted timer, a case whose bytes check answers per config, a fake device for the command. The
+winner is the fastest candidate passing the bytes check, and it replaces the shipped config only
+when an interleaved re-timing finds it faster by more than 2%; ``--compare`` calls a shape slower
+only past 2% too; the file written keeps another kernel's tuning for the same arch and GPU."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import pytest
+import torch
+from fakes_gpu import ScriptedTimer, config_key
+
+from k3_amd_overlay import fp8, tune
+from k3_amd_overlay.bench import shapes
+from k3_amd_overlay.kernels import launch, launch_configs, names, target
+
+SHIPPED = {"HEADS": 4, "num_warps": 4}
+FAST = {"HEADS": 8, "num_warps": 4}
+FASTER = {"HEADS": 2, "num_warps": 8}
+WRONG = {"HEADS": 1, "num_warps": 2}
+BROKEN = {"HEADS": 1, "num_warps": 8}
+
+
+class FakeCase:
+    """A case whose bytes check answers ``checks[config]``: (near, far), or an exception raised."""
+
+    def __init__(self, checks, numel=(6000, 3000)):
+        self.kernel = names.QK_CACHE_KERNEL
+        self.checks = {config_key(c): v for c, v in checks}
+        self.wanted = tuple(torch.empty(n) for n in numel)
+        self.run = lambda: None
+        self.checked = []
+
+    def mismatches(self, config):
+        self.checked.append(config_key(config))
+        answer = self.checks[config_key(config)]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+
+def _tune(monkeypatch, checks, times, tried, numel=(6000, 3000)):
+    timer = ScriptedTimer({config_key(c): t for c, t in times})
+    monkeypatch.setattr(tune, "time_us", timer)
+    logged = []
+    case = FakeCase(checks, numel)
+    return tune.tune_case(case, SHIPPED, tried, logged.append), timer, logged, case
+
+
+def test_the_fastest_passing_candidate_wins_when_the_interleaved_retiming_beats_shipped_by_over_2_percent(
+        monkeypatch):
+    checks = [(SHIPPED, (0, 0)), (FAST, (0, 0)), (FASTER, (0, 0))]
+    # first pass: FASTER 60 beats FAST 70; re-timing (3 rounds, in turn): FASTER 97.9 vs shipped 100
+    times = [(FAST, [70.0]), (FASTER, [60.0, 97.9]), (SHIPPED, [100.0])]
+    (config, us, shipped_us), timer, _, _ = _tune(monkeypatch, checks, times, [FAST, SHIPPED, FASTER])
+    assert (config, us, shipped_us) == (FASTER, 97.9, 100.0)
+    k_fast, k_faster, k_shipped = config_key(FAST), config_key(FASTER), config_key(SHIPPED)
+    assert timer.calls == [k_fast, k_faster] + [k_faster, k_shipped] * 3  # shipped never a candidate
+
+
+@pytest.mark.parametrize(("retimed", "wins"), [(98.0, False), (98.1, False), (97.99, True), (100.5, False)])
+def test_the_margin_is_more_than_2_percent_of_the_shipped_time(monkeypatch, retimed, wins):
+    times = [(FAST, [50.0, retimed]), (SHIPPED, [100.0])]
+    (config, us, shipped_us), *_ = _tune(monkeypatch, [(SHIPPED, (0, 0)), (FAST, (0, 0))], times, [FAST])
+    assert (config, us, shipped_us) == ((FAST, retimed, 100.0) if wins else (SHIPPED, 100.0, 100.0))
+
+
+def test_a_tie_keeps_the_first_candidate_and_the_median_of_three_rounds_decides(monkeypatch):
+    checks = [(SHIPPED, (0, 0)), (FAST, (0, 0)), (FASTER, (0, 0))]
+    # FAST's three re-timed rounds 90, 200, 91: median 91 (a mean, 127, would lose)
+    times = [(FAST, [60.0, 90.0, 200.0, 91.0]), (FASTER, [60.0]), (SHIPPED, [100.0, 100.0, 95.0])]
+    (config, us, shipped_us), *_ = _tune(monkeypatch, checks, times, [FAST, FASTER])
+    assert (config, us, shipped_us) == (FAST, 91.0, 100.0)
+
+
+def test_only_candidates_within_the_bytes_allowance_are_timed(monkeypatch):
+    # shipped: 5 codes one step off; allowance: 5 + 0.1% of the 9000 reference codes = 14
+    checks = [(SHIPPED, (5, 0)), (FAST, (15, 0)), (FASTER, (14, 0)), (WRONG, (0, 1)), (BROKEN, (0, 0))]
+    times = [(FASTER, [80.0, 90.0]), (SHIPPED, [100.0]), (BROKEN, [1.0])]
+    (config, *_), timer, logged, _ = _tune(monkeypatch, checks, times, [FAST, FASTER, WRONG])
+    assert config == FASTER
+    assert set(timer.calls) == {config_key(FASTER), config_key(SHIPPED)}
+    assert logged == [f"    {FAST}: rejected (0 codes off, 15 one step off; allowed 14)",
+                      f"    {WRONG}: rejected (1 codes off, 0 one step off; allowed 14)"]
+
+
+def test_the_allowance_grows_with_the_reference_size(monkeypatch):
+    checks = [(SHIPPED, (0, 0)), (FAST, (2, 0))]
+    times = [(FAST, [50.0]), (SHIPPED, [100.0])]
+    (config, *_), *_ = _tune(monkeypatch, checks, times, [FAST], numel=(1999,))  # int(1.999) = 1
+    assert config == SHIPPED
+    (config, *_), *_ = _tune(monkeypatch, checks, times, [FAST], numel=(1000, 1000))  # 2
+    assert config == FAST
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("PassManager::run failed"), OSError(28, "no space"),
+                                 torch.OutOfMemoryError("HIP out of memory"), ValueError("bad block")],
+                         ids=["runtime", "oserror", "oom", "value"])
+def test_a_candidate_that_cannot_build_or_launch_is_skipped_and_named(monkeypatch, exc):
+    checks = [(SHIPPED, (0, 0)), (BROKEN, exc), (FAST, (0, 0))]
+    times = [(FAST, [50.0]), (SHIPPED, [100.0])]
+    (config, *_), _, logged, case = _tune(monkeypatch, checks, times, [BROKEN, FAST])
+    assert config == FAST and logged == [f"    {BROKEN}: {type(exc).__name__}"]
+    assert case.checked == [config_key(SHIPPED), config_key(BROKEN), config_key(FAST)]
+
+
+def test_with_no_passing_candidate_the_shipped_config_is_kept_and_timed_once(monkeypatch):
+    checks = [(SHIPPED, (0, 0)), (WRONG, (0, 3))]
+    (result, timer, _, _) = _tune(monkeypatch, checks, [(SHIPPED, [42.0])], [WRONG, SHIPPED])
+    assert result == (SHIPPED, 42.0, 42.0) and timer.calls == [config_key(SHIPPED)]
+
+
+def test_a_shipped_config_off_the_reference_stops_the_tuning(monkeypatch):
+    with pytest.raises(RuntimeError, match=r"^qk_cache_kernel: the shipped config is 2 codes off the reference$"):
+        _tune(monkeypatch, [(SHIPPED, (0, 2))], [], [FAST])
+
+
+def test_the_bytes_check_runs_each_config_once_into_poisoned_outputs_under_that_config():
+    seen = []
+    case = object.__new__(tune.Case)
+    case.kernel = names.QK_CACHE_KERNEL
+    case.outputs = (torch.zeros(4, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8))
+    case.wanted = (torch.tensor([1, 2, 3, 4], dtype=torch.uint8), torch.tensor([7, 0x85, 9], dtype=torch.uint8))
+
+    def run():
+        seen.append((launch._forced.get(), [o.tolist() for o in case.outputs]))
+        case.outputs[0].copy_(torch.tensor([1, 3, 5, 4], dtype=torch.uint8))  # one step, two steps, right
+        case.outputs[1][:2].copy_(torch.tensor([8, 0x84], dtype=torch.uint8))  # one step each; last unwritten
+
+    case.run = run
+    assert case.mismatches(FAST) == (3, 2)
+    assert case.mismatches(None) == (3, 2)
+    assert seen == [(FAST, [[0xA5] * 4, [0xA5] * 3]), (None, [[0xA5] * 4, [0xA5] * 3])]
+
+
+def test_codes_apart_reads_signs_and_magnitudes_of_one_byte_codes():
+    want = torch.tensor([0x10, 0x90, 0x7E, 0x00, 0x01, 0x7F, 0x10], dtype=torch.uint8)
+    got = torch.tensor([0x11, 0x91, 0x7E, 0x80, 0x81, 0x7E, 0x12], dtype=torch.uint8)
+    assert tune._codes_apart(got, want) == (6, 3)  # +1, -1 (same sign); +0/-0 and 1/-1 flips; 0x7F->0x7E; +2
+
+
+@pytest.mark.xfail(strict=True, reason="tune._codes_apart converts bf16 values to int32 instead of reading their "
+                   "bits (got.view(-1).to(torch.int32)), so the norm kernel's bytes check sees most differences as "
+                   "none: a real fault; remove this mark with the fix (see the MUTANTS report)")
+def test_codes_apart_reads_the_bits_of_two_byte_codes():
+    want = torch.tensor([0.5, 0.25, 3.0, 1.5], dtype=torch.bfloat16)
+    one_ulp = (want.view(torch.int16) + torch.tensor([1, 0, 0, 0], dtype=torch.int16)).view(torch.bfloat16)
+    got = torch.where(torch.arange(4) == 2, -want, one_ulp)  # 0.5 one step up; 3.0 sign-flipped
+    got[3] = 1.75  # many steps
+    assert tune._codes_apart(got, want) == (3, 2)
+
+
+# ---- timing -----------------------------------------------------------------------------------------
+
+def test_a_config_is_timed_under_graph_replay_while_it_is_forced(monkeypatch):
+    from k3_amd_overlay.bench import timing
+
+    seen = []
+    monkeypatch.setattr(timing, "graph_us", lambda fn, per_graph, reps: seen.append(
+        (launch._forced.get(), per_graph, reps)) or 12.5)
+    assert tune.time_us(lambda: None, FAST) == 12.5
+    assert tune.time_us(lambda: None, None) == 12.5
+    assert seen == [(FAST, 20, 50), (None, 20, 50)] and launch._forced.get() is None
+
+
+def test_interleaved_timing_takes_the_configs_in_turn_each_round_and_keeps_each_median(monkeypatch):
+    timer = ScriptedTimer({config_key(FAST): [5.0, 1.0, 3.0, 9.0], config_key(SHIPPED): [2.0, 8.0, 4.0, 7.0]})
+    monkeypatch.setattr(tune, "time_us", timer)
+    assert tune.interleaved_us(lambda: None, [FAST, SHIPPED]) == [3.0, 4.0]
+    assert timer.calls == [config_key(FAST), config_key(SHIPPED)] * 3
+    assert tune.interleaved_us(lambda: None, [FAST], rounds=1) == [9.0]
+
+
+# ---- candidates, shapes, the file -------------------------------------------------------------------
+
+def test_the_candidate_grid_of_each_kernel():
+    def grid(kernel, tokens, amd):
+        return {tuple(sorted(c.items())) for c in tune.candidates(kernel, tokens, amd)}
+
+    norm = grid(names.RMSNORM_PAIR_KERNEL, 8, True)
+    assert norm == {(("ROWS_KV", kv), ("ROWS_Q", q), ("num_warps", w)) for q in (1, 2) for kv in (1, 2, 4, 8)
+                    for w in (2, 4, 8)} == grid(names.RMSNORM_PAIR_KERNEL, 8, False)
+    assert grid(names.QK_CACHE_KERNEL, 1, True) == {(("HEADS", h), ("num_warps", w)) for h in (1, 2, 4, 8)
+                                                    for w in (1, 2, 4, 8)}
+    assert grid(names.QK_CACHE_KERNEL, 1, False) == {(("HEADS", h), ("num_warps", w)) for h in (1, 2, 4, 8)
+                                                     for w in (2, 4, 8)}
+
+    def tiles(kernel, tokens, amd):
+        found = tune.candidates(kernel, tokens, amd)
+        assert {c["BLOCK_N"] for c in found} == {16, 32, 64, 128}
+        assert {c["num_warps"] for c in found} == ({1, 2, 4, 8} if amd else {2, 4, 8})
+        assert len(found) == len({tuple(sorted(c.items())) for c in found})
+        plain = {c["BLOCK_T"] for c in found if "matrix_instr_nonkdim" not in c}
+        wide = {c["BLOCK_T"] for c in found if "matrix_instr_nonkdim" in c}
+        assert all(c.get("matrix_instr_nonkdim", 16) == 16 for c in found)
+        assert len(found) == 16 * len(plain) * (4 if amd else 3) // 4 + (16 * len(wide) if amd else 0)
+        return plain, wide
+
+    assert tiles(names.ABSORB_QK_CACHE_KERNEL, 1, True) == ({16}, {16})
+    assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 1, True) == ({1, 16}, {16})
+    assert tiles(names.ABSORB_MXFP4_QK_CACHE_KERNEL, 1, False) == ({1, 16}, set())
+    assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 2, True) == ({16}, {16})
+    assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 31, True) == ({16}, {16})
+    assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 32, True) == ({16, 32}, {16, 32})
+    assert tiles(names.ABSORB_QK_CACHE_KERNEL, 64, False) == ({16, 32, 64}, set())
+    assert tiles(names.ABSORB_QK_CACHE_KERNEL, 1024, True) == ({16, 32, 64}, {16, 32, 64})
+
+
+def test_the_shapes_tuned_by_default_and_asked_for():
+    assert tune.shapes_of(names.RMSNORM_PAIR_KERNEL, [3, 6], None) == [(t, 1) for t in shapes.NORM_TOKENS]
+    assert tune.shapes_of(names.RMSNORM_PAIR_KERNEL, [3, 6], [5, 9]) == [(5, 1), (9, 1)]
+    assert tune.shapes_of(names.QK_CACHE_KERNEL, [3, 6], None) == [(t, h) for h in (3, 6)
+                                                                  for t in shapes.QK_CACHE_BATCHES]
+    assert tune.shapes_of(names.ABSORB_FP8_QK_CACHE_KERNEL, [16], None) == [(t, 16) for t in shapes.ABSORB_BATCHES]
+    assert tune.shapes_of(names.ABSORB_QK_CACHE_KERNEL, [3, 6], [7]) == [(7, 3), (7, 6)]
+    assert shapes.QK_CACHE_BATCHES != shapes.ABSORB_BATCHES  # else the two defaults are not told apart
+
+
+def test_mxfp4_absorption_is_tuned_only_where_vllm_runs_it():
+    assert not tune.reachable_here(names.ABSORB_MXFP4_QK_CACHE_KERNEL, "gfx942", amd=True)
+    assert tune.reachable_here(names.ABSORB_MXFP4_QK_CACHE_KERNEL, "gfx950", amd=True)
+    assert tune.reachable_here(names.ABSORB_MXFP4_QK_CACHE_KERNEL, "sm90", amd=False)
+    assert all(tune.reachable_here(k, "gfx942", amd=True) for k in tune.TUNED_KERNELS[:-1])
+    assert tune.TUNED_KERNELS[-1] == names.ABSORB_MXFP4_QK_CACHE_KERNEL
+
+
+def test_the_shipped_rules_are_the_nearest_shipped_arch():
+    for arch, shipped in (("gfx942", "gfx942"), ("gfx90a", "gfx942"), ("sm100", "sm90")):
+        assert tune.shipped_rules(arch, names.QK_CACHE_KERNEL) == \
+            launch_configs.shipped(shipped).kernels[names.QK_CACHE_KERNEL]
+
+
+def test_norm_rules_have_no_heads_and_end_with_one_catch_all():
+    rules = tune.with_catch_alls([{"tokens": 64, "config": {"n": 2}}, {"tokens": 8, "config": {"n": 1}}])
+    assert rules == [{"tokens": 8, "config": {"n": 1}}, {"tokens": 64, "config": {"n": 2}},
+                     {"config": {"n": 2}, "note": "beyond the tuned batches and heads: the largest's"}]
+    headed = tune.with_catch_alls([{"tokens": 8, "heads": 6, "config": 1}, {"tokens": 8, "heads": 3, "config": 2}])
+    assert headed[1] == {"heads": 3, "config": 2, "note": "larger batches: the largest tuned batch's"}
+
+
+def test_the_output_path_for_a_directory_or_a_file(tmp_path):
+    assert tune.device_slug("AMD Instinct MI300X (gfx942:sramecc+)") == "AMD_Instinct_MI300X_gfx942_sramecc"
+    assert tune.out_path(str(tmp_path), "gfx942", "AMD Instinct MI300X") == tmp_path / "gfx942-AMD_Instinct_MI300X.json"
+    assert tune.out_path(str(tmp_path / "new"), "sm90", "H200") == tmp_path / "new" / "sm90-H200.json"
+    assert tune.out_path(str(tmp_path / "mine.json"), "sm90", "H200") == tmp_path / "mine.json"
+
+
+def _rules(config):
+    return [{"tokens": 8, "heads": 3, "config": config}, {"config": config}]
+
+
+def test_the_file_keeps_another_kernels_tuning_for_the_same_arch_and_gpu_only(tmp_path):
+    path = tmp_path / "t.json"
+    config = {"HEADS": 2, "num_warps": 4}
+    tune.write(path, "gfx942", "MI300X", {names.QK_CACHE_KERNEL: _rules(config)}, "2.9", "3.4")
+    config_fp8 = {"BLOCK_N": 32, "BLOCK_T": 16, "num_warps": 1}
+    tune.write(path, "gfx942", "MI300X", {names.ABSORB_FP8_QK_CACHE_KERNEL: _rules(config_fp8)}, "2.9", "3.4")
+    data = json.loads(path.read_text())
+    assert set(data["kernels"]) == {names.QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL}
+    assert data["schema"] == launch_configs.SCHEMA and data["arch"] == "gfx942"
+    assert data["tuned_on"]["device"] == "MI300X" and (data["tuned_on"]["torch"], data["tuned_on"]["triton"]) == (
+        "2.9", "3.4")
+    assert "kept unless beaten by more than 2%" in data["origin"]
+    assert launch_configs.load(path).tuned_on == "MI300X"
+    for other in (("gfx942", "MI325X"), ("gfx950", "MI300X")):  # another GPU or arch: nothing kept
+        tune.write(path, *other, {names.QK_CACHE_KERNEL: _rules(config)}, "2.9", "3.4")
+        assert set(json.loads(path.read_text())["kernels"]) == {names.QK_CACHE_KERNEL}
+        tune.write(path, "gfx942", "MI300X", {names.ABSORB_FP8_QK_CACHE_KERNEL: _rules(config_fp8)}, "2.9", "3.4")
+
+
+def test_a_file_the_overlay_would_refuse_is_never_written(tmp_path):
+    path = tmp_path / "t.json"
+    with pytest.raises(launch_configs.LaunchConfigError):
+        tune.write(path, "gfx942", "MI300X", {names.QK_CACHE_KERNEL: _rules({"HEADS": 3, "num_warps": 4})}, "2", "3")
+    assert not path.exists()
+
+
+# ---- the command on a fake GPU ------------------------------------------------------------------
+
+class CommandCase:
+    made: typing.ClassVar[list] = []
+
+    def __init__(self, kernel, tokens, heads, fmt):
+        CommandCase.made.append((kernel, tokens, heads, fmt))
+        self.run = lambda: None
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(target, "of", lambda device: target.Target(target.HIP, "gfx942"))
+    monkeypatch.setattr(launch, "device_name", lambda device: "AMD Instinct MI300X")
+    monkeypatch.setattr(fp8, "device_format", lambda device: fp8.E4M3FNUZ)
+    CommandCase.made = []
+    monkeypatch.setattr(tune, "Case", CommandCase)
+
+
+def test_tune_on_a_fake_mi300x_writes_each_kernels_winners_for_this_gpu(fake_gpu, monkeypatch, tmp_path, capsys):
+    picked = []
+
+    def tune_case(case, shipped, tried, log):
+        tried = list(tried)
+        log(f"tried {len(tried)}")
+        picked.append((CommandCase.made[-1][:3], shipped, tried))
+        return tried[0], 10.0, 12.5
+
+    monkeypatch.setattr(tune, "tune_case", tune_case)
+    kernels = [names.RMSNORM_PAIR_KERNEL, names.QK_CACHE_KERNEL, names.ABSORB_MXFP4_QK_CACHE_KERNEL]
+    assert tune.main(["--out", str(tmp_path), "--kernels", *kernels, "--heads", "6", "3", "6", "--tokens", "8", "1",
+                      "8"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""  # the log only with --verbose
+    assert [shape for shape, _, _ in picked] == [(names.RMSNORM_PAIR_KERNEL, 1, 1), (names.RMSNORM_PAIR_KERNEL, 8, 1),
+                                                (names.QK_CACHE_KERNEL, 1, 3), (names.QK_CACHE_KERNEL, 8, 3),
+                                                (names.QK_CACHE_KERNEL, 1, 6), (names.QK_CACHE_KERNEL, 8, 6)]
+    assert {c[3] for c in CommandCase.made} == {fp8.E4M3FNUZ}
+    assert all(tried == tune.candidates(kernel, tokens, amd=True) for (kernel, tokens, _), _, tried in picked)
+    assert picked[2][1] == dict(launch_configs.rule_for(tune.shipped_rules("gfx942", names.QK_CACHE_KERNEL), 1,
+                                                        3).config)
+    path = tmp_path / "gfx942-AMD_Instinct_MI300X.json"
+    table = launch_configs.load(path)
+    assert table.tuned_on == "AMD Instinct MI300X" and set(table.kernels) == set(kernels[:2])  # mxfp4: not on gfx942
+    assert [(r.tokens, r.heads) for r in table.kernels[names.QK_CACHE_KERNEL]] == [(1, 3), (8, 3), (None, 3), (1, 6),
+                                                                                  (8, 6), (None, None)]
+    assert [(r.tokens, r.heads) for r in table.kernels[names.RMSNORM_PAIR_KERNEL]] == [(1, None), (8, None),
+                                                                                      (None, None)]
+    assert json.loads(path.read_text())["kernels"][names.QK_CACHE_KERNEL][0]["note"] == "10.00 us"
+    assert "AMD Instinct MI300X (gfx942), torch " in out
+    assert f"| {names.QK_CACHE_KERNEL} | 8 | 6 | 12.50 | 10.00 | 1.25 | " in out
+    assert f"wrote {path}; the overlay uses it with K3_AMD_OVERLAY_KERNEL_CONFIGS={path} (or its directory)" in out
+    tune.main(["--out", str(tmp_path), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "8", "--verbose"])
+    assert "tried " in capsys.readouterr().err
+    assert {h for (_, _, h), _, _ in picked[6:]} == set(shapes.HEADS)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--heads", "0"], "--heads [0]: every value must be a positive integer"),
+    (["--tokens", "4", "-1"], "--tokens [4, -1]: every value must be a positive integer"),
+    (["--compare", "/nonexistent.json"], "--compare /nonexistent.json: no such file"),
+    ([], "no GPU here: tune runs on the GPU it tunes for"),
+])
+def test_bad_arguments_and_no_gpu_are_refused_in_one_line(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune.main(argv) == 2
+    assert capsys.readouterr().err == f"k3-amd-overlay tune: {message}\n"
+
+
+def test_compare_calls_a_shape_slower_only_past_2_percent(fake_gpu, monkeypatch, tmp_path, capsys):
+    mine = {"HEADS": 1, "num_warps": 2}
+    mine_rules = [{"config": mine}]
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"schema": 1, "arch": "gfx942", "kernels": {names.QK_CACHE_KERNEL: mine_rules}}))
+    shipped = dict(launch_configs.rule_for(tune.shipped_rules("gfx942", names.QK_CACHE_KERNEL), 1, 3).config)
+    assert shipped != mine
+
+    def run(mine_us):
+        monkeypatch.setattr(tune, "interleaved_us", lambda run, configs: (
+            [mine_us, 100.0] if configs == [mine, shipped] else pytest.fail(f"timed {configs}")))
+        code = tune.main(["--compare", str(path), "--heads", "3"])
+        return code, capsys.readouterr().out
+
+    code, out = run(102.0)
+    assert code == 0 and "0 shapes slower than the shipped configs by more than 2%" in out
+    assert f"| {names.QK_CACHE_KERNEL} | 1 | 3 | 100.00 | 102.00 | 0.98 |" in out
+    assert "| kernel | T | H | shipped µs | mine.json µs | shipped / it |" in out
+    assert names.RMSNORM_PAIR_KERNEL not in out.split("|---|")[-1]  # not in the file: not compared
+    assert {c[:3] for c in CommandCase.made} == {(names.QK_CACHE_KERNEL, t, 3) for t in shapes.QK_CACHE_BATCHES}
+    code, out = run(102.1)
+    assert code == 1 and f"{len(shapes.QK_CACHE_BATCHES)} shapes slower than the shipped configs by more than 2%" in out
+
+
+def test_compare_skips_mxfp4_where_vllm_does_not_run_it(fake_gpu, monkeypatch, tmp_path, capsys):
+    config = {"BLOCK_N": 32, "BLOCK_T": 16, "num_warps": 1}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"schema": 1, "arch": "gfx942",
+                                "kernels": {names.ABSORB_MXFP4_QK_CACHE_KERNEL: [{"config": config}]}}))
+    monkeypatch.setattr(tune, "interleaved_us", lambda run, configs: pytest.fail("timed an unreachable kernel"))
+    assert tune.main(["--compare", str(path)]) == 0
+    assert CommandCase.made == []
