@@ -20,17 +20,18 @@ from k3_amd_overlay.package import FUSIONS, __version__
 from k3_amd_overlay.record import MarkerRecord, RecordError
 from k3_amd_overlay.settings import MARKER_DIR
 from k3_amd_overlay.usage import UsageError
-from k3_amd_overlay.verdict import judge
+from k3_amd_overlay.verdict import NodeEvidence, Verdict, judge, judge_doctor, judge_merge
 
 STATIC_PROBE = """
 import json, sys
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 import vllm.models.kimi_k3.amd.linear  # noqa: F401  (fires the overlay's post-import hooks)
+from k3_amd_overlay import off_record
 from k3_amd_overlay.activation import active
 activation = active()
-record = activation.evidence.record.to_json() if activation else {"pid": 0, "mode": "off", "fusions": {}}
-print("K3_AMD_OVERLAY_RECORD=" + json.dumps(record))
+record = activation.evidence.record if activation else off_record.current()
+print("K3_AMD_OVERLAY_RECORD=" + json.dumps(record.to_json() if record else None))
 """
 
 
@@ -46,88 +47,142 @@ def _fusions(value: str | None) -> list[str] | None:
 
 def static_record(timeout: float = 600.0) -> tuple[MarkerRecord | None, str]:
     """Load vLLM's general plugins and import the K3 AMD code in a fresh subprocess with the
-    current environment (markers to a throwaway directory); return its evidence record."""
+    current environment (markers to a throwaway directory); return its evidence record (the
+    overlay's, or the plugin's off record), else None and a one-line reason (never a traceback)."""
     with tempfile.TemporaryDirectory(prefix="k3ovl-static-") as tmp:
         os.chmod(tmp, 0o700)
         env = {**os.environ, MARKER_DIR: tmp}
-        proc = subprocess.run([sys.executable, "-c", STATIC_PROBE], env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        try:
+            proc = subprocess.run([sys.executable, "-c", STATIC_PROBE], env=env, capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"the probe took over {timeout:.0f} s (vLLM plugin loading + the K3 AMD import)"
     for line in proc.stdout.splitlines():
         if line.startswith("K3_AMD_OVERLAY_RECORD="):
             try:
-                return MarkerRecord.from_json(json.loads(line.split("=", 1)[1])), proc.stderr
+                data = json.loads(line.split("=", 1)[1])
+                if data is None:
+                    return None, ("vLLM's plugin loading never ran k3-amd-overlay's plugin in this Python (is "
+                                  "k3-amd-overlay installed in it, under the vllm.general_plugins entry point?)")
+                return MarkerRecord.from_json(data), ""
             except (ValueError, RecordError) as exc:
                 return None, f"unreadable record from the static probe: {exc}"
-    return None, (proc.stderr or proc.stdout)[-4000:]
+    said = [line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
+    return None, (f"vLLM plugin loading or the K3 AMD import failed: {said[-1] if said else f'exit {proc.returncode}'}"
+                  " (`k3-amd-overlay doctor` says more)")
 
 
-def merged_records(paths: list[str]) -> tuple[list[MarkerRecord], list[str]]:
-    """The records of several nodes' ``check --json`` outputs (``-``: standard input), to judge a
-    deployment across nodes (multi-node tensor, pipeline or data parallelism) as one."""
-    records, notes = [], []
+def merged_records(paths: list[str]) -> tuple[list[NodeEvidence], list[str]]:
+    """Each node's ``check --json`` output (``-``: standard input), to judge a deployment across
+    nodes (multi-node tensor, pipeline or data parallelism) as one: what each node proved, and a
+    note per file. A record without a host is that node's (an older overlay wrote it)."""
+    nodes, notes = [], []
     for path in paths:
         try:
-            data = json.load(sys.stdin if path == "-" else open(path))
-            node = [MarkerRecord.from_json(r) for r in data["records"]]
-        except (OSError, ValueError, KeyError, TypeError, RecordError) as exc:
+            if path == "-":
+                data = json.load(sys.stdin)
+            else:
+                with open(path) as handle:
+                    data = json.load(handle)
+            host = data.get("host")
+            records = []
+            for raw in data["records"]:
+                record = MarkerRecord.from_json(raw)
+                record.host = raw.get("host") or host or ""
+                records.append(record)
+            node = NodeEvidence(path, host, data.get("expect"), data.get("holds"),
+                                data.get("marker_dir") is not None and data.get("source", "markers") == "markers",
+                                records, [str(line) for line in data.get("lines", [])])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecordError) as exc:
             raise UsageError(f"--merge: {path} is not the output of `k3-amd-overlay check --json`: {exc}") from None
-        records += node
-        notes.append(f"note {path}: {len(node)} process{'es' if len(node) != 1 else ''} from host "
-                     f"{data.get('host', 'unknown')}")
-    return records, notes
+        nodes.append(node)
+        notes.append(f"note {path}: {len(records)} process{'es' if len(records) != 1 else ''} from host "
+                     f"{host or 'unknown'}")
+    return nodes, notes
 
 
 def live_records(directory: Path, prune: bool) -> tuple[list[MarkerRecord], list[str]]:
     """The records of live processes in ``directory``, and a note per file set aside (or removed)."""
     found = markers.read_markers(directory) if directory.is_dir() else []
-    records = [m.record for m in found if m.live and m.record]
-    stale = [m for m in found if m.record and not m.live]
+    host = socket.gethostname()
+    foreign = [m for m in found if m.record and m.record.host != host]
+    records = [m.record for m in found if m.live and m.record and m.record.host == host]
+    stale = [m for m in found if m.record and not m.live and m.record.host == host]
     notes = [f"markers read from {directory}: {len(records)} live, {len(stale)} stale, "
-             f"{sum(1 for m in found if m.error)} unreadable" + ("" if directory.is_dir() else " (no such directory)")]
+             f"{sum(1 for m in found if m.error)} unreadable" + (f", {len(foreign)} of other hosts" if foreign else "")
+             + ("" if directory.is_dir() else " (no such directory)")]
     for m in found:
         if m.error:
             notes.append(f"note {m.path}: {m.error}")
+        elif m in foreign:
+            assert m.record is not None
+            notes.append(f"note {m.path}: host {m.record.host} pid {m.record.pid} was written on another host, whose "
+                         f"processes cannot be checked from {host}; ignored (a marker directory shared between nodes? "
+                         "give each node its own and judge them with --merge)")
         elif not m.live:
             assert m.record is not None
             if prune:
                 m.path.unlink(missing_ok=True)
-                notes.append(f"note {m.path}: pid {m.record.pid} is gone; stale marker removed (--prune)")
+                notes.append(f"note {m.path}: host {host} pid {m.record.pid} is gone; stale marker removed (--prune)")
             else:
-                notes.append(f"note {m.path}: pid {m.record.pid} is gone (or its pid was reused); stale, ignored "
-                             "(--prune removes such files)")
+                notes.append(f"note {m.path}: host {host} pid {m.record.pid} is gone (or its pid was reused); stale, "
+                             "ignored (--prune removes such files)")
     return records, notes
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    wanted = _fusions(args.fusions)
-    if sum(map(bool, (args.merge, args.static))) > 1 or (args.prune and (args.merge or args.static)):
-        raise UsageError("--merge, --static and --prune each judge other processes: give at most one")
-    marker_dir = None
+    """0: holds; 1: does not hold; 2: a usage error. With ``--json`` one JSON object on every path."""
+    from k3_amd_overlay.settings import SWITCH, Mode, SettingsError, load_settings
+
+    out = {"expect": args.expect, "holds": False, "lines": [], "notes": [], "host": socket.gethostname(),
+           "source": "merge" if args.merge else "static" if args.static else "markers", "marker_dir": None,
+           "records": []}
+    records: list[MarkerRecord] = []
+    notes: list[str] = []
+    try:
+        wanted = _fusions(args.fusions)
+        if sum(map(bool, (args.merge, args.static))) > 1 or (args.prune and (args.merge or args.static)):
+            raise UsageError("--merge, --static and --prune each judge other processes: give at most one")
+        if args.merge:
+            nodes, notes = merged_records(args.merge)
+            records = [r for node in nodes for r in node.records]
+    except UsageError as exc:
+        if not args.json:
+            raise
+        print(json.dumps({**out, "usage_error": str(exc), "lines": [f"FAIL usage: {exc}"]}, indent=1))
+        print(f"k3-amd-overlay: error: {exc}", file=sys.stderr)
+        return 2
     if args.merge:
-        records, notes = merged_records(args.merge)
-        require_effective = not args.no_effective
+        verdict = judge_merge(nodes, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed)
     elif args.static:
-        record, log = static_record()
-        if record is None:
-            line = f"FAIL the static probe did not complete (vLLM plugin loading or the K3 AMD import failed):\n{log}"
-            if args.json:
-                print(json.dumps({"expect": args.expect, "holds": False, "lines": [line], "notes": [],
-                                  "host": socket.gethostname(), "marker_dir": None, "records": []}, indent=1))
+        verdict = Verdict()
+        try:
+            settings = load_settings()
+        except SettingsError as exc:
+            verdict.fail(str(exc))
+        else:
+            if settings.mode is Mode.OFF and args.expect != "off":
+                verdict.fail(f"the overlay is off in this environment ({SWITCH} unset or 0): a vLLM process started "
+                             f"here patches nothing, so it cannot be {args.expect}; set {SWITCH}="
+                             + ("1 (or a list of fusions)" if args.expect == "fused" else "stock"))
             else:
-                print(line)
-            return 1
-        records, notes = [record], []
-        require_effective = False
+                from k3_amd_overlay.doctor import run_doctor
+
+                report, _ = run_doctor()
+                record, reason = static_record()
+                if record is None:
+                    verdict.fail(f"the static probe did not complete: {reason}")
+                else:
+                    records = [record]
+                    verdict = judge(records, args.expect, wanted, False, static=True, allow_mixed=args.allow_mixed)
+                judge_doctor(report, args.expect, wanted, verdict)
     else:
         directory = Path(args.marker_dir or os.environ.get(MARKER_DIR) or markers.default_marker_dir())
-        marker_dir = str(directory)
+        out["marker_dir"] = str(directory)
         records, notes = live_records(directory, args.prune)
-        require_effective = not args.no_effective
-    verdict = judge(records, args.expect, wanted, require_effective, static=args.static,
-                    allow_mixed=args.allow_mixed)
+        verdict = judge(records, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed)
     if args.json:
-        print(json.dumps({"expect": args.expect, "holds": verdict.holds, "lines": verdict.lines, "notes": notes,
-                          "host": socket.gethostname(), "marker_dir": marker_dir,
+        print(json.dumps({**out, "holds": verdict.holds, "lines": verdict.lines, "notes": notes,
                           "records": [r.to_json() for r in records]}, indent=1))
     else:
         for line in notes + verdict.lines:
@@ -213,13 +268,37 @@ def build_parser() -> argparse.ArgumentParser:
                             "`check --json` output (- for standard input); this node's markers are not read")
     check.add_argument("--prune", action="store_true",
                        help="remove the markers of processes that are gone (stale files pile up otherwise)")
-    check.add_argument("--json", action="store_true", help="one JSON object on every path (exit codes as without)")
+    check.add_argument("--json", action="store_true", help="one JSON object on every path, usage errors included "
+                                                          "(exit codes as without)")
     check.set_defaults(func=cmd_check)
+    check_parse, check_error = check.parse_known_args, check.error
+
+    def check_parse_known_args(args=None, namespace=None):  # type: ignore[no-untyped-def]
+        # With --json (or an abbreviation argparse accepts), usage errors are JSON too: flag it
+        # before argparse can fail, and make an unknown argument this parser's own error.
+        check.json_wanted = any(a.startswith("--j") and "--json".startswith(a) for a in (args or []))  # type: ignore[attr-defined]
+        namespace, extras = check_parse(args, namespace)
+        if extras:
+            check.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def check_usage_error(message: str) -> None:
+        if getattr(check, "json_wanted", False):
+            print(json.dumps({"expect": None, "holds": False, "usage_error": message, "lines": [f"FAIL usage: {message}"],
+                              "notes": [], "host": socket.gethostname(), "source": None, "marker_dir": None,
+                              "records": []}, indent=1))
+        check_error(message)  # usage and message to stderr, exit 2
+
+    check.parse_known_args, check.error = check_parse_known_args, check_usage_error  # type: ignore[method-assign]
     census = sub.add_parser("census", help="kernel census of profiler traces, before/after a fusion")
     census.add_argument("traces", nargs="+", help="trace files (.json, .json.gz) or folders; one per rank")
-    census.add_argument("--baseline", nargs="+", help="the unfused arm's traces: print the before/after table")
+    census.add_argument("--baseline", nargs="+",
+                        help="the unfused arm's traces: the before/after table of each fusion whose own launch ran "
+                             "in the candidate; exit 1 where no such comparison can be made, saying why")
     census.add_argument("--expect", action="append", metavar="NAME=COUNT",
-                        help="fail unless kernels matching NAME ran exactly COUNT times on every rank")
+                        help="fail unless kernels matching NAME ran exactly COUNT times on every rank (a kernel the "
+                             "census's table names more exactly is not NAME's: absorb_qk_cache_kernel is not a "
+                             "qk_cache_kernel); each judged on its own; an empty trace satisfies none")
     census.add_argument("--steps", type=int, help="decode steps in the window: per-step and per-layer figures")
     census.add_argument("--layers", type=int, default=k3.MLA_LAYERS,
                         help=f"MLA layers of the model (K3: {k3.MLA_LAYERS})")

@@ -1,12 +1,13 @@
 """vLLM general-plugin entry point (group ``vllm.general_plugins``, name ``k3_amd_overlay``).
 
 vLLM calls ``register`` in every process (API server, engine core, workers) before the model is
-imported. With the switch off it returns having installed nothing. A bad switch value, or a
+imported. With the switch off it installs nothing and leaves only a small "off" record
+(``off_record.py``), the positive evidence ``check --expect off`` needs. A bad switch value, or a
 requested fusion this vLLM cannot take in strict mode, raises here so vLLM startup stops: vLLM
 only logs plugins that fail to *import*, so the failure must come from this function.
 
 A ``vllm`` CLI client (``vllm bench serve``, ``vllm --version``, ``vllm collect-env``, ...) builds no
-model: it is left alone and leaves no evidence."""
+model: it is left alone and leaves no evidence, not even an off record."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ def register() -> None:
         if settings.unknown_variables:
             logger.warning("k3-amd-overlay is off; ignoring unknown variables %s",
                            ", ".join(settings.unknown_variables))
+        from k3_amd_overlay import off_record
+
+        off_record.leave(settings)
         return
     from k3_amd_overlay.activation import activate
 

@@ -4,6 +4,7 @@ are these field names (schema 2)."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -99,6 +100,9 @@ class MarkerRecord:
     start_ticks: int | None = None
     role: str = "main"
     process_name: str = ""
+    # The machine the process runs on: its pid and start time mean something only there. A record
+    # without one (an older writer) is read as this machine's.
+    host: str = field(default_factory=socket.gethostname)
     overlay_version: str = ""
     vllm_version: str | None = None
     switch: str = ""

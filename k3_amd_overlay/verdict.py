@@ -1,5 +1,7 @@
-"""Judging evidence records against an expectation (``fused`` or ``stock``): the logic of
-``k3-amd-overlay check``, kept apart from reading files so it is tested on records directly."""
+"""Judging evidence records against an expectation (``fused``, ``stock`` or ``off``): the logic of
+``k3-amd-overlay check``, of ``--merge`` (each node's ``check --json``) and of ``--static`` (with
+``doctor``'s own verdict), kept apart from reading files so it is tested on records directly.
+Every line names the process as ``host H pid N``: pids repeat across nodes."""
 
 from __future__ import annotations
 
@@ -57,8 +59,8 @@ class _Proof:
     replayed: list[tuple[str, int]] = field(default_factory=list)  # (where, served graph replays)
     warmup: int = 0
 
-    def add(self, pid: int, entry: FusionEntry, via: str | None = None) -> None:
-        where = f"pid {pid}" + (f" in the {via} launch" if via else "")
+    def add(self, record: MarkerRecord, entry: FusionEntry, via: str | None = None) -> None:
+        where = f"host {record.host} pid {record.pid}" + (f" in the {via} launch" if via else "")
         if entry.captured_sizes:
             self.captured.append((where, list(entry.captured_sizes)))
         if entry.runs[Phase.SERVED]:
@@ -88,18 +90,31 @@ class _Proof:
         return "; ".join(parts)
 
 
+def who(record: MarkerRecord) -> str:
+    """A process as every line names it: its host and pid (pids repeat across nodes), role, vLLM."""
+    return f"host {record.host} pid {record.pid} ({record.role}, vLLM {record.vllm_version})"
+
+
+NO_OFF_RECORD = ("no live vLLM process left an off record (is the server up, k3-amd-overlay installed in its Python "
+                 f"(with {SWITCH} unset or 0 its plugin leaves one), the same K3_AMD_OVERLAY_MARKER_DIR?)")
+
+
 def _judge_off(records: list[MarkerRecord]) -> Verdict:
-    """``off`` (the A/B baseline of vLLM as it is): no live process runs the overlay. With the
-    overlay off the plugin writes no marker, so no record at all holds too."""
+    """``off`` (the A/B baseline of vLLM as it is): at least one live process left an off record
+    (the plugin loaded and patched nothing) and none runs the overlay. Nothing at all proves
+    nothing: the server may be down, or the plugin absent from its Python."""
     verdict = Verdict()
     if not records:
-        verdict.ok("no live vLLM process has overlay evidence here: the overlay is off (or not installed)")
+        verdict.fail(NO_OFF_RECORD)
     for record in records:
-        who = f"pid {record.pid} ({record.role}, vLLM {record.vllm_version})"
         if record.mode is Mode.OFF:
-            verdict.ok(f"{who}: overlay off")
+            verdict.ok(f"{who(record)}: overlay off")
         else:
-            verdict.fail(f"{who}: overlay in {record.mode.value} mode ({SWITCH}={record.switch!r})")
+            verdict.fail(f"{who(record)}: overlay in {record.mode.value} mode ({SWITCH}={record.switch!r})")
+    on = sum(r.mode is not Mode.OFF for r in records)
+    if on and on < len(records):
+        verdict.fail(f"mixed: {len(records) - on} process{'es' if len(records) - on != 1 else ''} with the overlay "
+                     f"off, {on} with it on: not one arm")
     return verdict
 
 
@@ -116,6 +131,7 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
     prove nothing about served traffic.
     ``stock`` holds only where every process runs the overlay in stock mode, each fusion forced
     stock and its fused path never run. A process with the overlay off proves neither.
+    ``off`` holds only where some live process left an off record and none runs the overlay.
     A process whose layers split (some fused, some not) is not a fused arm unless ``allow_mixed``.
     ``fusions`` None: each process's requested ones (those not ``disabled``). ``static``: the
     record of a fresh process that loaded the plugin and imported the K3 code but built no layer:
@@ -132,11 +148,11 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
     proofs: dict[str, _Proof] = {}
     any_layers = False
     for record in records:
-        who = f"pid {record.pid} ({record.role}, vLLM {record.vllm_version})"
+        name = who(record)
         mode = record.mode
         entries = record.fusions
         if mode is Mode.OFF:
-            verdict.fail(f"{who}: overlay off: proves neither fused nor stock")
+            verdict.fail(f"{name}: overlay off: proves neither fused nor stock")
             continue
         wanted = named if named is not None else [
             f for f, e in entries.items() if e.state is not FusionState.DISABLED]
@@ -144,21 +160,21 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
         any_layers = any_layers or has_layers
         if expect == "fused" and not has_layers and not static:
             if mode is Mode.AUTO:
-                verdict.ok(f"{who}: overlay on ({', '.join(wanted)}); builds no K3 MLA layer, nothing to fuse here")
+                verdict.ok(f"{name}: overlay on ({', '.join(wanted)}); builds no K3 MLA layer, nothing to fuse here")
             else:
-                verdict.fail(f"{who}: overlay in {mode.value} mode")
+                verdict.fail(f"{name}: overlay in {mode.value} mode")
             continue
         if record.launch_configs and expect == "fused":
-            verdict.info(f"{who}: launch configs {launch_configs_summary(record.launch_configs)}")
+            verdict.info(f"{name}: launch configs {launch_configs_summary(record.launch_configs)}")
         for fusion in wanted:
             entry = entries.get(fusion, NOT_RECORDED)
             proof = proofs.setdefault(fusion, _Proof())
-            proof.add(record.pid, entry)
+            proof.add(record, entry)
             for doer, covered in DOES_THE_WORK_OF.items():
                 if covered == fusion and doer in entries and entries[doer].fused:
-                    proof.add(record.pid, entries[doer], via=doer)
+                    proof.add(record, entries[doer], via=doer)
             state, provider, reason, layers = entry.state, entry.provider, entry.reason, entry.layers
-            described = (f"{who}: {fusion}={state.value}" + (f" provider={provider}" if provider else "")
+            described = (f"{name}: {fusion}={state.value}" + (f" provider={provider}" if provider else "")
                          + (f" on {layers} layer{'s' if layers != 1 else ''}" if layers else "") + f" ({reason})")
             if expect == "fused":
                 good = mode is Mode.AUTO and (entry.fused or (static and state is FusionState.PENDING))
@@ -192,3 +208,90 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
                 verdict.fail(f"{fusion}: no process has run its fused path yet (send a request first, "
                              "or pass --no-effective)")
     return verdict
+
+
+@dataclass
+class NodeEvidence:
+    """One node's ``check --json`` output as ``--merge`` reads it."""
+
+    source: str  # the file it came from
+    host: str | None
+    expect: str | None
+    holds: bool | None
+    live: bool  # read from that node's live markers (not a --static or --merge output)
+    records: list[MarkerRecord]
+    lines: list[str] = field(default_factory=list)  # its own verdict's lines
+
+
+def judge_merge(nodes: list[NodeEvidence], expect: str, fusions: Iterable[str] | None, require_effective: bool,
+                allow_mixed: bool = False) -> Verdict:
+    """A deployment across nodes holds only where every node file contributes live evidence that
+    holds on its own under this expectation (a node that served stock, or nothing, fails it), each
+    host comes once, and the processes of all nodes together hold as one deployment."""
+    verdict = Verdict()
+    fusions = list(fusions) if fusions is not None else None
+    hosts: dict[str, str] = {}
+    judged: list[MarkerRecord] = []
+    for node in nodes:
+        name = f"node host {node.host} ({node.source})"
+        how = (f"run `k3-amd-overlay check --expect {expect} --json > FILE` on host {node.host or '?'} while its vLLM "
+               "serves, and merge that FILE")
+        if not node.host:
+            verdict.fail(f"node ({node.source}): names no host, so its pids cannot be told from another node's: {how}")
+            continue
+        if node.host in hosts:
+            verdict.fail(f"{name}: host {node.host} again (also {hosts[node.host]}): one file per node, each once")
+            continue
+        hosts[node.host] = node.source
+        if not node.live:
+            verdict.fail(f"{name}: not read from that node's live markers (a --static or --merge output): {how}")
+            continue
+        if node.expect != expect:
+            verdict.fail(f"{name}: judged there against --expect {node.expect}, not {expect}: {how}")
+            continue
+        for record in node.records:
+            if record.host != node.host:
+                verdict.fail(f"{name}: holds {who(record)}, another host's process: that node's file proves "
+                             "only its own processes")
+        own = [r for r in node.records if r.host == node.host and r.role != "cli-client"]
+        judged += own
+        if not own:
+            missing = NO_OFF_RECORD if expect == "off" else (
+                "no live vLLM process left overlay evidence (is the server up there, k3-amd-overlay installed in "
+                "its Python, K3_AMD_OVERLAY set, the marker directory the same?)")
+            verdict.fail(f"{name}: 0 processes: {missing}; {how}")
+            continue
+        alone = judge(own, expect, fusions, require_effective, allow_mixed=allow_mixed)
+        failed = [line.removeprefix("FAIL ") for line in [*node.lines, *alone.lines] if line.startswith("FAIL ")]
+        if node.holds is not True or not alone.holds:
+            verdict.fail(f"{name}: its own processes do not prove {expect}: " + "; ".join(dict.fromkeys(failed)))
+        else:
+            verdict.ok(f"{name}: {len(own)} live process{'es' if len(own) != 1 else ''} prove {expect} there")
+    merged = judge(judged, expect, fusions, require_effective, allow_mixed=allow_mixed)
+    verdict.lines += merged.lines
+    verdict.holds = verdict.holds and merged.holds and bool(nodes)
+    return verdict
+
+
+# What ``doctor``'s verdict line starts with where a fresh process here would be each arm.
+DOCTOR_VERDICT_FOR = {"fused": "ready: ", "stock": "ready (stock)", "off": "off: "}
+
+
+def judge_doctor(report: dict[str, Any], expect: str, fusions: Iterable[str] | None, verdict: Verdict) -> None:
+    """``--static``: add ``doctor``'s own verdict (``doctor.verdict_line``) on this machine, for the
+    fusions asked (default: those the switch requests), to ``verdict``; it holds only where the
+    doctor says what this expectation needs ("ready" for fused, each fusion asked fusing here)."""
+    from k3_amd_overlay.doctor import verdict_line
+
+    outlook = report.get("fusions", {})
+    asked = list(fusions) if fusions is not None else [f for f, o in outlook.items() if o["state"] != "off"]
+    line, healthy = verdict_line({**report, "fusions": {f: o for f, o in outlook.items() if f in asked}})
+    if not healthy or not line.startswith(DOCTOR_VERDICT_FOR[expect]):
+        verdict.fail(f"doctor on this machine{' for ' + ', '.join(asked) if asked else ''}: {line}")
+        return
+    missing = [f for f in asked if outlook.get(f, {}).get("state") != "fused"] if expect == "fused" else []
+    for fusion in missing:
+        why = outlook.get(fusion, {}).get("why", "not in its report")
+        verdict.fail(f"doctor on this machine: {fusion} would not fuse here ({why})")
+    if not missing:
+        verdict.ok(f"doctor on this machine: {line}")

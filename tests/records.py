@@ -11,3 +11,25 @@ from k3_amd_overlay.record import MarkerRecord
 
 def judge(records: list[dict[str, Any]], *args: Any, **kwargs: Any) -> verdict.Verdict:
     return verdict.judge([MarkerRecord.from_json(r) for r in records], *args, **kwargs)
+
+
+def process(mode: str = "auto", state: str = "applied", pid: int = 1, host: str | None = None, role: str = "worker",
+            layers: int = 2, served: int = 3, warmup: int = 5, captured: tuple[int, ...] = (), replayed: int = 0,
+            **fields: Any) -> dict[str, Any]:
+    """One process's marker contents with qkv_norm and qk_cache in ``state`` (``host`` left out when
+    None: a reader then takes the record as its own machine's)."""
+    ran = state in ("applied", "upstream")
+    entry = {"state": state, "provider": "triton" if ran else None, "reason": "r", "effective": ran and served > 0,
+             "layers": layers, "runs": {"warmup": warmup if ran else 0, "capture": len(captured),
+                                        "served": served if ran else 0, "replay": replayed},
+             "captured_sizes": list(captured)}
+    record = {"pid": pid, "role": role, "vllm_version": "0.33.0", "mode": mode,
+              "fusions": {"qkv_norm": dict(entry), "qk_cache": dict(entry)}, **fields}
+    if host is not None:
+        record["host"] = host
+    return record
+
+
+def off_process(pid: int = 1, **fields: Any) -> dict[str, Any]:
+    """An off record as the plugin leaves it (overlay off, nothing patched)."""
+    return process("off", "disabled", pid=pid, layers=0, served=0, warmup=0, **fields)

@@ -1,0 +1,150 @@
+"""``check --merge``: a deployment across nodes holds only where every node file contributes live
+evidence matching the expectation. An empty node, a node whose own check failed, another
+expectation's file, the same host twice, another host's record, a static or merged file, a node
+with captures or warm-up only: each fails the deployment, naming the node (host, file) and what to
+do. Every line names ``host H pid N``: the same pid on two nodes is told apart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from records import off_process, process
+
+from k3_amd_overlay.cli import main
+
+
+def node(tmp_path: Path, host: str, *records: dict[str, Any], expect: str = "fused", holds: bool = True,
+         file: str | None = None, **fields: Any) -> str:
+    """One node's `check --json` output as that node's check writes it (records carry its host)."""
+    path = tmp_path / (file or f"{host}.json")
+    data = {"expect": expect, "holds": holds, "lines": [], "notes": [], "host": host,
+            "marker_dir": f"/run/user/1000/k3-amd-overlay", "records": [{**r, "host": host} for r in records],
+            **fields}
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def merge(capsys: pytest.CaptureFixture[str], expect: str, *files: str, json_out: bool = False) -> tuple[int, str]:
+    code = main(["check", "--expect", expect, "--merge", *files, *(["--json"] if json_out else [])])
+    return code, capsys.readouterr().out
+
+
+def test_two_nodes_with_the_same_pid_hold_and_each_line_names_the_host(tmp_path, capsys):
+    a = node(tmp_path, "node-a", process(pid=11))
+    b = node(tmp_path, "node-b", process(pid=11, served=0, captured=(1,), replayed=4))
+    code, out = merge(capsys, "fused", a, b)
+    assert code == 0, out
+    assert "ok   host node-a pid 11 (worker, vLLM 0.33.0): qk_cache=applied" in out
+    assert "ok   host node-b pid 11 (worker, vLLM 0.33.0): qk_cache=applied" in out
+    assert ("4 replays of the 1 graph (host node-b pid 11: sizes 1) that recorded it, for served batches (host node-b "
+            "pid 11: 4); 3 eager batches after startup (host node-a pid 11: 3)") in out  # per host and pid
+    assert "HOLDS: expect fused (2 processes)" in out
+
+
+def test_a_node_with_no_process_fails_the_deployment_saying_how_to_get_its_evidence(tmp_path, capsys):
+    """The node started without the plugin, without K3_AMD_OVERLAY or with another marker
+    directory: it serves stock and its check found 0 processes."""
+    a = node(tmp_path, "node-a", process(pid=11))
+    empty = node(tmp_path, "node-b", holds=False)
+    code, out = merge(capsys, "fused", a, empty)
+    assert code == 1, out
+    assert (f"FAIL node host node-b ({empty}): 0 processes: no live vLLM process left overlay evidence (is the "
+            "server up there, k3-amd-overlay installed in its Python, K3_AMD_OVERLAY set, the marker directory the "
+            "same?); run `k3-amd-overlay check --expect fused --json > FILE` on host node-b while its vLLM serves, "
+            "and merge that FILE") in out
+    assert "DOES NOT HOLD" in out
+
+
+def test_a_node_whose_own_check_did_not_hold_fails_the_deployment(tmp_path, capsys):
+    a = node(tmp_path, "node-a", process(pid=11))
+    said = "FAIL absorb_qk_cache: no process has run its fused path yet"
+    b = node(tmp_path, "node-b", process(pid=12), holds=False, lines=[said])
+    code, out = merge(capsys, "fused", a, b)
+    assert code == 1, out
+    assert f"FAIL node host node-b ({b}): its own processes do not prove fused: absorb_qk_cache: no process" in out
+
+
+def test_a_node_judged_against_another_expectation_fails(tmp_path, capsys):
+    a = node(tmp_path, "node-a", process(pid=11))
+    b = node(tmp_path, "node-b", process(pid=12), expect="stock", holds=False)
+    code, out = merge(capsys, "fused", a, b)
+    assert code == 1 and f"FAIL node host node-b ({b}): judged there against --expect stock, not fused" in out
+
+
+def test_the_same_host_twice_fails(tmp_path, capsys):
+    a = node(tmp_path, "node-a", process(pid=11))
+    again = node(tmp_path, "node-a", process(pid=11), file="copy.json")
+    code, out = merge(capsys, "fused", a, again)
+    assert code == 1, out
+    assert f"FAIL node host node-a ({again}): host node-a again (also {a}): one file per node, each once" in out
+
+
+def test_another_hosts_record_in_a_node_file_fails(tmp_path, capsys):
+    a = node(tmp_path, "node-a", process(pid=11))
+    b = tmp_path / "node-b.json"
+    data = json.loads(Path(node(tmp_path, "node-b", process(pid=12))).read_text())
+    data["records"].append({**process(pid=13), "host": "node-c"})
+    b.write_text(json.dumps(data))
+    code, out = merge(capsys, "fused", a, str(b))
+    assert code == 1, out
+    assert f"FAIL node host node-b ({b}): holds host node-c pid 13 (worker, vLLM 0.33.0), another host's process" in out
+
+
+@pytest.mark.parametrize("partial,why", [
+    (process(pid=12, served=0, captured=(1, 2)), "captured into 2 graphs (host node-b pid 12: sizes 1, 2) at startup"),
+    (process(pid=12, served=0, warmup=4), "its fused path ran only in vLLM's own warm-up batches (4)"),
+    (process("stock", "forced-stock", pid=12), "host node-b pid 12 (worker, vLLM 0.33.0): qkv_norm=forced-stock"),
+])
+def test_a_node_with_captures_warm_up_or_stock_only_fails_though_another_served(tmp_path, capsys, partial, why):
+    """Summed over the deployment the served traffic of node-a would cover node-b: each node must
+    prove it on its own."""
+    a = node(tmp_path, "node-a", process(pid=11))
+    b = node(tmp_path, "node-b", partial)
+    code, out = merge(capsys, "fused", a, b)
+    assert code == 1, out
+    assert f"FAIL node host node-b ({b}): its own processes do not prove fused: " in out and why in out
+
+
+@pytest.mark.parametrize("fields", [{"marker_dir": None}, {"source": "static"}, {"source": "merge"}])
+def test_a_static_or_merged_file_is_no_nodes_live_evidence(tmp_path, capsys, fields):
+    a = node(tmp_path, "node-a", process(pid=11))
+    b = node(tmp_path, "node-b", process(pid=12), **fields)
+    code, out = merge(capsys, "fused", a, b)
+    assert code == 1, out
+    assert f"FAIL node host node-b ({b}): not read from that node's live markers (a --static or --merge output)" in out
+
+
+def test_off_across_nodes_needs_an_off_record_on_each_node(tmp_path, capsys):
+    a = node(tmp_path, "node-a", off_process(pid=11), expect="off")
+    b = node(tmp_path, "node-b", off_process(pid=12), expect="off")
+    assert merge(capsys, "off", a, b)[0] == 0
+    empty = node(tmp_path, "node-c", expect="off")
+    code, out = merge(capsys, "off", a, empty)
+    assert code == 1, out
+    assert f"FAIL node host node-c ({empty}): 0 processes: no live vLLM process left an off record" in out
+    on = node(tmp_path, "node-d", process(pid=12), expect="off", holds=False)
+    code, out = merge(capsys, "off", a, on)
+    assert code == 1 and "FAIL host node-d pid 12 (worker, vLLM 0.33.0): overlay in auto mode" in out, out
+
+
+def test_the_json_of_a_failed_merge_names_the_node(tmp_path, capsys):
+    a = node(tmp_path, "node-a", process(pid=11))
+    empty = node(tmp_path, "node-b")
+    code, out = merge(capsys, "fused", a, empty, json_out=True)
+    data = json.loads(out)
+    assert code == 1 and data["holds"] is False and data["source"] == "merge"
+    assert any(line.startswith(f"FAIL node host node-b ({empty}): 0 processes") for line in data["lines"])
+    assert [r["host"] for r in data["records"]] == ["node-a"]
+
+
+def test_a_record_without_a_host_is_its_node_files(tmp_path, capsys):
+    """A node file written by an older overlay: its records carry no host; they are that node's."""
+    a = tmp_path / "old.json"
+    a.write_text(json.dumps({"expect": "fused", "holds": True, "lines": [], "notes": [], "host": "node-a",
+                             "marker_dir": "/tmp/m", "records": [process(pid=11)]}))
+    b = node(tmp_path, "node-b", process(pid=11))
+    code, out = merge(capsys, "fused", str(a), b)
+    assert code == 0 and "ok   host node-a pid 11 (worker" in out, out
