@@ -17,8 +17,10 @@ reads; the GEMMs around it (q_a/kv_a, q_b) are the same on both sides and not in
 
 Before a shape is timed, the overlay's outputs are checked against the stock sequence's on fresh
 random inputs (a padding slot among them), every output poisoned twice: the written bytes must be
-exactly the norms' rows, the valid slots' cache rows and the valid tokens' queries; norms within one
-bf16 step; cache and query codes equal but one fp8 step apart on a few (fp32 sums in another order).
+exactly the norms' rows, the valid slots' cache rows and the valid tokens' queries; norms within two
+bf16 steps (the fused pair and the single-norm launches sum a row in another order, and round twice:
+the normalised value, then its product with the weight); cache and query codes equal but one fp8 step
+apart on a few (fp32 sums in another order).
 A shape that fails is reported with its problems and not timed, and the run exits non-zero.
 
 Needs a GPU for timing (``graph_us``); the parity check runs wherever the kernels run (the Triton
@@ -48,8 +50,10 @@ from k3_amd_overlay.ops import aiter_absorb, reference
 BF16, FP8 = "bf16", "fp8"  # the W_UK variants: vLLM's bf16 W_UK_T, its fp8 W_K (VLLM_ROCM_USE_AITER_FP8BMM)
 BLOCK_SIZE = 1536  # KV-cache block, as the kernel bench's decode-step inputs
 POISONS = (0xA5, 0x5A)
-# Query codes one fp8 step from stock allowed on at most this share (as the kernel tests' parity bounds).
+# Query codes one fp8 step from stock allowed on at most this share (as the kernel tests' parity bounds);
+# norm values at most this many bf16 steps from stock (as the kernel tests' RMSNorm bound).
 MAX_DIFFERING = {BF16: 0.002, FP8: 0.01}
+NORM_STEPS = 2
 # Issue 28's goal: at K3's TP 8 heads per rank, decode batches up to 64 tokens, >= 3x over stock.
 TARGET_TP, TARGET_MAX_TOKENS, TARGET_RATIO = 8, 64, 3.0
 
@@ -213,9 +217,10 @@ def parity_problems(s: Step, chain: Callable[[Step], None] = overlay,
         if not written[name].all():
             found.append(f"{name}: {int((~written[name]).sum())} bytes not written")
         g, w = got_a[name].float(), want[name].float()
-        off = (g - w).abs() > torch.finfo(torch.bfloat16).eps * w.abs()  # more than one bf16 step
+        off = (g - w).abs() > NORM_STEPS * torch.finfo(torch.bfloat16).eps * w.abs() + 1e-6
         if g.isnan().any() or off.any():
-            found.append(f"{name}: {int(off.sum())} of {g.numel()} values more than one bf16 step from stock")
+            found.append(f"{name}: {int(off.sum())} of {g.numel()} values more than {NORM_STEPS} bf16 steps "
+                         "from stock")
     if not torch.equal(written["cache"], rows.unsqueeze(-1).expand_as(written["cache"])):
         extra = int((written["cache"] & ~rows.unsqueeze(-1)).sum())
         missing = int((~written["cache"] & rows.unsqueeze(-1)).sum())
