@@ -15,7 +15,16 @@ kernel is attributed to the range its launch was made in (the kernel's ``correla
 its launch on a CPU thread): the comparison then counts only kernels inside those ranges, and inside
 a decode range a GEMM only where the region's own work follows it (the W_UK absorption precedes the
 KV write, concat and quant or the fused launch; the W_UV GEMM after the attention kernel does not).
-Traces without the ranges (overlay off, CUDA-graph replays) fall back to names, and say so."""
+Traces without the ranges (overlay off, CUDA-graph replays) fall back to names, and say so.
+
+Each kernel counts in one section, that of the launch that replaced it, and a fusion has a section
+only where its own launch ran in the candidate: the absorbed launch also does qk_cache's work
+(``verdict.DOES_THE_WORK_OF``), so where only it ran the kernels it removed are its own, and where
+both launches ran they share one section (the baseline cannot say which stock kernel each replaced).
+No ratio comes from evidence that cannot carry one: an empty trace, different rank sets, nested
+overlay ranges, one arm (or some ranks) with a region's ranges and the other without, a baseline
+that ran the fused launch or none of the kernels it replaces; the comparison names the reason and
+does not hold. Each ``--expect`` is judged on its own, and an empty trace satisfies none."""
 
 from __future__ import annotations
 
@@ -38,6 +47,7 @@ from k3_amd_overlay.kernels.names import (
 )
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.regions import DECODE_REGION, QKV_NORM_REGION, REGION_PREFIX
+from k3_amd_overlay.verdict import DOES_THE_WORK_OF
 
 # One table of the kernels each fusion removes and adds, matched as substrings of the full
 # kernel name: AITER's, vLLM's and the overlay's own. A kernel counts under the longest pattern of
@@ -86,11 +96,13 @@ class KernelStats:
 
 @dataclass
 class Census:
-    """Kernel statistics per rank (rank -> kernel name -> stats), and the kernels launched inside
-    each of the overlay's profiler ranges (rank -> [(range name, [(launch time, kernel, µs)])])."""
+    """Kernel statistics per rank (rank -> kernel name -> stats), the kernels launched inside each
+    of the overlay's profiler ranges (rank -> [(range name, [(launch time, kernel, µs)])]), and the
+    overlay ranges opened inside another one (rank -> [(outer, inner)])."""
 
     ranks: dict[str, dict[str, KernelStats]] = field(default_factory=dict)
     regions: dict[str, list[tuple[str, list[tuple[float, str, float]]]]] = field(default_factory=dict)
+    nested: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # rank -> [(outer, inner) range]
 
     def total(self) -> dict[str, KernelStats]:
         summed: dict[str, KernelStats] = defaultdict(KernelStats)
@@ -108,6 +120,14 @@ class Census:
                 found.count += stats.count
                 found.total_us += stats.total_us
         return found
+
+    def counted_as(self, name: str, rank: str) -> dict[str, int]:
+        """The kernels of one rank that ``--expect NAME`` counts, by kernel name: those containing
+        NAME, less those the census's table gives to a longer pattern than NAME's own (with NAME
+        "qk_cache_kernel", "absorb_qk_cache_kernel" is the absorbed launch, not a qk_cache launch)."""
+        own = claiming_pattern(name)
+        return {kernel: stats.count for kernel, stats in self.ranks[rank].items()
+                if name in kernel and (own is None or claiming_pattern(kernel) == own)}
 
     def launches(self, rank: str | None = None) -> int:
         kernels = self.ranks[rank] if rank is not None else self.total()
@@ -171,7 +191,9 @@ def read_census(paths: Iterable[str | Path]) -> Census:
             stats = kernels.setdefault(str(event.get("name")), KernelStats())
             stats.count += 1
             stats.total_us += float(event.get("dur", 0.0))
-        census.regions.setdefault(rank, []).extend(_region_kernels(events, gpu))
+        found, nested = _region_kernels(events, gpu)
+        census.regions.setdefault(rank, []).extend(found)
+        census.nested.setdefault(rank, []).extend(nested)
     return census
 
 
@@ -180,8 +202,11 @@ def _correlation(event: dict[str, Any]) -> Any:
     return args.get("correlation") if isinstance(args, dict) else None
 
 
-def _region_kernels(events: list[dict[str, Any]], gpu: list[dict[str, Any]]) -> list[tuple[str, list[Any]]]:
-    """Each overlay range of one trace with the kernels launched inside it (innermost range wins)."""
+def _region_kernels(events: list[dict[str, Any]], gpu: list[dict[str, Any]]
+                    ) -> tuple[list[tuple[str, list[Any]]], list[tuple[str, str]]]:
+    """Each overlay range of one trace with the kernels launched inside it (innermost range wins),
+    and each (outer, inner) pair of overlay ranges where one opened inside another on one thread:
+    the overlay never nests them, so such a trace cannot be attributed (see ``compare``)."""
     ranges: dict[tuple[Any, Any], list[tuple[float, float, int]]] = defaultdict(list)
     found: list[tuple[str, list[Any]]] = []
     for event in events:
@@ -192,7 +217,9 @@ def _region_kernels(events: list[dict[str, Any]], gpu: list[dict[str, Any]]) -> 
                                                                  len(found)))
             found.append((name, []))
     if not found:
-        return []
+        return [], []
+    nested = [(found[i][0], found[j][0]) for spans in ranges.values() for start, end, i in spans
+              for other, _, j in spans if j != i and start <= other < end]
     launches = {}
     for event in events:
         corr = _correlation(event)
@@ -208,7 +235,15 @@ def _region_kernels(events: list[dict[str, Any]], gpu: list[dict[str, Any]]) -> 
             found[max(inside)[1]][1].append((at, str(kernel.get("name")), float(kernel.get("dur", 0.0))))
     for _, kernels in found:
         kernels.sort()
-    return found
+    return found, nested
+
+
+TABLE_PATTERNS = frozenset(p for kinds in FUSION_KERNELS.values() for kind in kinds.values() for p in kind)
+
+
+def claiming_pattern(name: str) -> str | None:
+    """The longest pattern of the table that ``name`` contains (None: no fusion's kernel)."""
+    return max((p for p in TABLE_PATTERNS if p in name), key=len, default=None)
 
 
 def parse_expectations(items: Iterable[str]) -> list[tuple[str, int]]:
@@ -221,15 +256,58 @@ def parse_expectations(items: Iterable[str]) -> list[tuple[str, int]]:
     return parsed
 
 
-def check_expectations(census: Census, expectations: list[tuple[str, int]]) -> list[str]:
-    """Problems: each NAME must have run exactly COUNT times on every rank."""
-    problems = []
+def empty_ranks(census: Census) -> list[str]:
+    """The ranks whose trace holds no GPU kernel at all: no evidence, for or against anything."""
+    return [rank for rank in sorted(census.ranks) if not census.launches(rank)]
+
+
+EMPTY = ("rank {rank}: the trace has no GPU kernel at all, so it proves nothing (profiled without the CUDA/ROCm "
+         "activity, or a window where nothing ran)")
+
+
+@dataclass
+class Expectation:
+    """One ``--expect NAME=COUNT``, judged on its own: what each rank ran and why it fails."""
+
+    name: str
+    count: int
+    ranks: dict[str, int]
+    kernels: list[str]  # the kernel names it counted
+    problems: list[str]
+
+    @property
+    def holds(self) -> bool:
+        return not self.problems
+
+    def line(self) -> str:
+        got = ", ".join(f"rank {rank}: {n}" for rank, n in self.ranks.items()) or "no rank"
+        return f"expect {self.name}={self.count} per rank: {'ok' if self.holds else 'FAILED'} ({got})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "count": self.count, "holds": self.holds, "ranks": self.ranks,
+                "kernels": self.kernels, "problems": self.problems}
+
+
+def judge_expectations(census: Census, expectations: list[tuple[str, int]]) -> list[Expectation]:
+    """Each NAME must have run exactly COUNT times on every rank, each rank's trace holding GPU
+    kernels (an empty trace never satisfies a count, not even 0)."""
+    judged = []
+    empty = empty_ranks(census)
     for name, count in expectations:
-        for rank in sorted(census.ranks):
-            got = census.matching(name, rank).count
-            if got != count:
-                problems.append(f"rank {rank}: kernels matching {name!r} ran {got} times, expected {count}")
-    return problems
+        per_rank = {rank: census.counted_as(name, rank) for rank in sorted(census.ranks)}
+        problems = [EMPTY.format(rank=rank) for rank in empty]
+        problems += [f"rank {rank}: kernels matching {name!r} ran {sum(found.values())} times, expected {count}"
+                     for rank, found in per_rank.items() if rank not in empty and sum(found.values()) != count]
+        if not census.ranks:
+            problems.append("no trace was read")
+        judged.append(Expectation(name, count, {rank: sum(found.values()) for rank, found in per_rank.items()},
+                                  sorted({kernel for found in per_rank.values() for kernel in found}), problems))
+    return judged
+
+
+def check_expectations(census: Census, expectations: list[tuple[str, int]]) -> list[str]:
+    """Problems of all expectations together (each judged by ``judge_expectations``)."""
+    return [problem for judged in judge_expectations(census, expectations) for problem in judged.problems]
 
 
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:
@@ -254,93 +332,282 @@ def render(census: Census, top: int = 25) -> str:
     return "\n".join(lines)
 
 
-TABLE_PATTERNS = frozenset(p for kinds in FUSION_KERNELS.values() for kind in kinds.values() for p in kind)
+def _add(stats: KernelStats, count: int, total_us: float) -> None:
+    stats.count += count
+    stats.total_us += total_us
 
 
-def claiming_pattern(name: str) -> str | None:
-    """The longest pattern of the table that ``name`` contains (None: no fusion's kernel)."""
-    return max((p for p in TABLE_PATTERNS if p in name), key=len, default=None)
-
-
-def _claims(census: Census, patterns: tuple[str, ...]) -> dict[str, KernelStats]:
-    """Per pattern of one fusion, the stats (summed over ranks) of the kernels it claims."""
+def name_claims(census: Census, patterns: tuple[str, ...]) -> dict[str, KernelStats]:
+    """Per pattern, the stats (summed over ranks) of the kernels it claims, by name alone."""
     claimed: dict[str, KernelStats] = {pattern: KernelStats() for pattern in patterns}
     for name, stats in census.total().items():
         pattern = claiming_pattern(name)
         if pattern in claimed:
-            claimed[pattern].count += stats.count
-            claimed[pattern].total_us += stats.total_us
+            _add(claimed[pattern], stats.count, stats.total_us)
     return claimed
 
 
-def region_claims(census: Census, fusion: str, patterns: tuple[str, ...]) -> dict[str, KernelStats] | None:
-    """Per pattern of one fusion, the kernels launched inside its range (None where the traces have
-    none of its ranges). Inside a decode range a GEMM counts only where a kernel of the fusion's own
-    region work follows it in that range: the W_UK absorption, not the W_UV up-projection."""
-    instances = [kernels for regions in census.regions.values() for name, kernels in regions
-                 if name == FUSION_REGIONS[fusion]]
-    if not instances:
-        return None
+def _region_claims(census: Census, region: str, patterns: tuple[str, ...], own_work: set[str]
+                   ) -> dict[str, KernelStats]:
     claimed = {pattern: KernelStats() for pattern in patterns}
-    own_work = {*FUSION_KERNELS[fusion]["removes"], *FUSION_KERNELS[fusion]["adds"]} - GEMM_PATTERNS
-    for kernels in instances:
+    for kernels in (kernels for regions in census.regions.values() for name, kernels in regions if name == region):
         marks = [claiming_pattern(name) for _, name, _ in kernels]
         for i, ((_, _, dur), pattern) in enumerate(zip(kernels, marks, strict=True)):
             if pattern not in claimed:
                 continue
             if pattern in GEMM_PATTERNS and not own_work.intersection(marks[i + 1:]):
                 continue
-            claimed[pattern].count += 1
-            claimed[pattern].total_us += dur
+            _add(claimed[pattern], 1, dur)
     return claimed
+
+
+def _own_work(fusions: tuple[str, ...]) -> set[str]:
+    return {p for fusion in fusions for kind in FUSION_KERNELS[fusion].values() for p in kind} - GEMM_PATTERNS
+
+
+def region_claims(census: Census, fusion: str, patterns: tuple[str, ...]) -> dict[str, KernelStats] | None:
+    """Per pattern of one fusion, the kernels launched inside its range (None where the traces have
+    none of its ranges). Inside a decode range a GEMM counts only where a kernel of the fusion's own
+    region work follows it in that range: the W_UK absorption, not the W_UV up-projection."""
+    region = FUSION_REGIONS[fusion]
+    if not any(name == region for regions in census.regions.values() for name, _ in regions):
+        return None
+    return _region_claims(census, region, patterns, _own_work((fusion,)))
 
 
 NO_RANGES = ("counted by kernel name alone: the {side} traces have no {region} ranges (the overlay off, or "
              "kernels replayed from CUDA graphs), so every matching kernel counts, in or out of the region (every "
              "GEMM, every RMSNorm); profile eager (--enforce-eager) with the overlay on, K3_AMD_OVERLAY=stock for "
              "the baseline, for the region's own kernels")
+PROFILE_ALIKE = ("profile both arms alike: eager (--enforce-eager) with the overlay on, K3_AMD_OVERLAY=stock for "
+                 "the baseline")
+
+
+def _unique(items: Iterable[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(items))
+
+
+@dataclass
+class Section:
+    """One region's before/after: the fusions whose launches ran in the candidate (one, or several
+    whose launches share the stock kernels they replace), each kernel counted once."""
+
+    fusions: tuple[str, ...]
+    region: str
+    by_ranges: bool
+    rows: list[tuple[str, str, KernelStats, KernelStats]]  # (pattern, "removes"/"adds", baseline, candidate)
+    launched: dict[str, int]  # fusion -> its own launches in the candidate
+    ranks: tuple[int, int]
+    steps: int | None
+    layers: int
+
+    @property
+    def title(self) -> str:
+        return " + ".join(self.fusions)
+
+    def total(self, side: int) -> KernelStats:
+        found = KernelStats()
+        for row in self.rows:
+            _add(found, row[2 + side].count, row[2 + side].total_us)
+        return found
+
+    @property
+    def ratio(self) -> float | None:
+        before, after = self.total(0).total_us, self.total(1).total_us
+        return before / after if after else None
+
+    def per_layer_step(self) -> tuple[float, float] | None:
+        if not self.steps:
+            return None
+        return tuple(self.total(side).total_us / (self.ranks[side] * self.steps * self.layers)  # type: ignore
+                     for side in (0, 1))
+
+    def render(self) -> list[str]:
+        how = f"counted inside the overlay's {self.region} ranges" if self.by_ranges else NO_RANGES.format(
+            side="baseline and candidate", region=self.region)
+        if len(self.fusions) > 1:
+            how = ("the launches of each ran in the candidate and the baseline's kernels cannot be told apart by the "
+                   "launch that replaced them: one section, each kernel once; " + how)
+        lines = [f"\n{self.title} (summed over ranks; count × mean µs = total µs; {how})"]
+        lines += _table([[pattern, f"{b.count} × {b.mean_us:.2f} = {b.total_us:.1f}",
+                          f"{c.count} × {c.mean_us:.2f} = {c.total_us:.1f}"] for pattern, _, b, c in self.rows],
+                        ["kernel", "baseline", "candidate"])
+        before, after = self.total(0), self.total(1)
+        lines.append(f"{self.title} region: {before.total_us:.1f} µs -> {after.total_us:.1f} µs ("
+                     + (f"{self.ratio:.2f}x)" if self.ratio is not None else
+                        "no ratio: the candidate's kernels carry no duration)"))
+        lines.append(f"{self.title} region launches: {before.count} -> {after.count} ({after.count - before.count:+d})")
+        per = self.per_layer_step()
+        if per is not None:
+            lines.append(f"per MLA layer per decode step and rank ({self.layers} layers x {self.steps} steps): "
+                         f"{per[0]:.2f} µs -> {per[1]:.2f} µs")
+        return lines
+
+    def to_json(self) -> dict[str, Any]:
+        def stats(s: KernelStats) -> dict[str, Any]:
+            return {"count": s.count, "total_us": round(s.total_us, 3), "mean_us": round(s.mean_us, 3)}
+
+        per = self.per_layer_step()
+        before, after = self.total(0), self.total(1)
+        return {"fusions": list(self.fusions), "region": self.region,
+                "counted": "inside ranges" if self.by_ranges else "by name",
+                "kernels": [{"kernel": p, "kind": kind, "baseline": stats(b), "candidate": stats(c)}
+                            for p, kind, b, c in self.rows],
+                "baseline": stats(before), "candidate": stats(after),
+                "ratio": None if self.ratio is None else round(self.ratio, 3),
+                "launch_change": after.count - before.count, "launched": self.launched,
+                "per_layer_step_us": None if per is None else {
+                    "layers": self.layers, "steps": self.steps,
+                    "baseline": round(per[0], 3), "candidate": round(per[1], 3)}}
+
+
+@dataclass
+class Comparison:
+    """The before/after of every region: its sections, each fusion without one and why, what refuses
+    the comparison (it holds only with no problem and at least one section) and the launch change."""
+
+    sections: list[Section] = field(default_factory=list)
+    not_run: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    launches: tuple[float, float] | None = None
+    steps: int | None = None
+
+    @property
+    def holds(self) -> bool:
+        return bool(self.sections) and not self.problems
+
+    def _launch_unit(self) -> str:
+        return "per rank per step" if self.steps else "per rank"
+
+    def render(self) -> str:
+        lines = [f"\nNO COMPARISON: {problem}" for problem in self.problems]
+        for section in self.sections:
+            lines += section.render()
+        lines += [f"\n{note}" for note in self.not_run.values()]
+        if self.launches is not None:
+            before, after = self.launches
+            delta = after - before
+            lines.append(f"\nkernel launches {self._launch_unit()}: {before:.0f} -> {after:.0f} ({delta:+.0f}, "
+                         f"{100 * delta / before:+.1f}%)")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        launches = None
+        if self.launches is not None:
+            before, after = self.launches
+            launches = {"unit": self._launch_unit(), "baseline": round(before, 3), "candidate": round(after, 3),
+                        "change": round(after - before, 3), "percent": round(100 * (after - before) / before, 3)}
+        return {"holds": self.holds, "problems": self.problems, "sections": [s.to_json() for s in self.sections],
+                "not_run": self.not_run, "launches": launches}
+
+
+def _evidence_problems(baseline: Census, candidate: Census) -> list[str]:
+    """What makes the two arms no evidence for a comparison at all."""
+    problems = []
+    for side, census in (("baseline", baseline), ("candidate", candidate)):
+        if not census.ranks:
+            problems.append(f"the {side} has no trace")
+        problems += [f"the {side}'s " + EMPTY.format(rank=rank) for rank in empty_ranks(census)]
+    if baseline.ranks and candidate.ranks and sorted(baseline.ranks) != sorted(candidate.ranks):
+        base, cand = ", ".join(sorted(baseline.ranks)), ", ".join(sorted(candidate.ranks))
+        problems.append(f"the baseline has {len(baseline.ranks)} rank trace(s) (ranks {base}), the candidate "
+                        f"{len(candidate.ranks)} (ranks {cand}): different deployments; profile both arms with the "
+                        "same parallelism, one trace per rank")
+    return problems
+
+
+def _range_problems(baseline: Census, candidate: Census, region: str) -> tuple[list[str], bool]:
+    """Why the region cannot be compared (nested ranges; one arm, or some ranks, with ranges and others
+    without), and whether both arms have its ranges on every rank."""
+    problems, has = [], {}
+    for side, census in (("baseline", baseline), ("candidate", candidate)):
+        nested = [(rank, outer, inner) for rank, pairs in sorted(census.nested.items()) for outer, inner in pairs
+                  if region in (outer, inner)]
+        if nested:
+            rank, outer, inner = nested[0]
+            problems.append(f"{region}: the {side} has {len(nested)} overlay range(s) opened inside another (rank "
+                            f"{rank}: {inner} inside {outer}); the overlay never nests them (a site patched twice, or "
+                            "another tool's ranges under its name?), so its kernels cannot be attributed")
+        has[side] = [rank for rank in sorted(census.ranks)
+                     if any(name == region for name, _ in census.regions.get(rank, []))]
+    full = {side: len(has[side]) == len(census.ranks) for side, census in (("baseline", baseline),
+                                                                             ("candidate", candidate))}
+    if any(has.values()) and not all(full.values()):
+        where = "; ".join(f"the {side}: " + ("every rank" if full[side] else "ranks " + ", ".join(has[side])
+                                              if has[side] else "none") for side in ("baseline", "candidate"))
+        problems.append(f"{region}: only some traces have its ranges ({where}): one arm counted by range and the other "
+                        f"by name would credit kernels outside the region; {PROFILE_ALIKE}")
+    return problems, all(full.values())
+
+
+def _launch_names(fusion: str) -> str:
+    return ", ".join(FUSION_KERNELS[fusion]["adds"])
+
+
+def _region_sections(baseline: Census, candidate: Census, region: str, by_ranges: bool, steps: int | None,
+                     layers: int, comparison: Comparison) -> None:
+    fusions = tuple(f for f in FUSION_KERNELS if FUSION_REGIONS[f] == region)
+
+    def claims(census: Census, patterns: tuple[str, ...], group: tuple[str, ...]) -> dict[str, KernelStats]:
+        if by_ranges:
+            return _region_claims(census, region, patterns, _own_work(group))
+        return name_claims(census, patterns)
+
+    where = f"inside its {region} ranges" if by_ranges else "by kernel name"
+    ran = {f: sum(s.count for s in claims(candidate, FUSION_KERNELS[f]["adds"], (f,)).values()) for f in fusions}
+    groups: list[tuple[str, ...]] = []
+    for fusion in fusions:
+        if not ran[fusion]:
+            doer = next((f for f in fusions if DOES_THE_WORK_OF.get(f) == fusion and ran[f]), None)
+            comparison.not_run[fusion] = (
+                f"{fusion}: its own launch ({_launch_names(fusion)}) did not run in the candidate (counted {where})"
+                + (f"; the {doer} launch did its work, and the kernels that launch removed are counted once, in "
+                   f"{doer}'s section" if doer else ": no section, no ratio"))
+        elif not any(fusion in group for group in groups):  # with the fusion whose work its launch does, or
+            groups.append(tuple(f for f in fusions if f == fusion or ran[f] and (  # that does its work, if it ran
+                DOES_THE_WORK_OF.get(f) == fusion or DOES_THE_WORK_OF.get(fusion) == f)))
+    for group in groups:
+        adds = _unique(p for f in group for p in FUSION_KERNELS[f]["adds"])
+        removes = tuple(p for p in _unique(p for f in group for p in FUSION_KERNELS[f]["removes"]) if p not in adds)
+        base, cand = claims(baseline, (*removes, *adds), group), claims(candidate, (*removes, *adds), group)
+        own = {p: base[p].count for p in adds if base[p].count}
+        title = " + ".join(group)
+        if own:
+            comparison.problems.append(
+                f"{title}: the baseline ran the fused launch too ({', '.join(f'{p} {n}' for p, n in own.items())} "
+                f"{where}): not an unfused baseline; profile it with K3_AMD_OVERLAY=stock")
+            continue
+        if not any(base[p].count for p in removes):
+            comparison.problems.append(f"{title}: the baseline has none of the kernels its launch replaces "
+                                       f"({', '.join(removes)}) {where}: nothing to compare against")
+            continue
+        rows = [(p, "removes" if p in removes else "adds", base[p], cand[p]) for p in (*removes, *adds)
+                if base[p].count or cand[p].count]
+        comparison.sections.append(Section(group, region, by_ranges, rows, {f: ran[f] for f in group},
+                                           (len(baseline.ranks), len(candidate.ranks)), steps, layers))
+
+
+def compare(baseline: Census, candidate: Census, steps: int | None, layers: int) -> Comparison:
+    """The before/after of each region a fusion replaces. A fusion gets a section only where its own
+    launch ran in the candidate; each kernel counts in one section (the absorbed launch does
+    qk_cache's work: where it ran, the kernels it removed are its own). Nothing is compared from
+    empty traces, different rank sets, nested ranges, one arm with a region's ranges and one
+    without, or a baseline that ran the fused launch."""
+    comparison = Comparison(steps=steps, problems=_evidence_problems(baseline, candidate))
+    if comparison.problems:
+        return comparison
+    for region in _unique(FUSION_REGIONS[f] for f in FUSION_KERNELS):
+        problems, by_ranges = _range_problems(baseline, candidate, region)
+        if problems:
+            comparison.problems += problems
+            continue
+        _region_sections(baseline, candidate, region, by_ranges, steps, layers, comparison)
+    if not comparison.sections and not comparison.problems:
+        comparison.problems.append("no fusion's own launch ran in the candidate: nothing to compare")
+    before, after = (census.launches() / len(census.ranks) / (steps or 1) for census in (baseline, candidate))
+    comparison.launches = (before, after)
+    return comparison
 
 
 def render_comparison(baseline: Census, candidate: Census, steps: int | None, layers: int) -> str:
-    lines = []
-    ranks = max(len(baseline.ranks), 1), max(len(candidate.ranks), 1)
-    if len(baseline.ranks) != len(candidate.ranks):
-        lines.append(f"WARNING: the baseline has {len(baseline.ranks)} rank trace(s), the candidate "
-                     f"{len(candidate.ranks)}: the summed tables compare different deployments; per-rank figures "
-                     "divide by each arm's own count. Profile both arms with the same parallelism.")
-    for fusion, kinds in FUSION_KERNELS.items():
-        rows = []
-        region = [0.0, 0.0]
-        patterns = (*kinds["adds"], *kinds["removes"])
-        by_region = {side: region_claims(census, fusion, patterns) for side, census in (("b", baseline),
-                                                                                       ("c", candidate))}
-        missing = [name for side, name in (("b", "baseline"), ("c", "candidate")) if by_region[side] is None]
-        claimed = {side: by_region[side] if not missing else _claims(census, patterns)
-                   for side, census in (("b", baseline), ("c", candidate))}
-        for pattern in (*kinds["removes"], *kinds["adds"]):
-            b, c = claimed["b"][pattern], claimed["c"][pattern]
-            if b.count or c.count:
-                rows.append([pattern, f"{b.count} × {b.mean_us:.2f} = {b.total_us:.1f}",
-                             f"{c.count} × {c.mean_us:.2f} = {c.total_us:.1f}"])
-                region[0] += b.total_us
-                region[1] += c.total_us
-        if not rows:
-            continue
-        how = (NO_RANGES.format(side=" and ".join(missing), region=FUSION_REGIONS[fusion]) if missing
-               else f"counted inside the overlay's {FUSION_REGIONS[fusion]} ranges")
-        lines.append(f"\n{fusion} (summed over ranks; count × mean µs = total µs; {how})")
-        lines += _table(rows, ["kernel", "baseline", "candidate"])
-        if region[1]:
-            lines.append(f"{fusion} region: {region[0]:.1f} µs -> {region[1]:.1f} µs ({region[0] / region[1]:.2f}x)")
-        if steps:
-            per = [r / (n * steps * layers) for r, n in zip(region, ranks, strict=True)]
-            lines.append(f"per MLA layer per decode step and rank ({layers} layers x {steps} steps): "
-                         f"{per[0]:.2f} µs -> {per[1]:.2f} µs")
-    b_launch, c_launch = baseline.launches() / ranks[0], candidate.launches() / ranks[1]
-    if steps:
-        b_launch, c_launch = b_launch / steps, c_launch / steps
-    delta = c_launch - b_launch
-    unit = "per rank per step" if steps else "per rank"
-    lines.append(f"\nkernel launches {unit}: {b_launch:.0f} -> {c_launch:.0f} "
-                 f"({delta:+.0f}, {100 * delta / b_launch if b_launch else 0:+.1f}%)")
-    return "\n".join(lines)
+    return compare(baseline, candidate, steps, layers).render()

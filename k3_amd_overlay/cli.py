@@ -216,22 +216,25 @@ def cmd_census(args: argparse.Namespace) -> int:
     except (census.TraceError, ValueError) as exc:
         print(f"k3-amd-overlay census: {exc}", file=sys.stderr)
         return 2
-    problems = census.check_expectations(candidate, expectations)
+    judged = census.judge_expectations(candidate, expectations)
+    comparison = census.compare(baseline, candidate, args.steps, args.layers) if baseline is not None else None
     if args.json:
         out = candidate.to_json()
         if baseline is not None:
             out["baseline"] = baseline.to_json()
-        out["expect"] = {"problems": problems, "holds": not problems}
+            out["comparison"] = comparison.to_json()
+        out["expect"] = {"problems": [p for j in judged for p in j.problems], "holds": all(j.holds for j in judged),
+                         "items": [j.to_json() for j in judged]}
         print(json.dumps(out, indent=1))
     else:
         print(census.render(candidate))
-        if baseline is not None:
-            print(census.render_comparison(baseline, candidate, args.steps, args.layers))
-        for name, count in expectations:
-            print(f"expect {name}={count} per rank: {'ok' if not problems else 'FAILED'}")
-        for problem in problems:
-            print(f"FAIL {problem}")
-    return 1 if problems else 0
+        if comparison is not None:
+            print(comparison.render())
+        for expectation in judged:
+            print(expectation.line())
+            for problem in expectation.problems:
+                print(f"FAIL {problem}")
+    return 1 if not all(j.holds for j in judged) or (comparison is not None and not comparison.holds) else 0
 
 
 # The operator's tools, each its own module with its own options (``k3-amd-overlay NAME --help``).
