@@ -540,6 +540,12 @@ def _range_problems(baseline: Census, candidate: Census, region: str) -> tuple[l
     return problems, all(full.values())
 
 
+def _work_shared(fusion: str) -> set[str]:
+    """The fusions whose work shares one launch with ``fusion``'s (it does theirs, or they do its)."""
+    return {f for f, other in DOES_THE_WORK_OF.items() if other == fusion} | (
+        {DOES_THE_WORK_OF[fusion]} if fusion in DOES_THE_WORK_OF else set())
+
+
 def _launch_names(fusion: str) -> str:
     return ", ".join(FUSION_KERNELS[fusion]["adds"])
 
@@ -563,9 +569,8 @@ def _region_sections(baseline: Census, candidate: Census, region: str, by_ranges
                 f"{fusion}: its own launch ({_launch_names(fusion)}) did not run in the candidate (counted {where})"
                 + (f"; the {doer} launch did its work, and the kernels that launch removed are counted once, in "
                    f"{doer}'s section" if doer else ": no section, no ratio"))
-        elif not any(fusion in group for group in groups):  # with the fusion whose work its launch does, or
-            groups.append(tuple(f for f in fusions if f == fusion or ran[f] and (  # that does its work, if it ran
-                DOES_THE_WORK_OF.get(f) == fusion or DOES_THE_WORK_OF.get(fusion) == f)))
+        elif not any(fusion in group for group in groups):  # one section with the fusions sharing its launch's work
+            groups.append(tuple(f for f in fusions if f == fusion or (ran[f] and fusion in _work_shared(f))))
     for group in groups:
         adds = _unique(p for f in group for p in FUSION_KERNELS[f]["adds"])
         removes = tuple(p for p in _unique(p for f in group for p in FUSION_KERNELS[f]["removes"]) if p not in adds)
