@@ -21,8 +21,14 @@ PREFIX = "its kernel failed on this GPU, so the stock path runs for the rest of 
 
 
 @pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    monkeypatch.setattr(kernel_failures, "_failed", {})
+def _fresh():
+    """The process's own record, emptied for the test and restored after (not a replacement dict:
+    the module's initial record is what a server process starts with)."""
+    saved = dict(kernel_failures._failed)
+    kernel_failures._failed.clear()
+    yield
+    kernel_failures._failed.clear()
+    kernel_failures._failed.update(saved)
 
 
 def _raise(exc: BaseException):
