@@ -79,8 +79,18 @@ def _test_in_child(clone: str, pytest_args: list[str], log: str) -> int:
 def run(clone: str, module: str, mutants_file: str, result_file: str, pytest_args: list[str]) -> None:
     sys.path.insert(0, clone)
     os.environ["PYTHONPATH"] = clone + os.pathsep + os.environ.get("PYTHONPATH", "")
-    import torch  # noqa: F401  (the expensive imports, once, before any fork)
+    import importlib
+    from importlib.metadata import entry_points
+
+    import pytest  # noqa: F401  (the expensive imports, once, before any fork: torch, Triton, pytest's plugins)
+    import torch  # noqa: F401
     import triton  # noqa: F401
+
+    for plugin in entry_points(group="pytest11"):
+        try:
+            importlib.import_module(plugin.module)
+        except Exception:  # a plugin that cannot load here fails in the child as it would anyway
+            pass
 
     with open(mutants_file) as handle:
         data = json.load(handle)
