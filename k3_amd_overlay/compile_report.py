@@ -73,15 +73,22 @@ class Entry:
     dtype: str = ""
     shapes: list[str] = field(default_factory=list)  # the (tokens, heads) rules this config serves
     mfma: str | None = None
-    tile_copies: int = 1
+    tile_copies: int | None = 1  # None: not read (tile_error says why)
+    tile_error: str | None = None
     problems: list[str] = field(default_factory=list)
 
 
 _META = re.compile(r"^\s*\.(vgpr_count|agpr_count|sgpr_count|vgpr_spill_count|sgpr_spill_count|"
                    r"private_segment_fixed_size):\s*(\d+)", re.M)
 _TARGET = re.compile(r"\.amdgcn_target\s+\"[^\"]*-(gfx\w+)")
-_MFMA_LAYOUT = re.compile(r"amd_mfma<\{[^}]*?warpsPerCTA = \[(\d+), (\d+)\][^}]*?instrShape = \[(\d+), (\d+)")
-_DOT_RESULT = re.compile(r"tt\.dot [^\n]*-> tensor<(\d+)x(\d+)x")
+# An MFMA layout's definition: its alias and its fields (warpsPerCTA, instrShape, ... in any order)
+_MFMA_LAYOUT = re.compile(r"^(#\w+) = #\w+\.amd_mfma<\{([^}]*)\}>", re.M)
+_FIELD = r"\b{} = \[(\d+), (\d+)"
+# Any op whose name holds "dot", "mma" or "mfma" (tt.dot, tt.dot_scaled on gfx950's fp8, and whatever a newer Triton
+# names its matrix op), in the custom or the generic form, and the result type it ends on
+_DOT_OP = re.compile(r"= \"?(\w+(?:\.\w+)*\.\w*(?:dot|mma|mfma)\w*)\"?[ (]"
+                     r"[^\n]*-> tensor<(\d+)x(\d+)x\w+(?:, (#\w+))?>")
+_MFMA_SHAPE = re.compile(r"v_mfma_\w*?(\d+)x(\d+)x\d+")
 
 
 def isa_facts(amdgcn: str) -> dict[str, Any]:
@@ -104,16 +111,40 @@ def waves_per_simd(vgpr: int, agpr: int, lds_bytes: int, num_warps: int, arch: s
     return waves
 
 
+class TileUnread(ValueError):
+    """The TTGIR has a dot whose layout cannot be read, or an MFMA layout with no dot read: no verdict."""
+
+
+def dot_tiles(ttgir: str) -> list[tuple[str, int, int, int, int, int, int]]:
+    """Each dot op of the TTGIR: (op, rows, cols, warps along rows, along cols, instruction rows, cols).
+    Raises ``TileUnread`` where a dot's result layout is not an MFMA layout defined in the text, or an
+    MFMA layout is defined and no dot op is found (an op this reading does not know)."""
+    layouts = {}
+    for alias, fields in _MFMA_LAYOUT.findall(ttgir):
+        warps, instr = (re.search(_FIELD.format(name), fields) for name in ("warpsPerCTA", "instrShape"))
+        if warps is None or instr is None:
+            raise TileUnread(f"MFMA layout {alias} without warpsPerCTA and instrShape: {fields}")
+        layouts[alias] = (*map(int, warps.groups()), *map(int, instr.groups()))
+    found = []
+    for op, rows, cols, encoding in _DOT_OP.findall(ttgir):
+        if encoding not in layouts:
+            raise TileUnread(f"{op} -> {rows}x{cols}: its layout {encoding or '(none)'} is not an MFMA layout "
+                             "of this TTGIR")
+        found.append((op, int(rows), int(cols), *layouts[encoding]))
+    if layouts and not found:
+        raise TileUnread(f"MFMA layouts {', '.join(layouts)} but no dot op read")
+    return found
+
+
 def tile_copies(ttgir: str) -> int:
-    """How many warps compute each part of the dot's tile (1: none repeated): the warps laid along
-    a dimension over more rows or columns than the tile has compute copies of each other's work
-    (8 warps on a 16-row tile: each of the 8 computes the whole tile)."""
-    layout, dot = _MFMA_LAYOUT.search(ttgir), _DOT_RESULT.search(ttgir)
-    if layout is None or dot is None:
-        return 1
-    warps_m, warps_n, instr_m, instr_n = (int(g) for g in layout.groups())
-    rows, cols = int(dot.group(1)), int(dot.group(2))
-    return max(1, warps_m * instr_m // rows) * max(1, warps_n * instr_n // cols)
+    """How many warps compute each part of a dot's tile (1: none repeated; the most over the kernel's
+    dots): the warps laid along a dimension over more rows or columns than the tile has compute copies
+    of each other's work (8 warps on a 16-row tile: each of the 8 computes the whole tile). 1 where
+    the kernel has no dot; ``TileUnread`` where a dot is there and its layout cannot be read."""
+    copies = 1
+    for _, rows, cols, warps_m, warps_n, instr_m, instr_n in dot_tiles(ttgir):
+        copies = max(copies, max(1, warps_m * instr_m // rows) * max(1, warps_n * instr_n // cols))
+    return copies
 
 
 def describe(compiled: Any, kernel: str, options: dict[str, Any], arch: str, dtype: str) -> Entry:
@@ -131,7 +162,20 @@ def describe(compiled: Any, kernel: str, options: dict[str, Any], arch: str, dty
                                           int(options.get("num_warps", 4)), arch)
     mfma = re.search(r"\bv_mfma_\w+", amdgcn)
     entry.mfma = mfma.group(0) if mfma else None
-    entry.tile_copies = tile_copies(compiled.asm.get("ttgir", ""))
+    ttgir = compiled.asm.get("ttgir", "")
+    try:
+        entry.tile_copies = tile_copies(ttgir)
+        if entry.mfma and not dot_tiles(ttgir):
+            raise TileUnread(f"{entry.mfma} in the code object but no dot op read in the TTGIR")
+    except TileUnread as exc:
+        entry.tile_copies = None
+        entry.tile_error = str(exc)
+    if entry.mfma and kernel in launch_configs.DOT_TILE_KERNELS:
+        shape = _MFMA_SHAPE.match(entry.mfma)
+        assumed = launch_configs.matrix_tile(arch, config)
+        if shape is None or (int(shape.group(1)), int(shape.group(2))) != assumed:
+            entry.tile_error = (f"the launch-config check assumes {assumed[0]}x{assumed[1]} matrix tiles, the code "
+                                f"object uses {entry.mfma}")
     return entry
 
 
@@ -147,7 +191,9 @@ def problems(entry: Entry, arch: str) -> list[str]:
         found.append(f"{entry.scratch_bytes} B scratch")
     if (entry.waves_per_simd or 0) < MIN_WAVES:
         found.append(f"{entry.waves_per_simd} waves per SIMD (< {MIN_WAVES})")
-    if entry.tile_copies > 1:
+    if entry.tile_error:
+        found.append(f"tile copies not known: {entry.tile_error}")
+    elif entry.tile_copies is None or entry.tile_copies > 1:
         found.append(f"the dot's tile computed {entry.tile_copies} times over by its warps")
     return found
 
@@ -239,17 +285,18 @@ def run_worker(arch: str) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     lines = [f"## {report['arch']} (Triton {report['triton']}, fp8 {report['fp8_format']})", "",
              "| kernel | dtype | config | serves | VGPR | AGPR | SGPR | LDS B | spill V/S | scratch B | waves | "
-             "MFMA | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "MFMA | tile copies | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in report["kernels"]:
         config = " ".join(f"{k}={v}" for k, v in e["config"].items())
         verdict = "; ".join(e["problems"]) or "ok"
         if not e["compiled"]:
-            lines.append(f"| {e['kernel']} | {e['dtype']} | {config} | {', '.join(e['shapes'])} | | | | | | | | | "
+            lines.append(f"| {e['kernel']} | {e['dtype']} | {config} | {', '.join(e['shapes'])} | | | | | | | | | | "
                          f"{e['error']} |")
             continue
         lines.append(f"| {e['kernel']} | {e['dtype']} | {config} | {', '.join(e['shapes'])} | {e['vgpr']} | "
                      f"{e['agpr']} | {e['sgpr']} | {e['lds_bytes']} | {e['vgpr_spill']}/{e['sgpr_spill']} | "
-                     f"{e['scratch_bytes']} | {e['waves_per_simd']} | {e['mfma'] or '-'} | {verdict} |")
+                     f"{e['scratch_bytes']} | {e['waves_per_simd']} | {e['mfma'] or '-'} | "
+                     f"{'?' if e.get('tile_copies') is None else e['tile_copies']} | {verdict} |")
     return "\n".join(lines)
 
 
@@ -260,14 +307,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        json.dump(compile_arch(args.worker), sys.stdout)
+        try:
+            json.dump(compile_arch(args.worker), sys.stdout)
+        except launch_configs.LaunchConfigError as exc:  # a bad launch-config file: its one-line reason
+            print(exc, file=sys.stderr)
+            return 1
         return 0
     try:
         arch = args.arch or local_arch()
     except UsageError as exc:
         print(f"k3-amd-overlay kernels: {exc}", file=sys.stderr)
         return 2
-    report = run_worker(arch)
+    try:
+        report = run_worker(arch)
+    except RuntimeError as exc:
+        print(f"k3-amd-overlay kernels: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(report, indent=1) if args.json else table(report))
     failing = [e for e in report["kernels"] if e["problems"]]
     if failing and not args.json:

@@ -3,9 +3,10 @@
 # scripts/compile-tritons.txt, on this CPU machine: every kernel at every launch config vLLM's batches
 # reach there, compiled to a linked AMD code object. Each Triton is installed once into
 # <venv root>/triton-<version> (pip --target, no dependencies) and put first on PYTHONPATH of the
-# given venv's Python (CPU torch, the overlay installed). Writes OUT/kernels-<arch>-triton-<v>.json
-# and OUT/amd-compile-report.md; exits 1 if any report falls short (a compile error, a spill,
-# scratch, fewer than 4 waves per SIMD, a dot tile repeated across warps).
+# given venv's Python (CPU torch, the overlay installed or on the PYTHONPATH given). Writes
+# OUT/kernels-<arch>-triton-<v>.json and OUT/amd-compile-report.md; exits 1 if any report falls short
+# (a compile error, a spill, scratch, fewer than 4 waves per SIMD, a dot tile repeated across warps or
+# not read, a launch-config file the loader refuses, e.g. a rule with more warps than matrix tiles).
 #   scripts/compile_reports.sh VENV OUT
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,7 +26,7 @@ for t in "${tritons[@]}"; do
   fi
   for arch in gfx942 gfx950; do
     json="$out/kernels-$arch-triton-$t.json"
-    (cd "$out" && PYTHONPATH="$dir" "$venv/bin/python" -m k3_amd_overlay.compile_report \
+    (cd "$out" && PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m k3_amd_overlay.compile_report \
        --arch "$arch" --json > "$json")
     rc=$?
     [ $rc -eq 0 ] || status=1

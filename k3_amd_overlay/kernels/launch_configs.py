@@ -38,6 +38,15 @@ KERNEL_PARAMETERS: dict[str, tuple[str, ...]] = {
 # tl.dot needs 16 rows: the absorb kernels take one token a program (no dot) or at least 16
 DOT_TILE_KERNELS = (names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL,
                     names.ABSORB_MXFP4_QK_CACHE_KERNEL)
+# The part of the dot's result (rows x columns) one warp's matrix instruction computes. AMD (gfx*):
+# MFMA v_mfma_f32_<M>x<N>x<K>_<type>, M = N = 16 or 32 for every dtype of these kernels on CDNA3 and
+# CDNA4 (AMD's CDNA3/CDNA4 ISA guides; the instruction the compile report reads from each code object,
+# e.g. v_mfma_f32_16x16x128_f8f6f4 for gfx950 fp8, v_mfma_f32_32x32x16_fp8_fp8 for a gfx942 64x128
+# block); Triton takes matrix_instr_nonkdim's size, and with it unset (0) 32 where both sides of the
+# block reach 32, else 16 (the compile report checks this prediction against the code object).
+# NVIDIA: mma.sync m16n8 (PTX ISA), and a warp's share of a Hopper wgmma is also 16 rows of 8-column steps.
+AMD_MATRIX_SIZES = (16, 32)
+NVIDIA_WARP_TILE = (16, 8)
 
 
 class LaunchConfigError(ValueError):
@@ -84,7 +93,41 @@ def _positive_int(value: Any, where: str) -> int:
     return value
 
 
-def _parse_config(kernel: str, config: Any, where: str) -> tuple[tuple[str, int], ...]:
+def matrix_tile(arch: str, config: dict[str, int]) -> tuple[int, int]:
+    """(rows, columns) of the dot's result one warp's matrix instruction computes for ``config`` on
+    ``arch`` (the sizes and their sources: above ``AMD_MATRIX_SIZES``)."""
+    if not arch.startswith("gfx"):
+        return NVIDIA_WARP_TILE
+    size = config.get("matrix_instr_nonkdim") or (32 if min(config["BLOCK_T"], config["BLOCK_N"]) >= 32 else 16)
+    return size, size
+
+
+def max_dot_warps(arch: str, config: dict[str, int]) -> int:
+    """The most warps ``config``'s dot block (BLOCK_T x BLOCK_N) keeps apart on ``arch``: one per
+    matrix tile of the block; more and some warps compute a tile another already computes."""
+    rows, cols = matrix_tile(arch, config)
+    return max(1, config["BLOCK_T"] // rows) * max(1, config["BLOCK_N"] // cols)
+
+
+def dot_warps_fit(arch: str, kernel: str, config: dict[str, int]) -> bool:
+    """Whether ``config`` keeps ``kernel``'s warps on distinct matrix tiles on ``arch`` (what the loader
+    demands; ``tune`` can skip the candidates that do not)."""
+    if kernel not in DOT_TILE_KERNELS or config["BLOCK_T"] <= 1:
+        return True
+    return config["num_warps"] <= max_dot_warps(arch, config)
+
+
+def _check_dot_warps(arch: str, config: dict[str, int], where: str) -> None:
+    allowed = max_dot_warps(arch, config)
+    if config["num_warps"] > allowed:
+        rows, cols = matrix_tile(arch, config)
+        raise LaunchConfigError(
+            f"{where}: num_warps = {config['num_warps']} on a {config['BLOCK_T']}x{config['BLOCK_N']} block "
+            f"(BLOCK_T x BLOCK_N) of {rows}x{cols} matrix tiles on {arch}: at most {allowed} warps (more compute "
+            "the same tile over again)")
+
+
+def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tuple[str, int], ...]:
     if not isinstance(config, dict):
         raise LaunchConfigError(f"{where}: config must be an object, got {config!r}")
     required = (*KERNEL_PARAMETERS[kernel], "num_warps")
@@ -97,6 +140,9 @@ def _parse_config(kernel: str, config: Any, where: str) -> tuple[tuple[str, int]
     # an AMD-only option of 0 leaves the choice to the compiler, as in Triton
     values = {k: 0 if k in AMD_ONLY_OPTIONS and v == 0 else _positive_int(v, f"{where} {k}")
               for k, v in config.items()}
+    if values.get("matrix_instr_nonkdim", 0) not in (0, *AMD_MATRIX_SIZES):
+        raise LaunchConfigError(f"{where}: matrix_instr_nonkdim = {values['matrix_instr_nonkdim']}: 0 (Triton's "
+                                f"choice) or one of {', '.join(map(str, AMD_MATRIX_SIZES))}")
     for key in (*KERNEL_PARAMETERS[kernel], "num_warps"):
         if values[key] & (values[key] - 1):
             raise LaunchConfigError(f"{where}: {key} = {values[key]} is not a power of two")
@@ -105,10 +151,12 @@ def _parse_config(kernel: str, config: Any, where: str) -> tuple[tuple[str, int]
                                 "smallest tile)")
     if kernel == names.ABSORB_QK_CACHE_KERNEL and values["BLOCK_T"] == 1:
         raise LaunchConfigError(f"{where}: BLOCK_T = 1: this kernel always takes a tl.dot (at least 16)")
+    if not dot_warps_fit(arch, kernel, values):
+        _check_dot_warps(arch, values, where)
     return tuple(sorted(values.items()))
 
 
-def _parse_rules(kernel: str, rules: Any, where: str) -> tuple[Rule, ...]:
+def _parse_rules(kernel: str, rules: Any, where: str, arch: str) -> tuple[Rule, ...]:
     if not isinstance(rules, list) or not rules:
         raise LaunchConfigError(f"{where}: a non-empty list of rules is needed, got {rules!r}")
     parsed = []
@@ -117,7 +165,7 @@ def _parse_rules(kernel: str, rules: Any, where: str) -> tuple[Rule, ...]:
         if not isinstance(rule, dict) or set(rule) - {"tokens", "heads", "config", "note"} or "config" not in rule:
             raise LaunchConfigError(f"{here}: {rule!r} must be {{tokens?, heads?, config, note?}}")
         bounds = [None if rule.get(k) is None else _positive_int(rule[k], f"{here} {k}") for k in ("tokens", "heads")]
-        parsed.append(Rule(bounds[0], bounds[1], _parse_config(kernel, rule["config"], here)))
+        parsed.append(Rule(bounds[0], bounds[1], _parse_config(kernel, rule["config"], here, arch)))
     if parsed[-1].tokens is not None or parsed[-1].heads is not None:
         raise LaunchConfigError(f"{where}: the last rule must match every launch (no tokens or heads bound)")
     return tuple(parsed)
@@ -134,7 +182,7 @@ def parse(data: Any, path: str) -> ConfigFile:
         raise LaunchConfigError(f"{path}: unknown kernels {unknown} (known: {', '.join(KERNEL_PARAMETERS)})")
     tuned = data.get("tuned_on")
     device = tuned.get("device") if isinstance(tuned, dict) else None
-    return ConfigFile(path, arch, device, {k: _parse_rules(k, v, f"{path} {k}") for k, v in kernels.items()})
+    return ConfigFile(path, arch, device, {k: _parse_rules(k, v, f"{path} {k}", arch) for k, v in kernels.items()})
 
 
 def dumps(data: dict[str, Any]) -> str:

@@ -1,0 +1,185 @@
+"""The compile report's tile-copy verdict (any dot op Triton emits: ``tt.dot``, gfx950's fp8
+``tt.dot_scaled``, a newer name; a dot it cannot read is no verdict), and the launch-config loader's
+refusal of a rule with more warps than its block has matrix tiles, so no file can ship one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from k3_amd_overlay import compile_report
+from k3_amd_overlay.kernels import launch_configs, names
+
+# gfx950, Triton 3.9.0, the fp8 absorb kernel at BLOCK_T=16, BLOCK_N=64, 8 warps (the rule the gfx950
+# file shipped for T<=8 at more than 6 heads): the MFMA layout, the operand loads, the dot.
+GFX950_FP8_16X64_8_WARPS = """\
+#mma = #ttg.amd_mfma<{version = 4, warpsPerCTA = [8, 1], instrShape = [16, 16, 128], isTransposed = true}>
+    %q8_66 = ttg.local_load %q8_65 : !ttg.memdesc<16x128xf8E4M3FN, #shared, #smem> -> \
+tensor<16x128xf8E4M3FN, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 16}>> loc(#loc159)
+    %w_68 = ttg.local_load %w_67 : !ttg.memdesc<128x64xf8E4M3FN, #shared1, #smem> -> \
+tensor<128x64xf8E4M3FN, #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 16}>> loc(#loc237)
+    %ql = tt.dot_scaled %q8_66, %w_68, %cst_1 lhs = e4m3 rhs = e4m3 {fastMath = false} : \
+tensor<16x128xf8E4M3FN, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 16}>> * \
+tensor<128x64xf8E4M3FN, #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 16}>> -> tensor<16x64xf32, #mma> loc(#loc160)
+"""
+BF16_DOT = ("#mma1 = #ttg.amd_mfma<{version = 3, warpsPerCTA = [1, 2], instrShape = [16, 16, 16], "
+            "isTransposed = true}>\n"
+            "%1 = tt.dot %a, %b, %c : tensor<16x128xbf16, #x> * tensor<128x32xbf16, #y> -> tensor<16x32xf32, #mma1>\n")
+
+
+def test_a_scaled_dot_counts_its_repeated_tile():
+    """gfx950 lowers fp8 dots to tt.dot_scaled: 8 warps down a 16-row tile each compute all of it."""
+    assert compile_report.tile_copies(GFX950_FP8_16X64_8_WARPS) == 8
+    assert compile_report.tile_copies(GFX950_FP8_16X64_8_WARPS.replace("[8, 1]", "[1, 4]")) == 1
+
+
+@pytest.mark.parametrize("op", ["tt.dot", "tt.dot_scaled", "amdg.scaled_mfma", "ttg.some_new_dot"])
+def test_any_dot_op_is_counted_whichever_name_triton_gives_it(op):
+    ttgir = GFX950_FP8_16X64_8_WARPS.replace("tt.dot_scaled", op)
+    assert compile_report.tile_copies(ttgir) == 8
+    generic = ('#mma = #ttg.amd_mfma<{instrShape = [16, 16, 32], warpsPerCTA = [4, 1], version = 3}>\n'
+               f'%2 = "{op}"(%a, %b, %c) : (tensor<16x64xbf16>, tensor<64x16xbf16>, tensor<16x16xf32, #mma>) '
+               '-> tensor<16x16xf32, #mma>\n')  # MLIR's generic form, fields in another order
+    assert compile_report.tile_copies(generic) == 4
+
+
+def test_the_most_repeated_of_several_dots_is_the_verdict():
+    assert compile_report.tile_copies(BF16_DOT + GFX950_FP8_16X64_8_WARPS) == 8
+    assert compile_report.tile_copies(BF16_DOT) == 1
+
+
+@pytest.mark.parametrize(("ttgir", "why"), [
+    (GFX950_FP8_16X64_8_WARPS.replace("-> tensor<16x64xf32, #mma>", "-> tensor<16x64xf32, #blocked>"),
+     "its layout #blocked is not an MFMA layout"),
+    (GFX950_FP8_16X64_8_WARPS.replace("%ql = tt.dot_scaled", "%ql = amdg.fused_thing"), "but no dot op read"),
+    (GFX950_FP8_16X64_8_WARPS.replace("warpsPerCTA = [8, 1], ", ""), "without warpsPerCTA and instrShape"),
+])
+def test_a_dot_whose_layout_cannot_be_read_is_no_verdict(ttgir, why):
+    with pytest.raises(compile_report.TileUnread, match=re.escape(why)):
+        compile_report.tile_copies(ttgir)
+
+
+def _compiled(amdgcn: str, ttgir: str) -> types.SimpleNamespace:
+    return types.SimpleNamespace(asm={"amdgcn": amdgcn, "ttgir": ttgir}, metadata=types.SimpleNamespace(shared=8192))
+
+
+AMDGCN_950 = '\t.amdgcn_target "amdgcn-amd-amdhsa--gfx950"\n    .vgpr_count:     60\n' \
+             '\tv_mfma_f32_16x16x128_f8f6f4 v[0:3], v[4:11], v[12:19], 0\n'
+BAD = {"BLOCK_N": 64, "BLOCK_T": 16, "num_warps": 8}
+
+
+def _verdict(amdgcn: str, ttgir: str, config: dict[str, int]) -> compile_report.Entry:
+    entry = compile_report.describe(_compiled(amdgcn, ttgir), names.ABSORB_FP8_QK_CACHE_KERNEL, config, "gfx950",
+                                    "bfloat16")
+    entry.problems = compile_report.problems(entry, "gfx950")
+    return entry
+
+
+def test_the_report_flags_the_known_bad_gfx950_fp8_rule():
+    entry = _verdict(AMDGCN_950, GFX950_FP8_16X64_8_WARPS, BAD)
+    assert entry.tile_copies == 8
+    assert "the dot's tile computed 8 times over by its warps" in entry.problems
+
+
+@pytest.mark.parametrize(("amdgcn", "ttgir", "config", "why"), [
+    (AMDGCN_950, "", {**BAD, "num_warps": 4},
+     "v_mfma_f32_16x16x128_f8f6f4 in the code object but no dot op read in the TTGIR"),
+    (AMDGCN_950.replace("16x16x128", "32x32x64"), GFX950_FP8_16X64_8_WARPS.replace("[8, 1]", "[1, 4]"),
+     {**BAD, "num_warps": 4}, "the launch-config check assumes 16x16 matrix tiles, the code object uses "
+                              "v_mfma_f32_32x32x64_f8f6f4"),
+])
+def test_a_configuration_whose_tiles_are_not_read_falls_short(amdgcn, ttgir, config, why):
+    entry = _verdict(amdgcn, ttgir, config)
+    assert entry.problems == [f"tile copies not known: {why}"]
+
+
+def test_the_table_shows_each_configurations_tile_copies():
+    entry = dataclasses.asdict(_verdict(AMDGCN_950, GFX950_FP8_16X64_8_WARPS, BAD))
+    row = compile_report.table({"arch": "gfx950", "triton": "3.9.0", "fp8_format": "e4m3fn", "kernels": [entry]})
+    assert "| v_mfma_f32_16x16x128_f8f6f4 | 8 | the dot's tile computed 8 times over by its warps |" in row
+
+
+# ---- the loader ---------------------------------------------------------------------------------
+
+def _file(arch: str, kernel: str, config: dict[str, int]) -> dict:
+    return {"schema": 1, "arch": arch, "tuned_on": None, "kernels": {kernel: [{"config": config}]}}
+
+
+@pytest.mark.parametrize(("arch", "config", "block", "tile", "allowed"), [
+    # the four gfx950 fp8 rules this replaced
+    ("gfx950", {"BLOCK_N": 64, "BLOCK_T": 16, "num_warps": 8}, "16x64", "16x16", 4),
+    ("gfx950", {"BLOCK_N": 16, "BLOCK_T": 16, "num_warps": 4}, "16x16", "16x16", 1),
+    ("gfx950", {"BLOCK_N": 32, "BLOCK_T": 16, "num_warps": 8}, "16x32", "16x16", 2),
+    ("gfx950", {"BLOCK_N": 32, "BLOCK_T": 32, "num_warps": 8}, "32x32", "32x32", 1),  # Triton's 32-wide MFMA
+    ("gfx942", {"BLOCK_N": 32, "BLOCK_T": 32, "num_warps": 8, "matrix_instr_nonkdim": 16}, "32x32", "16x16", 4),
+    ("sm90", {"BLOCK_N": 32, "BLOCK_T": 16, "num_warps": 8}, "16x32", "16x8", 4),
+])
+def test_the_loader_refuses_more_warps_than_matrix_tiles(arch, config, block, tile, allowed):
+    message = (f"f.json {names.ABSORB_FP8_QK_CACHE_KERNEL} rule 0: num_warps = {config['num_warps']} on a {block} "
+               f"block (BLOCK_T x BLOCK_N) of {tile} matrix tiles on {arch}: at most {allowed} warps")
+    with pytest.raises(launch_configs.LaunchConfigError, match=re.escape(message)):
+        launch_configs.parse(_file(arch, names.ABSORB_FP8_QK_CACHE_KERNEL, config), "f.json")
+    fitting = {**config, "num_warps": allowed}
+    launch_configs.parse(_file(arch, names.ABSORB_FP8_QK_CACHE_KERNEL, fitting), "f.json")
+
+
+def test_one_token_programs_have_no_dot_to_bound():
+    config = {"BLOCK_N": 16, "BLOCK_T": 1, "num_warps": 8}
+    launch_configs.parse(_file("gfx950", names.ABSORB_FP8_QK_CACHE_KERNEL, config), "f.json")
+
+
+@pytest.mark.parametrize("arch", launch_configs.SHIPPED_ARCHS)
+def test_no_shipped_rule_has_more_warps_than_its_block_has_tiles(arch):
+    data = json.loads((launch_configs.CONFIG_DIR / f"{arch}.json").read_text())
+    over = [(kernel, i, rule["config"]) for kernel, rules in data["kernels"].items()
+            if kernel in launch_configs.DOT_TILE_KERNELS for i, rule in enumerate(rules)
+            if rule["config"]["BLOCK_T"] > 1 and
+            rule["config"]["num_warps"] > launch_configs.max_dot_warps(arch, rule["config"])]
+    assert over == []
+
+
+# ---- the real compiler ---------------------------------------------------------------------------
+
+_COMPILE_BAD = textwrap.dedent("""
+    import json, os, sys
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    from triton.runtime import driver
+    from k3_amd_overlay import compile_report
+    from k3_amd_overlay.fp8 import E4M3FN
+    from k3_amd_overlay.kernels import launch, names, probe, target
+    driver.set_active(compile_report.AotDriver("gfx950"))
+    config = json.loads(sys.argv[1])
+    with target.compile_only("gfx950") as session, launch.forced(config):
+        probe.launch_at(names.ABSORB_FP8_QK_CACHE_KERNEL, torch.device("cpu"), torch.bfloat16, 8, 16, E4M3FN)
+    name, options, compiled = session.compiled[-1]
+    entry = compile_report.describe(compiled, name, options, "gfx950", "bfloat16")
+    print(json.dumps([entry.tile_copies, entry.mfma, compile_report.problems(entry, "gfx950")]))
+""")
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize(("config", "copies"), [(BAD, 8), ({**BAD, "num_warps": 4}, 1)])
+def test_triton_builds_the_known_bad_rule_with_its_tile_repeated_and_the_report_says_so(config, copies):
+    """Compiled for gfx950 with this venv's Triton (the loader would refuse the bad rule: forced here)."""
+    pytest.importorskip("triton.backends.amd")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_BAD, json.dumps(config)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found, mfma, problems = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert mfma.startswith("v_mfma_") and found == copies
+    assert ("the dot's tile computed 8 times over by its warps" in problems) == (copies > 1)
+
+
+def test_a_matrix_size_amd_has_no_instruction_for_is_refused():
+    config = {"BLOCK_N": 64, "BLOCK_T": 16, "num_warps": 2, "matrix_instr_nonkdim": 8}
+    with pytest.raises(launch_configs.LaunchConfigError, match=re.escape(
+            "matrix_instr_nonkdim = 8: 0 (Triton's choice) or one of 16, 32")):
+        launch_configs.parse(_file("gfx942", names.ABSORB_FP8_QK_CACHE_KERNEL, config), "f.json")
