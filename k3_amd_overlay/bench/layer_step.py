@@ -31,6 +31,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -282,21 +283,21 @@ def bench_layer_step(heads_list: list[int], tokens_list: list[int], variant: str
                 results.append(result)
                 continue
             s = make_step(tokens, heads, variant, device, seed=tokens * 7 + heads, fmt=fmt)
-            stock_times = {config: timer(lambda c=config: stock(s, c)) for config in SINGLE_NORM_CONFIGS}
+            stock_times = {config: timer(partial(stock, s, config)) for config in SINGLE_NORM_CONFIGS}
             config = min(stock_times, key=stock_times.__getitem__)
             result.update(stock_us=stock_times[config], stock_norm_config=dict(rows=config[0], warps=config[1]),
-                          overlay_us=timer(lambda: overlay(s)))
+                          overlay_us=timer(partial(overlay, s)))
             result["ratio"] = result["stock_us"] / result["overlay_us"]
             cells = [heads, tokens, result["stock_us"], result["overlay_us"], result["ratio"], path, "ok"]
             if peers:
-                result["aiter_us"] = timer(lambda: aiter(s, config))
+                result["aiter_us"] = timer(partial(aiter, s, config))
                 result["aiter_ratio"] = result["aiter_us"] / result["overlay_us"]
                 cells += [result["aiter_us"], result["aiter_ratio"]]
             print("| " + row(*cells) + " |")
             results.append(result)
     verdict = _verdict(results, variant)
     print(f"goal ({verdict['goal']}): {verdict['why']}")
-    return results + [verdict]
+    return [*results, verdict]
 
 
 def bench(heads_list: list[int], tokens_list: list[int], peers: bool, device: torch.device | str = "cuda",
