@@ -58,23 +58,6 @@ def test_the_norm_kernel_is_sampled_at_one_head_whatever_the_heads(table):
                                                   [(2049, 1), (2064, 1)]]
 
 
-def test_the_default_sweep_reaches_every_shipped_rule_that_some_batch_can_pick():
-    """Against the shipped tables: every config the dispatch picks at 12 per-rank heads (the fake
-    tables above cover several) at any batch (swept past the largest bound) is sampled, at each kind
-    of batch size it is picked for."""
-    assert probe.HEADS == tuple(sorted(set(k3.HEADS_PER_RANK.values())))
-    for arch in launch_configs.SHIPPED_ARCHS:
-        for kernel in launch_configs.KERNEL_PARAMETERS:
-            rules, _ = launch_configs.resolve(arch)[kernel]
-            heads = (1,) if kernel == names.RMSNORM_PAIR_KERNEL else (12,)
-            beyond = max([r.tokens or 0 for r in rules] + [1024]) + 64
-            wanted = {(dict(launch_configs.rule_for(rules, t, h).config).__repr__(), probe._specialization(t), h)
-                      for h in heads for t in range(1, beyond)}
-            got = {(dict(config).__repr__(), probe._specialization(t), h)
-                   for config, samples, _ in probe.reachable(kernel, arch, heads) for t, h in samples}
-            assert got == wanted, (arch, kernel)
-
-
 def test_precompile_compiles_every_sample_in_a_compile_only_session_for_the_devices_own_target(table, monkeypatch):
     monkeypatch.setattr(target, "of", lambda device: target.Target(target.HIP, "gfx942"))
     monkeypatch.setattr(launch, "device_name", lambda device: "AMD Instinct MI300X")
@@ -157,7 +140,7 @@ def test_a_compile_that_fails_raises_and_is_tried_again_at_the_next_call(monkeyp
     assert len(tries) == 2
 
 
-# ---- each probe launch, in vLLM's layouts -------------------------------------------------------
+# ---- each probe launch, in vLLM's layouts (then the shipped tables' sweep: the slowest) ---------
 
 def _layout(t):
     if not isinstance(t, torch.Tensor):
@@ -239,3 +222,20 @@ def test_a_probe_launch_takes_the_activation_dtype_and_aitters_one_row_blocks_by
 def test_an_unknown_kernel_is_refused_naming_it_and_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown kernel 'fused_moe' \(known: rmsnorm_pair_kernel, "):
         probe.launch_at("fused_moe", torch.device("cpu"), BF, 1, 1, E4M3FN)
+
+
+def test_the_default_sweep_reaches_every_shipped_rule_that_some_batch_can_pick():
+    """Against the shipped tables: every config the dispatch picks at 12 per-rank heads (the fake
+    tables above cover several) at any batch (swept past the largest bound) is sampled, at each kind
+    of batch size it is picked for."""
+    assert probe.HEADS == tuple(sorted(set(k3.HEADS_PER_RANK.values())))
+    for arch in launch_configs.SHIPPED_ARCHS:
+        for kernel in launch_configs.KERNEL_PARAMETERS:
+            rules, _ = launch_configs.resolve(arch)[kernel]
+            heads = (1,) if kernel == names.RMSNORM_PAIR_KERNEL else (12,)
+            beyond = max([r.tokens or 0 for r in rules] + [1024]) + 64
+            wanted = {(dict(launch_configs.rule_for(rules, t, h).config).__repr__(), probe._specialization(t), h)
+                      for h in heads for t in range(1, beyond)}
+            got = {(dict(config).__repr__(), probe._specialization(t), h)
+                   for config, samples, _ in probe.reachable(kernel, arch, heads) for t, h in samples}
+            assert got == wanted, (arch, kernel)
