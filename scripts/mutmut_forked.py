@@ -10,7 +10,8 @@ cannot be collected (2), crash (a signal) or run past the time limit; it survive
     VENV/bin/python scripts/mutmut_forked.py run CLONE k3_amd_overlay/tune.py /tmp/tune.json RESULT.json \
         -- tests/test_tune_choice.py tests/test_launch_configs.py
 
-``run`` prints one line per survivor (its line and diff) and "MODULE: killed/total"; RESULT.json
+K3OVL_MUTANTS_PRELOAD (module names, space-separated) imports more of the package once, in the parent;
+the run refuses to start where one of them imported the mutated module. ``run`` prints one line per survivor (its line and diff) and "MODULE: killed/total"; RESULT.json
 keeps every mutant's outcome. The parent never imports the package: each child imports the
 mutated module afresh.
 """
@@ -92,6 +93,12 @@ def run(clone: str, module: str, mutants_file: str, result_file: str, pytest_arg
         except Exception:  # a plugin that cannot load here fails in the child as it would anyway
             pass
 
+    # K3OVL_MUTANTS_PRELOAD: more modules to import once (none may import the mutated one: checked)
+    for name in os.environ.get("K3OVL_MUTANTS_PRELOAD", "").split():
+        importlib.import_module(name)
+    mutated_name = module.removesuffix(".py").replace("/", ".")
+    if mutated_name in sys.modules:
+        raise SystemExit(f"{mutated_name} was imported by a preloaded module: the children would not see the mutants")
     with open(mutants_file) as handle:
         data = json.load(handle)
     path = os.path.join(clone, module)
