@@ -270,10 +270,21 @@ def local_arch() -> str:
         torch = None
     if torch is None or torch.version.hip is None or not torch.cuda.is_available():
         raise UsageError("no AMD GPU here: pass --arch " + " or ".join(AMD_ARCHS))
-    return str(torch.cuda.get_device_properties(0).gcnArchName).split(":")[0]
+    arch = str(torch.cuda.get_device_properties(0).gcnArchName).split(":")[0]
+    if arch not in AMD_ARCHS:
+        raise UsageError(f"{unreported(arch)}; pass --arch " + " or ".join(AMD_ARCHS) + " to build for one of them")
+    return arch
+
+
+def unreported(arch: str) -> str:
+    """Why there is no report for ``arch`` (its occupancy and fp8 facts are known for AMD_ARCHS only)."""
+    note = launch_configs.fallback_note(arch)
+    return f"this GPU is {arch}: the compile report covers {', '.join(AMD_ARCHS)} only" + (f" ({note})" if note else "")
 
 
 def run_worker(arch: str) -> dict[str, Any]:
+    if arch not in AMD_ARCHS:
+        raise RuntimeError(unreported(arch))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.compile_report", "--worker", arch],
                           capture_output=True, text=True, env=env)

@@ -183,3 +183,50 @@ def test_a_matrix_size_amd_has_no_instruction_for_is_refused():
     with pytest.raises(launch_configs.LaunchConfigError, match=re.escape(
             "matrix_instr_nonkdim = 8: 0 (Triton's choice) or one of 16, 32")):
         launch_configs.parse(_file("gfx942", names.ABSORB_FP8_QK_CACHE_KERNEL, config), "f.json")
+
+
+# ---- a GPU of an arch the report does not cover ---------------------------------------------------
+
+@pytest.fixture
+def amd_gpu(monkeypatch):
+    """torch answering as a ROCm build on one GPU of the arch given (no GPU is touched)."""
+    import torch
+
+    from k3_amd_overlay.kernels import launch, target
+
+    def on(arch: str, name: str = "AMD Instinct MI250X") -> torch.device:
+        monkeypatch.setattr(torch.version, "hip", "6.4.0")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda index=0: types.SimpleNamespace(gcnArchName=f"{arch}:sramecc+:xnack-", major=9,
+                                                                  minor=0))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
+        target._arch_of_index.cache_clear()
+        launch._device_name.cache_clear()
+        launch_configs._resolve.cache_clear()
+        return torch.device("cuda", 0)
+
+    yield on
+    target._arch_of_index.cache_clear()
+    launch._device_name.cache_clear()
+    launch_configs._resolve.cache_clear()
+
+
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx908", "gfx1100", "gfx1201"])
+def test_the_kernels_command_on_an_arch_it_does_not_cover_says_so(arch, amd_gpu, capsys):
+    amd_gpu(arch)
+    assert compile_report.main([]) == 2
+    err = capsys.readouterr().err
+    assert f"this GPU is {arch}: the compile report covers gfx942, gfx950 only (no launch-config file for {arch}" in err
+    assert "pass --arch gfx942 or gfx950" in err and "Traceback" not in err and "KeyError" not in err
+
+
+def test_doctors_launch_configs_on_such_a_gpu_name_the_fallback_and_why_there_is_no_report(amd_gpu):
+    from k3_amd_overlay import doctor
+
+    found = doctor.launch_configs_here(amd_gpu("gfx90a"))
+    assert found["arch"] == "gfx90a" and found["device"] == "AMD Instinct MI250X"
+    assert found["kernels"][names.QK_CACHE_KERNEL]["note"].startswith(
+        "no launch-config file for gfx90a: gfx942's rules, untuned there")
+    assert found["compile report"] == {"error": compile_report.unreported("gfx90a")}

@@ -98,12 +98,61 @@ def test_a_tuned_file_named_by_the_variable_comes_first_for_its_kernels(tmp_path
 
 
 def test_in_a_directory_only_the_file_tuned_on_this_gpu_is_used(tmp_path, monkeypatch):
-    (tmp_path / "a.json").write_text(json.dumps(_file(device="AMD Instinct MI300X")))
+    (tmp_path / "gfx942-AMD_Instinct_MI300X.json").write_text(json.dumps(_file(device="AMD Instinct MI300X")))
     monkeypatch.setenv(KERNEL_CONFIGS, str(tmp_path))
     assert launch_configs.choose(names.QK_CACHE_KERNEL, "gfx942", "AMD Instinct MI300X", 8, 3)["HEADS"] == 2
     launch_configs._resolve.cache_clear()
     shipped = launch_configs.choose(names.QK_CACHE_KERNEL, "gfx942", "AMD Instinct MI325X", 8, 3)
     assert shipped == dict(launch_configs.shipped("gfx942").kernels[names.QK_CACHE_KERNEL][0].config)
+
+
+
+def test_in_a_directory_only_tuned_names_are_read_and_other_names_are_named_in_a_warning(tmp_path, monkeypatch,
+                                                                                        caplog):
+    (tmp_path / "gfx942-AMD_Instinct_MI300X.json").write_text(json.dumps(_file(device="AMD Instinct MI300X")))
+    (tmp_path / "notes.json").write_text('{"who": "ops team"}')  # foreign JSON
+    (tmp_path / "old.json").write_text("not json at all")
+    (tmp_path / "gfx942-AMD_Instinct_MI325X.json").write_text("{broken")  # another GPU's: not read
+    monkeypatch.setenv(KERNEL_CONFIGS, str(tmp_path))
+    launch_configs._warn_foreign.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.k3_amd_overlay"):
+        assert launch_configs.choose(names.QK_CACHE_KERNEL, "gfx942", "AMD Instinct MI300X", 8, 3)["HEADS"] == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"K3 AMD overlay: {KERNEL_CONFIGS}={tmp_path}: ignored notes.json, old.json (only <arch>-<device>.json "
+        "files, as `k3-amd-overlay tune` names them, are read)"]
+    assert launch_configs.tuned_name("gfx942", "AMD Instinct MI300X") == \
+        tune.out_path(str(tmp_path), "gfx942", "AMD Instinct MI300X").name  # the name tune writes
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("{broken", "cannot read launch configs"),
+    (json.dumps(_file(kernels={names.QK_CACHE_KERNEL: []}, device="AMD Instinct MI300X")), "a non-empty list of rules"),
+    (json.dumps(_file(device="AMD Instinct MI325X")), "named for gfx942 on AMD Instinct MI300X, its header says gfx942 "
+                                                      "on AMD Instinct MI325X"),
+])
+def test_a_bad_file_for_this_gpu_is_one_clear_line_at_startup(tmp_path, monkeypatch, text, why):
+    path = tmp_path / "gfx942-AMD_Instinct_MI300X.json"
+    path.write_text(text)
+    monkeypatch.setenv(KERNEL_CONFIGS, str(tmp_path))
+    error = launch_configs.startup_error("gfx942", "AMD Instinct MI300X")
+    assert error is not None and str(path) in error and why in error and "\n" not in error
+    assert launch_configs.startup_error("gfx942", "AMD Instinct MI325X") is None  # no file for that GPU: shipped
+    assert launch_configs.startup_error("gfx950", "AMD Instinct MI300X") is None
+
+
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx908", "gfx1100", "gfx1201", "sm100"])
+def test_an_arch_without_a_file_takes_the_nearest_untuned_with_a_warning_and_a_note(arch, caplog):
+    launch_configs._warn_fallback.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.k3_amd_overlay"):
+        found = launch_configs.sources(arch, "some GPU")
+        launch_configs.choose(names.ABSORB_FP8_QK_CACHE_KERNEL, arch, "some GPU", 8, 16, amd=arch.startswith("gfx"))
+    nearest = "gfx942" if arch.startswith("gfx") else "sm90"
+    note = f"no launch-config file for {arch}: {nearest}'s rules, untuned there"
+    assert all(source["note"].startswith(note) and source["file"].endswith(f"{nearest}.json")
+               for source in found.values())
+    assert ("32-wide waves" in found[names.QK_CACHE_KERNEL]["note"]) == arch.startswith("gfx1")
+    assert [r.getMessage() for r in caplog.records] == [f"K3 AMD overlay: {found[names.QK_CACHE_KERNEL]['note']}"]
+    assert "note" not in launch_configs.sources("gfx942", "some GPU")[names.QK_CACHE_KERNEL]
 
 
 AMDGCN = """

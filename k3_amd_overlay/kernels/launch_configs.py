@@ -2,7 +2,15 @@
 
 The package ships one file per arch (``configs/<arch>.json``: sm90, where the original shapes were
 measured, and AMD's gfx942 and gfx950); ``k3-amd-overlay tune`` writes a file for one device, which
-the variable ``K3_AMD_OVERLAY_KERNEL_CONFIGS`` (a file, or a directory of tuned files) puts first.
+the variable ``K3_AMD_OVERLAY_KERNEL_CONFIGS`` (a file, or a directory of tuned files) puts first. In
+a directory only the file named ``<arch>-<device>.json`` for this GPU is read (other names are
+ignored, with a warning naming them); that file, once found, must be well formed.
+
+An arch without a shipped file (gfx908, gfx90a, gfx1100, gfx1201, ...; an NVIDIA GPU other than sm90)
+takes the nearest shipped file untuned, with a WARNING and a note in each kernel's source (the marker,
+``check`` and ``doctor`` show it): gfx942's for AMD, sm90's for NVIDIA. On RDNA (gfx10-gfx12: 32-wide
+waves, WMMA instead of MFMA) gfx942's register and tile reasoning does not hold, which the note says;
+``k3-amd-overlay tune`` on that GPU writes its own file.
 A file holds, per kernel, rules tried in order: ``{"tokens": T, "heads": H, "config": {...}}``
 matches a launch of at most T tokens and at most H query heads (either left out: any), the last
 rule of each kernel matching everything. A config sets the kernel's launch constexprs and options;
@@ -13,13 +21,17 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from k3_amd_overlay.kernels import names
 from k3_amd_overlay.settings import KERNEL_CONFIGS
+
+logger = logging.getLogger("vllm.k3_amd_overlay")
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 SCHEMA = 1
@@ -82,9 +94,11 @@ class Source:
     arch: str
     tuned_on: str | None
     this_device: bool  # tuned on the device this process runs on
+    note: str | None = None  # e.g. the arch has no file of its own
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "arch": self.arch, "tuned_on": self.tuned_on, "tuned_here": self.this_device}
+        found = {"file": self.file, "arch": self.arch, "tuned_on": self.tuned_on, "tuned_here": self.this_device}
+        return {**found, "note": self.note} if self.note else found
 
 
 def _positive_int(value: Any, where: str) -> int:
@@ -206,10 +220,30 @@ def load(path: str | Path) -> ConfigFile:
 
 def shipped_arch(arch: str) -> str:
     """The shipped file an arch uses: its own, else sm90's for NVIDIA and the CPU interpreter, gfx942's
-    for another AMD arch (both untuned there)."""
+    for another AMD arch (both untuned there: ``fallback_note``)."""
     if arch in SHIPPED_ARCHS:
         return arch
     return "gfx942" if arch.startswith("gfx") else "sm90"
+
+
+RDNA = re.compile(r"gfx1[0-2]\d")
+
+
+def fallback_note(arch: str) -> str | None:
+    """Why ``arch``'s launches use another arch's file (None: it has its own, or it is the CPU)."""
+    if arch in SHIPPED_ARCHS or arch == "cpu":
+        return None
+    note = f"no launch-config file for {arch}: {shipped_arch(arch)}'s rules, untuned there"
+    if RDNA.match(arch):
+        note += " (32-wide waves and WMMA: gfx942's register and tile reasoning does not hold)"
+    return note + "; `k3-amd-overlay tune` on this GPU writes its own"
+
+
+@functools.cache
+def _warn_fallback(arch: str) -> None:
+    note = fallback_note(arch)
+    if note:
+        logger.warning("K3 AMD overlay: %s", note)
 
 
 @functools.cache
@@ -221,16 +255,42 @@ def shipped(arch: str) -> ConfigFile:
     return table
 
 
+def device_slug(name: str) -> str:
+    """A GPU's name as it appears in a tuned file's name (``AMD Instinct MI300X``: AMD_Instinct_MI300X)."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+
+
+def tuned_name(arch: str, device_name: str) -> str:
+    """The name of the file ``tune`` writes for ``arch`` and the GPU ``device_name``."""
+    return f"{arch}-{device_slug(device_name)}.json"
+
+
+TUNED_NAME = re.compile(r"(sm\d+|gfx[0-9a-f]+)-[A-Za-z0-9_]+\.json")
+
+
+@functools.cache
+def _warn_foreign(directory: str, names: tuple[str, ...]) -> None:
+    logger.warning("K3 AMD overlay: %s=%s: ignored %s (only <arch>-<device>.json files, as `k3-amd-overlay "
+                   "tune` names them, are read)", KERNEL_CONFIGS, directory, ", ".join(names))
+
+
 def tuned_file(setting: str, arch: str, device_name: str | None) -> ConfigFile | None:
     """The tuned file ``setting`` names for this arch and device: the file itself (which must be for
-    ``arch``), or in a directory the file tuned on this device for this arch (None if there is none)."""
+    ``arch``), or in a directory the file named for this arch and device (None if there is none; other
+    names are ignored with a warning; the file, once there, must be for this arch and device)."""
     path = Path(setting)
     if path.is_dir():
-        for candidate in sorted(path.glob("*.json")):
-            table = load(candidate)
-            if table.arch == arch and table.tuned_on is not None and table.tuned_on == device_name:
-                return table
-        return None
+        foreign = tuple(sorted(p.name for p in path.glob("*.json") if not TUNED_NAME.fullmatch(p.name)))
+        if foreign:
+            _warn_foreign(str(path), foreign)
+        candidate = path / tuned_name(arch, device_name) if device_name else None
+        if candidate is None or not candidate.is_file():
+            return None
+        table = load(candidate)
+        if table.arch != arch or table.tuned_on != device_name:
+            raise LaunchConfigError(f"{candidate}: named for {arch} on {device_name}, its header says "
+                                    f"{table.arch} on {table.tuned_on or 'no GPU (untuned)'}")
+        return table
     table = load(path)
     if table.arch != arch:
         raise LaunchConfigError(f"{KERNEL_CONFIGS}={setting}: its configs are for {table.arch}, this GPU is {arch}")
@@ -244,14 +304,29 @@ def _resolve(arch: str, device_name: str | None, setting: str) -> dict[str, tupl
     resolved = {}
     for kernel in KERNEL_PARAMETERS:
         table = tuned if tuned is not None and kernel in tuned.kernels else base
+        note = fallback_note(arch) if table is base else None
+        if note:
+            _warn_fallback(arch)
         resolved[kernel] = (table.kernels[kernel], Source(table.path, table.arch, table.tuned_on,
-                                                          table.tuned_on is not None and table.tuned_on == device_name))
+                                                          table.tuned_on is not None and table.tuned_on == device_name,
+                                                          note))
     return resolved
 
 
 def resolve(arch: str, device_name: str | None = None) -> dict[str, tuple[tuple[Rule, ...], Source]]:
     """Each kernel's rules and their source for a GPU of ``arch`` named ``device_name``."""
     return _resolve(arch, device_name, os.environ.get(KERNEL_CONFIGS, ""))
+
+
+def startup_error(arch: str, device_name: str | None = None) -> str | None:
+    """The one-line reason this GPU's launch configs cannot be used (a malformed or mismatched file that
+    K3_AMD_OVERLAY_KERNEL_CONFIGS names, a bad shipped file), or None: for the overlay to check and
+    report at startup rather than meet at the first K3 layer."""
+    try:
+        resolve(arch, device_name)
+    except LaunchConfigError as exc:
+        return str(exc)
+    return None
 
 
 def sources(arch: str, device_name: str | None = None) -> dict[str, dict[str, Any]]:
