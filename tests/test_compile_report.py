@@ -230,3 +230,18 @@ def test_doctors_launch_configs_on_such_a_gpu_name_the_fallback_and_why_there_is
     assert found["kernels"][names.QK_CACHE_KERNEL]["note"].startswith(
         "no launch-config file for gfx90a: gfx942's rules, untuned there")
     assert found["compile report"] == {"error": compile_report.unreported("gfx90a")}
+
+
+def test_doctor_names_a_bad_tuned_file_for_this_gpu_in_one_line(amd_gpu, tmp_path, monkeypatch):
+    from k3_amd_overlay import doctor
+    from k3_amd_overlay.settings import KERNEL_CONFIGS
+
+    path = tmp_path / "gfx942-AMD_Instinct_MI300X.json"
+    path.write_text(json.dumps({"schema": 1, "arch": "gfx942", "tuned_on": {"device": "AMD Instinct MI325X"},
+                                "kernels": {names.QK_CACHE_KERNEL: [{"config": {"HEADS": 2, "num_warps": 2}}]}}))
+    (tmp_path / "README.json").write_text("[]")  # foreign: ignored
+    monkeypatch.setenv(KERNEL_CONFIGS, str(tmp_path))
+    monkeypatch.setattr(compile_report, "run_worker", lambda arch: {"kernels": []})  # no compile here
+    found = doctor.launch_configs_here(amd_gpu("gfx942", "AMD Instinct MI300X"))
+    assert found == {"error": f"{path}: named for gfx942 on AMD Instinct MI300X, its header says gfx942 on "
+                              "AMD Instinct MI325X"}
