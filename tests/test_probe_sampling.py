@@ -76,17 +76,23 @@ def test_precompile_compiles_every_sample_in_a_compile_only_session_for_the_devi
     assert {(k, d, dt, f, b, s) for k, d, dt, _, _, f, b, s in launched} == {
         (names.ABSORB_QK_CACHE_KERNEL, device, torch.float16, E4M3FNUZ, 16, None)}  # None: the device's target
     assert target.compile_session() is None  # the session ends with the compile
+    launched.clear()
+    probe.precompile(names.QK_CACHE_KERNEL, device, torch.bfloat16, 3, E4M3FNUZ)
+    assert {b for *_, b, _ in launched} == {1}  # AITER MLA's one-row blocks by default
 
 
 @pytest.fixture
 def precompiled(monkeypatch):
     calls = []
     gpu = {"on": True}
-    monkeypatch.setattr(probe, "_precompiled", set())
+    saved = set(probe._precompiled)  # the process's own record, emptied and restored (not replaced)
+    probe._precompiled.clear()
     monkeypatch.setattr(probe, "precompile", lambda *args: calls.append(args) or 1)
     monkeypatch.setattr(target, "of", lambda device: target.Target(target.HIP if gpu["on"] else target.INTERPRETER,
                                                                    "gfx942" if gpu["on"] else "cpu"))
-    return calls, gpu
+    yield calls, gpu
+    probe._precompiled.clear()
+    probe._precompiled.update(saved)
 
 
 def test_the_ahead_of_time_compile_runs_once_per_kernel_device_dtype_heads_format_and_block(precompiled):
@@ -120,8 +126,7 @@ def test_no_ahead_of_time_compile_for_another_provider_or_off_gpu(precompiled):
     assert len(calls) == 1
 
 
-def test_a_compile_that_fails_raises_and_is_tried_again_at_the_next_call(monkeypatch):
-    monkeypatch.setattr(probe, "_precompiled", set())
+def test_a_compile_that_fails_raises_and_is_tried_again_at_the_next_call(monkeypatch, precompiled):
     monkeypatch.setattr(target, "of", lambda device: target.Target(target.HIP, "gfx942"))
     tries = []
 
