@@ -1,7 +1,9 @@
 """What this package is and what it supports: its version, the vLLM range it declares, and the
 names of the fusions it knows. Data only, imported by everything else, importing nothing."""
 
-__version__ = "0.2.0"
+# Each release bumps it; between releases it carries a .devN suffix above the last release, so a
+# newer wheel always installs over an older one (pip treats an equal version as already installed).
+__version__ = "0.3.0.dev1"
 
 DISTRIBUTION = "k3-amd-overlay"
 PLUGIN_NAME = "k3_amd_overlay"

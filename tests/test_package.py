@@ -98,3 +98,87 @@ def test_each_operator_tool_is_a_subcommand_of_the_installed_cli(tool):
     assert proc.returncode == 0 and proc.stdout.startswith(f"usage: k3-amd-overlay {tool}"), proc.stderr
     top = subprocess.run([sys.executable, "-m", "k3_amd_overlay", "--help"], capture_output=True, text=True).stdout
     assert tool in top
+
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def test_the_version_is_newer_than_the_last_release():
+    """Between releases the version carries a dev suffix above the last release (0.2.0), so a newer
+    wheel always installs over an older one: pip treats an equal version as already installed."""
+    from packaging.version import Version
+
+    from k3_amd_overlay.package import __version__
+
+    version = Version(__version__)  # raises InvalidVersion for a string pip cannot order
+    assert str(version) == __version__, f"{__version__!r} is not in normalised form ({version})"
+    assert version > Version("0.2.0"), __version__
+
+
+def test_extras_whose_api_the_tools_use_are_bounded_above():
+    """gsm8k-ab reads lm-eval's --log_samples files and the plots use matplotlib's pyplot: a next
+    major (minor, for 0.x lm-eval) release may change them, so each extra naming them is bounded."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    extras = tomllib.loads((CHECKOUT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    bounds = {"lm-eval": Version("0.5"), "matplotlib": Version("4")}
+    seen = set()
+    for extra, requirements in extras.items():
+        for requirement in map(Requirement, requirements):
+            if requirement.name in bounds:
+                seen.add(requirement.name)
+                uppers = [Version(s.version) for s in requirement.specifier if s.operator == "<"]
+                assert uppers and min(uppers) <= bounds[requirement.name], f"[{extra}] {requirement}: no upper bound"
+    assert seen == set(bounds), seen
+
+
+def _module_map() -> list[tuple[str, str]]:
+    """docs/architecture.md's module map: (entry, its text) for each entry under k3_amd_overlay/,
+    an entry being a name at two spaces' indent (a module or a folder/) or, under a folder, at four
+    (a module of that folder: ``folder/name.py``); the text runs to the next entry."""
+    text = (CHECKOUT / "docs" / "architecture.md").read_text()
+    block = re.search(r"^```\nk3_amd_overlay/\n(.*?)^```", text, flags=re.S | re.M)
+    assert block, "docs/architecture.md: no module map (a code block starting with k3_amd_overlay/)"
+    entries: list[tuple[str, str]] = []
+    folder = ""
+    for line in block.group(1).splitlines():
+        if not line.startswith(" "):
+            break  # the next tree (tests/) is not the package's
+        top = re.match(r"  (\S+)(?:\s|$)", line)
+        nested = re.match(r"    (\S+\.py)(?:\s|$)", line)
+        if top:
+            folder = top.group(1) if top.group(1).endswith("/") else ""
+            entries.append((top.group(1), line))
+        elif nested and folder:
+            entries.append((folder + nested.group(1), line))
+        else:
+            name, said = entries[-1]
+            entries[-1] = (name, said + "\n" + line)
+    return entries
+
+
+def test_the_module_map_names_every_module_and_only_modules_that_exist():
+    """docs/architecture.md's map cannot go stale: each module of the package has its entry (a
+    folder's modules at least named in their folder's entry), and each name in it exists."""
+    package = CHECKOUT / "k3_amd_overlay"
+    entries = _module_map()
+    names = [name for name, _ in entries]
+    assert len(names) == len(set(names)), f"named twice: {sorted(n for n in names if names.count(n) > 1)}"
+    problems = []
+    for name, said in entries:
+        if not (package / name).exists():
+            problems.append(f"the map names {name}, which does not exist")
+        if name.endswith("/"):
+            problems += [f"the map's {name} names {name}{ref}, which does not exist"
+                         for ref in re.findall(r"\b(\w+\.py)\b", said) if not (package / name / ref).exists()]
+    texts = dict(entries)
+    for path in sorted(package.rglob("*.py")):
+        module = path.relative_to(package).as_posix()
+        if path.name in ("__init__.py", "__main__.py") or module in texts:
+            continue
+        folder = module.rsplit("/", 1)[0] + "/" if "/" in module else ""
+        if not folder or not re.search(rf"\b{re.escape(path.stem)}\b", texts.get(folder, "")):
+            problems.append(f"{module} is missing from the map")
+    assert not problems, "docs/architecture.md module map:\n" + "\n".join(problems)
