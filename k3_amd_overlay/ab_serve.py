@@ -2,9 +2,13 @@
 ABBA order, start the server for one arm (identical arguments, only K3_AMD_OVERLAY differs), wait
 for health, send one request, prove the arm with ``k3-amd-overlay check`` (abort if it does not
 hold), run ``vllm bench serve`` at each concurrency, stop the server. Every raw result stays under
---out; the table (ab_stats.py) gives per concurrency and metric each arm's median, the paired ratio
-over the repeats with its 95% bootstrap interval, an exact test's p and the verdict ("faster",
-"slower", "no difference detected at this n"); summary.json adds what ran where, summary.png plots it.
+--out, which must be new or empty: the run claims it with a run id and reads back only the folders
+stamped with that id (ab_run.py), so no earlier run is ever mixed in. An arm vLLM itself gets wrong
+(baseline_hazard.py) is refused before any server starts. The table (ab_stats.py) gives per
+concurrency and metric each arm's median, the paired ratio over the repeats with its 95% bootstrap
+interval, an exact test's p and the verdict ("faster", "slower", "no difference detected at this
+n", or "no verdict possible" where n pairs cannot reach p < 0.05: fewer than 6); summary.json adds
+what ran where, summary.png plots it.
 
     k3-amd-overlay ab-serve --model /models/Kimi-K3 --concurrency 1 8 32 --repeats 6 \\
         --serve-args "--tensor-parallel-size 8 --kv-cache-dtype fp8 --trust-remote-code" --out ab-out
@@ -27,9 +31,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay import ab_stats, arms, markers
+from k3_amd_overlay import ab_run, ab_stats, arms, markers
+from k3_amd_overlay.baseline_hazard import ACCEPT_FLAG
 from k3_amd_overlay.package import __version__
-from k3_amd_overlay.usage import UsageError, check_executables, check_out_dir, check_switches
+from k3_amd_overlay.usage import UsageError, check_baselines, check_executables, check_switches
 
 BENCH_DEFAULTS = ("--backend openai-chat --endpoint /v1/chat/completions --dataset-name random "
                   "--random-input-len 1024 --random-output-len 8192 --random-range-ratio 0 --ignore-eos "
@@ -47,15 +52,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="bench concurrencies, each run")
     p.add_argument("--num-prompts", type=int,
                    help=f"requests per bench run (default: {PROMPTS_PER_CONCURRENCY} x the concurrency)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="ABBA repeats; an exact test can call a difference from 6 on")
+    p.add_argument("--repeats", type=int, default=ab_stats.pairs_for_a_verdict(),
+                   help=f"ABBA repeats; the exact test can call a difference (p < {ab_stats.SIGNIFICANCE}) only from "
+                        f"{ab_stats.pairs_for_a_verdict()} on")
     p.add_argument("--arm-a", default="0", help="K3_AMD_OVERLAY of the baseline arm (0: vLLM as it is)")
     p.add_argument("--arm-b", default="1", help="K3_AMD_OVERLAY of the candidate arm")
     p.add_argument("--with-stock", action="store_true",
                    help="a third arm C with K3_AMD_OVERLAY=stock: the unfused path, vLLM's own fusions off too "
                         "(on vLLM 0.30+ that also turns off what vLLM fuses by itself), compared with A as well")
+    p.add_argument(ACCEPT_FLAG, action="store_true",
+                   help="run even where an arm is no valid baseline on this vLLM (breakable CUDA graphs record "
+                        "vLLM's own fused decode into the graph; see baseline_hazard.py): the summary says so")
     p.add_argument("--port", type=int, default=8010)
-    p.add_argument("--out", type=Path, required=True, help="a directory for every raw result and the summary")
+    p.add_argument("--out", type=Path, required=True,
+                   help="a new or empty directory for every raw result and the summary (a used one is refused)")
     p.add_argument("--serve-cmd", default="vllm serve")
     p.add_argument("--bench-cmd", default="vllm bench serve")
     p.add_argument("--bench-args", default=BENCH_DEFAULTS, help="vllm bench serve arguments (the vLLM K3 PR's)")
@@ -77,7 +87,7 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--num-prompts {args.num_prompts}: at least 1")
     if args.health_timeout <= 0:
         raise UsageError(f"--health-timeout {args.health_timeout}: must be positive")
-    check_out_dir(args.out)
+    ab_run.check_unused(args.out)
     switches = [("--arm-a", args.arm_a), ("--arm-b", args.arm_b)]
     if args.with_stock:
         switches.append(("the stock arm", "stock"))
@@ -86,6 +96,8 @@ def validate(args: argparse.Namespace) -> None:
     if len(set(values)) != len(values):
         raise UsageError(f"the arms must differ: {', '.join(f'{n}={v!r}' for n, v in switches)}")
     check_executables((("--serve-cmd", args.serve_cmd), ("--bench-cmd", args.bench_cmd)))
+    labels = dict(zip(("arm A", "arm B", "arm C"), values, strict=False))
+    args.baseline_hazards = check_baselines(labels.items(), args.serve_args, args.accept_baseline_hazard)
 
 
 def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, result: Path) -> dict:
@@ -111,9 +123,11 @@ def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, resul
     return json.loads(result.read_text())
 
 
-def load_results(out: Path) -> dict[str, dict[int, list[dict[str, Any]]]]:
-    """Every saved bench result under ``out``, by arm and concurrency, in repeat order."""
+def load_results(out: Path, run_id: str) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """Every bench result run ``run_id`` saved under ``out``, by arm and concurrency, in repeat order;
+    ab_run.ForeignResults where any repeat folder there is not this run's."""
     runs = sorted((int(m.group(1)), m.group(2), d) for d in out.iterdir() if (m := RUN_DIR.fullmatch(d.name)))
+    ab_run.check_owned((d for _, _, d in runs), run_id)
     results: dict[str, dict[int, list[dict[str, Any]]]] = {}
     for _, label, directory in runs:
         for path in sorted(directory.glob("bench-c*.json")):
@@ -147,21 +161,25 @@ def environment(args: argparse.Namespace, arm_list: list[arms.Arm]) -> dict[str,
         "model": args.model, "served_model_name": args.served_model_name or args.model,
         "serve_args": args.serve_args, "bench_args": args.bench_args, "concurrency": args.concurrency,
         "num_prompts": args.num_prompts or f"{PROMPTS_PER_CONCURRENCY} x concurrency",
-        "repeats": args.repeats, "arms": {a.label: {"switch": a.switch, "expect": a.expect} for a in arm_list},
+        "repeats": args.repeats, "baseline_hazards": getattr(args, "baseline_hazards", []),
+        "arms": {a.label: {"switch": a.switch, "expect": a.expect} for a in arm_list},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 
-def summarise(out: Path, arm_list: list[arms.Arm], env: dict[str, Any], aborted: str | None = None) -> str:
-    """Write summary.md, summary.json and summary.png from the results saved under ``out``; return
-    the text (what an abort leaves is summarised too, over the repeats both arms completed)."""
-    results = load_results(out)
+def summarise(out: Path, run_id: str, arm_list: list[arms.Arm], env: dict[str, Any],
+              aborted: str | None = None) -> str:
+    """Write summary.md, summary.json and summary.png from the results run ``run_id`` saved under
+    ``out``; return the text (what an abort leaves is summarised too, over the repeats both arms
+    completed). ab_run.ForeignResults where ``out`` holds another run's folder."""
+    results = load_results(out, run_id)
     sections, rows_json = [], {}
     for candidate in [a for a in arm_list if a.label != "A"]:
         rows = ab_stats.serving_rows(results, candidate.label, "A")
         title = (f"{candidate.label} (K3_AMD_OVERLAY={candidate.switch}) vs A (K3_AMD_OVERLAY={arm_list[0].switch}); "
                  "B vs A > 1: the candidate is better")
-        sections.append(f"### {title}\n\n{ab_stats.render_serving(rows)}")
+        table = ab_stats.render_serving(rows) if rows else "no repeat completed by both arms: nothing to compare"
+        sections.append(f"### {title}\n\n{table}")
         rows_json[f"{candidate.label}_vs_A"] = [r.to_json() for r in rows]
     text = "\n\n".join(sections) + "\n\n" + (
         "Paired over the ABBA repeats: the ratio is the median of the per-repeat ratios; 95% CI: percentile "
@@ -169,8 +187,11 @@ def summarise(out: Path, arm_list: list[arms.Arm], env: dict[str, Any], aborted:
         f"verdict at p < {ab_stats.SIGNIFICANCE}.")
     if aborted:
         text = f"ABORTED ({aborted}); the table covers the repeats both arms completed\n\n{text}"
+    for hazard in env.get("baseline_hazards") or []:
+        text = f"WARNING, measured with {ACCEPT_FLAG}: {hazard}\n\n{text}"
     (out / "summary.md").write_text(text + "\n")
-    (out / "summary.json").write_text(json.dumps({"environment": env, "aborted": aborted, "rows": rows_json},
+    (out / "summary.json").write_text(json.dumps({"run_id": run_id, "environment": env, "aborted": aborted,
+                                                  "rows": rows_json},
                                                  indent=1, default=str))
     plotted = plot_serving(results, arm_list, out / "summary.png")
     return text + ("\n\nplot: " + str(out / "summary.png") if plotted else f"\n\nplot skipped: {plot_missing()}")
@@ -228,14 +249,21 @@ def report(argv: list[str]) -> int:
     p.add_argument("out", type=Path)
     args = p.parse_args(argv)
     summary = args.out / "summary.json"
-    if not summary.is_file():
-        print(f"k3-amd-overlay ab-serve report: {summary} not found (not an ab-serve --out directory)",
-              file=sys.stderr)
+    try:
+        run_id = ab_run.run_id_of(args.out, "ab-serve")
+        if not summary.is_file():
+            raise ab_run.ForeignResults(f"{summary} not found: run {run_id} wrote no summary")
+        previous = json.loads(summary.read_text())
+        if previous.get("run_id") != run_id:
+            raise ab_run.ForeignResults(f"{summary} is run {previous.get('run_id')}'s, {args.out / ab_run.RUN_FILE} "
+                                        f"says run {run_id}")
+        env = previous.get("environment", {})
+        arm_list = [arms.Arm(label, a["switch"], a["expect"]) for label, a in sorted(env.get("arms", {}).items())]
+        text = summarise(args.out, run_id, arm_list, env, previous.get("aborted"))
+    except ab_run.ForeignResults as exc:
+        print(f"k3-amd-overlay ab-serve report: {exc}", file=sys.stderr)
         return 2
-    previous = json.loads(summary.read_text())
-    env = previous.get("environment", {})
-    arm_list = [arms.Arm(label, a["switch"], a["expect"]) for label, a in sorted(env.get("arms", {}).items())]
-    print(summarise(args.out, arm_list, env, previous.get("aborted")))
+    print(text)
     return 0
 
 
@@ -251,10 +279,19 @@ def main(argv: list[str] | None = None) -> int:
         p.print_usage(sys.stderr)
         print(f"k3-amd-overlay ab-serve: error: {exc}", file=sys.stderr)
         return 2
+    for hazard in args.baseline_hazards:
+        print(f"k3-amd-overlay ab-serve: warning ({ACCEPT_FLAG}): {hazard}", file=sys.stderr, flush=True)
+    no_verdict = ab_stats.no_verdict_reason(args.repeats)
+    if no_verdict:
+        print(f"k3-amd-overlay ab-serve: warning: --repeats {args.repeats}: {no_verdict}", file=sys.stderr, flush=True)
     arm_list = list(arms.default_arms(args.arm_a, args.arm_b))
     if args.with_stock:
         arm_list.append(arms.Arm("C", "stock", arms.expectation("stock")))
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        run_id = ab_run.claim(args.out, "ab-serve")
+    except UsageError as exc:
+        print(f"k3-amd-overlay ab-serve: error: {exc}", file=sys.stderr)
+        return 2
     order = arms.abba(arm_list, args.repeats)
     aborted = None
     for step, (repeat, arm) in enumerate(order, start=1):
@@ -262,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{step}/{len(order)}] repeat {repeat}, arm {arm.label} (K3_AMD_OVERLAY={arm.switch}): starting",
               flush=True)
         try:
+            ab_run.stamp(workdir, run_id)
             with arms.proved_server(arm, args.serve_cmd, args.model, args.serve_args, args.port, workdir,
                                     args.health_timeout, served_name=args.served_model_name) as server:
                 print(f"[{step}/{len(order)}] arm {arm.label} proved {arm.expect}", flush=True)
@@ -272,5 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
             aborted = str(exc).splitlines()[0]
             break
-    print("\n" + summarise(args.out, arm_list, environment(args, arm_list), aborted))
+    try:
+        print("\n" + summarise(args.out, run_id, arm_list, environment(args, arm_list), aborted))
+    except ab_run.ForeignResults as exc:
+        print(f"k3-amd-overlay ab-serve: {exc}", file=sys.stderr)
+        return 1
     return 1 if aborted else 0

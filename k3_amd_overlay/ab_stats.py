@@ -6,10 +6,10 @@ Each pair's ratio (> 1: B better) is one observation; the table gives each arm's
 paired ratio, a 95% percentile-bootstrap interval of the mean paired log-ratio (10,000 resamples of
 the pairs, seeded), and an exact two-sided sign-flip test of the paired log-ratios (every one of the
 2^n sign patterns) for the verdict. With n pairs the smallest p an exact test can give is 2 / 2^n:
-from 6 repeats on it can fall below 0.05.
+from 6 repeats on it can fall below 0.05; below that the table says no verdict is possible.
 
 Accuracy: both arms answer the same questions, so the questions only one arm got right decide
-(McNemar's exact test)."""
+(McNemar's exact test); with d such questions its smallest p is 2 / 2^d as well."""
 
 from __future__ import annotations
 
@@ -37,6 +37,25 @@ SERVING_METRICS: tuple[tuple[str, str, bool], ...] = (
     ("E2EL p99 (ms)", "p99_e2el_ms", False),
     ("out tok/s", "output_throughput", True),
 )
+
+
+def smallest_p(n: int) -> float:
+    """The smallest two-sided p an exact sign-flip test of n pairs (or McNemar's exact test of n
+    discordant questions) can give: every observation on one side, 2 patterns of 2^n."""
+    return min(1.0, 2.0 / 2 ** n) if n > 0 else 1.0
+
+
+def pairs_for_a_verdict() -> int:
+    """The fewest pairs whose smallest possible p is below SIGNIFICANCE (6 at 0.05)."""
+    return next(n for n in itertools.count(1) if smallest_p(n) < SIGNIFICANCE)
+
+
+def no_verdict_reason(n: int) -> str | None:
+    """Why n pairs can never give a verdict, or None where they can."""
+    if smallest_p(n) < SIGNIFICANCE:
+        return None
+    return (f"with n={n} the smallest possible p is {smallest_p(n):.3g}: no verdict possible "
+            f"(p < {SIGNIFICANCE} needs n >= {pairs_for_a_verdict()})")
 
 
 def sign_flip_p(values: Sequence[float]) -> float:
@@ -80,6 +99,8 @@ class MetricRow:
 
     @property
     def verdict(self) -> str:
+        if no_verdict_reason(self.repeats):
+            return f"no verdict possible at n={self.repeats}"
         if self.p_value < SIGNIFICANCE:
             return "faster" if self.ratio > 1 else "slower"
         return "no difference detected at this n"
@@ -121,6 +142,7 @@ def render_serving(rows: Sequence[MetricRow]) -> str:
     for r in rows:
         lines.append(f"| {r.concurrency} | {r.metric} | {r.median_a:.2f} | {r.median_b:.2f} | {r.ratio:.3f}x | "
                      f"{r.ci_low:.3f}-{r.ci_high:.3f}x | {r.p_value:.3f} | {r.repeats} | {r.verdict} |")
+    lines += [f"\n{reason}" for reason in sorted({no_verdict_reason(r.repeats) for r in rows} - {None})]
     return "\n".join(lines)
 
 
@@ -175,6 +197,10 @@ class PairedAccuracy:
 
     def verdict(self) -> str:
         p = self.p_value
+        discordant = self.only_a + self.only_b
+        if no_verdict_reason(discordant):
+            return (f"no verdict possible: {discordant} of {self.questions} paired questions were answered right by "
+                    f"one arm only; {no_verdict_reason(discordant)}")
         if p >= SIGNIFICANCE:
             return (f"no difference detected at this n: McNemar exact p = {p:.4f} (>= {SIGNIFICANCE}) over "
                     f"{self.questions} paired questions")

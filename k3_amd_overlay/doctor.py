@@ -211,8 +211,8 @@ def verdict_line(report: dict[str, Any]) -> tuple[str, bool]:
     problems = []
     if "error" in report.get("switch", {}):
         problems.append(report["switch"]["error"])
-    shape = report.get("vllm shape", {})
-    if shape.get("recognised") is None and shape.get("note") is None:
+    shape = report.get("vllm shape")  # absent: not looked at, which is no reason of its own
+    if shape is not None and shape.get("recognised") is None and shape.get("note") is None:
         problems.append("this vLLM's K3 AMD code is not recognised (see vllm shape)")
     if report.get("activation error"):
         problems.append(report["activation error"])
@@ -249,10 +249,18 @@ def verdict_line(report: dict[str, Any]) -> tuple[str, bool]:
 
 
 def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
+    """The report and whether it is healthy. vLLM's K3 AMD code is looked at whatever the switch
+    holds, so a bad variable gives its own reason and, only where it is so, "not recognised"."""
     report: dict[str, Any] = {"versions": versions(), "gpu": gpu()}
     env = dict(os.environ)
     if switch is not None:
         env[SWITCH] = switch
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    shape = None
+    if has_vllm:
+        report["vllm shape"], shape = _vllm_shape(env)
+    else:
+        report["vllm shape"] = {"recognised": None, "note": "vLLM is not installed here"}
     try:
         settings = load_settings(env)
     except SettingsError as exc:
@@ -262,29 +270,9 @@ def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
     report["switch"] = {"K3_AMD_OVERLAY": settings.raw, "mode": settings.mode.value,
                         "fusions": sorted(settings.fusions), "strict": settings.strict,
                         "providers": dict(settings.providers)}
-    has_vllm = importlib.util.find_spec("vllm") is not None
     if has_vllm:
-        from k3_amd_overlay.targets import sources
-        from k3_amd_overlay.targets.defects import present_defects, trigger_words
-        from k3_amd_overlay.targets.shapes import recognise
-
-        vllm_sources = sources.VllmSources(sources.vllm_root())
-        found = recognise(vllm_sources)
-        shape = found.shape
-        report["vllm shape"] = {
-            "recognised": shape.name if shape else None,
-            "releases": shape.releases if shape else None,
-            "this vLLM fuses by itself": {f: w for f, w in (shape.upstream if shape else {}).items() if w},
-            "anchors missing per fusion": {f: m for f, m in found.missing_for_fusion.items() if m},
-            "shapes not matched": found.missing_identity if not shape else {},
-            "known vLLM defects in this release": [
-                f"{d.describe()}; {trigger_words(d.triggered(env))}"
-                for d in present_defects(vllm_sources)],
-        }
         report["qk_cache by tensor-parallel size (K3, 96 heads)"] = qk_cache_by_tp(shape.upstream[QK_CACHE]
                                                                                   if shape else "")
-    else:
-        report["vllm shape"] = {"recognised": None, "note": "vLLM is not installed here"}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
     from k3_amd_overlay.ops import qk_cache as qk_op
@@ -306,8 +294,45 @@ def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
     if settings.enabled and has_vllm:
         report.update(_activate_here(env))
     report["fusions"] = fusion_outlook(settings, report["providers here"])
+    report["a/b baseline"] = ab_baseline(env, shape)
     report["verdict"], healthy = verdict_line(report)
     return report, healthy
+
+
+AB_DEFAULT_BASELINE = "0"  # ab-serve's and gsm8k-ab's default arm A
+
+
+def ab_baseline(env: dict[str, str], shape: Any) -> list[str]:
+    """Warnings for an A/B on this machine: the default baseline (overlay off) and this switch, as
+    baseline_hazard judges them with this environment (serve arguments are not known here)."""
+    from k3_amd_overlay.baseline_hazard import VllmFacts, baseline_hazard
+    from k3_amd_overlay.versions import installed_vllm_version
+
+    facts = VllmFacts(installed_vllm_version(), None if shape is None else bool(shape.upstream.get(QK_CACHE)))
+    switches = dict.fromkeys([AB_DEFAULT_BASELINE, env.get(SWITCH, "") or AB_DEFAULT_BASELINE])
+    return [f"{why} (serve arguments are not known here: --enforce-eager, a cudagraph_mode without PIECEWISE or a "
+            "non-fp8 KV cache rule it out)" for switch in switches if (why := baseline_hazard(facts, env, (), switch))]
+
+
+def _vllm_shape(env: dict[str, str]) -> tuple[dict[str, Any], Any]:
+    """The "vllm shape" section, and the recognised VllmShape (None where none is)."""
+    from k3_amd_overlay.targets import sources
+    from k3_amd_overlay.targets.defects import present_defects, trigger_words
+    from k3_amd_overlay.targets.shapes import recognise
+
+    vllm_sources = sources.VllmSources(sources.vllm_root())
+    found = recognise(vllm_sources)
+    shape = found.shape
+    return {
+        "recognised": shape.name if shape else None,
+        "releases": shape.releases if shape else None,
+        "this vLLM fuses by itself": {f: w for f, w in (shape.upstream if shape else {}).items() if w},
+        "anchors missing per fusion": {f: m for f, m in found.missing_for_fusion.items() if m},
+        "shapes not matched": found.missing_identity if not shape else {},
+        "known vLLM defects in this release": [
+            f"{d.describe()}; {trigger_words(d.triggered(env))}"
+            for d in present_defects(vllm_sources)],
+    }, shape
 
 
 def _activate_here(env: dict[str, str]) -> dict[str, Any]:
@@ -361,7 +386,7 @@ def render(report: dict[str, Any]) -> str:
                  f"{', '.join(switch['fusions']) or 'none'}, strict {switch['strict']}, providers "
                  + ", ".join(f"{f}={p}" for f, p in switch["providers"].items())))
     shape = report.get("vllm shape")
-    if shape is None:  # a bad switch stops the report before vLLM is looked at
+    if shape is None:
         lines.append(f"\n{report['verdict']}")
         return "\n".join(lines)
     lines.append("\n== vLLM's K3 AMD code")
@@ -378,6 +403,9 @@ def render(report: dict[str, Any]) -> str:
     else:
         lines.append("  NOT recognised: " + "; ".join(f"{n}: missing {', '.join(m)}"
                                                       for n, m in shape.get("shapes not matched", {}).items()))
+    if "providers here" not in report:  # a bad variable stops the report after vLLM is looked at
+        lines.append(f"\n{report['verdict']}")
+        return "\n".join(lines)
     if report.get("qk_cache by tensor-parallel size (K3, 96 heads)"):
         lines.append("\n== qk_cache by tensor-parallel size (K3, 96 heads)")
         lines += _table(["TP", "heads/rank", "who fuses the decode (AITER MLA on, no fp8 BMM)"],
@@ -416,6 +444,8 @@ def render(report: dict[str, Any]) -> str:
                                                                 for p in report["patched"]))
     if report.get("activation error"):
         lines.append(f"\n== activation\n  {report['activation error']}")
+    if report.get("a/b baseline"):
+        lines.append("\n== A/B baseline\n" + "\n".join(f"  warning: {w}" for w in report["a/b baseline"]))
     if report.get("fusions"):
         lines.append("\n== what a K3 layer built here would get (before its own conditions: fp8 KV cache, heads)")
         lines += _table(["fusion", "outcome", "provider", "why"],

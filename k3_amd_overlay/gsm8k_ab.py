@@ -2,7 +2,9 @@
 with `k3-amd-overlay check`, run lm-eval gsm8k (5-shot, all 1319 questions by default) against it,
 stop it; print each arm's accuracy and, since both arms answer the same questions, the paired
 comparison (lm-eval's --log_samples gives each question's outcome): how many questions only one arm
-got right, McNemar's exact test on them, and the verdict.
+got right, McNemar's exact test on them, and the verdict ("no verdict possible" where so few
+questions differ that p < 0.05 cannot be reached). --out must be new or empty: the run claims it
+with a run id and reads back only the arm folders stamped with it (ab_run.py).
 
     k3-amd-overlay gsm8k-ab --model /models/Kimi-K3 --serve-args "--tensor-parallel-size 8 ..." --out gsm8k-out
 
@@ -19,8 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3_amd_overlay import ab_stats, arms
-from k3_amd_overlay.usage import UsageError, check_executables, check_out_dir, check_switches
+from k3_amd_overlay import ab_run, ab_stats, arms
+from k3_amd_overlay.baseline_hazard import ACCEPT_FLAG
+from k3_amd_overlay.usage import UsageError, check_baselines, check_executables, check_switches
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,8 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--arm-a", default="0", help="K3_AMD_OVERLAY of the baseline arm (0: vLLM as it is; stock: the "
                                                "unfused path, vLLM's own fusions off too)")
     p.add_argument("--arm-b", default="1", help="K3_AMD_OVERLAY of the candidate arm")
+    p.add_argument(ACCEPT_FLAG, action="store_true",
+                   help="run even where an arm is no valid baseline on this vLLM (breakable CUDA graphs record "
+                        "vLLM's own fused decode into the graph; see baseline_hazard.py): the summary says so")
     p.add_argument("--port", type=int, default=8010)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True,
+                   help="a new or empty directory for the arms' results and the summary (a used one is refused)")
     p.add_argument("--serve-cmd", default="vllm serve")
     p.add_argument("--lm-eval-cmd", default="lm_eval")
     p.add_argument("--task", default="gsm8k")
@@ -100,19 +107,31 @@ def validate(args: argparse.Namespace) -> None:
     """Every argument checked before the first server starts."""
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit {args.limit}: at least 1")
-    check_out_dir(args.out)
+    ab_run.check_unused(args.out)
     if args.data_file is not None and not args.data_file.is_file():
         raise UsageError(f"--data-file {args.data_file}: no such file")
     check_switches((("--arm-a", args.arm_a), ("--arm-b", args.arm_b)))
     if args.arm_a == args.arm_b:
         raise UsageError(f"the arms must differ: --arm-a and --arm-b are both {args.arm_a!r}")
     check_executables((("--serve-cmd", args.serve_cmd), ("--lm-eval-cmd", args.lm_eval_cmd)))
+    args.baseline_hazards = check_baselines((("arm A", args.arm_a), ("arm B", args.arm_b)), args.serve_args,
+                                            args.accept_baseline_hazard)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         validate(args)
+    except UsageError as exc:
+        print(f"k3-amd-overlay gsm8k-ab: error: {exc}", file=sys.stderr)
+        return 2
+    for hazard in args.baseline_hazards:
+        print(f"k3-amd-overlay gsm8k-ab: warning ({ACCEPT_FLAG}): {hazard}", file=sys.stderr, flush=True)
+    if args.limit is not None and ab_stats.no_verdict_reason(args.limit):
+        print(f"k3-amd-overlay gsm8k-ab: warning: --limit {args.limit}: at most {args.limit} questions can differ "
+              f"between the arms; {ab_stats.no_verdict_reason(args.limit)}", file=sys.stderr, flush=True)
+    try:
+        run_id = ab_run.claim(args.out, "gsm8k-ab")
     except UsageError as exc:
         print(f"k3-amd-overlay gsm8k-ab: error: {exc}", file=sys.stderr)
         return 2
@@ -131,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.out / f"arm{arm.label}"
         print(f"arm {arm.label} (K3_AMD_OVERLAY={arm.switch}): starting", flush=True)
         try:
+            ab_run.stamp(workdir, run_id)
             with arms.proved_server(arm, args.serve_cmd, args.model, args.serve_args, args.port, workdir,
                                     args.health_timeout, served_name=name) as server:
                 print(f"arm {arm.label} proved {arm.expect}; running {task}", flush=True)
@@ -145,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
                 with open(workdir / "lm_eval.log", "w") as log:
                     if subprocess.run(command, stdout=log, stderr=log).returncode != 0:
                         raise arms.ArmFailed(f"arm {arm.label}: lm-eval failed; log: {workdir / 'lm_eval.log'}")
+                ab_run.check_owned([workdir], run_id)
                 scores[arm.label] = accuracy(workdir / "lm_eval", task, args.metric)
                 per_question[arm.label] = outcomes(workdir / "lm_eval", task, args.metric)
-        except arms.ArmFailed as exc:
+        except (arms.ArmFailed, ab_run.ForeignResults) as exc:
             print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
             return 1
     (acc_a, n_a), (acc_b, n_b) = scores["A"], scores["B"]
@@ -159,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         f"paired over {paired.questions} questions: delta (B - A) {100 * paired.delta:+.2f} pp; right only with A: "
         f"{paired.only_a}, only with B: {paired.only_b}",
         f"verdict: {paired.verdict()}",
+        "", f"run {run_id}",
+        *(f"WARNING, measured with {ACCEPT_FLAG}: {hazard}" for hazard in args.baseline_hazards),
     ]
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

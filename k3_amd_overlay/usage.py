@@ -3,21 +3,16 @@ and the argument checks the A/B tools share, run before any server starts."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 from collections.abc import Iterable
-from pathlib import Path
 
 from k3_amd_overlay.settings import SWITCH, SettingsError, load_settings
 
 
 class UsageError(ValueError):
     """A command line that asks for something impossible; the message names the value and why."""
-
-
-def check_out_dir(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file, not a directory")
 
 
 def check_switches(named: Iterable[tuple[str, str]]) -> None:
@@ -35,3 +30,17 @@ def check_executables(named: Iterable[tuple[str, str]]) -> None:
         words = shlex.split(command)
         if not words or shutil.which(words[0]) is None:
             raise UsageError(f"{name} {command!r}: {words[0] if words else 'nothing'} is not an executable on PATH")
+
+
+def check_baselines(named: Iterable[tuple[str, str]], serve_args: str, accept: bool) -> list[str]:
+    """Each (arm, K3_AMD_OVERLAY value) against baseline_hazard, in the environment the servers
+    inherit: UsageError naming every hazardous arm unless ``accept`` (--accept-baseline-hazard),
+    then the reasons, for the run's warnings and its summary."""
+    from k3_amd_overlay.baseline_hazard import ACCEPT_FLAG, baseline_hazard, facts_here
+
+    facts = facts_here()
+    reasons = [f"{name}: {why}" for name, value in named
+               if (why := baseline_hazard(facts, dict(os.environ), serve_args, value))]
+    if reasons and not accept:
+        raise UsageError("; ".join(reasons) + f" (to measure it anyway, pass {ACCEPT_FLAG}: the summary says so)")
+    return reasons

@@ -64,7 +64,7 @@ def test_paired_serving_statistics_on_known_sets():
              "B": {8: bench_runs("median_tpot_ms", [x * 1.2 for x in a[:3]])}}
     (row,) = stats.serving_rows(three)
     assert row.ratio == pytest.approx(1 / 1.2) and row.p_value == pytest.approx(2 / 8)
-    assert row.verdict == "no difference detected at this n"
+    assert row.verdict == "no verdict possible at n=3"
     slower = {"A": {1: bench_runs("output_throughput", a)},
               "B": {1: bench_runs("output_throughput", [x * 0.9 for x in a])}}
     (row,) = stats.serving_rows(slower)
@@ -147,7 +147,7 @@ def test_ab_serve_end_to_end(tmp_path):
     tpot = rows[(8, "TPOT p50 (ms)")]
     assert tpot["median_a"] == pytest.approx(20.0, abs=0.06) and tpot["median_b"] == pytest.approx(19.0, abs=0.06)
     assert tpot["ratio"] == pytest.approx(20 / 19, abs=0.01) and tpot["repeats"] == 2
-    assert tpot["verdict"] == "no difference detected at this n"  # 2 pairs: the smallest exact p is 0.5
+    assert tpot["verdict"] == "no verdict possible at n=2"  # 2 pairs: the smallest exact p is 0.5
     assert (8, "TPOT p99 (ms)") in rows and "| 1 | out tok/s |" in proc.stdout
     env = summary["environment"]
     assert env["arms"] == {"A": {"switch": "0", "expect": "off"}, "B": {"switch": "1", "expect": "fused"}}
@@ -211,8 +211,8 @@ def test_gsm8k_ab_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| A | 0 | 0.9000 | 40 |" in proc.stdout and "| B | 1 | 0.8750 | 40 |" in proc.stdout
     assert "paired over 40 questions: delta (B - A) -2.50 pp; right only with A: 1, only with B: 0" in proc.stdout
-    assert ("verdict: no difference detected at this n: McNemar exact p = 1.0000 (>= 0.05) over 40 paired "
-            "questions") in proc.stdout
+    assert ("verdict: no verdict possible: 1 of 40 paired questions were answered right by one arm only; with n=1 "
+            "the smallest possible p is 1: no verdict possible") in proc.stdout
 
 
 @pytest.mark.parametrize("args,message", [

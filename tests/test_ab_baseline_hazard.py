@@ -1,0 +1,173 @@
+"""Issue 27 item 10: an A/B arm vLLM itself gets wrong is named before any server starts. The one
+pure function (baseline_hazard.py) over vLLM facts, environment, serve arguments and the arm's
+switch; the facts read from each release's source; ab-serve and gsm8k-ab refusing (overridable)
+and the doctor warning, all through that function."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from releases import MATRIX, minor, tree_of
+from test_ab import STANDINS
+
+from k3_amd_overlay import ab_serve, gsm8k_ab
+from k3_amd_overlay.usage import UsageError
+
+HAZARD_ENV = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1", "VLLM_ROCM_USE_AITER": "1"}
+K3_ARGS = "--tensor-parallel-size 8 --kv-cache-dtype fp8 --trust-remote-code"
+
+
+def hazard(switch="0", env=None, args=K3_ARGS, own=True, version="0.33.0"):
+    from k3_amd_overlay.baseline_hazard import VllmFacts, baseline_hazard
+
+    return baseline_hazard(VllmFacts(version, own), HAZARD_ENV if env is None else env, args, switch)
+
+
+def test_the_off_arm_on_a_vllm_with_its_own_fused_decode_under_breakable_graphs_is_named():
+    why = hazard()
+    assert why.startswith("K3_AMD_OVERLAY='0' is no valid baseline: vLLM 0.33.0's own K3 fused decode "
+                          "(_fused_decode) stays live in this arm")
+    assert "decode-only dummy batch" in why and "keyed by token count only" in why
+    assert "use K3_AMD_OVERLAY=stock as the baseline" in why
+    assert hazard("") == hazard("0").replace("'0'", "''")  # unset is off
+    assert hazard("qkv_norm")  # the overlay on, but vLLM's fused decode left as vLLM wrote it
+
+
+@pytest.mark.parametrize("switch", ["stock", "1", "qk_cache", "absorb_qk_cache", "qkv_norm,qk_cache"])
+def test_arms_where_the_overlay_owns_or_disables_the_fused_decode_are_valid(switch):
+    assert hazard(switch) is None
+
+
+@pytest.mark.parametrize("env,args", [
+    ({"VLLM_ROCM_USE_AITER": "1"}, K3_ARGS),  # no breakable graphs
+    ({**HAZARD_ENV, "VLLM_USE_BREAKABLE_CUDAGRAPH": "true"}, K3_ARGS),  # vLLM reads only "1"
+    ({**HAZARD_ENV, "VLLM_USE_V2_MODEL_RUNNER": "0"}, K3_ARGS),  # the V1 runner captures without metadata
+    (HAZARD_ENV, K3_ARGS + " --enforce-eager"),
+    (HAZARD_ENV, K3_ARGS + " -cc.cudagraph_mode=FULL_DECODE_ONLY"),
+    (HAZARD_ENV, K3_ARGS + " --compilation-config.cudagraph_mode full"),
+    (HAZARD_ENV, K3_ARGS + """ --compilation-config '{"cudagraph_mode": "NONE"}'"""),
+    ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, K3_ARGS),  # AITER off: vLLM never fuses the decode
+    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_MLA": "0"}, K3_ARGS),
+    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, K3_ARGS),  # fp8 BMM on (default), fp4 off
+    (HAZARD_ENV, "--tensor-parallel-size 8 --kv-cache-dtype bfloat16"),
+    (HAZARD_ENV, K3_ARGS + " -dcp 2"),
+])
+def test_what_rules_the_hazard_out(env, args):
+    assert hazard(env=env, args=args) is None
+    assert hazard(env=HAZARD_ENV, args=K3_ARGS)  # and the same without it holds
+
+
+@pytest.mark.parametrize("env,args", [
+    ({**HAZARD_ENV, "VLLM_USE_V2_MODEL_RUNNER": "1"}, K3_ARGS),
+    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_FP8BMM": "0", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, K3_ARGS),
+    (HAZARD_ENV, "--tensor-parallel-size 8"),  # auto KV cache: may be fp8 from the checkpoint
+    (HAZARD_ENV, K3_ARGS + " -cc.cudagraph_mode=FULL_AND_PIECEWISE"),
+    (HAZARD_ENV, K3_ARGS + " --compilation-config.cudagraph_mode=PIECEWISE"),
+])
+def test_what_does_not_rule_it_out(env, args):
+    assert hazard(env=env, args=args)
+
+
+def test_unknown_facts_are_reported_not_assumed_away():
+    assert hazard(own=False) is None
+    unknown = hazard(own=None, version=None)
+    assert unknown.startswith("K3_AMD_OVERLAY='0' is no valid baseline: this vLLM's K3 AMD code could not be read "
+                              "here")
+
+
+@pytest.mark.parametrize("version", MATRIX)
+def test_each_release_s_own_fused_decode_read_from_its_source(version):
+    """0.32 and 0.33 carry vLLM's own _fused_decode in the K3 wrapper; 0.29-0.31 do not."""
+    from k3_amd_overlay.baseline_hazard import facts_of
+
+    facts = facts_of(tree_of(version), version)
+    assert facts.fused_decode_of_its_own is (minor(version) in ("0.32", "0.33"))
+    assert (hazard(env=HAZARD_ENV, own=facts.fused_decode_of_its_own) is None) is (minor(version) < "0.32")
+
+
+@pytest.fixture
+def a_hazardous_vllm(monkeypatch):
+    from k3_amd_overlay import baseline_hazard
+
+    monkeypatch.setattr(baseline_hazard, "facts_here", lambda: baseline_hazard.VllmFacts("0.33.0", True))
+    for name, value in HAZARD_ENV.items():
+        monkeypatch.setenv(name, value)
+
+
+def ab_args(tmp_path, *extra):
+    return ab_serve.parser().parse_args(["--model", "m", "--out", str(tmp_path / "out"), "--serve-args", K3_ARGS,
+                                         "--serve-cmd", sys.executable, "--bench-cmd", sys.executable, *extra])
+
+
+def test_ab_serve_refuses_an_invalid_baseline_before_any_server_starts(tmp_path, a_hazardous_vllm):
+    with pytest.raises(UsageError) as refused:
+        ab_serve.validate(ab_args(tmp_path))
+    assert str(refused.value).startswith("arm A: K3_AMD_OVERLAY='0' is no valid baseline")
+    assert str(refused.value).endswith("(to measure it anyway, pass --accept-baseline-hazard: the summary says so)")
+    ab_serve.validate(ab_args(tmp_path, "--arm-a", "stock"))  # the baseline to use
+    accepted = ab_args(tmp_path, "--accept-baseline-hazard")
+    ab_serve.validate(accepted)
+    assert len(accepted.baseline_hazards) == 1 and accepted.baseline_hazards[0].startswith("arm A: ")
+
+
+def test_ab_serve_records_an_accepted_hazard_in_its_summary(tmp_path, a_hazardous_vllm, monkeypatch, capsys):
+    from test_ab import free_port
+
+    from k3_amd_overlay import arms
+
+    monkeypatch.setattr(arms.Server, "prove", lambda self: "")
+    code = ab_serve.main(["--model", "k3", "--out", str(tmp_path / "out"), "--port", str(free_port()),
+                          "--serve-cmd", f"{sys.executable} {STANDINS / 'fake_serve.py'}", "--concurrency", "1",
+                          "--bench-cmd", f"{sys.executable} {STANDINS / 'fake_bench.py'}", "--repeats", "1",
+                          "--health-timeout", "60", "--serve-args", K3_ARGS, "--accept-baseline-hazard"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "warning (--accept-baseline-hazard): arm A: K3_AMD_OVERLAY='0' is no valid baseline" in printed.err
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert summary.startswith("WARNING, measured with --accept-baseline-hazard: arm A: K3_AMD_OVERLAY='0'")
+
+
+def test_gsm8k_ab_refuses_an_invalid_baseline(tmp_path, a_hazardous_vllm):
+    def args(*extra):
+        parsed = gsm8k_ab.parse_args(["--model", "m", "--out", str(tmp_path / "out"), "--serve-args", K3_ARGS,
+                                      "--serve-cmd", sys.executable, "--lm-eval-cmd", sys.executable, *extra])
+        gsm8k_ab.validate(parsed)
+        return parsed
+
+    with pytest.raises(UsageError, match=r"^arm A: K3_AMD_OVERLAY='0' is no valid baseline"):
+        args()
+    with pytest.raises(UsageError, match=r"^arm B: K3_AMD_OVERLAY='qkv_norm' is no valid baseline"):
+        args("--arm-a", "stock", "--arm-b", "qkv_norm")
+    assert args("--arm-a", "stock").baseline_hazards == []
+    assert args("--accept-baseline-hazard").baseline_hazards[0].startswith("arm A: ")
+
+
+def test_the_doctor_warns_about_the_default_baseline_and_this_switch(monkeypatch):
+    from k3_amd_overlay import doctor
+    from k3_amd_overlay.targets.shapes import K3_DECODE_WRAPPER, K3_NORM_WRAPPER
+
+    env = {**HAZARD_ENV, "K3_AMD_OVERLAY": "stock"}
+    (warning,) = doctor.ab_baseline(env, K3_DECODE_WRAPPER)  # stock itself is valid; the default "0" is not
+    assert warning.startswith("K3_AMD_OVERLAY='0' is no valid baseline") and "serve arguments are not known" in warning
+    assert len(doctor.ab_baseline({**env, "K3_AMD_OVERLAY": "qkv_norm"}, K3_DECODE_WRAPPER)) == 2
+    assert doctor.ab_baseline(env, K3_NORM_WRAPPER) == []  # 0.30-0.31: no fused decode of vLLM's own
+    assert doctor.ab_baseline({"VLLM_ROCM_USE_AITER": "1"}, K3_DECODE_WRAPPER) == []
+
+
+def test_the_doctor_report_carries_the_warning(monkeypatch):
+    """run_doctor with the overlay off on this venv's vLLM: the warning where its K3 code has a fused
+    decode of its own (0.32-0.33), none elsewhere; the verdict itself is unchanged."""
+    from k3_amd_overlay import doctor
+    from k3_amd_overlay.baseline_hazard import facts_here
+
+    for name, value in HAZARD_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("K3_AMD_OVERLAY", raising=False)
+    monkeypatch.setattr(doctor, "selftest", lambda device: [])
+    report, healthy = doctor.run_doctor()
+    assert healthy and report["verdict"].startswith("off: ")
+    own = facts_here().fused_decode_of_its_own
+    assert bool(report["a/b baseline"]) is (own is not False)
+    if report["a/b baseline"]:
+        assert "== A/B baseline\n  warning: K3_AMD_OVERLAY='0' is no valid baseline" in doctor.render(report)
