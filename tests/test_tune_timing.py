@@ -34,9 +34,10 @@ def cuda(monkeypatch):
                                            else pytest.fail("an event without timing")))
     fake_torch = types.SimpleNamespace(cuda=fake, uint8="uint8",
                                        empty=lambda n, dtype, device: types.SimpleNamespace(
-                                           numel=lambda: n, dtype=dtype, device=device, copied=[]),
+                                           numel=lambda: n, dtype=dtype, device=device),
                                        empty_like=lambda t: types.SimpleNamespace(
-                                           copy_=lambda src: log.append(f"copy {src.numel()}")))
+                                           copy_=lambda src: log.append(f"copy {src.numel()} {src.dtype} on "
+                                                                        f"{src.device}")))
     monkeypatch.setattr(timing, "torch", fake_torch)
     return log, state
 
@@ -77,4 +78,4 @@ def test_bandwidth_counts_the_read_and_the_write_of_a_gibibyte_copy(cuda, monkey
     log, _ = cuda
     monkeypatch.setattr(timing, "eager_us", lambda fn: fn() or 1000.0)
     assert timing.bandwidth_bytes_per_us() == 2 * (1 << 30) / 1000.0
-    assert log == [f"copy {1 << 30}"]
+    assert log == [f"copy {1 << 30} uint8 on cuda"]  # a GiB of bytes, on the GPU
