@@ -247,6 +247,10 @@ TOOLS = {
                                                  "registers, LDS, spills, waves per SIMD"),
     "tune": ("k3_amd_overlay.tune", "time each kernel's candidate launch configs on this GPU; write its config file"),
 }
+# What each tool needs from the image, looked for before it runs (``kernels`` compiles in a child
+# process, whose missing import would otherwise reach the user as the child's traceback).
+TOOL_NEEDS: dict[str, tuple[str, ...]] = {"bench": ("torch", "triton"), "kernels": ("torch", "triton"),
+                                          "tune": ("torch", "triton")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -316,25 +320,88 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What some commands need from the image and the overlay never installs (it must not move the
+# torch or triton vLLM was built with): without them a command says so and exits 1, never a traceback.
+IMAGE_MODULES = ("torch", "triton")
+
+
+def _missing_module(exc: ModuleNotFoundError) -> str | None:
+    """torch or triton where ``exc`` is their absence (or a part of them missing), else None."""
+    root = (exc.name or "").split(".")[0]
+    return root if root in IMAGE_MODULES else None
+
+
+def _missing_message(command: str, missing: str, exc: ModuleNotFoundError) -> str:
+    return (f"k3-amd-overlay{' ' + command if command else ''}: needs {missing}, which this Python "
+            f"({sys.executable}) cannot import ({exc}). Run k3-amd-overlay with the Python vLLM is installed in "
+            f"(install k3-amd-overlay there), or install {missing} into this one (pip install {missing}; on ROCm, "
+            "the ROCm build of torch, which brings triton)")
+
+
+def _tool_help_without(command: str, missing: str, exc: ModuleNotFoundError) -> int:
+    """``--help`` of a tool whose module cannot be imported here: its summary and module docstring
+    (read, not imported), and what its full option list needs."""
+    import ast
+    import importlib.util
+
+    module, summary = TOOLS[command]
+    spec = importlib.util.find_spec(module)
+    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text())) if spec and spec.origin else None
+    print(f"usage: k3-amd-overlay {command} [options]\n\n{summary}\n\n{doc or ''}\n\n"
+          f"Its option list: {_missing_message(command, missing, exc)}".replace("\n\n\n\n", "\n\n"))
+    return 0
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of ``command`` (its usage for its usage errors), else the top-level parser."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    """0: holds / healthy; 1: does not hold / not healthy; 2: a usage error (argparse's code)."""
+    """0: holds / healthy; 1: does not hold / not healthy, or torch or triton missing where a command
+    needs them; 2: a usage error (argparse's code). Never a traceback for a missing torch or triton."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["bench", "plot"]:  # needs matplotlib only, not torch: not through the benchmark's module
-        from k3_amd_overlay.bench.plot import main as plot_main
-
-        return plot_main(argv[2:])
-    if argv and argv[0] in TOOLS:
-        import importlib
-
-        return int(importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:]))
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else ""
     try:
-        return int(args.func(args))
-    except UsageError as exc:
-        parser.print_usage(sys.stderr)
-        print(f"k3-amd-overlay: error: {exc}", file=sys.stderr)
-        return 2
+        if argv[:2] == ["bench", "plot"]:  # needs matplotlib only, not torch: not through the benchmark's module
+            from k3_amd_overlay.bench.plot import main as plot_main
+
+            return plot_main(argv[2:])
+        if command in TOOLS:
+            import importlib.util
+
+            wants_help = bool({"-h", "--help"} & set(argv[1:]))
+            try:
+                for needed in () if wants_help else TOOL_NEEDS.get(command, ()):
+                    if importlib.util.find_spec(needed) is None:
+                        raise ModuleNotFoundError(f"No module named {needed!r}", name=needed)
+                module = importlib.import_module(TOOLS[command][0])
+            except ModuleNotFoundError as exc:
+                missing = _missing_module(exc)
+                if missing and wants_help:
+                    return _tool_help_without(command, missing, exc)
+                raise
+            return int(module.main(argv[1:]))
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        try:
+            return int(args.func(args))
+        except UsageError as exc:
+            _subcommand_parser(parser, args.command).print_usage(sys.stderr)
+            print(f"k3-amd-overlay: error: {exc}", file=sys.stderr)
+            return 2
+    except ModuleNotFoundError as exc:
+        missing = _missing_module(exc)
+        if missing is None:
+            raise
+        message = _missing_message(command, missing, exc)
+        if "--json" in argv:
+            print(json.dumps({"command": command, "ok": False, "missing": missing, "error": message}, indent=1))
+        print(message, file=sys.stderr)
+        return 1
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a shell tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

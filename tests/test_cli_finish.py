@@ -1,0 +1,144 @@
+"""The command line without torch or triton (the wrong interpreter, a slim container): each command
+says what to install and exits non-zero (1; 2 stays a usage error), ``--help`` works, no traceback.
+And a subcommand's usage error shows that subcommand's usage."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import k3_amd_overlay
+
+# The package under test (the working tree, or whatever PYTHONPATH puts first), for child Pythons.
+PACKAGE_ROOT = str(Path(k3_amd_overlay.__file__).resolve().parent.parent)
+
+# In every Python started with this on its path (the CLI's children too), torch and triton cannot
+# be imported, as in a Python that never had them.
+BLOCKER = '''
+import sys
+
+
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "triton"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoTorch())
+'''
+
+# (argv, exit code, what stdout starts with or stderr says)
+WITHOUT_TORCH = [
+    (["doctor"], 1, "needs torch"),
+    (["kernels", "--arch", "gfx942"], 1, "needs torch"),
+    (["kernels"], 1, "needs torch"),
+    (["tune"], 1, "needs torch"),
+    (["bench"], 1, "needs torch"),
+    (["check", "--expect", "fused", "--static"], 1, "needs torch"),
+    (["census"], 2, "the following arguments are required: traces"),
+    (["check"], 2, "the following arguments are required: --expect"),
+]
+HELP = ["doctor", "check", "census", "kernels", "tune", "bench", "ab-serve", "gsm8k-ab"]
+
+
+def _run(python: str, argv: list[str], pythonpath: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*pythonpath, PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]),
+           "K3_AMD_OVERLAY": "1"}
+    return subprocess.run([python, "-m", "k3_amd_overlay", *argv], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=Path(PACKAGE_ROOT).parent)
+
+
+@pytest.fixture(scope="module")
+def blocked(tmp_path_factory) -> list[str]:
+    """A PYTHONPATH entry whose sitecustomize makes torch and triton unimportable."""
+    directory = tmp_path_factory.mktemp("no-torch")
+    (directory / "sitecustomize.py").write_text(BLOCKER)
+    probe = _run(sys.executable, ["--version"], [str(directory)])
+    assert probe.returncode == 0, probe.stderr
+    check = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(directory)})
+    assert "No module named 'torch'" in check.stderr, "the blocker did not take"
+    return [str(directory)]
+
+
+def _assert_said(proc: subprocess.CompletedProcess[str], code: int, said: str) -> None:
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert said in proc.stderr, proc.stderr
+    if said == "needs torch":  # what to install, and where it is normally found
+        assert "pip install torch" in proc.stderr and "the Python vLLM is installed in" in proc.stderr
+
+
+@pytest.mark.parametrize("argv,code,said", WITHOUT_TORCH, ids=[" ".join(a) for a, _, _ in WITHOUT_TORCH])
+def test_without_torch_each_command_says_what_to_install(blocked, argv, code, said):
+    _assert_said(_run(sys.executable, argv, blocked), code, said)
+
+
+@pytest.mark.parametrize("command", HELP)
+def test_without_torch_every_subcommand_has_its_help(blocked, command):
+    proc = _run(sys.executable, [command, "--help"], blocked)
+    assert "Traceback" not in proc.stderr and proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: k3-amd-overlay {command}"), proc.stdout[:300]
+
+
+def test_without_torch_json_is_one_object_saying_what_is_missing(blocked):
+    proc = _run(sys.executable, ["doctor", "--json"], blocked)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["ok"] is False and out["missing"] == "torch" and "pip install torch" in out["error"]
+
+
+def test_a_missing_triton_alone_is_named(tmp_path):
+    """torch present (as in CI's CPU venvs), triton absent: the tools that compile say triton."""
+    pytest.importorskip("torch")
+    (tmp_path / "sitecustomize.py").write_text(BLOCKER.replace('("torch", "triton")', '("triton",)'))
+    proc = _run(sys.executable, ["kernels", "--arch", "gfx942"], [str(tmp_path)])
+    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr
+    assert "needs triton" in proc.stderr and "pip install triton" in proc.stderr
+
+
+def _python_without_torch() -> str | None:
+    """A Python on this machine (K3OVL_NO_TORCH_PYTHON, python3, python3.11...) that lacks torch and
+    can import the overlay's command line from the tree under test."""
+    names = [os.environ.get("K3OVL_NO_TORCH_PYTHON", ""), "python3", "python3.10", "python3.11", "python3.12"]
+    for name in filter(None, names):
+        python = shutil.which(name)
+        if python is None:
+            continue
+        probe = subprocess.run([python, "-c", "import importlib.util, sys, k3_amd_overlay.cli; "
+                                "sys.exit(importlib.util.find_spec('torch') is not None)"],
+                               capture_output=True, env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
+        if probe.returncode == 0:
+            return python
+    return None
+
+
+@pytest.mark.parametrize("argv,code,said", [*WITHOUT_TORCH[:4], (["bench", "--help"], 0, "")],
+                         ids=["doctor", "kernels-arch", "kernels", "tune", "bench-help"])
+def test_a_real_python_without_torch(argv, code, said):
+    python = _python_without_torch()
+    if python is None:
+        pytest.skip("no Python without torch that can import the overlay (wrapt, packaging) on PATH; "
+                    "set K3OVL_NO_TORCH_PYTHON to one")
+    _assert_said(_run(python, argv, []), code, said)
+
+
+@pytest.mark.parametrize("argv,command", [
+    (["census", "--layers", "0", "trace.json"], "census"),
+    (["check", "--expect", "fused", "--fusions", "fast"], "check"),
+    (["check", "--expect", "fused", "--static", "--prune"], "check"),
+])
+def test_a_subcommands_usage_error_shows_its_own_usage(argv, command, capsys):
+    from k3_amd_overlay.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: k3-amd-overlay {command} "), err
+    assert "error: " in err.splitlines()[-1]
