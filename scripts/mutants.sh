@@ -102,7 +102,7 @@ declare -A TESTS=(
   [kernel_failures.py]="test_kernel_failures_containment.py test_launch_configs.py $NO_COMPILE_REPORT"
   [kernels/launch.py]="test_launch_dispatch.py test_launch_configs.py $NO_COMPILE_REPORT"
   [kernels/probe.py]="test_probe_sampling.py test_launch_configs.py $NO_COMPILE_REPORT"
-  [tune.py]="test_tune_choice.py test_launch_configs.py $NO_COMPILE_REPORT"
+  [tune.py]="test_tune_choice.py test_launch_configs.py test_tune_case.py $NO_COMPILE_REPORT"
   [bench/timing.py]="test_tune_timing.py"
   [ab_stats.py]="test_ab_stats_sets.py test_ab.py"
 )

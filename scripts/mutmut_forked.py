@@ -11,7 +11,8 @@ cannot be collected (2), crash (a signal) or run past the time limit; it survive
         -- tests/test_tune_choice.py tests/test_launch_configs.py
 
 K3OVL_MUTANTS_PRELOAD (module names, space-separated) imports more of the package once, in the parent;
-the run refuses to start where one of them imported the mutated module. ``run`` prints one line per survivor (its line and diff) and "MODULE: killed/total"; RESULT.json
+the run refuses to start where one of them imported the mutated module; K3OVL_MUTANTS_ONLY="ID ..."
+tests only those mutants (a survivor of another run, against more tests: a kill by either counts). ``run`` prints one line per survivor (its line and diff) and "MODULE: killed/total"; RESULT.json
 keeps every mutant's outcome. The parent never imports the package: each child imports the
 mutated module afresh.
 """
@@ -101,6 +102,8 @@ def run(clone: str, module: str, mutants_file: str, result_file: str, pytest_arg
         raise SystemExit(f"{mutated_name} was imported by a preloaded module: the children would not see the mutants")
     with open(mutants_file) as handle:
         data = json.load(handle)
+    only = os.environ.get("K3OVL_MUTANTS_ONLY")  # "ID ID ..." (e.g. a run's survivors): those mutants only
+    chosen = [int(i) for i in only.split()] if only else range(len(data["mutants"]))
     path = os.path.join(clone, module)
     with open(path) as handle:
         if handle.read() != data["original"]:
@@ -110,7 +113,8 @@ def run(clone: str, module: str, mutants_file: str, result_file: str, pytest_arg
         raise SystemExit(f"the tests fail on the unmutated clone; see {log}")
     results = []
     try:
-        for i, mutant in enumerate(data["mutants"]):
+        for i in chosen:
+            mutant = data["mutants"][i]
             with open(path, "w") as handle:
                 handle.write(mutant["source"])
             start = time.monotonic()
