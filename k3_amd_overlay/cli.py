@@ -195,7 +195,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from k3_amd_overlay.doctor import _snake_keys, render, run_doctor
 
-    report, healthy = run_doctor(switch=args.switch)
+    report, healthy = run_doctor(switch=args.switch, serve_args=args.serve_args)
     if args.json:
         print(json.dumps({**_snake_keys(report), "healthy": healthy}, indent=1, default=str))
     else:
@@ -314,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="versions, GPU, what each fusion would do here and why, self-tests")
     doctor.add_argument("--switch", help="judge this K3_AMD_OVERLAY value instead of the environment's")
     doctor.add_argument("--json", action="store_true")
+    doctor.add_argument("--serve-args", help="the vllm serve arguments an A/B will use: judged with the environment "
+                                             "for an arm vLLM itself gets wrong (see 'A/B baseline')")
     doctor.set_defaults(func=cmd_doctor)
     for name, (_, summary) in TOOLS.items():  # listed here; run by main() with their own parsers
         sub.add_parser(name, help=summary, add_help=False)

@@ -248,9 +248,10 @@ def verdict_line(report: dict[str, Any]) -> tuple[str, bool]:
     return "ready: " + "; ".join(parts), True
 
 
-def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
+def run_doctor(switch: str | None = None, serve_args: str | None = None) -> tuple[dict[str, Any], bool]:
     """The report and whether it is healthy. vLLM's K3 AMD code is looked at whatever the switch
-    holds, so a bad variable gives its own reason and, only where it is so, "not recognised"."""
+    holds, so a bad variable gives its own reason and, only where it is so, "not recognised".
+    ``serve_args`` (those an A/B will use, where known) sharpen the A/B baseline warnings."""
     report: dict[str, Any] = {"versions": versions(), "gpu": gpu()}
     env = dict(os.environ)
     if switch is not None:
@@ -294,7 +295,7 @@ def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
     if settings.enabled and has_vllm:
         report.update(_activate_here(env))
     report["fusions"] = fusion_outlook(settings, report["providers here"])
-    report["a/b baseline"] = ab_baseline(env, shape)
+    report["a/b baseline"] = ab_baseline(env, shape, serve_args)
     report["verdict"], healthy = verdict_line(report)
     return report, healthy
 
@@ -302,16 +303,19 @@ def run_doctor(switch: str | None = None) -> tuple[dict[str, Any], bool]:
 AB_DEFAULT_BASELINE = "0"  # ab-serve's and gsm8k-ab's default arm A
 
 
-def ab_baseline(env: dict[str, str], shape: Any) -> list[str]:
+def ab_baseline(env: dict[str, str], shape: Any, serve_args: str | None = None) -> list[str]:
     """Warnings for an A/B on this machine: the default baseline (overlay off) and this switch, as
-    baseline_hazard judges them with this environment (serve arguments are not known here)."""
+    baseline_hazard judges them with this environment and ``serve_args`` (None: not known here).
+    A warning, not a "not ready": serving itself is what the rest of the report judges."""
     from k3_amd_overlay.baseline_hazard import VllmFacts, baseline_hazard
     from k3_amd_overlay.versions import installed_vllm_version
 
     facts = VllmFacts(installed_vllm_version(), None if shape is None else bool(shape.upstream.get(QK_CACHE)))
     switches = dict.fromkeys([AB_DEFAULT_BASELINE, env.get(SWITCH, "") or AB_DEFAULT_BASELINE])
-    return [f"{why} (serve arguments are not known here: --enforce-eager, a cudagraph_mode without PIECEWISE or a "
-            "non-fp8 KV cache rule it out)" for switch in switches if (why := baseline_hazard(facts, env, (), switch))]
+    unknown = "" if serve_args is not None else (
+        " (serve arguments not given: --enforce-eager, a cudagraph_mode without PIECEWISE or a non-fp8 KV cache "
+        "rule it out; doctor --serve-args judges them)")
+    return [why + unknown for switch in switches if (why := baseline_hazard(facts, env, serve_args or "", switch))]
 
 
 def _vllm_shape(env: dict[str, str]) -> tuple[dict[str, Any], Any]:

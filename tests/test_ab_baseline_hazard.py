@@ -149,10 +149,24 @@ def test_the_doctor_warns_about_the_default_baseline_and_this_switch(monkeypatch
 
     env = {**HAZARD_ENV, "K3_AMD_OVERLAY": "stock"}
     (warning,) = doctor.ab_baseline(env, K3_DECODE_WRAPPER)  # stock itself is valid; the default "0" is not
-    assert warning.startswith("K3_AMD_OVERLAY='0' is no valid baseline") and "serve arguments are not known" in warning
+    assert warning.startswith("K3_AMD_OVERLAY='0' is no valid baseline") and "serve arguments not given" in warning
     assert len(doctor.ab_baseline({**env, "K3_AMD_OVERLAY": "qkv_norm"}, K3_DECODE_WRAPPER)) == 2
     assert doctor.ab_baseline(env, K3_NORM_WRAPPER) == []  # 0.30-0.31: no fused decode of vLLM's own
     assert doctor.ab_baseline({"VLLM_ROCM_USE_AITER": "1"}, K3_DECODE_WRAPPER) == []
+    assert doctor.ab_baseline(env, K3_DECODE_WRAPPER, K3_ARGS + " --enforce-eager") == []
+    (known,) = doctor.ab_baseline(env, K3_DECODE_WRAPPER, K3_ARGS)
+    assert "serve arguments not given" not in known
+
+
+def test_doctor_serve_args_reach_the_baseline_judgement(monkeypatch):
+    from k3_amd_overlay import cli, doctor
+
+    seen = {}
+    monkeypatch.setattr(doctor, "run_doctor", lambda switch=None, serve_args=None: (
+        seen.update(switch=switch, serve_args=serve_args) or ({}, True)))
+    monkeypatch.setattr(doctor, "render", lambda report: "")
+    assert cli.main(["doctor", "--serve-args=--enforce-eager"]) == 0
+    assert seen == {"switch": None, "serve_args": "--enforce-eager"}
 
 
 def test_the_doctor_report_carries_the_warning(monkeypatch):
