@@ -279,21 +279,22 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "(exit codes as without)")
     check.set_defaults(func=cmd_check)
     check_parse, check_error = check.parse_known_args, check.error
+    json_wanted = [False]
 
     def check_parse_known_args(args=None, namespace=None):  # type: ignore[no-untyped-def]
         # With --json (or an abbreviation argparse accepts), usage errors are JSON too: flag it
         # before argparse can fail, and make an unknown argument this parser's own error.
-        check.json_wanted = any(a.startswith("--j") and "--json".startswith(a) for a in (args or []))  # type: ignore[attr-defined]
+        json_wanted[0] = any(a.startswith("--j") and "--json".startswith(a) for a in (args or []))
         namespace, extras = check_parse(args, namespace)
         if extras:
             check.error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace, extras
 
     def check_usage_error(message: str) -> None:
-        if getattr(check, "json_wanted", False):
-            print(json.dumps({"expect": None, "holds": False, "usage_error": message, "lines": [f"FAIL usage: {message}"],
-                              "notes": [], "host": socket.gethostname(), "source": None, "marker_dir": None,
-                              "records": []}, indent=1))
+        if json_wanted[0]:
+            print(json.dumps({"expect": None, "holds": False, "usage_error": message,
+                              "lines": [f"FAIL usage: {message}"], "notes": [], "host": socket.gethostname(),
+                              "source": None, "marker_dir": None, "records": []}, indent=1))
         check_error(message)  # usage and message to stderr, exit 2
 
     check.parse_known_args, check.error = check_parse_known_args, check_usage_error  # type: ignore[method-assign]

@@ -21,7 +21,7 @@ def node(tmp_path: Path, host: str, *records: dict[str, Any], expect: str = "fus
     """One node's `check --json` output as that node's check writes it (records carry its host)."""
     path = tmp_path / (file or f"{host}.json")
     data = {"expect": expect, "holds": holds, "lines": [], "notes": [], "host": host,
-            "marker_dir": f"/run/user/1000/k3-amd-overlay", "records": [{**r, "host": host} for r in records],
+            "marker_dir": "/run/user/1000/k3-amd-overlay", "records": [{**r, "host": host} for r in records],
             **fields}
     path.write_text(json.dumps(data))
     return str(path)

@@ -132,7 +132,8 @@ def test_a_live_off_process_holds_and_its_record_goes_stale_when_it_exits(tmp_pa
     environ["K3_AMD_OVERLAY_MARKER_DIR"] = str(tmp_path / "markers")
     server = subprocess.Popen([sys.executable, "-c", "import sys; sys.argv = ['vllm', 'serve', 'm']\n"
                                "from k3_amd_overlay import plugin; plugin.register(); print('up', flush=True)\n"
-                               "sys.stdin.read()"], env=environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                               "sys.stdin.read()"], env=environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert server.stdout.readline().strip() == "up"
         code, out = check(tmp_path / "markers")
