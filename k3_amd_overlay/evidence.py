@@ -19,7 +19,7 @@ from typing import Any
 from k3_amd_overlay import markers
 from k3_amd_overlay.fusions.states import FUSED_STATES, FusionState, LayerDecision
 from k3_amd_overlay.package import FUSIONS, __version__
-from k3_amd_overlay.phases import Phase, capturing_graph, current_phase, in_warmup
+from k3_amd_overlay.phases import Phase, capturing_graph, current_phase, replay_phase
 from k3_amd_overlay.process_identity import process_role
 from k3_amd_overlay.record import FusionEntry, LayerTally, MarkerRecord
 from k3_amd_overlay.settings import Mode, OverlaySettings
@@ -228,7 +228,7 @@ class Evidence:
             fusions.append(fusion)
 
     def _replayed(self, fusions: list[str]) -> None:
-        phase = Phase.WARMUP if in_warmup(sys._getframe(1)) else Phase.REPLAY
+        phase = replay_phase()  # REPLAY only where a served step replays it
         with self._lock:
             force = False
             for fusion in fusions:

@@ -1,31 +1,57 @@
 """Where in a vLLM process's life a fused path runs: inside a CUDA/HIP-graph capture, in one of
-vLLM's own dummy or warm-up batches (profile run, compile warm-up, graph warm-up, DP padding), on
-a batch the engine is serving, or in a replay of a graph whose capture recorded it. ``check
---expect fused`` counts only served batches and replays outside vLLM's warm-up as proof: a capture
-alone happens at startup, before any request."""
+vLLM's own dummy or warm-up batches (profile run, compile warm-up, kernel warm-up, graph warm-up,
+DP padding), on a batch the engine is serving, or in a replay of a graph whose capture recorded
+it. ``check --expect fused`` counts only served batches and replays as proof: a capture alone
+happens at startup, before any request.
+
+The phase is the phase of the engine step that runs the batch, read from the thread that runs the
+step (vLLM's worker or model runner, 0.29-0.33): served only where a step method that serves the
+scheduler's batches (``execute_model``, ``sample_tokens``, and for the model runner V2 only with
+its ``dummy_run`` argument false) is running and none of vLLM's own batch-making methods is. A
+thread that runs part of a step for another thread (dual-batch overlap: ``UBatchWrapper`` in
+vllm/v1/worker/gpu_ubatch_wrapper.py, ``UBatchRunner`` in vllm/v1/worker/gpu/ubatch_utils.py)
+takes the phase of the thread that started it and waits for it. Anything else is not served:
+the phase fails closed. vLLM's forward context carries no mark of a dummy batch in 0.29-0.33
+(``create_forward_context`` takes the same fields from ``_dummy_run`` as from ``execute_model``,
+and the microbatch contexts are made afresh with ``CUDAGraphMode.NONE``), so the step's own
+methods are the only statement vLLM makes of it."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 
 class Phase(str, enum.Enum):
-    WARMUP = "warmup"  # a dummy batch vLLM runs itself: nothing served went through it
+    WARMUP = "warmup"  # a dummy batch vLLM runs itself, or one no served step can be shown to run
     CAPTURE = "capture"  # recorded into a graph that replays this path for served batches
     SERVED = "served"  # an eager batch the engine scheduled for requests
     REPLAY = "replay"  # a replay of a graph that recorded the fused path, for a batch the engine scheduled
 
 
 # vLLM's model-runner and worker methods (v1/worker/, 0.29-0.33) that run batches of their own
-# making; any of them on the stack makes the batch a warm-up batch. Read, never patched.
+# making; any of them in the step makes the batch a warm-up batch. Read, never patched.
 WARMUP_FRAMES = frozenset({
     "_dummy_run", "profile_run", "capture_model", "_warmup_and_capture", "_capture_cudagraphs",
     "warming_up_model", "compile_or_warm_up_model", "execute_dummy_batch", "profile_cudagraph_memory",
-    "warmup", "capture",
+    "warmup", "capture", "warmup_kernels", "run_mixed_prefill_decode_warmup",
 })
-MAX_DEPTH = 80
+# The worker's and model runners' methods that run the scheduler's batch (the forward in
+# ``execute_model``, the speculative proposer in ``sample_tokens``).
+SERVED_FRAMES = frozenset({"execute_model", "sample_tokens"})
+# The model runner V2 runs its dummy batches through ``execute_model`` with this argument true.
+DUMMY_RUN_ARGUMENT = "dummy_run"
+MAX_STARTERS = 4  # a thread started by a thread started by ...: more is no layout vLLM has
+
+
+class Step(str, enum.Enum):
+    WARMUP = "warmup"
+    SERVED = "served"
+    UNKNOWN = "unknown"
 
 
 def capturing() -> bool:
@@ -36,29 +62,95 @@ def capturing() -> bool:
     return bool(torch.cuda.is_current_stream_capturing())
 
 
-def in_warmup(frame: Any) -> bool:
-    """One of vLLM's own batch-making methods is on the stack at or above ``frame``."""
-    for _ in range(MAX_DEPTH):
-        if frame is None:
-            break
-        if frame.f_code.co_name in WARMUP_FRAMES:
-            return True
+def _walk(frame: Any) -> Iterator[Any]:
+    while frame is not None:
+        yield frame
         frame = frame.f_back
-    return False
+
+
+def _holds(value: Any, thread: threading.Thread) -> bool:
+    if value is thread:
+        return True
+    return isinstance(value, (list, tuple)) and any(item is thread for item in value)
+
+
+def _starter(thread: threading.Thread) -> tuple[int, Any] | None:
+    """The id and current frame of the thread that started ``thread`` and waits for it (it holds
+    the ``Thread`` object in a running frame: vLLM's microbatch runners keep the threads they start
+    and join them), or None."""
+    for ident, top in sys._current_frames().items():
+        if ident == thread.ident:
+            continue
+        for frame in _walk(top):
+            if any(_holds(value, thread) for value in frame.f_locals.values()):
+                return ident, top
+    return None
+
+
+def _stacks(frame: Any) -> Iterator[Any]:
+    """The frames of the step: this thread's from ``frame`` up, then, where this thread was started
+    by another that waits for it, that thread's, and so on."""
+    yield from _walk(frame)
+    thread = threading.current_thread()
+    seen = {thread.ident}
+    for _ in range(MAX_STARTERS):
+        found = _starter(thread)
+        if found is None or found[0] in seen:
+            return
+        ident, top = found
+        seen.add(ident)
+        yield from _walk(top)
+        thread = next((t for t in threading.enumerate() if t.ident == ident), None)
+        if thread is None:
+            return
+
+
+def step_of(frame: Any) -> Step:
+    """The step running at ``frame``: WARMUP where one of vLLM's batch-making methods (or the model
+    runner V2's ``execute_model`` with ``dummy_run`` true) runs it, SERVED where only a serving step
+    method does, UNKNOWN where neither is found (not served)."""
+    served = False
+    for f in _stacks(frame):
+        name = f.f_code.co_name
+        if name in WARMUP_FRAMES:
+            return Step.WARMUP
+        if name in SERVED_FRAMES:
+            if f.f_locals.get(DUMMY_RUN_ARGUMENT):
+                return Step.WARMUP
+            served = True
+    return Step.SERVED if served else Step.UNKNOWN
 
 
 def current_phase() -> Phase:
     if capturing():
         return Phase.CAPTURE
-    return Phase.WARMUP if in_warmup(sys._getframe(1)) else Phase.SERVED
+    return Phase.SERVED if step_of(sys._getframe(1)) is Step.SERVED else Phase.WARMUP
+
+
+def replay_phase() -> Phase:
+    """The phase of a graph replay made by the caller's caller: a replay for a served step, or not."""
+    return Phase.REPLAY if step_of(sys._getframe(2)) is Step.SERVED else Phase.WARMUP
+
+
+def _graph_in(frame: Any, graph_type: type) -> Any:
+    values = list(frame.f_locals.values())
+    for value in values:
+        if isinstance(value, graph_type):
+            return value
+    for value in values:  # a holder of the graph being captured (UBatchWrapper's CUDAGraphMetaData)
+        if dataclasses.is_dataclass(value) and isinstance(getattr(value, "cudagraph", None), graph_type):
+            return value.cudagraph
+    return None
 
 
 def capturing_graph() -> Any:
     """The ``torch.cuda.CUDAGraph`` recording the current stream, or None where it cannot be found.
     vLLM's own capture code holds it: a local of the capturing frame (``CUDAGraphWrapper.__call__``
     in vllm/compilation/cuda_graph.py; the model runner V2's capture in
-    vllm/v1/worker/gpu/cudagraph_utils.py; 0.29-0.33), or the current segment of a breakable capture
-    (``BreakableCUDAGraphCapture`` in vllm/compilation/breakable_cudagraph.py)."""
+    vllm/v1/worker/gpu/cudagraph_utils.py; 0.29-0.33), the current segment of a breakable capture
+    (``BreakableCUDAGraphCapture`` in vllm/compilation/breakable_cudagraph.py), or, for a batch run
+    in a dual-batch-overlap thread, the frame of the thread that started it and captures
+    (``UBatchWrapper._capture_ubatches`` holds it in its ``CUDAGraphMetaData``)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
@@ -68,12 +160,8 @@ def capturing_graph() -> Any:
         capture = breakable.BreakableCUDAGraphCapture.current()
         if capture is not None and isinstance(getattr(capture, "_current_graph", None), graph_type):
             return capture._current_graph
-    frame = sys._getframe(1)
-    for _ in range(MAX_DEPTH):
-        if frame is None:
-            break
-        for value in frame.f_locals.values():
-            if isinstance(value, graph_type):
-                return value
-        frame = frame.f_back
+    for frame in _stacks(sys._getframe(1)):
+        graph = _graph_in(frame, graph_type)
+        if graph is not None:
+            return graph
     return None

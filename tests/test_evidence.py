@@ -107,11 +107,15 @@ def test_concurrent_writers_never_leave_a_torn_marker(tmp_path):
     assert [p.name for p in directory.iterdir()] == ["777.json"]  # no temp files left behind
 
 
+def execute_model(run, *args):  # named as vLLM's worker and model runners name the step serving a batch
+    return run(*args)
+
+
 def test_effective_hook_records_once_and_counts_layers(tmp_path):
     evidence = Evidence(settings_for(tmp_path))
     hooks = [evidence.effective_hook("qk_cache", f"layer.{i}") for i in range(3)]
     for hook in hooks * 5:
-        hook(4)
+        execute_model(hook, 4)
     evidence.flush()  # the fifth batch's count waits for the interval or the exit flush
     entry = MarkerRecord.from_json(json.loads(evidence.marker_path.read_text())).fusions["qk_cache"]
     assert entry.effective is True and entry.effective_layers == 3
@@ -128,9 +132,10 @@ def test_runs_are_counted_by_phase(tmp_path):
     hook = evidence.effective_hook("qkv_norm", "layer.0")
     _dummy_run(hook)
     _dummy_run(hook)
-    hook(3)
+    execute_model(hook, 3)
+    hook(3)  # outside any step of vLLM's: not shown to be served, so not counted as served
     entry = evidence.fusion("qkv_norm")
-    assert entry.runs == {"warmup": 2, "capture": 0, "served": 1, "replay": 0}
+    assert entry.runs == {"warmup": 3, "capture": 0, "served": 1, "replay": 0}
     evidence.flush()
     assert json.loads(evidence.marker_path.read_text())["fusions"]["qkv_norm"]["runs"]["served"] == 1
 
@@ -263,8 +268,9 @@ def test_each_warm_up_name_is_a_method_of_vllms_workers_and_marks_a_warm_up_batc
         return phases.current_phase()
 
     runner = types.FunctionType(batch_runner.__code__.replace(co_name=name), batch_runner.__globals__)
-    assert runner() is phases.Phase.WARMUP
-    assert batch_runner() is phases.Phase.SERVED
+    assert execute_model(runner) is phases.Phase.WARMUP  # a step of vLLM's own inside the served step's method
+    assert execute_model(batch_runner) is phases.Phase.SERVED
+    assert batch_runner() is phases.Phase.WARMUP  # no step at all: not served
 
 
 def test_the_proof_line_sums_processes_and_names_each():
@@ -649,7 +655,7 @@ def test_unreadable_markers_are_listed_with_the_readable_ones(tmp_path):
 def _forked_worker(evidence: Evidence, layer: str) -> None:
     """A forked vLLM worker: it builds a layer and runs a batch, with the record it inherited."""
     evidence.note_layer("qk_cache", LayerDecision(FusionState.APPLIED, "triton", "r"))
-    evidence.effective_hook("qk_cache", layer)(4)
+    execute_model(evidence.effective_hook("qk_cache", layer), 4)
     evidence.flush()
 
 
