@@ -33,12 +33,35 @@ def cpu_for_cuda(monkeypatch):
     torch.manual_seed(0)
 
 
+LAUNCHING_MODULES = ("rmsnorm_pair", "qk_cache", "absorb_qk_cache", "absorb_fp8_qk_cache", "absorb_mxfp4_qk_cache",
+                     "static_quant")
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The names of the Triton kernels launched (each launcher module's ``launch``, spied on)."""
+    import importlib
+
+    seen = []
+    for name in LAUNCHING_MODULES:
+        module = importlib.import_module(f"k3_amd_overlay.kernels.{name}")
+
+        def spy(kernel, grid, *args, _launch=module.launch, **options):
+            seen.append(getattr(kernel, "fn", kernel).__name__)
+            return _launch(kernel, grid, *args, **options)
+
+        monkeypatch.setattr(module, "launch", spy)
+    return seen
+
+
 @pytest.mark.parametrize("kernel", tune.TUNED_KERNELS)
-def test_a_case_checks_the_shipped_config_against_the_stock_reference(kernel, cpu_for_cuda):
+def test_a_case_checks_the_shipped_config_against_the_stock_reference(kernel, cpu_for_cuda, launched):
     case = tune.Case(kernel, 2, 1, E4M3FN)
     assert case.kernel == kernel
     assert all(o.device.type == "cpu" for o in case.outputs)
+    assert launched == []  # building the case launches nothing of the overlay's
     near, far = case.mismatches(None)
+    assert launched == [kernel]  # the kernel tuned, and only it
     assert far == 0
     assert near <= tune.MISMATCH_ALLOWANCE * sum(w.numel() for w in case.wanted)
     if kernel == names.RMSNORM_PAIR_KERNEL:

@@ -6,7 +6,10 @@ only past 2% too; the file written keeps another kernel's tuning for the same ar
 
 from __future__ import annotations
 
+import datetime
 import json
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -261,9 +264,10 @@ def test_the_file_keeps_another_kernels_tuning_for_the_same_arch_and_gpu_only(tm
     data = json.loads(path.read_text())
     assert set(data["kernels"]) == {names.QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL}
     assert data["schema"] == launch_configs.SCHEMA and data["arch"] == "gfx942"
-    assert data["tuned_on"]["device"] == "MI300X" and (data["tuned_on"]["torch"], data["tuned_on"]["triton"]) == (
-        "2.9", "3.4")
-    assert "kept unless beaten by more than 2%" in data["origin"]
+    assert data["tuned_on"] == {"device": "MI300X", "date": datetime.date.today().isoformat(), "torch": "2.9",
+                                "triton": "3.4"}
+    assert data["origin"] == ("k3-amd-overlay tune: per shape the fastest candidate passing the bytes check, graph "
+                              "replay, median; the shipped config kept unless beaten by more than 2%")
     assert launch_configs.load(path).tuned_on == "MI300X"
     for other in (("gfx942", "MI325X"), ("gfx950", "MI300X")):  # another GPU or arch: nothing kept
         tune.write(path, *other, {names.QK_CACHE_KERNEL: _rules(config)}, "2.9", "3.4")
@@ -330,8 +334,11 @@ def test_tune_on_a_fake_mi300x_writes_each_kernels_winners_for_this_gpu(fake_gpu
                                                                                       (None, None)]
     assert json.loads(path.read_text())["kernels"][names.QK_CACHE_KERNEL][0]["note"] == "10.00 us"
     assert "AMD Instinct MI300X (gfx942), torch " in out
-    assert f"| {names.QK_CACHE_KERNEL} | 8 | 6 | 12.50 | 10.00 | 1.25 | " in out
-    assert f"wrote {path}; the overlay uses it with K3_AMD_OVERLAY_KERNEL_CONFIGS={path} (or its directory)" in out
+    lines = out.splitlines()
+    first = tune.candidates(names.QK_CACHE_KERNEL, 8, amd=True)[0]
+    assert f"| {names.QK_CACHE_KERNEL} | 8 | 6 | 12.50 | 10.00 | 1.25 | {first} |" in lines
+    assert lines[-1] == f"wrote {path}; the overlay uses it with K3_AMD_OVERLAY_KERNEL_CONFIGS={path} (or its " \
+                        "directory)"
     tune.main(["--out", str(tmp_path), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "8", "--verbose"])
     assert "tried " in capsys.readouterr().err
     assert {h for (_, _, h), _, _ in picked[6:]} == set(shapes.HEADS)
@@ -381,3 +388,10 @@ def test_compare_skips_mxfp4_where_vllm_does_not_run_it(fake_gpu, monkeypatch, t
     monkeypatch.setattr(tune, "interleaved_us", lambda run, configs: pytest.fail("timed an unreachable kernel"))
     assert tune.main(["--compare", str(path)]) == 0
     assert CommandCase.made == []
+
+
+def test_the_module_runs_as_a_command():
+    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.tune", "--heads", "0"], capture_output=True,
+                          text=True, timeout=300)
+    assert (proc.returncode, proc.stderr) == (2, "k3-amd-overlay tune: --heads [0]: every value must be a positive "
+                                                 "integer\n")
