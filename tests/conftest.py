@@ -1,5 +1,5 @@
 """Test session setup (tests/machine.py decides GPU or interpreter, vLLM or not), which tests depend
-on the vLLM release (``--release-independent``: scripts/run_tests.sh runs the rest once), and the
+on the vLLM release (``--release-independent``: scripts/run_tests.sh runs those once), and the
 fixtures shared across test files: the AITER stand-in and the real-vLLM layer session."""
 
 import types

@@ -17,7 +17,8 @@ from engine_args import server_args
 from engine_support import engine_env, free_port
 
 CLI = Path(sys.executable).parent / "k3-amd-overlay"  # the installed wheel's console script
-HARNESS_TIMEOUT_S = 1200
+HARNESS_TIMEOUT_S = 1800  # hang guards, with room for a shared machine (see conftest.py)
+HEALTH_TIMEOUT = "600"
 BENCH_ARGS = ("--backend openai --endpoint /v1/completions --dataset-name random --random-input-len 16 "
               "--random-output-len 8 --random-range-ratio 0 --ignore-eos --seed 42 "
               "--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99")
@@ -44,7 +45,7 @@ def run(tool: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProce
 def test_ab_serve_against_real_servers(checkpoint, vllm_bin, tmp_path):
     out = tmp_path / "ab"
     proc = run("ab-serve", "--model", str(checkpoint), "--concurrency", "1", "--repeats", "2", "--num-prompts", "1",
-               "--out", str(out), "--port", str(free_port()), "--health-timeout", "240",
+               "--out", str(out), "--port", str(free_port()), "--health-timeout", HEALTH_TIMEOUT,
                "--serve-cmd", "vllm serve", "--serve-args", shlex.join(server_args()), "--bench-args", BENCH_ARGS,
                env=harness_env(vllm_bin, tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -52,7 +53,7 @@ def test_ab_serve_against_real_servers(checkpoint, vllm_bin, tmp_path):
     for repeat in (0, 1):
         off = (out / f"repeat{repeat}-armA" / "check.txt").read_text()
         fused = (out / f"repeat{repeat}-armB" / "check.txt").read_text()
-        assert "HOLDS: expect off" in off and "no live vLLM process has overlay evidence here" in off
+        assert "HOLDS: expect off" in off and "(api-server, vLLM 0.32.0): overlay off" in off  # its off record
         assert "HOLDS: expect fused" in fused and "served traffic took the fused path" in fused
         for arm in ("A", "B"):
             result = json.loads((out / f"repeat{repeat}-arm{arm}" / "bench-c1.json").read_text())
@@ -70,8 +71,8 @@ def test_gsm8k_ab_against_real_servers_on_a_local_file(checkpoint, vllm_bin, tmp
     data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GSM8K_ROWS))
     out = tmp_path / "gsm8k"
     proc = run("gsm8k-ab", "--arm-a", "stock", "--model", str(checkpoint), "--out", str(out),
-               "--port", str(free_port()),
-               "--health-timeout", "240", "--serve-cmd", "vllm serve", "--serve-args", shlex.join(server_args()),
+               "--port", str(free_port()), "--health-timeout", HEALTH_TIMEOUT,
+               "--serve-cmd", "vllm serve", "--serve-args", shlex.join(server_args()),
                "--data-file", str(data), "--num-fewshot", "1", "--limit", "3", "--num-concurrent", "1",
                "--lm-eval-cmd", f"{sys.executable} -m lm_eval",
                "--extra-model-args", f"max_gen_toks=16,max_length=256,tokenizer={checkpoint}",

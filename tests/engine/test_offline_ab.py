@@ -25,9 +25,11 @@ BIT_IDENTICAL = ("stock", "qkv_norm", "qk_cache", "absorb", "all")
 
 
 @pytest.fixture(scope="module")
-def results(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def results(checkpoint: Path, offline_off: dict[str, Any],
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     root = tmp_path_factory.mktemp("offline-ab")
-    out = {name: run_arm(checkpoint, name, root / name) for name in ARMS}
+    # off: the session's one off run (conftest.py), shared with the kernel-failure test
+    out = {name: offline_off if name == "off" else run_arm(checkpoint, name, root / name) for name in ARMS}
     rerun_differing_arms_once(out, checkpoint, root)
     return out
 
@@ -68,8 +70,15 @@ def test_off_is_deterministic_and_not_trivial(results):
     assert all(len(set(t)) > 2 for t in tokens), tokens
 
 
-def test_off_leaves_no_evidence(results):
-    assert results["off"]["records"] == []
+def test_off_leaves_only_off_records(results):
+    """Off (plugin installed, switch unset): each process vLLM starts leaves the plugin's off record,
+    the positive evidence ``check --expect off`` needs, and nothing of the overlay's."""
+    records = results["off"]["records"]
+    assert records and all(r["mode"] == "off" for r in records), records
+    assert {"main", "worker"} <= {r["role"] for r in records} and layer_records(records) == [], records
+    assert judge(records, "off", None, require_effective=False).holds
+    for expect in ("fused", "stock"):
+        assert not judge(records, expect, None, require_effective=True).holds
 
 
 @pytest.mark.parametrize("arm,fusions", [("qkv_norm", ["qkv_norm"]), ("qk_cache", ["qk_cache"]),

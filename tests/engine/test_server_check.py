@@ -92,14 +92,19 @@ def test_fusion_list_proves_those_and_not_the_others(serve):
     assert other.returncode == 1 and "absorb_qk_cache=disabled" in other.stdout, lines(other)
 
 
-def test_off_server_proves_neither(serve):
+def test_off_server_proves_off_and_neither_fused_nor_stock(serve):
     server = serve(None)
     server.complete()
+    off = server.check("--expect", "off")
+    assert off.returncode == 0, lines(off)
+    assert "(api-server, vLLM 0.32.0): overlay off" in off.stdout and "(worker, vLLM 0.32.0" in off.stdout, lines(off)
     for expect in ("fused", "stock"):
         proc = server.check("--expect", expect)
         assert proc.returncode == 1
-        assert "no live vLLM process has left overlay evidence" in proc.stdout
-    assert read_records(server.marker_dir) == []
+        assert "overlay off: proves neither fused nor stock" in proc.stdout, lines(proc)
+    records = read_records(server.marker_dir)
+    assert sorted(r["role"] for r in records) == ["api-server", "engine-core", "worker"], records
+    assert all(r["mode"] == "off" for r in records), records
 
 
 def test_bad_switch_stops_the_server(serve, tmp_path):
