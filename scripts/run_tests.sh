@@ -38,8 +38,11 @@ passed=0; failed=0; skipped=0
 # beside a release's tests it costs far less than alone after them (its timeouts guard against
 # hangs, with room for a shared machine). The release-independent tests are those
 # tests/conftest.py names (its --release-independent option); tests marked `vllm` run on every release.
-job_kinds=(engine independent)
+# K3OVL_ENGINE_ALONE=1: the engine tier last, alone, once every other job has ended (the old layout).
+engine_alone=${K3OVL_ENGINE_ALONE:-0}
+job_kinds=(independent)
 for i in "${!versions[@]}"; do job_kinds+=("release $i"); done
+if [ "$engine_alone" = 1 ]; then job_kinds+=(engine); else job_kinds=(engine "${job_kinds[@]}"); fi
 job_name() {  # INDEX
   case ${job_kinds[$1]} in
     engine) echo "real engine (vllm-$engine)" ;;
@@ -76,6 +79,7 @@ test_jobs=${K3OVL_TEST_JOBS:-$(nproc)}
 tests_start=$SECONDS
 job_pids=()
 for i in "${!job_kinds[@]}"; do
+  [ "${job_kinds[$i]}" = engine ] && [ "$engine_alone" = 1 ] && wait "${job_pids[@]}"
   while [ "$(jobs -rp | grep -cvx "$reports_pid")" -ge "$test_jobs" ]; do sleep 1; done
   run_job "$i" &
   job_pids+=($!)
