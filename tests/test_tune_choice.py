@@ -286,20 +286,27 @@ def test_a_file_the_overlay_would_refuse_is_never_written(tmp_path):
 
 class CommandCase:
     made: typing.ClassVar[list] = []
+    seeds: typing.ClassVar[list] = []
 
     def __init__(self, kernel, tokens, heads, fmt):
         CommandCase.made.append((kernel, tokens, heads, fmt))
+        CommandCase.seeds.append(torch.initial_seed())
         self.run = lambda: None
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(target, "of", lambda device: target.Target(target.HIP, "gfx942"))
-    monkeypatch.setattr(launch, "device_name", lambda device: "AMD Instinct MI300X")
-    monkeypatch.setattr(fp8, "device_format", lambda device: fp8.E4M3FNUZ)
-    CommandCase.made = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    gpu = torch.device("cuda", 2)
+
+    def on_gpu(answer):
+        return lambda device: answer if device == gpu else pytest.fail(f"asked about {device}, not {gpu}")
+
+    monkeypatch.setattr(target, "of", on_gpu(target.Target(target.HIP, "gfx942")))
+    monkeypatch.setattr(launch, "device_name", on_gpu("AMD Instinct MI300X"))
+    monkeypatch.setattr(fp8, "device_format", on_gpu(fp8.E4M3FNUZ))
+    CommandCase.made, CommandCase.seeds = [], []
     monkeypatch.setattr(tune, "Case", CommandCase)
 
 
@@ -313,7 +320,7 @@ def test_tune_on_a_fake_mi300x_writes_each_kernels_winners_for_this_gpu(fake_gpu
         return tried[0], 10.0, 12.5
 
     monkeypatch.setattr(tune, "tune_case", tune_case)
-    kernels = [names.RMSNORM_PAIR_KERNEL, names.QK_CACHE_KERNEL, names.ABSORB_MXFP4_QK_CACHE_KERNEL]
+    kernels = [names.RMSNORM_PAIR_KERNEL, names.ABSORB_MXFP4_QK_CACHE_KERNEL, names.QK_CACHE_KERNEL]
     assert tune.main(["--out", str(tmp_path), "--kernels", *kernels, "--heads", "6", "3", "6", "--tokens", "8", "1",
                       "8"]) == 0
     out, err = capsys.readouterr()
@@ -327,13 +334,19 @@ def test_tune_on_a_fake_mi300x_writes_each_kernels_winners_for_this_gpu(fake_gpu
                                                         3).config)
     path = tmp_path / "gfx942-AMD_Instinct_MI300X.json"
     table = launch_configs.load(path)
-    assert table.tuned_on == "AMD Instinct MI300X" and set(table.kernels) == set(kernels[:2])  # mxfp4: not on gfx942
+    assert table.tuned_on == "AMD Instinct MI300X" and set(table.kernels) == {kernels[0], kernels[2]}  # no mxfp4 here
     assert [(r.tokens, r.heads) for r in table.kernels[names.QK_CACHE_KERNEL]] == [(1, 3), (8, 3), (None, 3), (1, 6),
                                                                                   (8, 6), (None, None)]
     assert [(r.tokens, r.heads) for r in table.kernels[names.RMSNORM_PAIR_KERNEL]] == [(1, None), (8, None),
                                                                                       (None, None)]
     assert json.loads(path.read_text())["kernels"][names.QK_CACHE_KERNEL][0]["note"] == "10.00 us"
-    assert "AMD Instinct MI300X (gfx942), torch " in out
+    import triton
+
+    lines = out.splitlines()
+    assert lines[:3] == [f"AMD Instinct MI300X (gfx942), torch {torch.__version__}, triton {triton.__version__}",
+                         "| kernel | T | H | shipped µs | tuned µs | shipped / tuned | tuned config |",
+                         "|---|---|---|---|---|---|---|"]
+    assert set(CommandCase.seeds) == {0}  # every case's random inputs from seed 0: a rerun tunes the same bytes
     lines = out.splitlines()
     first = tune.candidates(names.QK_CACHE_KERNEL, 8, amd=True)[0]
     assert f"| {names.QK_CACHE_KERNEL} | 8 | 6 | 12.50 | 10.00 | 1.25 | {first} |" in lines
@@ -371,13 +384,15 @@ def test_compare_calls_a_shape_slower_only_past_2_percent(fake_gpu, monkeypatch,
         return code, capsys.readouterr().out
 
     code, out = run(102.0)
-    assert code == 0 and "0 shapes slower than the shipped configs by more than 2%" in out
+    assert code == 0 and out.splitlines()[-1] == "0 shapes slower than the shipped configs by more than 2%"
     assert f"| {names.QK_CACHE_KERNEL} | 1 | 3 | 100.00 | 102.00 | 0.98 |" in out
-    assert "| kernel | T | H | shipped µs | mine.json µs | shipped / it |" in out
+    assert out.splitlines()[1:3] == ["| kernel | T | H | shipped µs | mine.json µs | shipped / it |",
+                                     "|---|---|---|---|---|---|"]
     assert names.RMSNORM_PAIR_KERNEL not in out.split("|---|")[-1]  # not in the file: not compared
     assert {c[:3] for c in CommandCase.made} == {(names.QK_CACHE_KERNEL, t, 3) for t in shapes.QK_CACHE_BATCHES}
     code, out = run(102.1)
-    assert code == 1 and f"{len(shapes.QK_CACHE_BATCHES)} shapes slower than the shipped configs by more than 2%" in out
+    assert code == 1 and out.splitlines()[-1] == \
+        f"{len(shapes.QK_CACHE_BATCHES)} shapes slower than the shipped configs by more than 2%"
 
 
 def test_compare_skips_mxfp4_where_vllm_does_not_run_it(fake_gpu, monkeypatch, tmp_path, capsys):
@@ -395,3 +410,18 @@ def test_the_module_runs_as_a_command():
                           text=True, timeout=300)
     assert (proc.returncode, proc.stderr) == (2, "k3-amd-overlay tune: --heads [0]: every value must be a positive "
                                                  "integer\n")
+
+
+def test_the_help_names_each_option_and_what_it_does(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tune.main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for phrase in ("usage: k3-amd-overlay tune", tune.__doc__.splitlines()[0],
+                   "a file, or a directory for <arch>-<device>.json (default .); an existing file for this arch and "
+                   "GPU keeps the kernels not tuned now",
+                   "--heads HEADS [HEADS ...] per-rank query heads (default: the benchmarks')",
+                   "--tokens TOKENS [TOKENS ...] batch sizes (default: the benchmarks')",
+                   "--compare FILE instead of tuning: time FILE's configs against the shipped ones at the benchmarks' "
+                   "shapes; exit 1 where FILE's are slower", "--verbose say why each rejected candidate was"):
+        assert phrase in text, phrase
