@@ -46,6 +46,7 @@ SERVED_FRAMES = frozenset({"execute_model", "sample_tokens"})
 # The model runner V2 runs its dummy batches through ``execute_model`` with this argument true.
 DUMMY_RUN_ARGUMENT = "dummy_run"
 MAX_STARTERS = 4  # a thread started by a thread started by ...: more is no layout vLLM has
+JOIN_CODE = threading.Thread.join.__code__
 
 
 class Step(str, enum.Enum):
@@ -74,12 +75,16 @@ def _holds(value: Any, thread: threading.Thread) -> bool:
     return isinstance(value, (list, tuple)) and any(item is thread for item in value)
 
 
+def _joining(top: Any) -> bool:
+    return any(frame.f_code is JOIN_CODE for frame in _walk(top))
+
+
 def _starter(thread: threading.Thread) -> tuple[int, Any] | None:
-    """The id and current frame of the thread that started ``thread`` and waits for it (it holds
-    the ``Thread`` object in a running frame: vLLM's microbatch runners keep the threads they start
-    and join them), or None."""
+    """The id and current frame of the thread that started ``thread`` and waits for it: it is in
+    ``Thread.join`` and holds ``thread`` in a running frame (vLLM's microbatch runners keep the threads
+    they start, alone or in a list, and join them one after another), or None."""
     for ident, top in sys._current_frames().items():
-        if ident == thread.ident:
+        if ident == thread.ident or not _joining(top):
             continue
         for frame in _walk(top):
             if any(_holds(value, thread) for value in frame.f_locals.values()):
@@ -87,10 +92,9 @@ def _starter(thread: threading.Thread) -> tuple[int, Any] | None:
     return None
 
 
-def _stacks(frame: Any) -> Iterator[Any]:
-    """The frames of the step: this thread's from ``frame`` up, then, where this thread was started
-    by another that waits for it, that thread's, and so on."""
-    yield from _walk(frame)
+def _starters() -> Iterator[Any]:
+    """The current frame of the thread that started this one and waits for it, of the one that
+    started that one, and so on."""
     thread = threading.current_thread()
     seen = {thread.ident}
     for _ in range(MAX_STARTERS):
@@ -99,18 +103,22 @@ def _stacks(frame: Any) -> Iterator[Any]:
             return
         ident, top = found
         seen.add(ident)
-        yield from _walk(top)
+        yield top
         thread = next((t for t in threading.enumerate() if t.ident == ident), None)
         if thread is None:
             return
 
 
-def step_of(frame: Any) -> Step:
-    """The step running at ``frame``: WARMUP where one of vLLM's batch-making methods (or the model
-    runner V2's ``execute_model`` with ``dummy_run`` true) runs it, SERVED where only a serving step
-    method does, UNKNOWN where neither is found (not served)."""
+def _stacks(frame: Any) -> Iterator[Any]:
+    """This thread's frames from ``frame`` up, then those of the threads that started it."""
+    yield from _walk(frame)
+    for top in _starters():
+        yield from _walk(top)
+
+
+def _own_step(frame: Any) -> Step:
     served = False
-    for f in _stacks(frame):
+    for f in _walk(frame):
         name = f.f_code.co_name
         if name in WARMUP_FRAMES:
             return Step.WARMUP
@@ -119,6 +127,21 @@ def step_of(frame: Any) -> Step:
                 return Step.WARMUP
             served = True
     return Step.SERVED if served else Step.UNKNOWN
+
+
+def step_of(frame: Any) -> Step:
+    """The step running at ``frame``: WARMUP where one of vLLM's batch-making methods (or the model
+    runner V2's ``execute_model`` with ``dummy_run`` true) runs it, SERVED where only a serving step
+    method does, UNKNOWN where neither is found (not served). A thread in no step of its own (a
+    microbatch thread) takes the step of the thread that started it."""
+    step = _own_step(frame)
+    if step is not Step.UNKNOWN:
+        return step
+    for top in _starters():
+        step = _own_step(top)
+        if step is not Step.UNKNOWN:
+            return step
+    return Step.UNKNOWN
 
 
 def current_phase() -> Phase:

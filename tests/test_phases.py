@@ -116,7 +116,7 @@ def v1_wrapper(model, config, runtime_mode):
     return UBatchWrapper(model, config, runtime_mode, torch.device("cpu"))
 
 
-def v1_step(wrapper, config, mode):
+def v1_step(wrapper, config, mode, device="cpu"):
     """One forward of the V1 runner through its UBatchWrapper, as ``execute_model``/``_dummy_run``
     make it: a forward context with two microbatch slices."""
     from vllm.forward_context import BatchDescriptor, set_forward_context
@@ -124,7 +124,7 @@ def v1_step(wrapper, config, mode):
 
     half = TOKENS // 2
     slices = [UBatchSlice(slice(0, 1), slice(0, half)), UBatchSlice(slice(1, 2), slice(half, TOKENS))]
-    ids = torch.arange(TOKENS)
+    ids = torch.arange(TOKENS, device=device)
     with set_forward_context(None, config, num_tokens=TOKENS,
                              num_tokens_across_dp=torch.tensor([TOKENS, TOKENS], dtype=torch.int32),
                              cudagraph_runtime_mode=mode, batch_descriptor=BatchDescriptor(num_tokens=TOKENS),
@@ -134,16 +134,16 @@ def v1_step(wrapper, config, mode):
 
 # Named as vLLM's V1 model runner names its dummy batch and its served step; each runs the model
 # through the wrapper as those methods do.
-def _dummy_run(wrapper, config, mode):
-    return v1_step(wrapper, config, mode)
+def _dummy_run(wrapper, config, mode, device="cpu"):
+    return v1_step(wrapper, config, mode, device)
 
 
-def execute_model(wrapper, config, mode):
-    return v1_step(wrapper, config, mode)
+def execute_model(wrapper, config, mode, device="cpu"):
+    return v1_step(wrapper, config, mode, device)
 
 
-def capture_model(wrapper, config, mode):
-    return v1_step(wrapper, config, mode)
+def capture_model(wrapper, config, mode, device="cpu"):
+    return v1_step(wrapper, config, mode, device)
 
 
 def test_a_warm_up_batch_in_dbo_microbatch_threads_is_not_served(tmp_path, no_gpu, dbo_config):
@@ -285,3 +285,27 @@ def test_a_batch_outside_any_step_is_not_served():
     """No step of vLLM's on the stack (and no starting thread in one): not served."""
     assert phases.current_phase() is Phase.WARMUP
     assert phases.step_of(sys._getframe()) is phases.Step.UNKNOWN
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_dbo_graph_is_captured_in_microbatch_threads_and_its_served_replays_count(tmp_path, dbo_config):
+    """Unrun so far (needs a GPU with vLLM installed): the same as the CPU test above with nothing stood
+    in, the capture state read from the microbatch threads' own (capturing) stream and a real CUDA graph."""
+    from vllm.config import CUDAGraphMode
+
+    evidence, threads = evidence_for(tmp_path), []
+    hook = evidence.effective_hook("qk_cache", "model.layers.0.self_attn.attn")
+
+    def model(input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        threads.append(threading.current_thread().name)
+        hook(input_ids.shape[0])
+        return input_ids.float() * 2
+
+    wrapper = v1_wrapper(model, dbo_config, CUDAGraphMode.NONE)
+    capture_model(wrapper, dbo_config, CUDAGraphMode.FULL, "cuda")
+    assert len(threads) == 2 and isinstance(wrapper.cudagraphs[TOKENS].cudagraph, torch.cuda.CUDAGraph)
+    assert runs(evidence) == {"warmup": 0, "capture": 2, "served": 0, "replay": 0}
+    out = execute_model(wrapper, dbo_config, CUDAGraphMode.FULL, "cuda")
+    torch.cuda.synchronize()
+    assert out.tolist() == [0.0, 2.0, 4.0, 6.0] and len(threads) == 2
+    assert runs(evidence) == {"warmup": 0, "capture": 2, "served": 0, "replay": 1}
