@@ -146,10 +146,15 @@ def capture_model(wrapper, config, mode, device="cpu"):
     return v1_step(wrapper, config, mode, device)
 
 
+def warmup_kernels(wrapper, config, mode):  # vLLM's kernel warm-up runs its batches through execute_model
+    return execute_model(wrapper, config, mode)
+
+
 def test_a_warm_up_batch_in_dbo_microbatch_threads_is_not_served(tmp_path, no_gpu, dbo_config):
     """The fault: vLLM's V1 runner runs a dummy batch through ``UBatchWrapper``; the fused path runs
     in the two microbatch threads, whose stacks hold no ``_dummy_run``. Those batches are warm-up,
-    not served; the same wrapper's served step counts as served."""
+    not served, and so are those of vLLM's kernel warm-up (which calls ``execute_model``); the same
+    wrapper's served step counts as served."""
     from vllm.config import CUDAGraphMode
 
     evidence, threads = evidence_for(tmp_path), []
@@ -157,8 +162,10 @@ def test_a_warm_up_batch_in_dbo_microbatch_threads_is_not_served(tmp_path, no_gp
     _dummy_run(wrapper, dbo_config, CUDAGraphMode.NONE)
     assert len(threads) == 2 and threading.current_thread().name not in threads  # the forward ran in vLLM's threads
     assert runs(evidence) == {"warmup": 2, "capture": 0, "served": 0, "replay": 0}
+    warmup_kernels(wrapper, dbo_config, CUDAGraphMode.NONE)
+    assert runs(evidence) == {"warmup": 4, "capture": 0, "served": 0, "replay": 0}
     execute_model(wrapper, dbo_config, CUDAGraphMode.NONE)
-    assert runs(evidence) == {"warmup": 2, "capture": 0, "served": 2, "replay": 0}
+    assert runs(evidence) == {"warmup": 4, "capture": 0, "served": 2, "replay": 0}
 
 
 def test_a_graph_captured_in_dbo_microbatch_threads_counts_its_replays(tmp_path, no_gpu, dbo_config):
