@@ -134,3 +134,14 @@ def test_past_16_pairs_the_sign_flip_test_draws_2_to_the_16_seeded_patterns():
     p = stats.sign_flip_p([1.0] * 17)
     assert p * 2 ** 16 == int(p * 2 ** 16) and p != 2 / 2 ** 17  # drawn, not enumerated
     assert p == 6 / 2 ** 16  # seeded (random.Random(0)): the same draw every time
+
+
+def test_each_metric_reads_vllms_bench_key_and_faces_the_right_way():
+    """`vllm bench serve --save-result` keys; latencies better lower, throughput better higher: B at
+    half A's value is 2x better for a latency and 0.5x for throughput."""
+    keys = {"TTFT p50 (ms)": "median_ttft_ms", "TTFT p99 (ms)": "p99_ttft_ms", "TPOT p50 (ms)": "median_tpot_ms",
+            "TPOT p99 (ms)": "p99_tpot_ms", "ITL p50 (ms)": "median_itl_ms", "ITL p99 (ms)": "p99_itl_ms",
+            "E2EL p50 (ms)": "median_e2el_ms", "E2EL p99 (ms)": "p99_e2el_ms", "out tok/s": "output_throughput"}
+    for label, key in keys.items():
+        (row,) = stats.serving_rows({"A": {2: _runs(key, [10.0] * 6)}, "B": {2: _runs(key, [5.0] * 6)}})
+        assert (row.metric, row.ratio) == (label, 0.5 if key == "output_throughput" else 2.0), label
