@@ -425,3 +425,10 @@ def test_the_help_names_each_option_and_what_it_does(capsys):
                    "--compare FILE instead of tuning: time FILE's configs against the shipped ones at the benchmarks' "
                    "shapes; exit 1 where FILE's are slower", "--verbose say why each rejected candidate was"):
         assert phrase in text, phrase
+
+
+def test_without_out_the_file_goes_to_the_working_directory(fake_gpu, monkeypatch, tmp_path):
+    monkeypatch.setattr(tune, "tune_case", lambda case, shipped, tried, log: (shipped, 1.0, 1.0))
+    monkeypatch.chdir(tmp_path)
+    assert tune.main(["--kernels", names.QK_CACHE_KERNEL, "--tokens", "4", "--heads", "3"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["gfx942-AMD_Instinct_MI300X.json"]
