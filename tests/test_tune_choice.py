@@ -143,6 +143,9 @@ def test_codes_apart_reads_signs_and_magnitudes_of_one_byte_codes():
     want = torch.tensor([0x10, 0x90, 0x7E, 0x00, 0x01, 0x7F, 0x10], dtype=torch.uint8)
     got = torch.tensor([0x11, 0x91, 0x7E, 0x80, 0x81, 0x7E, 0x12], dtype=torch.uint8)
     assert tune._codes_apart(got, want) == (6, 3)  # +1, -1 (same sign); +0/-0 and 1/-1 flips; 0x7F->0x7E; +2
+    # adjacent as bytes, not as codes: 0x7F (the largest positive) and 0x80 (-0; e4m3fnuz's NaN) differ in sign
+    edge = torch.tensor([0x7F, 0x80, 0xFF], dtype=torch.uint8)
+    assert tune._codes_apart(edge, torch.tensor([0x80, 0x7F, 0x00], dtype=torch.uint8)) == (3, 3)
 
 
 @pytest.mark.xfail(strict=True, reason="tune._codes_apart converts bf16 values to int32 instead of reading their "
