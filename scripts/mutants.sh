@@ -75,6 +75,13 @@ tool="$venv_root/mutmut"
 # module (under k3_amd_overlay/) -> the tests that cover it; a word starting with "-" is a pytest option
 # (the compile report's own run takes minutes: each mutant of the modules it reaches would pay it)
 NO_COMPILE_REPORT=--deselect=tests/test_launch_configs.py::test_the_report_compiles_every_kernel_for_mi300x_with_the_fields_promised
+# the statistics tests of the A/B files (their harness tests start stand-in servers: minutes, and no statistics)
+AB_STATISTICS="test_ab.py::test_paired_serving_statistics_on_known_sets test_ab.py::test_sign_flip_p_by_hand
+  test_ab.py::test_the_serving_table_and_its_json test_ab.py::test_mcnemar_exact_p_values_known_by_hand
+  test_ab.py::test_paired_accuracy_finds_what_an_unpaired_se_misses test_ab_runs.py::test_default_repeats_can_reach_a_verdict
+  test_ab_runs.py::test_the_table_says_when_n_cannot_give_a_verdict
+  test_ab_runs.py::test_six_pairs_can_give_a_verdict_and_carry_no_note
+  test_ab_runs.py::test_paired_accuracy_says_when_too_few_questions_differ"
 declare -A TESTS=(
   [fusions/qk_cache.py]="test_field_faults.py test_predicates.py"
   [fusions/qkv_norm.py]="test_field_faults.py test_predicates.py"
@@ -104,7 +111,7 @@ declare -A TESTS=(
   [kernels/probe.py]="test_probe_sampling.py test_launch_configs.py $NO_COMPILE_REPORT"
   [tune.py]="test_tune_choice.py test_launch_configs.py test_tune_case.py $NO_COMPILE_REPORT"
   [bench/timing.py]="test_tune_timing.py"
-  [ab_stats.py]="test_ab_stats_sets.py test_ab.py"
+  [ab_stats.py]="test_ab_stats_sets.py $AB_STATISTICS"
 )
 # modules whose code only some releases run: mutated against such a release, not K3OVL_MUTANTS_VLLM
 declare -A VLLM_FOR=(
