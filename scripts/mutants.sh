@@ -78,7 +78,8 @@ NO_COMPILE_REPORT=--deselect=tests/test_launch_configs.py::test_the_report_compi
 # the statistics tests of the A/B files (their harness tests start stand-in servers: minutes, and no statistics)
 AB_STATISTICS="test_ab.py::test_paired_serving_statistics_on_known_sets test_ab.py::test_sign_flip_p_by_hand
   test_ab.py::test_the_serving_table_and_its_json test_ab.py::test_mcnemar_exact_p_values_known_by_hand
-  test_ab.py::test_paired_accuracy_finds_what_an_unpaired_se_misses test_ab_runs.py::test_default_repeats_can_reach_a_verdict
+  test_ab.py::test_paired_accuracy_finds_what_an_unpaired_se_misses
+  test_ab_runs.py::test_default_repeats_can_reach_a_verdict
   test_ab_runs.py::test_the_table_says_when_n_cannot_give_a_verdict
   test_ab_runs.py::test_six_pairs_can_give_a_verdict_and_carry_no_note
   test_ab_runs.py::test_paired_accuracy_says_when_too_few_questions_differ"
