@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import re
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -33,8 +32,9 @@ MIN_GAIN = 0.02  # a candidate replaces the shipped config only if faster by mor
 MISMATCH_ALLOWANCE = 1e-3  # extra share of query codes a candidate may have one step off the reference
 
 
-def candidates(kernel: str, tokens: int, amd: bool) -> list[dict[str, int]]:
-    """The configs tried for ``kernel`` at ``tokens`` tokens (AMD adds the 16-wide MFMA option)."""
+def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> list[dict[str, int]]:
+    """The configs tried for ``kernel`` at ``tokens`` tokens (AMD adds the 16-wide MFMA option), less
+    those the loader refuses on ``arch`` (default gfx942 or sm90): more warps than matrix tiles."""
     warps = (1, 2, 4, 8) if amd else (2, 4, 8)
     if kernel == names.RMSNORM_PAIR_KERNEL:
         return [{"ROWS_Q": q, "ROWS_KV": kv, "num_warps": w} for q in (1, 2) for kv in (1, 2, 4, 8)
@@ -47,7 +47,8 @@ def candidates(kernel: str, tokens: int, amd: bool) -> list[dict[str, int]]:
     found = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in tiles for n in (16, 32, 64, 128) for w in warps]
     if amd:
         found += [{**c, "matrix_instr_nonkdim": 16} for c in found if c["BLOCK_T"] >= 16]
-    return found
+    arch = arch or ("gfx942" if amd else "sm90")
+    return [c for c in found if launch_configs.dot_warps_fit(arch, kernel, c)]
 
 
 def _codes_apart(got: Any, want: Any) -> tuple[int, int]:
@@ -255,8 +256,7 @@ def with_catch_alls(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return ordered
 
 
-def device_slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+device_slug = launch_configs.device_slug
 
 
 def out_path(out: str, arch: str, device: str) -> Path:
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         for tokens, heads_here in shapes_of(kernel, heads, sorted(set(args.tokens)) if args.tokens else None):
             case = Case(kernel, tokens, heads_here, fmt)
             shipped = dict(launch_configs.rule_for(shipped_rules(where.arch, kernel), tokens, heads_here).config)
-            config, us, shipped_us = tune_case(case, shipped, candidates(kernel, tokens, amd), log)
+            config, us, shipped_us = tune_case(case, shipped, candidates(kernel, tokens, amd, where.arch), log)
             print(f"| {kernel} | {tokens} | {heads_here} | {shipped_us:.2f} | {us:.2f} | {shipped_us / us:.2f} | "
                   f"{config} |", flush=True)
             rule: dict[str, Any] = {"tokens": tokens, "config": config, "note": f"{us:.2f} us"}

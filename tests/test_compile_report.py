@@ -119,7 +119,6 @@ def _file(arch: str, kernel: str, config: dict[str, int]) -> dict:
     ("gfx950", {"BLOCK_N": 32, "BLOCK_T": 16, "num_warps": 8}, "16x32", "16x16", 2),
     ("gfx950", {"BLOCK_N": 32, "BLOCK_T": 32, "num_warps": 8}, "32x32", "32x32", 1),  # Triton's 32-wide MFMA
     ("gfx942", {"BLOCK_N": 32, "BLOCK_T": 32, "num_warps": 8, "matrix_instr_nonkdim": 16}, "32x32", "16x16", 4),
-    ("sm90", {"BLOCK_N": 32, "BLOCK_T": 16, "num_warps": 8}, "16x32", "16x8", 4),
 ])
 def test_the_loader_refuses_more_warps_than_matrix_tiles(arch, config, block, tile, allowed):
     message = (f"f.json {names.ABSORB_FP8_QK_CACHE_KERNEL} rule 0: num_warps = {config['num_warps']} on a {block} "
@@ -130,12 +129,21 @@ def test_the_loader_refuses_more_warps_than_matrix_tiles(arch, config, block, ti
     launch_configs.parse(_file(arch, names.ABSORB_FP8_QK_CACHE_KERNEL, fitting), "f.json")
 
 
+def test_nvidia_rules_keep_their_measured_warps():
+    """On the H200 the sm90 rules with more warps than 16x8 tiles measured faster than one warp per tile:
+    the loader bounds AMD files only."""
+    config = {"BLOCK_N": 32, "BLOCK_T": 16, "num_warps": 8}
+    launch_configs.parse(_file("sm90", names.ABSORB_FP8_QK_CACHE_KERNEL, config), "f.json")
+    assert launch_configs.dot_warps_fit("sm90", names.ABSORB_FP8_QK_CACHE_KERNEL, config)
+    assert not launch_configs.dot_warps_fit("gfx942", names.ABSORB_FP8_QK_CACHE_KERNEL, config)
+
+
 def test_one_token_programs_have_no_dot_to_bound():
     config = {"BLOCK_N": 16, "BLOCK_T": 1, "num_warps": 8}
     launch_configs.parse(_file("gfx950", names.ABSORB_FP8_QK_CACHE_KERNEL, config), "f.json")
 
 
-@pytest.mark.parametrize("arch", launch_configs.SHIPPED_ARCHS)
+@pytest.mark.parametrize("arch", [a for a in launch_configs.SHIPPED_ARCHS if a.startswith("gfx")])
 def test_no_shipped_rule_has_more_warps_than_its_block_has_tiles(arch):
     data = json.loads((launch_configs.CONFIG_DIR / f"{arch}.json").read_text())
     over = [(kernel, i, rule["config"]) for kernel, rules in data["kernels"].items()

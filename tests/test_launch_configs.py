@@ -226,8 +226,6 @@ def test_tune_tries_amd_options_only_on_amd_and_one_token_programs_only_for_one_
     assert {c["BLOCK_T"] for c in tune.candidates(names.ABSORB_FP8_QK_CACHE_KERNEL, 64, amd=False)} == {16, 32, 64}
 
 
-@pytest.mark.xfail(strict=True, reason="tune.candidates still offers more warps than a block has matrix tiles, which "
-                   "the loader refuses (the filter is proposed in the COMPILE report); remove this mark with it")
 def test_every_candidate_tune_tries_is_a_config_the_overlay_would_accept():
     for kernel in tune.TUNED_KERNELS:
         for config in tune.candidates(kernel, 32, amd=True):

@@ -57,6 +57,9 @@ DOT_TILE_KERNELS = (names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERN
 # block); Triton takes matrix_instr_nonkdim's size, and with it unset (0) 32 where both sides of the
 # block reach 32, else 16 (the compile report checks this prediction against the code object).
 # NVIDIA: mma.sync m16n8 (PTX ISA), and a warp's share of a Hopper wgmma is also 16 rows of 8-column steps.
+# The loader holds only AMD files to one warp per tile: on the H200 the sm90 rules with more warps than
+# 16x8 tiles measured 1.04-1.17x faster than the same blocks cut to one warp per tile (the extra warps
+# share the kernel's loads and cache writes; 2026-12-02, docs/benchmarks.md), so sm90 keeps them.
 AMD_MATRIX_SIZES = (16, 32)
 NVIDIA_WARP_TILE = (16, 8)
 
@@ -126,7 +129,7 @@ def max_dot_warps(arch: str, config: dict[str, int]) -> int:
 def dot_warps_fit(arch: str, kernel: str, config: dict[str, int]) -> bool:
     """Whether ``config`` keeps ``kernel``'s warps on distinct matrix tiles on ``arch`` (what the loader
     demands; ``tune`` can skip the candidates that do not)."""
-    if kernel not in DOT_TILE_KERNELS or config["BLOCK_T"] <= 1:
+    if kernel not in DOT_TILE_KERNELS or config["BLOCK_T"] <= 1 or not arch.startswith("gfx"):
         return True
     return config["num_warps"] <= max_dot_warps(arch, config)
 
