@@ -126,7 +126,7 @@ def test_paired_accuracy_pairs_only_shared_questions_and_names_the_direction():
                                 "answered right, 10 only B")
     worse = stats.PairedAccuracy.from_outcomes({q: q < 60 for q in range(100)}, a)
     assert worse.verdict().startswith("B is less accurate than A: McNemar exact p = 0.0020")
-    with pytest.raises(ValueError, match="^the arms answered no question in common: nothing to pair$"):
+    with pytest.raises(ValueError, match=r"^the arms answered no question in common: nothing to pair$"):
         stats.PairedAccuracy.from_outcomes({1: True}, {2: True})
 
 
