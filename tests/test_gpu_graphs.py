@@ -103,6 +103,10 @@ def capture_model(graph):  # named as vLLM's model runner names its capture (one
         graph.replay()
 
 
+def execute_model(run, *args):  # named as vLLM's worker names the step serving a batch
+    return run(*args)
+
+
 def test_fused_runs_are_told_apart_warm_up_capture_served_and_replayed(tmp_path):
     """On a GPU the evidence hook sees a CUDA-graph capture through the stream's capture state:
     a run inside vLLM's warm-up counts as warm-up, one inside a capture as the captured graph's
@@ -130,9 +134,9 @@ def test_fused_runs_are_told_apart_warm_up_capture_served_and_replayed(tmp_path)
     assert entry.runs == {"warmup": 1, "capture": 1, "served": 0, "replay": 0}
     capture_model(graph)
     for _ in range(3):
-        graph.replay()
-        other.replay()
-    hook(5)
+        execute_model(graph.replay)
+        execute_model(other.replay)
+    execute_model(hook, 5)
     torch.cuda.synchronize()
     assert entry.runs == {"warmup": 3, "capture": 1, "served": 1, "replay": 3} and entry.captured_sizes == [8]
     assert y.sum().item() == 8 and z.sum().item() == 16
@@ -160,6 +164,9 @@ def test_a_server_with_graphs_and_no_request_does_not_prove_served_traffic(tmp_p
         x.add_(1)
     verdict = judge([evidence.record], "fused", ["qk_cache"], require_effective=True)
     assert not verdict.holds and "captured into 1 graph" in verdict.lines[-1] and "send a request" in verdict.lines[-1]
-    graph.replay()
+    graph.replay()  # outside any served step of vLLM's: not served traffic
+    verdict = judge([evidence.record], "fused", ["qk_cache"], require_effective=True)
+    assert not verdict.holds, verdict.lines
+    execute_model(graph.replay)
     verdict = judge([evidence.record], "fused", ["qk_cache"], require_effective=True)
     assert verdict.holds, verdict.lines
