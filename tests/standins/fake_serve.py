@@ -19,15 +19,25 @@ env = dict(os.environ)
 if env.get("STANDIN_LIE"):
     env["K3_AMD_OVERLAY"] = env["STANDIN_LIE"]
 settings = load_settings(env)
-evidence = Evidence(settings) if settings.enabled else None  # off: the plugin installs nothing, writes no marker
+evidence = Evidence(settings) if settings.enabled else None  # off: the plugin installs nothing
+
+
+def execute_model(hook):  # named as vLLM's worker names the step serving a batch: the stand-in's batch is served
+    hook(1)
+
+
 for fusion in settings.fusions if evidence else ():
     if settings.mode is Mode.AUTO:
         evidence.note_layer(fusion, LayerDecision(FusionState.APPLIED, "standin", "stand-in"))
-        evidence.effective_hook(fusion, "model.layers.3.self_attn.attn")(1)
+        execute_model(evidence.effective_hook(fusion, "model.layers.3.self_attn.attn"))
     else:
         evidence.note_layer(fusion, LayerDecision(FusionState.FORCED_STOCK, None, "stock mode"))
 if evidence:
     evidence.publish()
+else:  # as the plugin does with the overlay off: one off record, nothing patched
+    from k3_amd_overlay import off_record
+
+    off_record.leave(settings)
 
 
 class Handler(BaseHTTPRequestHandler):
