@@ -145,3 +145,22 @@ def test_each_metric_reads_vllms_bench_key_and_faces_the_right_way():
     for label, key in keys.items():
         (row,) = stats.serving_rows({"A": {2: _runs(key, [10.0] * 6)}, "B": {2: _runs(key, [5.0] * 6)}})
         assert (row.metric, row.ratio) == (label, 0.5 if key == "output_throughput" else 2.0), label
+
+
+def test_the_table_is_one_row_a_line_and_names_what_n_cannot_reach():
+    a = [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]
+    six = stats.paired_row(8, "TPOT p50 (ms)", False, a, a)
+    three = stats.paired_row(16, "TPOT p50 (ms)", False, a[:3], a[:3])
+    lines = stats.render_serving([six, three]).split("\n")
+    assert lines[:2] == ["| conc | metric | A median | B median | B vs A (paired) | 95% CI | p | n | verdict |",
+                         "|---|---|---|---|---|---|---|---|---|"]
+    assert lines[2].startswith("| 8 | TPOT p50 (ms) | 12.50 | 12.50 | 1.000x |") and lines[3].startswith("| 16 |")
+    assert lines[4:] == ["", "with n=3 the smallest possible p is 0.25: no verdict possible (p < 0.05 needs n >= 6)"]
+
+
+def test_paired_outcomes_are_frozen():
+    import dataclasses
+
+    paired = stats.PairedAccuracy.from_outcomes({1: True}, {1: False})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        paired.only_a = 0
