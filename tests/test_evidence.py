@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +25,8 @@ from k3_amd_overlay.evidence import Evidence, process_role
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.record import LayerTally, MarkerRecord
 from k3_amd_overlay.settings import load_settings
+
+HOST = socket.gethostname()  # a record without a host is this machine's; check's lines name host and pid
 
 
 def settings_for(tmp_path, switch="1"):
@@ -218,9 +221,9 @@ def test_check_verdicts(records, expect, holds):
 def test_check_says_what_it_proved():
     lines = judge([record("auto", "applied", "upstream", served=7, captured=(1, 2), replayed=40)], "fused",
                   ["qk_cache"], require_effective=True).lines
-    assert lines[-1] == ("ok   qk_cache: served traffic took the fused path: 40 replays of the 2 graphs (pid 1: sizes "
-                         "1, 2) that recorded it, for served batches (pid 1: 40); 7 eager batches after startup "
-                         "(pid 1: 7)")
+    assert lines[-1] == (f"ok   qk_cache: served traffic took the fused path: 40 replays of the 2 graphs (host {HOST} "
+                         f"pid 1: sizes 1, 2) that recorded it, for served batches (host {HOST} pid 1: 40); 7 eager "
+                         f"batches after startup (host {HOST} pid 1: 7)")
     lines = judge([record("auto", "applied", "upstream", served=0)], "fused", ["qk_cache"],
                   require_effective=True).lines
     assert lines[-1].startswith("FAIL qk_cache: its fused path ran only in vLLM's own warm-up batches (5)")
@@ -230,9 +233,9 @@ def test_a_server_with_graphs_that_served_no_request_fails_with_that_reason():
     """Issue 19, fault 4: captures happen at startup; before the first request nothing was served."""
     lines = judge([record("auto", "applied", "applied", served=0, captured=(1, 2, 4))], "fused", ["qk_cache"],
                   require_effective=True).lines
-    assert lines[-1] == ("FAIL qk_cache: captured into 3 graphs (pid 1: sizes 1, 2, 4) at startup, but no served "
-                         "batch has run it yet (no replay of those graphs, no eager batch): send a request (a decode "
-                         "step) first")
+    assert lines[-1] == (f"FAIL qk_cache: captured into 3 graphs (host {HOST} pid 1: sizes 1, 2, 4) at startup, but "
+                         "no served batch has run it yet (no replay of those graphs, no eager batch): send a request "
+                         "(a decode step) first")
 
 
 def test_check_reads_live_markers_and_ignores_dead_ones(tmp_path):
@@ -281,15 +284,16 @@ def test_the_proof_line_sums_processes_and_names_each():
     two["fusions"]["absorb_qk_cache"] = {**two["fusions"]["qk_cache"], "captured_sizes": [], "runs": {
         "warmup": 0, "capture": 0, "served": 2, "replay": 0}}
     lines = judge([one, two], "fused", ["qk_cache"], require_effective=True).lines
-    assert lines[-1] == ("ok   qk_cache: served traffic took the fused path: 7 replays of the 3 graphs (pid 1: sizes "
-                         "1, 2; pid 2: sizes 4) that recorded it, for served batches (pid 1: 6, pid 2: 1); 10 eager "
-                         "batches after startup (pid 1: 3, pid 2: 5, pid 2 in the absorb_qk_cache launch: 2)")
+    one_, two_ = f"host {HOST} pid 1", f"host {HOST} pid 2"
+    assert lines[-1] == (f"ok   qk_cache: served traffic took the fused path: 7 replays of the 3 graphs ({one_}: sizes "
+                         f"1, 2; {two_}: sizes 4) that recorded it, for served batches ({one_}: 6, {two_}: 1); 10 "
+                         f"eager batches after startup ({one_}: 3, {two_}: 5, {two_} in the absorb_qk_cache launch: 2)")
 
 
 @pytest.mark.parametrize("served,captured,replayed,text", [
-    (1, (8,), 1, "1 replay of the 1 graph (pid 1: sizes 8) that recorded it, for served batches (pid 1: 1); "
-                 "1 eager batch after startup (pid 1: 1)"),
-    (2, (), 0, "2 eager batches after startup (pid 1: 2)"),
+    (1, (8,), 1, f"1 replay of the 1 graph (host {HOST} pid 1: sizes 8) that recorded it, for served batches (host "
+                 f"{HOST} pid 1: 1); 1 eager batch after startup (host {HOST} pid 1: 1)"),
+    (2, (), 0, f"2 eager batches after startup (host {HOST} pid 1: 2)"),
 ])
 def test_the_proof_line_counts_in_words(served, captured, replayed, text):
     lines = judge([record("auto", "applied", "applied", served=served, captured=captured, replayed=replayed)], "fused",
@@ -326,8 +330,9 @@ def test_the_verdict_lines_word_for_word():
     off = record("off", "disabled", "disabled", pid=7)
     stock = record("stock", "forced-stock", "forced-stock", effective=False, pid=8)
     lines = judge([off, stock], "stock", ["qk_cache"], require_effective=True).lines
-    assert lines == ["FAIL pid 7 (worker, vLLM 0.33.0): overlay off: proves neither fused nor stock",
-                     "ok   pid 8 (worker, vLLM 0.33.0): qk_cache=forced-stock provider=triton on 2 layers (r)"]
+    assert lines == [f"FAIL host {HOST} pid 7 (worker, vLLM 0.33.0): overlay off: proves neither fused nor stock",
+                     f"ok   host {HOST} pid 8 (worker, vLLM 0.33.0): qk_cache=forced-stock provider=triton on 2 "
+                     "layers (r)"]
     client = {**off, "role": "cli-client", "pid": 9}
     assert judge([client, record("auto", "applied", "applied")], "fused", ["qk_cache"], require_effective=True).holds
 
@@ -340,11 +345,11 @@ def test_a_process_without_layers_under_expect_fused_word_for_word():
     worker = record("auto", "applied", "applied", pid=6, layers=1)
     lines = judge([server, stock, worker], "fused", ["qkv_norm", "qk_cache"], require_effective=True).lines
     assert lines[:4] == [
-        "ok   pid 4 (api-server, vLLM 0.33.0): overlay on (qkv_norm, qk_cache); builds no K3 MLA layer, "
+        f"ok   host {HOST} pid 4 (api-server, vLLM 0.33.0): overlay on (qkv_norm, qk_cache); builds no K3 MLA layer, "
         "nothing to fuse here",
-        "FAIL pid 5 (api-server, vLLM 0.33.0): overlay in stock mode",
-        "ok   pid 6 (worker, vLLM 0.33.0): qkv_norm=applied provider=triton on 1 layer (r)",
-        "ok   pid 6 (worker, vLLM 0.33.0): qk_cache=applied provider=triton on 1 layer (r)",
+        f"FAIL host {HOST} pid 5 (api-server, vLLM 0.33.0): overlay in stock mode",
+        f"ok   host {HOST} pid 6 (worker, vLLM 0.33.0): qkv_norm=applied provider=triton on 1 layer (r)",
+        f"ok   host {HOST} pid 6 (worker, vLLM 0.33.0): qk_cache=applied provider=triton on 1 layer (r)",
     ]
 
 
@@ -352,7 +357,7 @@ def test_mixed_stock_ran_and_unproved_verdict_lines_word_for_word():
     split = record("auto", "applied", "applied", pid=3, layers=24, served=0, warmup=0, effective=False)
     split["fusions"]["qk_cache"]["layer_states"] = {"applied": {"layers": 1, "reason": "triton"},
                                                     "refused": {"layers": 23, "reason": "x"}}
-    who = "pid 3 (worker, vLLM 0.33.0)"
+    who = f"host {HOST} pid 3 (worker, vLLM 0.33.0)"
     mixed = (f"{who}: qk_cache=applied provider=triton on 24 layers (r); mixed across layers: "
              "applied on 1/24 (triton), refused on 23/24 (x)")
     assert judge([split], "fused", ["qk_cache"], require_effective=True).lines == [
@@ -368,7 +373,8 @@ def test_mixed_stock_ran_and_unproved_verdict_lines_word_for_word():
         f"FAIL {who}: qk_cache=forced-stock provider=triton on 2 layers (r); its fused path ran"]
     server = record("auto", "pending", "pending", layers=0, effective=False, role="api-server", pid=4)
     assert judge([server], "fused", ["qk_cache"], require_effective=False).lines == [
-        "ok   pid 4 (api-server, vLLM 0.33.0): overlay on (qk_cache); builds no K3 MLA layer, nothing to fuse here",
+        f"ok   host {HOST} pid 4 (api-server, vLLM 0.33.0): overlay on (qk_cache); builds no K3 MLA layer, nothing to "
+        "fuse here",
         "FAIL no live process has built a K3 MLA layer (is the model loaded in a process that shares this "
         "marker directory?)"]
 
@@ -711,7 +717,9 @@ def test_check_merges_the_json_of_several_nodes_into_one_verdict(tmp_path, capsy
     def node(name, *records):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({"expect": "fused", "holds": True, "lines": [], "notes": [], "host": name,
-                                    "records": [MarkerRecord.from_json(r).to_json() for r in records]}))
+                                    "marker_dir": "/m", "source": "markers",
+                                    "records": [{**MarkerRecord.from_json(r).to_json(), "host": name}
+                                                for r in records]}))
         return str(path)
 
     one = node("node-a", record("auto", "applied", "applied", pid=11))
@@ -721,7 +729,7 @@ def test_check_merges_the_json_of_several_nodes_into_one_verdict(tmp_path, capsy
     out = capsys.readouterr().out
     assert f"note {one}: 1 process from host node-a" in out and "HOLDS: expect fused (2 processes)" in out
     assert main(["check", "--expect", "fused", "--merge", one, stock]) == 1
-    assert "FAIL pid 12 (worker, vLLM 0.33.0): qkv_norm=forced-stock" in capsys.readouterr().out
+    assert "FAIL host node-c pid 12 (worker, vLLM 0.33.0): qkv_norm=forced-stock" in capsys.readouterr().out
     (tmp_path / "bad.json").write_text("{}")
     assert main(["check", "--expect", "fused", "--merge", str(tmp_path / "bad.json")]) == 2
     assert "bad.json is not the output of `k3-amd-overlay check --json`" in capsys.readouterr().err
@@ -762,8 +770,10 @@ def test_check_usage_errors_exit_2_with_the_reason(argv, message, capsys):
 
 
 def test_check_json_is_json_when_the_static_probe_fails(monkeypatch, capsys):
-    from k3_amd_overlay import cli
+    from k3_amd_overlay import cli, doctor
 
+    monkeypatch.setenv("K3_AMD_OVERLAY", "1")  # with the overlay off here no probe runs: it says so instead
+    monkeypatch.setattr(doctor, "run_doctor", lambda: ({"switch": {"mode": "auto"}, "fusions": {}}, False))
     monkeypatch.setattr(cli, "static_record", lambda: (None, "ImportError: no vllm"))
     assert cli.main(["check", "--expect", "fused", "--static", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
