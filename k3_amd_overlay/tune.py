@@ -56,7 +56,8 @@ def _codes_apart(got: Any, want: Any) -> tuple[int, int]:
     (fp8 bytes or bf16/fp16 bits: sign and magnitude)."""
     import torch
 
-    got_i, want_i = got.view(-1).to(torch.int32), want.view(-1).to(torch.int32)
+    code = {1: torch.uint8, 2: torch.int16}[got.element_size()]  # the bits, not the values (bf16 -> int16)
+    got_i, want_i = got.reshape(-1).view(code).to(torch.int32), want.reshape(-1).view(code).to(torch.int32)
     bits = got.element_size() * 8
     sign = 1 << (bits - 1)
     magnitude = sign - 1

@@ -148,9 +148,6 @@ def test_codes_apart_reads_signs_and_magnitudes_of_one_byte_codes():
     assert tune._codes_apart(edge, torch.tensor([0x80, 0x7F, 0x00], dtype=torch.uint8)) == (3, 3)
 
 
-@pytest.mark.xfail(strict=True, reason="tune._codes_apart converts bf16 values to int32 instead of reading their "
-                   "bits (got.view(-1).to(torch.int32)), so the norm kernel's bytes check sees most differences as "
-                   "none: a real fault; remove this mark with the fix (see the MUTANTS report)")
 def test_codes_apart_reads_the_bits_of_two_byte_codes():
     want = torch.tensor([0.5, 0.25, 3.0, 1.5], dtype=torch.bfloat16)
     one_ulp = (want.view(torch.int16) + torch.tensor([1, 0, 0, 0], dtype=torch.int16)).view(torch.bfloat16)
@@ -202,7 +199,13 @@ def test_the_candidate_grid_of_each_kernel():
         plain = {c["BLOCK_T"] for c in found if "matrix_instr_nonkdim" not in c}
         wide = {c["BLOCK_T"] for c in found if "matrix_instr_nonkdim" in c}
         assert all(c.get("matrix_instr_nonkdim", 16) == 16 for c in found)
-        assert len(found) == 16 * len(plain) * (4 if amd else 3) // 4 + (16 * len(wide) if amd else 0)
+        arch = "gfx942" if amd else "sm90"  # only configs the loader accepts there: one warp per matrix tile on AMD
+        full = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in plain for n in (16, 32, 64, 128)
+                for w in ((1, 2, 4, 8) if amd else (2, 4, 8))]
+        full += [{**c, "matrix_instr_nonkdim": 16} for c in full if c["BLOCK_T"] >= 16] if amd else []
+        fitting = {tuple(sorted(c.items())) for c in full if launch_configs.dot_warps_fit(arch, kernel, c)}
+        assert {tuple(sorted(c.items())) for c in found} == fitting
+        assert len(fitting) < len(full) if amd and 16 in plain else len(fitting) == len(full)
         return plain, wide
 
     assert tiles(names.ABSORB_QK_CACHE_KERNEL, 1, True) == ({16}, {16})
