@@ -15,8 +15,6 @@ from k3_amd_overlay.kernels import launch_configs, names, target
 # Decode batches and per-rank query heads swept to reach every rule (K3: 96 heads over TP 1..96).
 TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 HEADS = tuple(sorted(set(k3.HEADS_PER_RANK.values())))
-ABSORB_WEIGHTS = {names.ABSORB_QK_CACHE_KERNEL: "query dtype", names.ABSORB_FP8_QK_CACHE_KERNEL: "fp8",
-                  names.ABSORB_MXFP4_QK_CACHE_KERNEL: "mxfp4"}
 
 
 def launch_at(kernel: str, device: torch.device, dtype: torch.dtype, tokens: int, heads: int,
