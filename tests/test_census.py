@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kineto_traces import ranged_events
 
 from k3_amd_overlay import census
 from k3_amd_overlay.cli import main
@@ -409,24 +410,8 @@ def test_census_into_a_closed_pipe_stops_without_a_traceback(tmp_path):
 
 
 def _ranged_trace(path: Path, steps: list[list[tuple[str | None, list[str]]]], ranges: bool = True) -> Path:
-    """A Kineto-shaped trace: per step, blocks of (overlay range or None, kernels launched in it),
-    each kernel with its launch (a runtime event on the CPU thread) linked by correlation id."""
-    events, t, corr = [], 0.0, 0
-    for blocks in steps:
-        for region_name, kernels in blocks:
-            start = t
-            for name in kernels:
-                corr += 1
-                events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
-                               "ts": t + 1, "dur": 1, "args": {"correlation": corr}})
-                events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": t + 3, "dur": 2.0,
-                               "args": {"correlation": corr}})
-                t += 4
-            if region_name and ranges:
-                events.append({"ph": "X", "cat": "user_annotation", "name": region_name, "pid": 1, "tid": 1,
-                               "ts": start, "dur": t - start})
-            t += 1
-    path.write_text(json.dumps({"traceEvents": events}))
+    """A Kineto-shaped trace file of ``steps`` (tests/kineto_traces.py)."""
+    path.write_text(json.dumps({"traceEvents": ranged_events(steps, ranges)}))
     return path
 
 

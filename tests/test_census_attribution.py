@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from kineto_traces import ranged_events
 
 from k3_amd_overlay import census
 from k3_amd_overlay.cli import main
@@ -32,21 +33,8 @@ def _trace(path: Path, layers: list[str], ranges: bool = True, nest: bool = Fals
     """A Kineto-shaped trace: per layer a model GEMM outside the ranges, then a decode range of the
     given kind (kernels linked to their launches by correlation id). ``nest`` opens a second decode
     range inside the first one."""
-    events, t, corr = [], 0.0, 0
-    for kind in layers:
-        for region, kernels in ((None, [GEMM]), (DECODE, [*DECODES[kind], "mla_decode_stage1_kernel", GEMM])):
-            start = t
-            for name in kernels:
-                corr += 1
-                events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
-                               "ts": t + 1, "dur": 1, "args": {"correlation": corr}})
-                events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": t + 3, "dur": 2.0,
-                               "args": {"correlation": corr}})
-                t += 4
-            if region and ranges:
-                events.append({"ph": "X", "cat": "user_annotation", "name": region, "pid": 1, "tid": 1,
-                               "ts": start, "dur": t - start})
-            t += 1
+    steps = [[(None, [GEMM]), (DECODE, [*DECODES[kind], "mla_decode_stage1_kernel", GEMM])] for kind in layers]
+    events = ranged_events(steps, ranges)
     if nest:
         outer = next(e for e in events if e["name"] == DECODE)
         events.append({**outer, "ts": outer["ts"] + 4, "dur": outer["dur"] - 8})

@@ -1,0 +1,29 @@
+"""Kineto-shaped profiler traces built in the census tests: kernels linked to their launches (a
+runtime event on the CPU thread) by correlation id, optionally inside the overlay's ranges."""
+
+from __future__ import annotations
+
+from typing import Any
+
+Blocks = list[tuple[str | None, list[str]]]
+
+
+def ranged_events(steps: list[Blocks], ranges: bool = True) -> list[dict[str, Any]]:
+    """Per step, blocks of (overlay range or None, kernels launched in it): the trace's events."""
+    events: list[dict[str, Any]] = []
+    t, corr = 0.0, 0
+    for blocks in steps:
+        for region_name, kernels in blocks:
+            start = t
+            for name in kernels:
+                corr += 1
+                events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                               "ts": t + 1, "dur": 1, "args": {"correlation": corr}})
+                events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": t + 3, "dur": 2.0,
+                               "args": {"correlation": corr}})
+                t += 4
+            if region_name and ranges:
+                events.append({"ph": "X", "cat": "user_annotation", "name": region_name, "pid": 1, "tid": 1,
+                               "ts": start, "dur": t - start})
+            t += 1
+    return events
