@@ -31,6 +31,25 @@ MARKER_INTERVAL_S = 2.0
 REPLAY_COUNTED = "_k3_overlay_counted_fusions"  # on a CUDA graph instance: the fusions its replays count for
 
 
+def process_record(settings: OverlaySettings, fusions: dict[str, FusionEntry], **fields: Any) -> MarkerRecord:
+    """A record of this process as it is now (pid, start time, role, process name, versions, switch)
+    in ``settings``' mode, with ``fusions`` and any further ``fields``."""
+    pid = os.getpid()
+    return MarkerRecord(
+        pid=pid,
+        mode=settings.mode,
+        fusions=fusions,
+        start_ticks=markers.process_start_ticks(pid),
+        role=process_role(),
+        process_name=multiprocessing.current_process().name,
+        overlay_version=__version__,
+        vllm_version=installed_vllm_version(),
+        switch=settings.raw,
+        strict=settings.strict,
+        **fields,
+    )
+
+
 class Evidence:
     """The record of one process. Thread-safe; every change is written out atomically."""
 
@@ -44,21 +63,9 @@ class Evidence:
         self._last_write = 0.0
         self._flush_registered = False
         self._generation = 0  # bumped in a forked child: the parent's first-run flags are not the child's
-        pid = os.getpid()
-        self.record = MarkerRecord(
-            pid=pid,
-            mode=settings.mode,
-            fusions={f: FusionEntry(self._initial_state(settings, f), reason=self._initial_reason(settings, f))
-                     for f in FUSIONS},
-            start_ticks=markers.process_start_ticks(pid),
-            role=process_role(),
-            process_name=multiprocessing.current_process().name,
-            overlay_version=__version__,
-            vllm_version=installed_vllm_version(),
-            switch=settings.raw,
-            strict=settings.strict,
-            vllm_shape=shape,
-        )
+        self.record = process_record(
+            settings, {f: FusionEntry(self._initial_state(settings, f), reason=self._initial_reason(settings, f))
+                       for f in FUSIONS}, vllm_shape=shape)
         self._forked = False
         try:
             self._directory = markers.ensure_marker_dir(settings.marker_dir)

@@ -15,13 +15,11 @@ import os
 import time
 
 from k3_amd_overlay import markers
-from k3_amd_overlay.evidence import _emit
+from k3_amd_overlay.evidence import _emit, process_record
 from k3_amd_overlay.fusions.states import FusionState
-from k3_amd_overlay.package import FUSIONS, __version__
-from k3_amd_overlay.process_identity import process_role
+from k3_amd_overlay.package import FUSIONS
 from k3_amd_overlay.record import FusionEntry, MarkerRecord
-from k3_amd_overlay.settings import SWITCH, Mode, OverlaySettings
-from k3_amd_overlay.versions import installed_vllm_version
+from k3_amd_overlay.settings import SWITCH, OverlaySettings
 
 
 class _OffState:
@@ -39,21 +37,9 @@ _state = _OffState()
 
 def build(settings: OverlaySettings) -> MarkerRecord:
     """This process's off record, read now (its pid, start time, role, process name)."""
-    pid = os.getpid()
     reason = f"overlay off ({SWITCH}={settings.raw!r})"
-    return MarkerRecord(
-        pid=pid,
-        mode=Mode.OFF,
-        fusions={f: FusionEntry(FusionState.DISABLED, reason=reason) for f in FUSIONS},
-        start_ticks=markers.process_start_ticks(pid),
-        role=process_role(),
-        process_name=multiprocessing.current_process().name,
-        overlay_version=__version__,
-        vllm_version=installed_vllm_version(),
-        switch=settings.raw,
-        strict=settings.strict,
-        updated=time.time(),
-    )
+    return process_record(settings, {f: FusionEntry(FusionState.DISABLED, reason=reason) for f in FUSIONS},
+                          updated=time.time())
 
 
 def leave(settings: OverlaySettings) -> MarkerRecord:
