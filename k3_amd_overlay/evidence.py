@@ -138,6 +138,13 @@ class Evidence:
             self.record.launch_configs = launch_configs
             self._write()
 
+    def update_launch_configs(self, entries: dict[str, Any]) -> None:
+        """Add to what ``set_launch_configs`` recorded: the configs degraded in this process and the
+        seconds the ahead-of-time compile took (targets/installer.py)."""
+        with self._lock:
+            self.record.launch_configs = {**self.record.launch_configs, **entries}
+            self._write()
+
     def set_upstream_defects(self, defects: list[dict[str, Any]]) -> None:
         """Known defects of this vLLM's own K3 code (targets/defects.py), and whether this
         process's environment triggers them."""

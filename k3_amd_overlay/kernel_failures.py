@@ -1,14 +1,19 @@
-"""A fused kernel that fails on this GPU never takes the server down: Triton that cannot build a
-kernel for this arch (an older ROCm Triton, an unexpected GPU), a launch the device refuses, or a
-provider that raises refuses that fusion for the rest of the process. The batch at hand and every
-later one run vLLM's stock path; the compiler's message goes to the log (error) and into the
+"""A fused kernel that fails on this GPU never takes the server down. A config that fails (Triton
+cannot build it for this arch, or the device refuses its launch) is first replaced, in the rules
+that pick it, by the arch's safe config and the launch tried again (``launch_configs.degrade``; the
+marker's ``launch_configs.degraded`` says which); only a failure that remains (the safe config fails
+too, a provider that raises) refuses that fusion for the rest of the process. The batch at hand and
+every later one run vLLM's stock path; the compiler's message goes to the log (error) and into the
 marker as the fusion's reason, so ``check`` reports it. The sites compile every config a layer can
-pick at its first fused call (``kernels.probe.precompile``), which vLLM makes in its warm-up runs,
-before capturing any graph, so a failure shows there, not in served traffic.
+pick when the layer is installed (``kernels.probe.precompile``, at model load, before the profile
+run and any graph capture), so a failure to build shows there, not in served traffic.
 
-A failure raised inside the fused launch leaves nothing written: Triton compiles and checks a
-launch before the kernel starts, and the overlay's providers write the KV cache and the query only
-in that one launch."""
+A failed launch writes nothing itself: Triton compiles and checks a launch before the kernel
+starts, and each Triton provider writes the KV cache and the query in that one launch. What the
+site ran before it stands: on the qk_cache path vLLM's W_UK product and the query buffer. Outside a
+CUDA graph capture that is work thrown away; inside one it stays recorded in the graph, before the
+stock path's own calls, and is replayed with them: extra work whose result nothing reads, never a
+second write of the KV cache."""
 
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from k3_amd_overlay.kernels.launch_configs import ConfigDegraded
+
 logger = logging.getLogger("vllm.k3_amd_overlay")
 T = TypeVar("T")
 
@@ -24,13 +31,18 @@ _lock = threading.Lock()
 _failed: dict[str, str] = {}  # fusion -> why, for this process (a forked child inherits it)
 
 
+def summary(cause: BaseException) -> str:
+    """``cause`` in one line: its type and the last line of its message (the compiler's verdict)."""
+    last_line = (str(cause).strip().splitlines() or [""])[-1]
+    return f"{type(cause).__name__}: {last_line}" if last_line else type(cause).__name__
+
+
 class KernelFailed(Exception):
     """A fused launch of ``fusion`` raised ``cause``; the site runs stock instead."""
 
     def __init__(self, fusion: str, cause: BaseException) -> None:
-        first_line = (str(cause).strip().splitlines() or [""])[-1]
         self.fusion = fusion
-        self.why = f"{type(cause).__name__}: {first_line}" if first_line else type(cause).__name__
+        self.why = summary(cause)
         super().__init__(f"{fusion}: {self.why}")
 
 
@@ -43,14 +55,20 @@ def reason(fusion: str) -> str | None:
     return _failed.get(fusion)
 
 
-def guarded(fusion: str, launch: Callable[[], T]) -> T:
-    """``launch()``, any exception it raises turned into ``KernelFailed`` for ``fusion``."""
-    try:
-        return launch()
-    except KernelFailed:
-        raise
-    except Exception as exc:
-        raise KernelFailed(fusion, exc) from exc
+def guarded(fusion: str, launch: Callable[[], T], on_degraded: Callable[[], None] | None = None) -> T:
+    """``launch()``, tried again each time a failed config was degraded to the safe one (then
+    ``on_degraded()``: the marker records it); any other exception it raises turned into
+    ``KernelFailed`` for ``fusion``. Each retry has degraded another config, so the retries end."""
+    while True:
+        try:
+            return launch()
+        except KernelFailed:
+            raise
+        except ConfigDegraded:
+            if on_degraded is not None:
+                on_degraded()
+        except Exception as exc:
+            raise KernelFailed(fusion, exc) from exc
 
 
 def refuse(failure: KernelFailed, record: Callable[[str, str], None]) -> None:

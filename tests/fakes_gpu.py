@@ -1,7 +1,7 @@
 """Fakes for the decisions the overlay makes only on a GPU, so a CPU test can reach them: a CUDA
 runtime that answers device names and indices (and counts the questions), a Triton JIT function
-that records its launches and compiles, a timer whose answers are scripted per config, and a CUDA
-graph and events whose elapsed times are scripted."""
+that records its launches and compiles (and fails those a test plants), a timer whose answers are
+scripted per config, and a CUDA graph and events whose elapsed times are scripted."""
 
 from __future__ import annotations
 
@@ -32,17 +32,27 @@ class FakeJit:
         def __init__(self, name: str) -> None:
             self.__name__ = name
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, fails: Callable[[dict[str, Any]], BaseException | None] | None = None) -> None:
         self.fn = self._Fn(name)
+        self.fails = fails  # options -> the error Triton raises for them (None: it builds)
         self.runs: list[tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]] = []
         self.warmups: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self.refused: list[dict[str, Any]] = []  # options of each compile or launch that raised
+
+    def _check(self, options: dict[str, Any]) -> None:
+        error = self.fails(options) if self.fails is not None else None
+        if error is not None:
+            self.refused.append(options)
+            raise error
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
         def run(*args: Any, **options: Any) -> None:
+            self._check(options)
             self.runs.append((grid, args, options))
         return run
 
     def warmup(self, *args: Any, **options: Any) -> str:
+        self._check(options)
         self.warmups.append((args, options))
         return f"compiled-{len(self.warmups)}"
 

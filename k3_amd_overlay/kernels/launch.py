@@ -1,6 +1,9 @@
 """The one way the overlay's kernels are launched: the config for the launch from the arch's
 launch-config table, and the launch itself, which in compile-only mode (``kernels --arch``)
-compiles for the named AMD arch and records the result instead of running."""
+compiles for the named AMD arch and records the result instead of running. A launch (or a site's
+ahead-of-time compile) that fails on the table's config degrades that config to the arch's safe one
+and raises ``ConfigDegraded`` for the caller to try again (``launch_configs.degrade``); a forced
+config (``tune``) and a compile for a named arch are never degraded: their failures are the answer."""
 
 from __future__ import annotations
 
@@ -12,9 +15,13 @@ from typing import Any
 
 import torch
 
+from k3_amd_overlay import kernel_failures
 from k3_amd_overlay.kernels import launch_configs, target
 
 _forced: ContextVar[dict[str, int] | None] = ContextVar("k3_amd_overlay_forced_config", default=None)
+# The table's pick for the launch being prepared: (kernel, arch, GPU name, tokens, heads), for ``degrade``.
+_picked: ContextVar[tuple[str, str, str | None, int, int] | None] = ContextVar("k3_amd_overlay_picked",
+                                                                               default=None)
 
 
 @contextlib.contextmanager
@@ -43,25 +50,47 @@ def config_for(kernel: str, device: torch.device, num_tokens: int, num_heads: in
     """The launch config of ``kernel`` for this many tokens and heads on ``device``'s arch."""
     where = target.of(device)
     config = _forced.get()
+    _picked.set(None)
     if config is not None:
         amd = where.backend == target.HIP
         return {k: v for k, v in config.items() if amd or k not in launch_configs.AMD_ONLY_OPTIONS}
     session = target.compile_session()
-    name = None if session is not None and session.target is not None else device_name(device)
-    return launch_configs.choose(kernel, where.arch, name, num_tokens, num_heads, amd=where.backend == target.HIP)
+    named_arch = session is not None and session.target is not None
+    name = None if named_arch else device_name(device)
+    chosen = launch_configs.choose(kernel, where.arch, name, num_tokens, num_heads, amd=where.backend == target.HIP)
+    if not named_arch:
+        _picked.set((kernel, where.arch, name, num_tokens, num_heads))
+    return chosen
 
 
 def describe(device: torch.device) -> dict[str, Any]:
-    """For the marker: the arch, the GPU, and where each kernel's launch configs come from."""
+    """For the marker: the arch, the GPU, where each kernel's launch configs come from, and
+    (``error``) the file for this GPU that cannot be used; never raises."""
     where = target.of(device)
     name = device_name(device)
-    return {"arch": where.arch, "device": name, "kernels": launch_configs.sources(where.arch, name)}
+    found: dict[str, Any] = {"arch": where.arch, "device": name}
+    try:
+        found["kernels"] = launch_configs.sources(where.arch, name)
+    except launch_configs.LaunchConfigError as exc:  # the shipped file: every fused Triton kernel refused
+        return {**found, "kernels": {}, "error": str(exc)}
+    error = launch_configs.startup_error(where.arch, name)
+    return {**found, "error": error} if error else found
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
-    """``kernel[grid](*args, **options)``, or its compile for the compile-only target."""
+    """``kernel[grid](*args, **options)``, or its compile for the compile-only target. A failure on
+    the table's config degrades it and raises ``ConfigDegraded`` (from the failure) where the safe
+    config is left to try; otherwise the failure itself."""
+    picked, _ = _picked.get(), _picked.set(None)
     session = target.compile_session()
-    if session is None:
-        kernel[grid](*args, **options)
-    else:
-        session.compiled.append((kernel.fn.__name__, options, kernel.warmup(*args, grid=grid, **options)))
+    try:
+        if session is None:
+            kernel[grid](*args, **options)
+        else:
+            session.compiled.append((kernel.fn.__name__, options, kernel.warmup(*args, grid=grid, **options)))
+    except Exception as exc:
+        if picked is None or picked[0] != kernel.fn.__name__:
+            raise
+        if launch_configs.degrade(*picked, kernel_failures.summary(exc)):
+            raise launch_configs.ConfigDegraded(f"{picked[0]}: {kernel_failures.summary(exc)}") from exc
+        raise

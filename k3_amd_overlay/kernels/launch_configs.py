@@ -4,7 +4,17 @@ The package ships one file per arch (``configs/<arch>.json``: sm90, where the or
 measured, and AMD's gfx942 and gfx950); ``k3-amd-overlay tune`` writes a file for one device, which
 the variable ``K3_AMD_OVERLAY_KERNEL_CONFIGS`` (a file, or a directory of tuned files) puts first. In
 a directory only the file named ``<arch>-<device>.json`` for this GPU is read (other names are
-ignored, with a warning naming them); that file, once found, must be well formed.
+ignored, with a warning naming them). A tuned file for this GPU that cannot be used (malformed, for
+another arch or GPU) never stops a worker: one ERROR line names the file and the problem, the
+shipped file serves instead, and ``startup_error`` gives ``doctor`` and the marker the same line; a
+shipped file that cannot be used refuses the fused Triton kernels (the first launch raises inside
+the sites' failure containment).
+
+A config that fails to compile or launch on this GPU is replaced, in every rule of its kernel that
+picks it and only there, by the arch's safe config: the catch-all (last) rule of the shipped file
+the arch uses (``safe_config``), the one config each kernel has been compiled and checked with on
+every shipped arch. ``degrade`` records it (``degraded``: for the marker); the launch is tried again;
+only a safe config that fails too leaves the failure to refuse the fusion (kernel_failures.py).
 
 An arch without a shipped file (gfx908, gfx90a, gfx1100, gfx1201, ...; an NVIDIA GPU other than sm90)
 takes the nearest shipped file untuned, with a WARNING and a note in each kernel's source (the marker,
@@ -24,6 +34,7 @@ import json
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +77,11 @@ NVIDIA_WARP_TILE = (16, 8)
 
 class LaunchConfigError(ValueError):
     """A launch-config file (shipped, tuned, or named by K3_AMD_OVERLAY_KERNEL_CONFIGS) is unusable."""
+
+
+class ConfigDegraded(Exception):
+    """A launch failed on its config, which ``degrade`` has just replaced by the safe config: the
+    launch is worth trying again (``kernel_failures.guarded`` and the ahead-of-time compile do)."""
 
 
 @dataclass(frozen=True)
@@ -301,9 +317,35 @@ def tuned_file(setting: str, arch: str, device_name: str | None) -> ConfigFile |
 
 
 @functools.cache
+def _log_unusable(message: str) -> None:
+    logger.error("K3 AMD overlay: %s", message)
+
+
+@functools.cache
+def _tuned(setting: str, arch: str, device_name: str | None) -> tuple[ConfigFile | None, str | None]:
+    """``tuned_file``, or None and why the file this GPU would read cannot be used (logged once)."""
+    try:
+        return tuned_file(setting, arch, device_name), None
+    except LaunchConfigError as exc:
+        message = f"{exc}; this GPU's kernels take the shipped {shipped_arch(arch)} launch configs instead"
+        _log_unusable(message)
+        return None, message
+
+
+def _shipped_for(arch: str) -> ConfigFile:
+    """The shipped file ``arch`` uses; a bad one raises with what it means for the fusions (logged once)."""
+    try:
+        return shipped(shipped_arch(arch))
+    except LaunchConfigError as exc:
+        message = f"{exc}; the fused Triton kernels are refused (stock runs)"
+        _log_unusable(message)
+        raise LaunchConfigError(message) from None
+
+
+@functools.cache
 def _resolve(arch: str, device_name: str | None, setting: str) -> dict[str, tuple[tuple[Rule, ...], Source]]:
-    base = shipped(shipped_arch(arch))
-    tuned = tuned_file(setting, arch, device_name) if setting else None
+    base = _shipped_for(arch)
+    tuned = _tuned(setting, arch, device_name)[0] if setting else None
     resolved = {}
     for kernel in KERNEL_PARAMETERS:
         table = tuned if tuned is not None and kernel in tuned.kernels else base
@@ -322,14 +364,16 @@ def resolve(arch: str, device_name: str | None = None) -> dict[str, tuple[tuple[
 
 
 def startup_error(arch: str, device_name: str | None = None) -> str | None:
-    """The one-line reason this GPU's launch configs cannot be used (a malformed or mismatched file that
-    K3_AMD_OVERLAY_KERNEL_CONFIGS names, a bad shipped file), or None: for the overlay to check and
-    report at startup rather than meet at the first K3 layer."""
+    """The one line saying which launch-config file for this GPU cannot be used, why, and what runs
+    instead (the shipped configs, for a malformed or mismatched file K3_AMD_OVERLAY_KERNEL_CONFIGS
+    names; stock, for a bad shipped file), or None: what ``doctor``, the first K3 layer's ERROR line
+    and the marker's ``launch_configs.error`` say."""
     try:
-        resolve(arch, device_name)
+        _shipped_for(arch)
     except LaunchConfigError as exc:
         return str(exc)
-    return None
+    setting = os.environ.get(KERNEL_CONFIGS, "")
+    return _tuned(setting, arch, device_name)[1] if setting else None
 
 
 def sources(arch: str, device_name: str | None = None) -> dict[str, dict[str, Any]]:
@@ -340,12 +384,63 @@ def rule_for(rules: tuple[Rule, ...], num_tokens: int, num_heads: int) -> Rule:
     return next(rule for rule in rules if rule.matches(num_tokens, num_heads))
 
 
+def safe_config(kernel: str, arch: str) -> tuple[tuple[str, int], ...]:
+    """``kernel``'s safe config on ``arch``: the catch-all (last) rule of the shipped file the arch uses."""
+    return _shipped_for(arch).kernels[kernel][-1].config
+
+
+def label(rule: Rule) -> str:
+    """A rule as the marker and the logs name it: ``T<=16, H<=any``."""
+    return f"T<={rule.tokens or 'any'}, H<={rule.heads or 'any'}"
+
+
+Config = tuple[tuple[str, int], ...]
+# (arch, GPU, kernel, failed config) -> what the marker says of it, for this process (a forked child
+# inherits it)
+_degraded: dict[tuple[str, str | None, str, Config], dict[str, Any]] = {}
+_degraded_lock = threading.Lock()
+
+
+def degrade(kernel: str, arch: str, device_name: str | None, num_tokens: int, num_heads: int, why: str) -> bool:
+    """The config of this launch failed (``why``): from now on every rule of ``kernel`` that picks it
+    takes the safe config instead (logged at ERROR). False where there is nothing else to try (the
+    config was already degraded, or is the safe config itself): the failure stands, and the marker's
+    entry says the safe config failed too."""
+    rules, _ = resolve(arch, device_name)[kernel]
+    failed = rule_for(rules, num_tokens, num_heads).config
+    safe = safe_config(kernel, arch)
+    key = (arch, device_name, kernel, failed)
+    with _degraded_lock:
+        entry = _degraded.get(key)
+        if entry is None:
+            entry = _degraded[key] = {"rules": [label(r) for r in rules if r.config == failed], "config": dict(failed),
+                                      "safe": dict(safe), "why": why}
+            if failed != safe:
+                logger.error("K3 AMD overlay: %s: config %s (rules %s) failed on %s (%s): %s; those rules take the "
+                             "safe config %s from now on", kernel, dict(failed), ", ".join(entry["rules"]), arch,
+                             device_name or "no GPU name", why, dict(safe))
+                return True
+        entry.setdefault("safe_failed", why)
+    logger.error("K3 AMD overlay: %s: the safe config %s failed too on %s: %s", kernel, dict(safe), arch, why)
+    return False
+
+
+def degraded() -> dict[str, list[dict[str, Any]]]:
+    """For the marker: each kernel's configs replaced by the safe config in this process, with the
+    rules that picked them and why (``safe_failed``: the safe config failed too)."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for (_, _, kernel, _), entry in _degraded.items():
+        found.setdefault(kernel, []).append(dict(entry))
+    return found
+
+
 def choose(kernel: str, arch: str, device_name: str | None, num_tokens: int, num_heads: int = 1,
            amd: bool = False) -> dict[str, int]:
     """The config of a launch of ``kernel`` for ``num_tokens`` tokens and ``num_heads`` heads
-    (AMD-only options kept where ``amd``)."""
+    (AMD-only options kept where ``amd``; the safe config where this one was degraded)."""
     rules, _ = resolve(arch, device_name)[kernel]
-    config = dict(rule_for(rules, num_tokens, num_heads).config)
+    picked = rule_for(rules, num_tokens, num_heads).config
+    config = dict(safe_config(kernel, arch) if (arch, device_name, kernel, picked) in _degraded else picked)
     if not amd:
         for option in AMD_ONLY_OPTIONS:
             config.pop(option, None)

@@ -1,16 +1,22 @@
 """One launch of each overlay kernel at K3's widths, through the kernel's own launcher, on empty
 tensors in vLLM's layouts: what ``kernels --arch`` compiles for an AMD arch on a CPU, and what the
-sites compile ahead on the GPU (every config the arch's table can pick for a layer) in vLLM's
-warm-up, before any graph capture. Meant for compile-only sessions (``target.compile_only``):
-nothing here runs a kernel on data."""
+sites compile ahead on the GPU (every config the arch's table can pick for a layer) as each layer
+is installed at model load, before vLLM's profile run and any graph capture. A config that fails
+to build is degraded to the arch's safe config and that compiled instead (``launch_configs``).
+Meant for compile-only sessions (``target.compile_only``): nothing here runs a kernel on data."""
 
 from __future__ import annotations
+
+import logging
+from time import perf_counter
 
 import torch
 
 from k3_amd_overlay import k3, mxfp4
 from k3_amd_overlay.fp8 import Fp8Format
 from k3_amd_overlay.kernels import launch_configs, names, target
+
+logger = logging.getLogger("vllm.k3_amd_overlay")
 
 # Decode batches and per-rank query heads swept to reach every rule (K3: 96 heads over TP 1..96).
 TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
@@ -101,8 +107,9 @@ def reachable(kernel: str, arch: str, heads: tuple[int, ...] = HEADS,
 def precompile(kernel: str, device: torch.device, dtype: torch.dtype, heads: int, fmt: Fp8Format,
                block_size: int = 1) -> int:
     """Compile (not run) every config the arch's table can pick for ``kernel`` at ``heads`` heads on
-    ``device``, for each kind of batch size Triton compiles apart; returns how many configs. Raises
-    what Triton raises."""
+    ``device``, for each kind of batch size Triton compiles apart; returns how many configs. A config
+    that fails is degraded to the safe config, which is compiled in its place; raises what Triton
+    raises for the safe config."""
     where = target.of(device)
     from k3_amd_overlay.kernels.launch import device_name
 
@@ -110,7 +117,12 @@ def precompile(kernel: str, device: torch.device, dtype: torch.dtype, heads: int
     with target.compile_only(None):
         for _, samples, _ in configs:
             for tokens, config_heads in samples:
-                launch_at(kernel, device, dtype, tokens, config_heads, fmt, block_size)
+                while True:  # each retry follows a newly degraded config: they end
+                    try:
+                        launch_at(kernel, device, dtype, tokens, config_heads, fmt, block_size)
+                    except launch_configs.ConfigDegraded:
+                        continue
+                    break
     return len(configs)
 
 
@@ -118,12 +130,21 @@ _precompiled: set[tuple[str, torch.device, torch.dtype, int, str, int]] = set()
 
 
 def precompile_once(provider: str | None, kernel: str, device: torch.device, dtype: torch.dtype, heads: int,
-                    fmt: Fp8Format, block_size: int = 1) -> None:
-    """``precompile`` at the first fused call of a Triton provider on a GPU for this kernel, device,
-    dtype, head count and cache block size in the process (a site's first call is in vLLM's warm-up
-    run)."""
-    key = (kernel, device, dtype, heads, fmt.name, block_size)
-    if provider != "triton" or key in _precompiled or not target.of(device).gpu:
-        return
-    precompile(kernel, device, dtype, heads, fmt, block_size)
+                    fmt: Fp8Format, block_size: int = 1) -> float | None:
+    """``precompile`` for a Triton provider on a GPU, once in the process for this kernel, device,
+    dtype, head count, fp8 format and kind of cache block size (Triton compiles 1, multiples of 16
+    and the rest apart): the seconds it took (logged), or None where nothing was compiled. The
+    installer calls it as each layer is built; a site's fused call calls it too, which compiles
+    only where the install could not (vLLM's block size unknown at load, or another kind of it)."""
+    if provider != "triton" or not target.of(device).gpu:
+        return None
+    key = (kernel, device, dtype, heads, fmt.name, _specialization(block_size))
+    if key in _precompiled:
+        return None
+    start = perf_counter()
+    count = precompile(kernel, device, dtype, heads, fmt, block_size)
+    seconds = perf_counter() - start
     _precompiled.add(key)
+    logger.info("K3 AMD overlay: compiled %s configs of %s (%s, %s heads, %s, KV cache blocks of %s) in %.1f s",
+                count, kernel, str(dtype).removeprefix("torch."), heads, fmt.name, block_size, seconds)
+    return seconds

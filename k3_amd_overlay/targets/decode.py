@@ -2,9 +2,9 @@
 (fusions/qk_cache.py). For a batch the plan takes, it runs one fused launch in place of the KV
 write, the query concat and its fp8 quant (after vLLM's own W_UK absorption) or of all four (the
 absorption bf16, fp8 or MXFP4, as the layer's stock path runs it), then vLLM's own MQA kernel and V
-up-projection; any other batch runs vLLM's stock attention call. A fused launch that fails (a
-kernel this GPU's Triton cannot build) refuses its fusion for the process and the batch runs stock
-(kernel_failures.py)."""
+up-projection; any other batch runs vLLM's stock attention call. A fused launch that fails on its
+config is tried again on the arch's safe config; one that still fails (a kernel this GPU's Triton
+cannot build) refuses its fusion for the process and the batch runs stock (kernel_failures.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from k3_amd_overlay import kernel_failures
 from k3_amd_overlay.fp8 import Fp8Format, format_of
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant, BatchFacts, DecodePath, DecodePlan
+from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.kernels import names
 from k3_amd_overlay.kernels.probe import precompile_once
 from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
@@ -92,6 +93,27 @@ class DecodeSite:
     query_heads: int = 0  # heads the fp8 query buffer is allocated with (> the layer's: backend padding)
     eager_step: EagerStep | None = None  # ``into_output`` as an eager break of vLLM's breakable capture
     on_failure: Callable[[str, str], None] | None = None  # records a fusion refused for a failed kernel
+    on_degraded: Callable[[], None] | None = None  # records a config degraded to the safe one
+
+    @property
+    def absorb_kernel(self) -> str:
+        """The Triton kernel of the layer's absorbed variant."""
+        return ABSORB_KERNELS.get(self.plan.absorb, names.ABSORB_QK_CACHE_KERNEL)
+
+    def kernels(self) -> list[tuple[str, str | None, str]]:
+        """(fusion, provider, Triton kernel) of each fused launch the plan can take (absorb first)."""
+        plan = self.plan
+        taken = [(ABSORB_QK_CACHE, plan.absorb_decision, self.absorb_kernel), (QK_CACHE, plan.decision,
+                                                                               names.QK_CACHE_KERNEL)]
+        return [(fusion, d.provider, kernel) for fusion, d, kernel in taken if d.state is FusionState.APPLIED]
+
+    def compile_ahead(self, kernel: str, provider: str | None, device: torch.device, dtype: torch.dtype, heads: int,
+                      block_size: int) -> float | None:
+        """``kernel``'s compile for this layer's launches (``probe.precompile_once``, once a process):
+        the seconds, or None where nothing compiled. The installer calls it at load; a fused call
+        finds it done, unless the cache's blocks are of another kind than ``block_size``."""
+        assert self.fmt is not None
+        return precompile_once(provider, kernel, device, dtype, heads, self.fmt, block_size)
 
     def path_for(self, attn_metadata: Any, slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
                  q_dcp_replicated: torch.Tensor | None) -> DecodePath | None:
@@ -154,11 +176,10 @@ class DecodeSite:
             slot_mapping.flatten()[:num_tokens]
         if path is DecodePath.ABSORB:
             provider = plan.absorb_decision.provider
-            kernel = ABSORB_KERNELS.get(plan.absorb, names.ABSORB_QK_CACHE_KERNEL)
             weight = attn.W_K if plan.absorb in ABSORB_KERNELS else attn.W_UK_T
 
             def launch() -> None:
-                precompile_once(provider, kernel, q.device, q.dtype, heads, self.fmt, cache.shape[1])
+                self.compile_ahead(self.absorb_kernel, provider, q.device, q.dtype, heads, cache.shape[1])
                 if plan.absorb is AbsorbVariant.FP4:
                     absorb_op.run_mxfp4_provider(provider, q_nope, weight, attn.W_K_scale, q_pe, kv_c, k_pe, cache,
                                                  slots, attn._k_scale, attn._q_scale, q_out, self.fmt)
@@ -170,18 +191,18 @@ class DecodeSite:
                     absorb_op.run_provider(provider, q_nope, weight, q_pe, kv_c, k_pe, cache, slots, attn._k_scale,
                                            attn._q_scale, q_out, self.fmt)
 
-            kernel_failures.guarded(ABSORB_QK_CACHE, launch)
+            kernel_failures.guarded(ABSORB_QK_CACHE, launch, self.on_degraded)
             self.on_absorb_effective(batch_rows)
         else:
             ql_nope = absorb_w_uk(attn, plan.absorb, q_nope.transpose(0, 1))
 
             def launch() -> None:
-                precompile_once(plan.decision.provider, names.QK_CACHE_KERNEL, q.device, q.dtype, heads, self.fmt,
-                                cache.shape[1])
+                self.compile_ahead(names.QK_CACHE_KERNEL, plan.decision.provider, q.device, q.dtype, heads,
+                                   cache.shape[1])
                 qk_cache_op.run_provider(plan.decision.provider, ql_nope, q_pe, kv_c, k_pe, cache, slots,
                                          attn._k_scale, attn._q_scale, q_out, self.fmt)
 
-            kernel_failures.guarded(QK_CACHE, launch)
+            kernel_failures.guarded(QK_CACHE, launch, self.on_degraded)
             self.on_effective(batch_rows)
         attn_out, _ = attn.impl.forward_mqa(q_out, cache, attn_metadata, attn)
         if output is None:

@@ -1,15 +1,19 @@
 """Per-layer installation: read a freshly built K3 MLA wrapper (and its MLAAttention) into the
-fusions' predicate inputs, decide, and attach the sites that act on the decisions (every vLLM
-shape comes through ``install_sites``). Runs in vLLM processes only, as each K3 MLA layer is built."""
+fusions' predicate inputs, decide, attach the sites that act on the decisions (every vLLM shape
+comes through ``install_sites``), and compile every config their Triton kernels can pick, so no
+served batch compiles (in every runner and graph mode: this is model load, before vLLM's profile
+run). Runs in vLLM processes only, as each K3 MLA layer is built."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from k3_amd_overlay import kernel_failures
 from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.fusions.qk_cache import (
     AbsorbVariant,
@@ -21,7 +25,8 @@ from k3_amd_overlay.fusions.qk_cache import (
 )
 from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
-from k3_amd_overlay.kernels import launch
+from k3_amd_overlay.kernels import launch, launch_configs
+from k3_amd_overlay.kernels.names import RMSNORM_PAIR_KERNEL
 from k3_amd_overlay.ops import absorb_qk_cache, aiter_qk_cache, qk_cache, rmsnorm_pair
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import Mode, OverlaySettings
@@ -67,10 +72,12 @@ class LayerInstaller:
     settings: OverlaySettings
     evidence: Evidence
     coverage_recorded: bool = False
+    compile_seconds: dict[str, float] = field(default_factory=dict)  # per kernel, this process's installs
 
     def record_coverage(self, wrapper: Any) -> None:
-        """Once per process: what vLLM serves here, and the launch configs this GPU's kernels use
-        (a bad K3_AMD_OVERLAY_KERNEL_CONFIGS raises here, at the first layer, loudly)."""
+        """Once per process: what vLLM serves here, and the launch configs this GPU's kernels use (a
+        launch-config file for this GPU that cannot be used is one ERROR line here, at the first
+        layer, and the marker's ``error``: the shipped configs run, or stock where those are bad)."""
         if not self.coverage_recorded:
             self.coverage_recorded = True
             self.evidence.set_coverage(vllm_env.model_coverage())
@@ -80,6 +87,35 @@ class LayerInstaller:
     def refuse_failed(self, fusion: str, why: str) -> None:
         """A fused kernel failed in this process: ``fusion`` is refused from now on (stock runs)."""
         self.evidence.set_fusion(fusion, FusionState.REFUSED, why)
+
+    def record_degraded(self) -> None:
+        """The configs degraded to the safe one in this process, for the marker (launch_configs.degraded)."""
+        found = launch_configs.degraded()
+        if found:
+            self.evidence.update_launch_configs({"degraded": found})
+
+    def note(self, fusion: str, decision: LayerDecision) -> None:
+        """Tally this layer's decision; a fusion whose kernel failed in this process stays refused."""
+        self.evidence.note_layer(fusion, decision)
+        why = kernel_failures.reason(fusion)
+        if why is not None:
+            self.evidence.set_fusion(fusion, FusionState.REFUSED, why)
+
+    def compile_ahead(self, fusion: str, kernel: str, compile_kernel: Callable[[], float | None]) -> None:
+        """Compile ``fusion``'s ``kernel`` now, at model load: its seconds to the marker (logged by the
+        compile), a config degraded to the safe one recorded, a kernel whose safe config cannot build
+        either refuses the fusion here (once: later layers do not try again)."""
+        if fusion in kernel_failures.failed():
+            return
+        try:
+            seconds = kernel_failures.guarded(fusion, compile_kernel)
+        except kernel_failures.KernelFailed as failure:
+            kernel_failures.refuse(failure, self.refuse_failed)
+            seconds = None
+        self.record_degraded()
+        if seconds is not None:
+            self.compile_seconds[kernel] = self.compile_seconds.get(kernel, 0.0) + seconds
+            self.evidence.update_launch_configs({"compile_seconds": dict(self.compile_seconds)})
 
     @property
     def stock(self) -> bool:
@@ -107,9 +143,12 @@ class LayerInstaller:
             else None
         site = QkvNormSite(decision, callback,
                            self.evidence.effective_hook(QKV_NORM, wrapper.mla_attn.layer_name),
-                           on_failure=self.refuse_failed)
+                           on_failure=self.refuse_failed, on_degraded=self.record_degraded)
         setattr(wrapper, QKV_NORM_SITE, site)
-        self.evidence.note_layer(QKV_NORM, decision)
+        self.note(QKV_NORM, decision)
+        if callback is not None:
+            device, dtype = layer_device(wrapper), kv_norm.weight.dtype
+            self.compile_ahead(QKV_NORM, RMSNORM_PAIR_KERNEL, lambda: callback.compile_ahead(device, dtype))
         return site
 
     def qk_cache_inputs(self, wrapper: Any, upstream_fuses: bool) -> QkCacheInputs:
@@ -159,6 +198,7 @@ class LayerInstaller:
             kv_transfer=vllm_env.kv_transfer_hooks(),
             query_heads=vllm_env.padded_query_heads(attn, inputs.num_heads),
             on_failure=self.refuse_failed,
+            on_degraded=self.record_degraded,
         )
         if plan.overlay_fuses:
             site.fmt, site.context = vllm_env.vllm_fp8_format(), vllm_env.get_attention_context
@@ -167,7 +207,13 @@ class LayerInstaller:
         setattr(wrapper, DECODE_SITE, site)
         for fusion, layer_decision in ((QK_CACHE, decision), (ABSORB_QK_CACHE, absorb)):
             if requested(fusion):
-                self.evidence.note_layer(fusion, layer_decision)
+                self.note(fusion, layer_decision)
+        block_size = vllm_env.kv_cache_block_size() if plan.overlay_fuses else None
+        if block_size is not None:  # unknown (no vLLM config in context): the first fused call compiles
+            device, dtype = layer_device(wrapper), wrapper.kv_a_layernorm.weight.dtype
+            for fusion, provider, kernel in site.kernels():
+                self.compile_ahead(fusion, kernel, functools.partial(site.compile_ahead, kernel, provider, device,
+                                                                     dtype, inputs.num_heads, block_size))
         return site
 
 

@@ -1,7 +1,8 @@
 """The qkv_norm site of one K3 MLA layer: the ``q_kv_norm`` callback (both RMSNorms of the layer
 through one provider launch) and ``QkvNormSite.normalize``, the one site acting on the layer's
-qkv_norm decision (fusions/qkv_norm.py). A fused launch that fails refuses qkv_norm for the process;
-the two stock norms run (kernel_failures.py)."""
+qkv_norm decision (fusions/qkv_norm.py). A fused launch that fails on its config is tried again on
+the arch's safe config; one that still fails refuses qkv_norm for the process and the two stock
+norms run (kernel_failures.py)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,14 @@ class QkvNormCallback:
         self.kv_norm = kv_norm
         self.provider = provider
 
+    def compile_ahead(self, device: torch.device, dtype: torch.dtype) -> float | None:
+        """The norm kernel's compile for this provider, device and dtype, once a process (one head,
+        no fp8, no cache: ``probe.precompile_once``): the seconds, or None where nothing compiled.
+        The installer calls it at load; a call finds it done."""
+        return precompile_once(self.provider, RMSNORM_PAIR_KERNEL, device, dtype, 1, E4M3FN)
+
     def __call__(self, q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        precompile_once(self.provider, RMSNORM_PAIR_KERNEL, q_c.device, q_c.dtype, 1, E4M3FN)
+        self.compile_ahead(q_c.device, q_c.dtype)
         return rmsnorm_pair.run_provider(
             self.provider, q_c, kv_c, self.q_norm.weight, self.kv_norm.weight,
             self.q_norm.variance_epsilon, self.kv_norm.variance_epsilon,
@@ -50,6 +57,7 @@ class QkvNormSite:
     q_kv_norm: QkvNormCallback | None
     on_effective: Callable[[int], None]  # given the batch's token count
     on_failure: Callable[[str, str], None] | None = None  # records qkv_norm refused for a failed kernel
+    on_degraded: Callable[[], None] | None = None  # records a config degraded to the safe one
 
     def normalize(self, q_norm: Any, kv_norm: Any, upstream: TwoNorms | None,
                   q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +75,7 @@ class QkvNormSite:
                 return q_norm(q_c), kv_norm(kv_c)
             callback = self.q_kv_norm
             try:
-                normed = kernel_failures.guarded(QKV_NORM, lambda: callback(q_c, kv_c))
+                normed = kernel_failures.guarded(QKV_NORM, lambda: callback(q_c, kv_c), self.on_degraded)
             except kernel_failures.KernelFailed as failure:
                 kernel_failures.refuse(failure, self.on_failure or (lambda fusion, why: None))
                 return q_norm(q_c), kv_norm(kv_c)

@@ -1,7 +1,8 @@
 """What the running vLLM process says about itself, read the way vLLM reads it: its fp8 dtype, its
-config in context (batch size, compilation mode, served model), its AITER switch and MLA backend
-padding, its KV-connector hooks and attention context. Every vLLM import of the per-layer code is
-here, each lazy, each falling back where no vLLM config is in context (the ops' own tests)."""
+config in context (batch size, KV cache block size, compilation mode, served model), its AITER
+switch and MLA backend padding, its KV-connector hooks and attention context. Every vLLM import of
+the per-layer code is here, each lazy, each falling back where no vLLM config is in context (the
+ops' own tests)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,20 @@ def max_batched_tokens() -> int:
         return int(get_current_vllm_config().scheduler_config.max_num_batched_tokens)
     except Exception:  # no config in context (tests, doctor): the buffer grows on demand
         return 0
+
+
+def kv_cache_block_size() -> int | None:
+    """The KV cache's block size (tokens a block) from vLLM's config in context
+    (``cache_config.block_size``, vLLM 0.29-0.33; the attention backends' cache tensors are blocks of
+    it, AITER MLA included, whose kernel takes any multiple of 1), or None where no config is in
+    context or the size is not set yet."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        size = get_current_vllm_config().cache_config.block_size
+    except Exception:  # no config in context (tests, doctor)
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 AITER_SWITCHED_OFF = ("vLLM has AITER switched off (rocm_aiter_ops.is_enabled() is False: VLLM_ROCM_USE_AITER "
