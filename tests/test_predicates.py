@@ -463,3 +463,57 @@ def test_every_decision_and_its_inputs_are_frozen():
 def test_vllms_own_dual_norm_decision_word_for_word():
     assert decide_qkv_norm(QkvNormInputs(False, True, True, "auto", {})) == LayerDecision(
         FusionState.UPSTREAM, "aiter", "vLLM's AITER dual RMSNorm is on")
+
+
+def _gated_plan(absorb_state=FusionState.APPLIED, qk_state=FusionState.APPLIED, measured=None):
+    return qk.DecodePlan(LayerDecision(qk_state, "triton", ""), LayerDecision(absorb_state, "triton", ""),
+                         measured=measured)
+
+
+def _decode(tokens):
+    return qk.BatchFacts(tokens, tokens, True, False)
+
+
+SLOWER = "stock at 129-256 tokens: 0.93x of stock on this GPU"
+ABOVE = "stock above 256 tokens: not measured on this GPU"
+
+
+def test_the_measured_gate_sends_a_slower_bucket_and_counts_above_the_largest_to_stock():
+    """With a self-measurement (measured.py), the decode plan takes a fused launch only in the buckets
+    where it measured exact and at least as fast; a slower bucket and any count above the largest
+    bucket run stock, with the reason as the marker shows it."""
+    from k3_amd_overlay.fusions.states import BucketGate
+    from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE
+
+    gates = {QK_CACHE: BucketGate(((8, None), (128, None), (256, SLOWER)), ABOVE),
+             ABSORB_QK_CACHE: BucketGate(((8, None), (64, "stock at 9-64 tokens: 0.97x of stock on this GPU")),
+                                         "stock above 64 tokens: not measured on this GPU")}
+    plan = _gated_plan(measured=gates)
+    assert [plan.path_for(_decode(t)) for t in (1, 8, 9, 64, 65, 128, 129, 256, 257)] == [
+        qk.DecodePath.ABSORB, qk.DecodePath.ABSORB,  # the absorbed launch where it measured faster
+        qk.DecodePath.QK_CACHE, qk.DecodePath.QK_CACHE,  # refused there, qk_cache's launch measured faster
+        qk.DecodePath.QK_CACHE, qk.DecodePath.QK_CACHE,
+        None, None, None]
+    assert plan.choose(_decode(200)) == (None, f"qk_cache: {SLOWER}")
+    assert plan.choose(_decode(1000)) == (None, f"qk_cache: {ABOVE}")
+    assert plan.choose(_decode(9)) == (qk.DecodePath.QK_CACHE, None)
+    # qk_cache off: the absorbed launch's own refusal is the reason
+    alone = _gated_plan(qk_state=FusionState.DISABLED, measured=gates)
+    assert alone.choose(_decode(9)) == (None, "absorb_qk_cache: stock at 9-64 tokens: 0.97x of stock on this GPU")
+    assert alone.choose(_decode(8)) == (qk.DecodePath.ABSORB, None)
+    # both refused: both reasons
+    assert _gated_plan(measured={QK_CACHE: BucketGate(((64, SLOWER),), ABOVE),
+                                 ABSORB_QK_CACHE: gates[ABSORB_QK_CACHE]}).choose(_decode(9)) == (
+        None, f"absorb_qk_cache: stock at 9-64 tokens: 0.97x of stock on this GPU; qk_cache: {SLOWER}")
+    # a fusion the measurement does not name runs stock; a failed kernel still refuses; stock batches give no reason
+    assert _gated_plan(measured={}).choose(_decode(1)) == (
+        None, "absorb_qk_cache: not measured on this GPU; qk_cache: not measured on this GPU")
+    assert plan.path_for(_decode(1), frozenset({ABSORB_QK_CACHE})) is qk.DecodePath.QK_CACHE
+    assert plan.choose(qk.BatchFacts(4, 3, True, False)) == (None, None)
+
+
+def test_without_a_measurement_every_batch_is_decided_as_before():
+    plan = _gated_plan()
+    assert [plan.path_for(_decode(t)) for t in (1, 64, 65, 4096)] == [
+        qk.DecodePath.ABSORB, qk.DecodePath.ABSORB, qk.DecodePath.QK_CACHE, qk.DecodePath.QK_CACHE]
+    assert plan.choose(_decode(4096)) == (qk.DecodePath.QK_CACHE, None)

@@ -10,10 +10,11 @@ exactly once (by the stock wrapper) wherever it exists."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from k3_amd_overlay.fp8 import FUSABLE_KV_CACHE_DTYPES
-from k3_amd_overlay.fusions.states import TRACED_WHOLE, FusionState, LayerDecision, choose_provider
+from k3_amd_overlay.fusions.states import TRACED_WHOLE, BucketGate, FusionState, LayerDecision, choose_provider
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, AUTO, FUSED_PROVIDERS, QK_CACHE
 
 
@@ -160,6 +161,9 @@ class DecodePlan:
     absorb_decision: LayerDecision
     absorb: AbsorbVariant = AbsorbVariant.BF16
     upstream_fuses: bool = False  # vLLM's own fused decode accepted this layer (0.32+)
+    # This GPU's self-measurement at this layer's shape (measured.py): per fusion, the token counts where
+    # its fused launch may run. None: no measurement here, every batch as the decisions say.
+    measured: Mapping[str, BucketGate] | None = None
 
     @property
     def overlay_fuses(self) -> bool:
@@ -178,14 +182,40 @@ class DecodePlan:
         vLLM's own fused decode keeps the layer or the overlay fuses it."""
         return self.upstream_keeps or self.overlay_fuses
 
-    def path_for(self, batch: BatchFacts | None, failed: frozenset[str] = frozenset()) -> DecodePath | None:
-        """The one decision per batch: the fused launch to take, or None for the stock path
-        (``failed``: fusions whose kernel failed in this process, refused from then on)."""
+    def measured_refusal(self, fusion: str, num_tokens: int) -> str | None:
+        """Why the self-measurement sends ``fusion`` to stock at ``num_tokens`` tokens (None: it may
+        run; also where there is no measurement). A fusion the measurement does not name runs stock."""
+        if self.measured is None:
+            return None
+        gate = self.measured.get(fusion)
+        return BucketGate().refusal(num_tokens) if gate is None else gate.refusal(num_tokens)
+
+    def choose(self, batch: BatchFacts | None,
+               failed: frozenset[str] = frozenset()) -> tuple[DecodePath | None, str | None]:
+        """The one decision per batch: the fused launch to take, or None for the stock path, with the
+        self-measurement's reason where it alone sent the batch to stock (``failed``: fusions whose
+        kernel failed in this process, refused from then on). The absorbed launch takes batches up to
+        ``ABSORB_MAX_TOKENS`` tokens, qk_cache's any other and those the measurement refuses the
+        absorbed launch where it allows qk_cache's."""
         absorb_on = self.absorb_decision.state is FusionState.APPLIED and ABSORB_QK_CACHE not in failed
         qk_on = self.decision.state is FusionState.APPLIED and QK_CACHE not in failed
         if not (absorb_on or qk_on) or not batch_fusable(batch):
-            return None
+            return None, None
         assert batch is not None
-        if absorb_on and batch.num_actual_tokens <= ABSORB_MAX_TOKENS:
-            return DecodePath.ABSORB
-        return DecodePath.QK_CACHE if qk_on else None
+        tokens = batch.num_actual_tokens
+        refused = []
+        if absorb_on and tokens <= ABSORB_MAX_TOKENS:
+            why = self.measured_refusal(ABSORB_QK_CACHE, tokens)
+            if why is None:
+                return DecodePath.ABSORB, None
+            refused.append(f"{ABSORB_QK_CACHE}: {why}")
+        if qk_on:
+            why = self.measured_refusal(QK_CACHE, tokens)
+            if why is None:
+                return DecodePath.QK_CACHE, None
+            refused.append(f"{QK_CACHE}: {why}")
+        return None, "; ".join(refused) or None
+
+    def path_for(self, batch: BatchFacts | None, failed: frozenset[str] = frozenset()) -> DecodePath | None:
+        """The fused launch ``choose`` takes for this batch, or None for the stock path."""
+        return self.choose(batch, failed)[0]

@@ -4,7 +4,7 @@ evidence, the log line and the check command."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from k3_amd_overlay.package import AUTO
 
@@ -51,3 +51,26 @@ def choose_provider(fused_providers: tuple[str, ...], setting: str, missing: dic
             return LayerDecision(FusionState.APPLIED, name, f"{name}: {why}{suffix}")
     reasons = "; ".join(f"{n}: {missing.get(n)}" for n in candidates)
     return LayerDecision(FusionState.REFUSED, None, f"no provider can run here ({reasons})")
+
+
+@dataclass(frozen=True)
+class BucketGate:
+    """Where this GPU's self-measurement lets one fusion run (``k3-amd-overlay measure``, read by
+    ``measured.py``): the measured buckets ascending, each ``(tokens, why)``, a bucket covering the
+    token counts above the one before it up to ``tokens``; ``why`` None where the fusion measured
+    exact and at least as fast as stock there, else why stock runs there. Above the largest bucket
+    (or where nothing was measured at this shape) stock runs, for ``unmeasured``: fail closed."""
+
+    buckets: tuple[tuple[int, str | None], ...] = field(default=())
+    unmeasured: str = "not measured on this GPU"
+
+    def refusal(self, num_tokens: int) -> str | None:
+        """Why a batch of ``num_tokens`` tokens runs stock, or None where the fusion may run it."""
+        return next((why for tokens, why in self.buckets if num_tokens <= tokens), self.unmeasured)
+
+    def allows(self, num_tokens: int) -> bool:
+        return self.refusal(num_tokens) is None
+
+    def reasons(self) -> list[str]:
+        """Every reason this gate sends batches to stock, in bucket order (the marker's list)."""
+        return list(dict.fromkeys([*(why for _, why in self.buckets if why is not None), self.unmeasured]))

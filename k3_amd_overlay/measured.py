@@ -1,0 +1,385 @@
+"""This GPU's self-measurement (``k3-amd-overlay measure``, self_measure.py) as a file: its name, its
+schema, loading it, each bucket's verdict, the gates the server's sites take from it ("never slower"),
+and the lines the marker, ``check`` and ``doctor`` show of it. Pure Python: no torch, no vLLM.
+
+One file per GPU, ``<arch>-<device>.measured.json`` (the device named as in a tuned launch-config
+file's name), beside the tuned launch configs: in the directory ``K3_AMD_OVERLAY_KERNEL_CONFIGS``
+names (where it names a file: that file's directory), else in the per-user directory
+``$XDG_CACHE_HOME/k3-amd-overlay`` (``~/.cache/k3-amd-overlay`` without it). The server reads the
+file for its GPU once, when the first K3 MLA layer is built; deleting it restores the behaviour
+without it (every fusion at every batch size).
+
+A row is one fusion at one bucket: a bucket of ``tokens`` covers the token counts above the bucket
+before it (0 for the first) up to ``tokens``. A fusion runs in a bucket only where its outputs were
+exact against the stock sequence's and it measured at least as fast (stock µs / fused µs >=
+``MIN_RATIO``); elsewhere, above the largest bucket, and at a shape (heads, W_UK absorption) the file
+does not hold, stock runs, with the reason in the marker. A file that cannot be used (malformed, of
+another GPU, of another overlay version) is ignored with an ERROR naming the file and the field: the
+behaviour without it, and the marker says why."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
+from k3_amd_overlay.fusions.states import BucketGate
+from k3_amd_overlay.kernels.launch_configs import device_slug
+from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, __version__
+from k3_amd_overlay.settings import KERNEL_CONFIGS
+
+SCHEMA = 1
+SUFFIX = ".measured.json"
+MIN_RATIO = 1.0  # stock µs / fused µs at which a fusion counts as at least as fast as stock
+CACHE_HOME = "XDG_CACHE_HOME"
+USER_DIRECTORY = "k3-amd-overlay"  # under $XDG_CACHE_HOME, or ~/.cache
+VARIANTS = (AbsorbVariant.BF16.value, AbsorbVariant.FP8.value)  # the W_UK absorptions measured
+DECODE_FUSIONS = (QK_CACHE, ABSORB_QK_CACHE)
+COMMAND = "k3-amd-overlay measure"
+
+
+class MeasuredError(ValueError):
+    """A result file that cannot be used; the message names the file and the field."""
+
+
+def result_name(arch: str, device: str) -> str:
+    """The result file's name for ``arch`` and the GPU named ``device``."""
+    return f"{arch}-{device_slug(device)}{SUFFIX}"
+
+
+def is_result_name(name: str) -> bool:
+    """Whether a file name is a result file's (a launch-config directory holds both kinds)."""
+    return name.endswith(SUFFIX)
+
+
+def result_dir(environ: Mapping[str, str]) -> Path:
+    """Where the result files are written and read (see the module's docstring)."""
+    configs = environ.get(KERNEL_CONFIGS, "")
+    if configs:
+        path = Path(configs)
+        return path if path.is_dir() or not path.suffix else path.parent
+    cache = environ.get(CACHE_HOME) or str(Path.home() / ".cache")
+    return Path(cache) / USER_DIRECTORY
+
+
+def result_path(arch: str, device: str, environ: Mapping[str, str]) -> Path:
+    return result_dir(environ) / result_name(arch, device)
+
+
+def shape_words(heads: int | None, variant: str | None) -> str:
+    """A row's shape as the reasons name it."""
+    return "any shape (no heads)" if heads is None else f"{heads} heads, {variant} W_UK"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One fusion at one bucket: its parity against the stock sequence and, where exact, both
+    medians. ``heads`` and ``variant`` are None for qkv_norm, whose launch has no heads."""
+
+    fusion: str
+    tokens: int
+    heads: int | None
+    variant: str | None
+    exact: bool
+    stock_us: float | None = None
+    fused_us: float | None = None
+    problems: tuple[str, ...] = ()
+
+    @property
+    def ratio(self) -> float | None:
+        """stock µs / fused µs (above 1: the fusion is faster)."""
+        if self.stock_us is None or self.fused_us is None:
+            return None
+        return self.stock_us / self.fused_us
+
+    @property
+    def fused(self) -> bool:
+        """Whether the fusion may run in this bucket: exact and at least as fast as stock."""
+        return self.exact and self.ratio is not None and self.ratio >= MIN_RATIO
+
+    @property
+    def key(self) -> tuple[str, int | None, str | None, int]:
+        return self.fusion, self.heads, self.variant, self.tokens
+
+    def verdict(self) -> str:
+        """The table's last column: where the server runs this bucket."""
+        if not self.exact:
+            return "stock: not exact"
+        return "fused" if self.fused else f"stock: {ratio_words(self.ratio)} of stock"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fusion": self.fusion, "tokens": self.tokens, "heads": self.heads, "variant": self.variant,
+                "stock_us": self.stock_us, "fused_us": self.fused_us, "ratio": self.ratio, "exact": self.exact,
+                "problems": list(self.problems)}
+
+
+def ratio_words(ratio: float | None) -> str:
+    """A ratio as the reasons print it: rounded down to two decimals, so a ratio below 1 never
+    reads 1.00x."""
+    return "unmeasured" if ratio is None else f"{math.floor(round(ratio * 100, 6)) / 100:.2f}x"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One result file: where and with what it was measured, and its rows."""
+
+    path: str
+    arch: str
+    device: str
+    date: str
+    overlay_version: str
+    torch: str
+    triton: str
+    kv_cache_dtype: str
+    fp8_format: str
+    stock: str  # what the stock sequence was, in words
+    seed: int
+    rows: tuple[Row, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        heads = sorted({r.heads for r in self.rows if r.heads is not None})
+        return {"schema": SCHEMA, "arch": self.arch, "device": self.device, "date": self.date,
+                "overlay_version": self.overlay_version, "torch": self.torch, "triton": self.triton,
+                "stock": self.stock, "seed": self.seed,
+                "shapes": {"heads": heads, "variants": sorted({r.variant for r in self.rows if r.variant}),
+                           "buckets": sorted({r.tokens for r in self.rows}), "kv_cache_dtype": self.kv_cache_dtype,
+                           "fp8_format": self.fp8_format},
+                "results": [r.to_json() for r in self.rows]}
+
+
+def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
+    value = data.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple)
+                                                                               else (kind,))):
+        wanted = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise MeasuredError(f"{where}: field {name!r} is {value!r}, expected {wanted}")
+    return value
+
+
+def _row(data: Any, where: str) -> Row:
+    if not isinstance(data, dict):
+        raise MeasuredError(f"{where}: {data!r} is not an object")
+    fusion = _field(data, "fusion", str, where)
+    if fusion not in FUSIONS:
+        raise MeasuredError(f"{where}: field 'fusion' is {fusion!r}, expected one of {', '.join(FUSIONS)}")
+    tokens = _field(data, "tokens", int, where)
+    if tokens < 1:
+        raise MeasuredError(f"{where}: field 'tokens' is {tokens}, expected a positive integer")
+    if fusion == QKV_NORM:
+        heads = variant = None
+    else:
+        heads = _field(data, "heads", int, where)
+        variant = _field(data, "variant", str, where)
+        if heads < 1 or variant not in VARIANTS:
+            raise MeasuredError(f"{where}: heads {heads!r}, variant {variant!r}: expected a positive heads count "
+                                f"and one of {', '.join(VARIANTS)}")
+    exact = _field(data, "exact", bool, where)
+    problems = tuple(str(p) for p in data.get("problems") or ())
+    if not exact:
+        return Row(fusion, tokens, heads, variant, False, problems=problems)
+    stock_us, fused_us = (float(_field(data, k, (int, float), where)) for k in ("stock_us", "fused_us"))
+    if not (stock_us > 0 and fused_us > 0 and math.isfinite(stock_us) and math.isfinite(fused_us)):
+        raise MeasuredError(f"{where}: stock_us {stock_us}, fused_us {fused_us}: expected positive times")
+    row = Row(fusion, tokens, heads, variant, True, stock_us, fused_us, problems)
+    ratio = data.get("ratio")
+    if not isinstance(ratio, (int, float)) or row.ratio is None or not math.isclose(ratio, row.ratio, rel_tol=1e-6):
+        raise MeasuredError(f"{where}: field 'ratio' is {ratio!r}, but stock_us / fused_us is {row.ratio!r}")
+    return row
+
+
+def parse(data: Any, path: str) -> Measurement:
+    """The measurement a result file holds; MeasuredError naming the file and the field otherwise."""
+    if not isinstance(data, dict):
+        raise MeasuredError(f"{path}: not a JSON object ({type(data).__name__})")
+    if data.get("schema") != SCHEMA:
+        raise MeasuredError(f"{path}: field 'schema' is {data.get('schema')!r}; this k3-amd-overlay reads "
+                            f"schema {SCHEMA} (`{COMMAND}` writes it)")
+    text = {name: _field(data, name, str, path) for name in ("arch", "device", "date", "overlay_version")}
+    shapes = _field(data, "shapes", dict, path)
+    results = _field(data, "results", list, path)
+    rows = tuple(_row(r, f"{path} results[{i}]") for i, r in enumerate(results))
+    seen: set[tuple[str, int | None, str | None, int]] = set()
+    for i, row in enumerate(rows):
+        if row.key in seen:
+            raise MeasuredError(f"{path} results[{i}]: {row.fusion} at {row.tokens} tokens, "
+                                f"{shape_words(row.heads, row.variant)} is measured twice")
+        seen.add(row.key)
+    return Measurement(path=path, **text, torch=str(data.get("torch", "")), triton=str(data.get("triton", "")),
+                       kv_cache_dtype=str(shapes.get("kv_cache_dtype", "")),
+                       fp8_format=str(shapes.get("fp8_format", "")),
+                       stock=str(data.get("stock", "")), seed=int(data.get("seed") or 0), rows=rows)
+
+
+def load(path: str | Path) -> Measurement:
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise MeasuredError(f"cannot read the self-measurement {path}: {exc}") from None
+    return parse(data, str(path))
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What the server found for its GPU: the file's path (None: no GPU), the measurement it uses
+    (None: none), and why a file there is not used."""
+
+    path: str | None
+    measurement: Measurement | None = None
+    error: str | None = None
+
+
+def load_here(arch: str, device: str | None, environ: Mapping[str, str] | None = None,
+              version: str = __version__) -> Loaded:
+    """The result file for this GPU, checked: of this arch and device, written by this overlay
+    version (its kernels are what was measured). Never raises: a file that cannot be used comes
+    back as ``error`` (the caller logs it and goes on without the file)."""
+    if device is None:
+        return Loaded(None)
+    path = result_path(arch, device, os.environ if environ is None else environ)
+    if not path.is_file():
+        return Loaded(str(path))
+    try:
+        found = load(path)
+    except MeasuredError as exc:
+        return Loaded(str(path), error=str(exc))
+    if (found.arch, found.device) != (arch, device):
+        return Loaded(str(path), error=f"{path}: fields 'arch', 'device' are {found.arch!r}, {found.device!r}; "
+                                       f"this GPU is {arch!r}, {device!r}")
+    if found.overlay_version != version:
+        return Loaded(str(path), error=f"{path}: field 'overlay_version' is {found.overlay_version!r}, this is "
+                                       f"k3-amd-overlay {version}: its kernels were not the ones measured; run "
+                                       f"`{COMMAND}` again")
+    return Loaded(str(path), found)
+
+
+def _span(low: int, high: int) -> str:
+    return f"{high} token{'s' if high != 1 else ''}" if low == high else f"{low}-{high} tokens"
+
+
+def _reason(run: list[Row], low: int) -> str:
+    span = _span(low, run[-1].tokens)
+    if not run[0].exact:
+        return f"stock at {span}: not exact on this GPU ({'; '.join(run[0].problems) or 'parity failed'})"
+    words = sorted({ratio_words(r.ratio) for r in run}, key=lambda w: float(w[:-1]))
+    ratio = words[0] if len(words) == 1 else f"{words[0][:-1]}-{words[-1]}"
+    return f"stock at {span}: {ratio} of stock on this GPU"
+
+
+def gate_for(measurement: Measurement, fusion: str, heads: int | None = None,
+             variant: str | None = None) -> BucketGate:
+    """Where ``fusion`` may run at this shape (qkv_norm: any shape). Consecutive buckets refused for
+    the same kind of reason (slower; not exact) share one reason, spanning them."""
+    if fusion == QKV_NORM:
+        heads = variant = None
+    rows = sorted((r for r in measurement.rows if (r.fusion, r.heads, r.variant) == (fusion, heads, variant)),
+                  key=lambda r: r.tokens)
+    if not rows:
+        return BucketGate((), f"stock: not measured at {shape_words(heads, variant)} on this GPU")
+    runs: list[tuple[int, list[Row]]] = []  # (the run's lowest token count, its rows)
+    previous = 0
+    for row in rows:
+        same = runs and not runs[-1][1][-1].fused and not row.fused and runs[-1][1][-1].exact == row.exact
+        if same:
+            runs[-1][1].append(row)
+        else:
+            runs.append((previous + 1, [row]))
+        previous = row.tokens
+    buckets = tuple((row.tokens, None if row.fused else _reason(run, low)) for low, run in runs for row in run)
+    return BucketGate(buckets, f"stock above {rows[-1].tokens} tokens: not measured on this GPU")
+
+
+def decode_gates(measurement: Measurement | None, heads: int, variant: str) -> dict[str, BucketGate] | None:
+    """The decode plan's gates for a layer of ``heads`` heads per rank and this W_UK absorption
+    (None without a measurement: every batch as the decisions say)."""
+    if measurement is None:
+        return None
+    return {fusion: gate_for(measurement, fusion, heads, variant) for fusion in DECODE_FUSIONS}
+
+
+def norm_gate(measurement: Measurement | None) -> BucketGate | None:
+    """The qkv_norm site's gate (None without a measurement)."""
+    return None if measurement is None else gate_for(measurement, QKV_NORM)
+
+
+def marker_entry(loaded: Loaded, gates: Mapping[str, BucketGate | None] | None = None,
+                 shape: str | None = None) -> dict[str, Any]:
+    """The marker's ``measurement`` field: the file, its date, and per fusion the buckets where its
+    fused path may run and every reason stock runs elsewhere (for the layers of ``shape``)."""
+    found = loaded.measurement
+    entry: dict[str, Any] = {"file": loaded.path, "state": "used" if found else "ignored" if loaded.error else "none"}
+    if loaded.error:
+        entry["error"] = loaded.error
+    if found is None:
+        return entry
+    entry.update(date=found.date, device=found.device, shape=shape)
+    fused, stock = {}, {}
+    for fusion, gate in (gates or {}).items():
+        if gate is not None:
+            fused[fusion] = [tokens for tokens, why in gate.buckets if why is None]
+            stock[fusion] = gate.reasons()
+    entry.update(fused_buckets=fused, stock=stock)
+    return entry
+
+
+def summary(entry: Mapping[str, Any]) -> str:
+    """One line on a process's measurement (``check`` prints it): used, ignored, or none."""
+    state = entry.get("state")
+    if state == "ignored":
+        return (f"self-measurement ignored ({entry.get('error')}): every fused path runs at every batch size, "
+                "as without one")
+    if state != "used":
+        where = f" ({entry['file']})" if entry.get("file") else ""
+        return (f"no self-measurement for this GPU{where}: every fused path runs at every batch size; `{COMMAND}` "
+                "measures them against stock")
+    parts = []
+    for fusion, reasons in entry.get("stock", {}).items():
+        buckets = entry.get("fused_buckets", {}).get(fusion, [])
+        parts.append(f"{fusion} fused in {len(buckets)} bucket{'s' if len(buckets) != 1 else ''}"
+                     + (f", {'; '.join(reasons)}" if reasons else ""))
+    return (f"self-measurement {entry.get('file')} ({entry.get('date')}, {entry.get('shape') or 'no K3 layer yet'}): "
+            + ("; ".join(parts) or "no fusion gated in this process"))
+
+
+def doctor_section(arch: str | None, device: str | None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``doctor``'s self-measurement section: the file for this GPU, its verdicts per fusion and
+    shape, or why it is not used, and the recommendation to measure where there is none."""
+    if arch is None or device is None:
+        return {"state": "none", "note": "no GPU: nothing to measure"}
+    loaded = load_here(arch, device, environ)
+    section: dict[str, Any] = {"file": loaded.path, "state": marker_entry(loaded)["state"]}
+    if loaded.error:
+        section["error"] = loaded.error
+    found = loaded.measurement
+    if found is None:
+        section["recommend"] = (f"`{COMMAND} --heads H --variant bf16|fp8` (minutes, safe beside a live server) "
+                                "times each fused path against stock on this GPU; the server then runs a fusion only "
+                                "in the batch sizes where it measured exact and at least as fast")
+        return section
+    shapes = sorted({(r.fusion, r.heads, r.variant) for r in found.rows}, key=lambda s: (FUSIONS.index(s[0]),
+                                                                                         s[1] or 0, s[2] or ""))
+    section["date"] = found.date
+    section["verdicts"] = [{"fusion": f, "shape": shape_words(h, v),
+                            "fused buckets": [t for t, why in gate_for(found, f, h, v).buckets if why is None],
+                            "stock": gate_for(found, f, h, v).reasons()} for f, h, v in shapes]
+    return section
+
+
+def doctor_lines(section: Mapping[str, Any]) -> list[str]:
+    """The section for a person."""
+    if section.get("note"):
+        return [f"  {section['note']}"]
+    lines = [f"  file: {section.get('file')} ({section.get('state')})"]
+    if section.get("error"):
+        lines.append(f"  not used: {section['error']}")
+    if section.get("recommend"):
+        lines.append(f"  recommended: {section['recommend']}")
+    for verdict in section.get("verdicts", []):
+        lines.append(f"  {verdict['fusion']} ({verdict['shape']}): fused in buckets "
+                     f"{', '.join(map(str, verdict['fused buckets'])) or 'none'}; " + "; ".join(verdict["stock"]))
+    return lines

@@ -1,0 +1,206 @@
+"""The self-measurement's result file and its gate (k3_amd_overlay/measured.py): each bucket's verdict
+and the reason words the marker shows; a file that is foreign or malformed is refused with a message
+naming the file and the field, and at run time only ignored (never raised); the marker's record of it
+round-trips; ``check`` prints it."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from k3_amd_overlay import measured
+from k3_amd_overlay.fusions.states import BucketGate
+from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM, __version__
+from k3_amd_overlay.record import MarkerRecord, RecordError
+from k3_amd_overlay.settings import KERNEL_CONFIGS, Mode
+from k3_amd_overlay.verdict import judge
+
+ARCH, DEVICE = "gfx942", "AMD Instinct MI300X"
+NAME = "gfx942-AMD_Instinct_MI300X.measured.json"
+
+
+def row(fusion: str, tokens: int, stock: float, fused: float, heads: int | None = 12, variant: str | None = "bf16",
+        exact: bool = True, problems: tuple[str, ...] = ()) -> measured.Row:
+    if fusion == QKV_NORM:
+        heads = variant = None
+    if not exact:
+        return measured.Row(fusion, tokens, heads, variant, False, problems=problems)
+    return measured.Row(fusion, tokens, heads, variant, True, stock, fused)
+
+
+def measurement(rows: list[measured.Row], version: str = __version__) -> measured.Measurement:
+    return measured.Measurement(path="", arch=ARCH, device=DEVICE, date="2026-12-02T11:00:00+00:00",
+                                overlay_version=version, torch="2.9", triton="3.5", kv_cache_dtype="fp8",
+                                fp8_format="e4m3fnuz", stock="words", seed=5, rows=tuple(rows))
+
+
+def planted() -> measured.Measurement:
+    """qk_cache at 12 heads bf16 over buckets 8, 16, 128, 256, 512: 16 not exact, 256 slower (stock
+    9.3 µs, fused 10 µs: 0.93x), 512 slower still; the rest faster by random margins."""
+    rng = random.Random(11)
+    fast = lambda: 1.0 + rng.random()  # noqa: E731
+    return measurement([
+        row(QK_CACHE, 8, 5.0 * fast(), 5.0),
+        row(QK_CACHE, 16, 0, 0, exact=False, problems=("q_out: 3 of 9216 codes differ from stock (1 by more "
+                                                       "than one step)",)),
+        row(QK_CACHE, 128, 7.0 * fast(), 7.0),
+        row(QK_CACHE, 256, 9.3, 10.0),
+        row(QK_CACHE, 512, 9.0, 10.0),
+        row(ABSORB_QK_CACHE, 8, 4.0, 4.0),  # equal: at least as fast
+        row(ABSORB_QK_CACHE, 64, 6.0, 6.5),
+        row(QKV_NORM, 512, 3.0, 2.0),
+    ])
+
+
+def test_each_bucket_verdict_and_the_reasons_word_for_word():
+    gate = measured.gate_for(planted(), QK_CACHE, 12, "bf16")
+    assert gate.buckets == (
+        (8, None),
+        (16, "stock at 9-16 tokens: not exact on this GPU (q_out: 3 of 9216 codes differ from stock (1 by more than "
+             "one step))"),
+        (128, None),
+        (256, "stock at 129-512 tokens: 0.90-0.93x of stock on this GPU"),
+        (512, "stock at 129-512 tokens: 0.90-0.93x of stock on this GPU"),
+    )
+    assert [gate.allows(t) for t in (1, 8, 9, 16, 17, 128, 129, 256, 300, 512, 513)] == [
+        True, True, False, False, True, True, False, False, False, False, False]
+    assert gate.refusal(513) == "stock above 512 tokens: not measured on this GPU"
+    assert gate.reasons() == [gate.buckets[1][1], gate.buckets[3][1],
+                              "stock above 512 tokens: not measured on this GPU"]
+    absorb = measured.gate_for(planted(), ABSORB_QK_CACHE, 12, "bf16")
+    assert absorb.buckets == ((8, None), (64, "stock at 9-64 tokens: 0.92x of stock on this GPU"))
+    # a single-token span, and the ratio rounded down: 0.999 never reads 1.00x
+    one = measured.gate_for(measurement([row(QK_CACHE, 1, 0.999, 1.0)]), QK_CACHE, 12, "bf16")
+    assert one.buckets == ((1, "stock at 1 token: 0.99x of stock on this GPU"),)
+
+
+def test_a_shape_the_file_does_not_hold_runs_stock_and_qkv_norm_has_no_shape():
+    m = planted()
+    assert measured.gate_for(m, QK_CACHE, 16, "bf16").refusal(8) == \
+        "stock: not measured at 16 heads, bf16 W_UK on this GPU"
+    assert measured.gate_for(m, QK_CACHE, 12, "fp8").refusal(8) == \
+        "stock: not measured at 12 heads, fp8 W_UK on this GPU"
+    norm = measured.norm_gate(m)
+    assert norm is not None and norm.allows(1) and norm.allows(512) and not norm.allows(513)
+    assert measured.norm_gate(None) is None and measured.decode_gates(None, 12, "bf16") is None
+    gates = measured.decode_gates(m, 12, "bf16")
+    assert gates is not None and set(gates) == {QK_CACHE, ABSORB_QK_CACHE}
+
+
+def test_a_bucket_gate_without_buckets_refuses_every_count():
+    assert BucketGate().refusal(1) == "not measured on this GPU"
+    assert not BucketGate((), "why").allows(1)
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / NAME
+    path.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return str(path)
+
+
+def test_the_file_round_trips_and_is_found_beside_the_tuned_configs(tmp_path):
+    m = planted()
+    path = write(tmp_path, m.to_json())
+    back = measured.load(path)
+    assert back.rows == m.rows and (back.arch, back.device, back.seed) == (ARCH, DEVICE, 5)
+    data = json.loads((tmp_path / NAME).read_text())
+    assert data["shapes"] == {"heads": [12], "variants": ["bf16"], "buckets": [8, 16, 64, 128, 256, 512],
+                              "kv_cache_dtype": "fp8", "fp8_format": "e4m3fnuz"}
+    assert data["results"][3] == {"fusion": QK_CACHE, "tokens": 256, "heads": 12, "variant": "bf16", "stock_us": 9.3,
+                                  "fused_us": 10.0, "ratio": 9.3 / 10.0, "exact": True, "problems": []}
+    for environ in ({KERNEL_CONFIGS: str(tmp_path)}, {KERNEL_CONFIGS: str(tmp_path / "gfx942-x.json")}):
+        loaded = measured.load_here(ARCH, DEVICE, environ)
+        assert loaded.error is None and loaded.measurement is not None and loaded.path == path
+    assert measured.result_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "k3-amd-overlay"
+    assert measured.load_here(ARCH, "AMD Instinct MI355X", {KERNEL_CONFIGS: str(tmp_path)}) == measured.Loaded(
+        str(tmp_path / "gfx942-AMD_Instinct_MI355X.measured.json"))
+    assert measured.load_here(ARCH, None, {}) == measured.Loaded(None)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d.update(schema=2), "field 'schema' is 2; this k3-amd-overlay reads schema 1"),
+    (lambda d: d.pop("device"), "field 'device' is None, expected str"),
+    (lambda d: d["results"][0].update(exact="yes"), "results[0]: field 'exact' is 'yes', expected bool"),
+    (lambda d: d["results"][3].update(ratio=1.2), "results[3]: field 'ratio' is 1.2, but stock_us / fused_us is"),
+    (lambda d: d["results"][2].update(tokens=0), "results[2]: field 'tokens' is 0, expected a positive integer"),
+    (lambda d: d["results"][0].update(fusion="qk"), "results[0]: field 'fusion' is 'qk', expected one of"),
+    (lambda d: d["results"][0].update(variant="fp4"), "results[0]: heads 12, variant 'fp4'"),
+    (lambda d: d["results"][0].update(stock_us=-1.0), "results[0]: stock_us -1.0, fused_us"),
+    (lambda d: d["results"].append(dict(d["results"][0])), "results[8]: qk_cache at 8 tokens, 12 heads, bf16 W_UK is "
+                                                           "measured twice"),
+])
+def test_a_malformed_file_is_refused_naming_the_file_and_the_field(tmp_path, change, message):
+    data = planted().to_json()
+    change(data)
+    path = write(tmp_path, data)
+    with pytest.raises(measured.MeasuredError) as raised:
+        measured.load(path)
+    assert str(raised.value).startswith(path) and message in str(raised.value)
+    loaded = measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})  # at run time: never raises
+    assert (loaded.measurement, loaded.error) == (None, str(raised.value))
+
+
+def test_not_json_a_foreign_gpu_and_another_overlay_version_are_ignored_with_the_reason(tmp_path):
+    environ = {KERNEL_CONFIGS: str(tmp_path)}
+    write(tmp_path, "{not json")
+    assert measured.load_here(ARCH, DEVICE, environ).error.startswith(f"cannot read the self-measurement {tmp_path}")
+    foreign = planted().to_json()
+    foreign["device"] = "AMD Instinct MI325X"
+    path = write(tmp_path, foreign)
+    assert measured.load_here(ARCH, DEVICE, environ).error == (
+        f"{path}: fields 'arch', 'device' are 'gfx942', 'AMD Instinct MI325X'; this GPU is 'gfx942', "
+        "'AMD Instinct MI300X'")
+    write(tmp_path, measurement(list(planted().rows), version="0.0.1").to_json())
+    assert measured.load_here(ARCH, DEVICE, environ).error == (
+        f"{path}: field 'overlay_version' is '0.0.1', this is k3-amd-overlay {__version__}: its kernels were not the "
+        "ones measured; run `k3-amd-overlay measure` again")
+
+
+def test_the_marker_records_the_gate_and_check_prints_it(tmp_path):
+    path = write(tmp_path, planted().to_json())
+    loaded = measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})
+    gates = {**measured.decode_gates(loaded.measurement, 12, "bf16"), QKV_NORM: measured.norm_gate(loaded.measurement)}
+    entry = measured.marker_entry(loaded, gates, "12 heads, bf16 W_UK")
+    assert entry["state"] == "used" and entry["file"] == path and entry["fused_buckets"][QK_CACHE] == [8, 128]
+    assert entry["stock"][QK_CACHE][1] == "stock at 129-512 tokens: 0.90-0.93x of stock on this GPU"
+    record = MarkerRecord(pid=1, mode=Mode.AUTO, fusions={}, measurement=entry)
+    back = MarkerRecord.from_json(json.loads(json.dumps(record.to_json())))
+    assert back.measurement == entry
+    with pytest.raises(RecordError, match="marker field 'measurement' is 3, expected an object"):
+        MarkerRecord.from_json({**record.to_json(), "measurement": 3})
+    assert measured.summary(entry).startswith(f"self-measurement {path} (2026-12-02T11:00:00+00:00, 12 heads, bf16 "
+                                              "W_UK): qk_cache fused in 2 buckets, stock at 9-16 tokens: not exact")
+    assert "absorb_qk_cache fused in 1 bucket, stock at 9-64 tokens: 0.92x of stock on this GPU" in \
+        measured.summary(entry)
+    ignored = measured.marker_entry(measured.Loaded(path, error="bad field"))
+    assert ignored == {"file": path, "state": "ignored", "error": "bad field"}
+    assert measured.summary(ignored) == ("self-measurement ignored (bad field): every fused path runs at every batch "
+                                         "size, as without one")
+    from k3_amd_overlay.fusions.states import FusionState
+    from k3_amd_overlay.record import FusionEntry
+
+    fused = FusionEntry(FusionState.APPLIED, "triton", "ok", layers=1)
+    record = MarkerRecord(pid=7, mode=Mode.AUTO, fusions={QK_CACHE: fused}, host="h", measurement=entry)
+    lines = judge([record], "fused", [QK_CACHE], require_effective=False).lines
+    assert f"info host h pid 7 (main, vLLM None): {measured.summary(entry)}" in lines
+
+
+def test_the_doctor_section_recommends_measuring_where_there_is_no_file(tmp_path):
+    environ = {KERNEL_CONFIGS: str(tmp_path)}
+    none = measured.doctor_section(ARCH, DEVICE, environ)
+    assert none["state"] == "none" and none["recommend"].startswith("`k3-amd-overlay measure --heads H")
+    assert "  recommended: `k3-amd-overlay measure" in "\n".join(measured.doctor_lines(none))
+    write(tmp_path, planted().to_json())
+    found = measured.doctor_section(ARCH, DEVICE, environ)
+    assert found["state"] == "used" and "recommend" not in found
+    assert [v["fusion"] for v in found["verdicts"]] == [QKV_NORM, QK_CACHE, ABSORB_QK_CACHE]
+    assert "  qk_cache (12 heads, bf16 W_UK): fused in buckets 8, 128; stock at 9-16 tokens" in \
+        "\n".join(measured.doctor_lines(found))
+    assert measured.doctor_section(None, None) == {"state": "none", "note": "no GPU: nothing to measure"}
+
+
+def test_ratio_words_round_down_without_float_noise():
+    assert [measured.ratio_words(r) for r in (0.29, 0.93, 0.9999, 1.0, 2.5551, None)] == [
+        "0.29x", "0.93x", "0.99x", "1.00x", "2.55x", "unmeasured"]
