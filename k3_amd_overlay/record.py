@@ -112,6 +112,9 @@ class MarkerRecord:
     upstream_defects: list[dict[str, Any]] = field(default_factory=list)
     coverage: dict[str, Any] = field(default_factory=dict)
     launch_configs: dict[str, Any] = field(default_factory=dict)  # arch, device, each kernel's config file
+    # This GPU's self-measurement (measured.marker_entry): its file and state (used, ignored with the error,
+    # none), date, and per fusion the buckets it may run in and every reason stock runs elsewhere.
+    measurement: dict[str, Any] = field(default_factory=dict)
     updated: float = 0.0
 
     def builds_layers(self) -> bool:
@@ -138,6 +141,8 @@ class MarkerRecord:
             values["pid"] = int(data["pid"])
             values["mode"] = Mode(data["mode"])
             values["fusions"] = {str(n): FusionEntry.from_json(e) for n, e in (data.get("fusions") or {}).items()}
+            if not isinstance(data.get("measurement", {}), dict):
+                raise RecordError(f"marker field 'measurement' is {data['measurement']!r}, expected an object")
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, RecordError):
                 raise

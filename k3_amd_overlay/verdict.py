@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from k3_amd_overlay import measured
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE
 from k3_amd_overlay.phases import Phase
@@ -166,6 +167,8 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
             continue
         if record.launch_configs and expect == "fused":
             verdict.info(f"{name}: launch configs {launch_configs_summary(record.launch_configs)}")
+        if record.measurement and expect == "fused":
+            verdict.info(f"{name}: {measured.summary(record.measurement)}")
         for fusion in wanted:
             entry = entries.get(fusion, NOT_RECORDED)
             proof = proofs.setdefault(fusion, _Proof())
