@@ -1,0 +1,415 @@
+"""``k3-amd-overlay measure``: each fused path timed against the stock sequence on this GPU, at this
+deployment's shapes, per batch bucket; the result file the server gates its fusions by ("never
+slower", measured.py).
+
+    k3-amd-overlay measure (--heads H ... | --model DIR [--tensor-parallel-size N])
+                           [--variant bf16 fp8] [--buckets T ...] [--out DIR] [--rounds N] [--seed N]
+
+Buckets: vLLM's default CUDA-graph capture sizes (vLLM 0.33, ``vllm/config/vllm.py``: [1, 2, 4], then
+8 to 248 in steps of 8, then 256 up to ``max_cudagraph_capture_size`` in steps of 16, which
+``vllm/config/compilation.py`` caps at 512 by default), or ``--buckets``. Heads per rank: ``--heads``,
+or ``num_attention_heads`` of the model's ``config.json`` over the tensor-parallel size. KV cache: fp8
+(the one the fused decode writes), in this GPU's fp8 format. W_UK absorption (``--variant``): bf16
+(vLLM's ``torch.bmm``) or fp8 (AITER's Triton fp8 BMM, which must be importable: it is stock's).
+
+Per bucket, on fresh random inputs (a padding slot among them) with every output poisoned, each fused
+path's bytes are checked against the stock sequence's (bench/layer_step.py's parity check); a bucket
+that is not exact is not timed and never fused. Then stock and fused are timed side by side under
+CUDA/HIP-graph replay, ``--rounds`` rounds in turn, medians:
+
+- qkv_norm: the two single-norm launches (the fastest of the benchmarks' configs) against the norm pair;
+- qk_cache: the W_UK absorption, KV-cache write, ``[ql_nope | q_pe]`` concat and static fp8 query quant
+  against the absorption and the qk_cache launch;
+- absorb_qk_cache (batches up to ``package.ABSORB_MAX_TOKENS`` tokens): the same stock sequence against
+  the one absorbed launch.
+
+It prints the table, writes ``<arch>-<device>.measured.json`` into ``--out`` (default: see measured.py:
+beside the tuned launch configs, else a per-user directory), keeping the rows of other shapes a file
+for this GPU and overlay version holds, and exits 1 where a bucket was not exact (the file is still
+written: that bucket runs stock). It imports no vLLM and touches no server state; it takes a few
+hundred MB of GPU memory at most, so it can run beside a live server, whose load then shows in the
+times (measure an idle GPU for numbers to keep)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k3_amd_overlay import measured
+from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
+from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, __version__
+from k3_amd_overlay.settings import KERNEL_CONFIGS
+from k3_amd_overlay.usage import UsageError
+
+DESCRIPTION = ("time each fused path against the stock sequence on this GPU per batch bucket; write the file the "
+               "server keeps a fusion only where it measured exact and at least as fast")
+# vLLM 0.33's default capture sizes (vllm/config/vllm.py; the 512 cap: vllm/config/compilation.py).
+VLLM_CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 512 + 1, 16))
+ROUNDS = 3
+REPS = 100  # graph replays per timing (each of 20 calls), a median of them per round
+STOCK_WORDS = ("qkv_norm: two single-norm Triton launches (the fastest of the benchmarks' configs); decode: the "
+               "W_UK absorption (bf16: torch.bmm; fp8: AITER's Triton fp8 BMM), the fp8 KV-cache write, the "
+               "[ql_nope | q_pe] concat (torch.cat) and the static fp8 query quant, one launch each")
+
+Timer = Callable[[Callable[[], None]], float]
+
+
+@dataclass
+class Pair:
+    """One fusion at one bucket: the stock sequence (candidates; the fastest counts), the fused
+    path, and the parity check of the fused bytes against stock (problems; empty: exact)."""
+
+    fusion: str
+    tokens: int
+    heads: int | None
+    variant: str | None
+    stocks: Sequence[Callable[[], None]]
+    fused: Callable[[], None]
+    parity: Callable[[], list[str]]
+
+
+def measure_pair(pair: Pair, timer: Timer, rounds: int = ROUNDS) -> measured.Row:
+    """Parity first (an exception counts as a problem: fail closed); then, only where exact, stock
+    and fused timed side by side, ``rounds`` rounds in turn, medians."""
+    shape = (pair.fusion, pair.tokens, pair.heads, pair.variant)
+    try:
+        problems = pair.parity()
+    except Exception as exc:  # a kernel this GPU cannot build or run: never fused
+        problems = [f"{type(exc).__name__}: {exc}"]
+    if problems:
+        return measured.Row(*shape, exact=False, problems=tuple(problems))
+    candidates = [timer(stock) for stock in pair.stocks]
+    best = pair.stocks[min(range(len(candidates)), key=candidates.__getitem__)]
+    stock_times, fused_times = [min(candidates)], [timer(pair.fused)]
+    for _ in range(rounds - 1):
+        fused_times.append(timer(pair.fused))
+        stock_times.append(timer(best))
+    return measured.Row(*shape, exact=True, stock_us=statistics.median(stock_times),
+                        fused_us=statistics.median(fused_times))
+
+
+HEADER = ("| fusion | heads | W_UK | bucket (tokens) | stock µs | fused µs | stock / fused | parity | runs |",
+          "|---|---|---|---|---|---|---|---|---|")
+
+
+def table_row(row: measured.Row, low: int) -> str:
+    """One bucket's line: ``low``-``row.tokens`` are the token counts it covers."""
+    span = str(row.tokens) if low == row.tokens else f"{low}-{row.tokens}"
+    times = ([f"{row.stock_us:.2f}", f"{row.fused_us:.2f}", measured.ratio_words(row.ratio)]
+             if row.exact else ["-", "-", "-"])
+    parity = "exact" if row.exact else "FAILED: " + "; ".join(row.problems)
+    cells = [row.fusion, row.heads or "-", row.variant or "-", span, *times, parity, row.verdict()]
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def lows(rows: Iterable[measured.Row]) -> dict[tuple[str, int | None, str | None, int], int]:
+    """Each row's lowest token count: one above the bucket before it at the same fusion and shape."""
+    out, last = {}, {}
+    for row in sorted(rows, key=lambda r: r.tokens):
+        shape = row.key[:3]
+        out[row.key] = last.get(shape, 0) + 1
+        last[shape] = row.tokens
+    return out
+
+
+def table(rows: Sequence[measured.Row]) -> list[str]:
+    """The whole table, rows in measuring order."""
+    low = lows(rows)
+    return [*HEADER, *(table_row(r, low[r.key]) for r in rows)]
+
+
+def gate_lines(measurement: measured.Measurement) -> list[str]:
+    """What the server will do with this file, per fusion and shape."""
+    shapes = sorted({r.key[:3] for r in measurement.rows}, key=lambda s: (FUSIONS.index(s[0]), s[1] or 0, s[2] or ""))
+    lines = []
+    for fusion, heads, variant in shapes:
+        gate = measured.gate_for(measurement, fusion, heads, variant)
+        fused = [tokens for tokens, why in gate.buckets if why is None]
+        lines.append(f"{fusion} ({measured.shape_words(heads, variant)}): fused in {len(fused)} of "
+                     f"{len(gate.buckets)} buckets; " + "; ".join(gate.reasons()))
+    return lines
+
+
+def merged(new: measured.Measurement, path: Path) -> measured.Measurement:
+    """``new`` with the rows of the file already at ``path`` that it did not measure again, where that
+    file is for the same GPU and overlay version (otherwise ``new`` alone)."""
+    try:
+        before = measured.load(path) if path.is_file() else None
+    except measured.MeasuredError:
+        before = None
+    if before is None or (before.arch, before.device, before.overlay_version) != (new.arch, new.device,
+                                                                                  new.overlay_version):
+        return new
+    keys = {r.key for r in new.rows}
+    kept = tuple(r for r in before.rows if r.key not in keys)
+    return measured.Measurement(**{**new.__dict__, "rows": kept + new.rows})
+
+
+def write(measurement: measured.Measurement, directory: Path) -> Path:
+    """Write the result file atomically (a server starting meanwhile reads the old file or the new,
+    never half of one), after checking that the server will read back what is written."""
+    path = directory / measured.result_name(measurement.arch, measurement.device)
+    measurement = merged(measurement, path)
+    data = measurement.to_json()
+    measured.parse(json.loads(json.dumps(data)), str(path))
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(temporary, path)
+    return path
+
+
+# --- the pairs at K3 shapes (torch and Triton, imported when measuring) ---
+
+def _norms_pair(s: Any) -> None:
+    from k3_amd_overlay import k3
+    from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm_pair
+
+    rmsnorm_pair(s.q_c, s.kv_c, s.q_w, s.kv_w, k3.RMS_NORM_EPS, k3.RMS_NORM_EPS, s.q_norm, s.kv_norm)
+
+
+def _tail(s: Any) -> tuple[Any, ...]:
+    return s.q_pe, s.kv_norm, s.k_pe, s.cache, s.slots, s.k_scale, s.q_scale, s.q_out, s.fmt
+
+
+def _stock_tail(s: Any) -> None:
+    """layer_step.stock less its norms: the W_UK absorption, KV write, concat and query quant."""
+    import torch
+
+    from k3_amd_overlay import k3
+    from k3_amd_overlay.bench import layer_step
+    from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel
+    from k3_amd_overlay.kernels.qk_cache import fp8_mode
+    from k3_amd_overlay.kernels.static_quant import scaled_quant
+
+    ql_nope = layer_step._w_uk(s)
+    concat_and_cache_mla_like_kernel[(s.tokens,)](
+        s.kv_norm, s.k_pe, s.cache, s.slots, s.k_scale, s.kv_norm.stride(0), s.k_pe.stride(0), s.cache.stride(0),
+        s.cache.stride(1), s.cache.shape[1], s.fmt.fmax, L=k3.KV_LORA_RANK, R=k3.QK_ROPE_HEAD_DIM,
+        FP8_MODE=fp8_mode(s.fmt, s.cache.device), num_warps=4)
+    torch.cat([ql_nope, s.q_pe], dim=-1, out=s.cat)
+    scaled_quant(s.cat, s.q_scale, s.q_out, s.fmt)
+
+
+def _qk_cache_tail(s: Any) -> None:
+    from k3_amd_overlay.bench import layer_step
+    from k3_amd_overlay.kernels.qk_cache import qk_cache
+
+    qk_cache(layer_step._w_uk(s), *_tail(s))
+
+
+def _absorbed_tail(s: Any) -> None:
+    from k3_amd_overlay.bench import layer_step
+    from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
+    from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
+
+    if s.variant == layer_step.BF16:
+        absorb_qk_cache(s.q_nope, s.w, *_tail(s))
+    else:
+        absorb_fp8_qk_cache(s.q_nope, s.w, s.w_scale, *_tail(s))
+
+
+# Per fusion: (the timed stock segment, the timed fused segment, the whole chain with the fusion, for parity)
+def _segments(fusion: str, config: tuple[int, int]) -> tuple[Callable[[Any], None], Callable[[Any], None],
+                                                             Callable[[Any], None]]:
+    from k3_amd_overlay.bench import layer_step
+
+    def stock_norms(s: Any) -> None:
+        layer_step._stock_norms(s, config)
+
+    if fusion == QKV_NORM:
+        return stock_norms, _norms_pair, lambda s: (_norms_pair(s), _stock_tail(s))
+    fused = _qk_cache_tail if fusion == QK_CACHE else _absorbed_tail
+    return _stock_tail, fused, lambda s: (stock_norms(s), fused(s))
+
+
+def pairs(heads_list: Sequence[int], variants: Sequence[str], buckets: Sequence[int], device: Any, fmt: Any,
+          seed: int) -> Iterator[Pair]:
+    """Every fusion at every bucket, at each heads count and W_UK variant (qkv_norm once a bucket: its
+    launch has no heads), each on its own fresh inputs: a padded batch for parity, another to time."""
+    from functools import partial
+
+    from k3_amd_overlay.bench import layer_step
+    from k3_amd_overlay.bench.kernels import SINGLE_NORM_CONFIGS
+
+    def pair(fusion: str, tokens: int, heads: int, variant: str, n: int) -> Pair:
+        step_seed = seed + 7919 * n
+
+        def check() -> list[str]:
+            s = layer_step.make_step(tokens, heads, variant, device, seed=step_seed, padding=True, fmt=fmt)
+            return layer_step.parity_problems(s, chain=_segments(fusion, SINGLE_NORM_CONFIGS[0])[2])
+
+        timed = layer_step.make_step(tokens, heads, variant, device, seed=step_seed + 1, fmt=fmt)
+        layer_step._stock_norms(timed, SINGLE_NORM_CONFIGS[0])  # the tails read written norms
+        configs = SINGLE_NORM_CONFIGS if fusion == QKV_NORM else SINGLE_NORM_CONFIGS[:1]
+        stocks = [partial(_segments(fusion, c)[0], timed) for c in configs]
+        fused = partial(_segments(fusion, configs[0])[1], timed)
+        shape = (None, None) if fusion == QKV_NORM else (heads, variant)
+        return Pair(fusion, tokens, *shape, stocks=stocks, fused=fused, parity=check)
+
+    n = 0
+    for tokens in buckets:
+        n += 1
+        yield pair(QKV_NORM, tokens, heads_list[0], variants[0], n)
+        for heads in heads_list:
+            for variant in variants:
+                for fusion in (ABSORB_QK_CACHE, QK_CACHE):
+                    if fusion == ABSORB_QK_CACHE and tokens > ABSORB_MAX_TOKENS:
+                        continue
+                    n += 1
+                    yield pair(fusion, tokens, heads, variant, n)
+
+
+def measure(all_pairs: Iterable[Pair], timer: Timer, rounds: int = ROUNDS,
+            out: Callable[[str], None] = print) -> list[measured.Row]:
+    """Measure each pair in turn, printing the table as it goes."""
+    rows: list[measured.Row] = []
+    last: dict[tuple[str, int | None, str | None], int] = {}
+    for line in HEADER:
+        out(line)
+    for pair in all_pairs:
+        row = measure_pair(pair, timer, rounds)
+        shape = row.key[:3]
+        out(table_row(row, last.get(shape, 0) + 1))
+        last[shape] = row.tokens
+        rows.append(row)
+    return rows
+
+
+# --- the command ---
+
+def heads_from_model(model: str, tp: int) -> int:
+    """Heads per rank: ``num_attention_heads`` of the model's config.json (top level or its text
+    config) over the tensor-parallel size, which must divide it."""
+    path = Path(model)
+    config_file = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--model {model}: cannot read {config_file} ({exc}); give a local model directory or "
+                         "its config.json, or --heads") from None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    heads = config.get("num_attention_heads", text.get("num_attention_heads"))
+    if not isinstance(heads, int) or heads < 1:
+        raise UsageError(f"--model {model}: {config_file} has no positive num_attention_heads ({heads!r})")
+    if heads % tp:
+        raise UsageError(f"--tensor-parallel-size {tp}: does not divide the model's {heads} attention heads")
+    return heads // tp
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--heads", type=int, nargs="+", help="query heads per rank (K3: 96 / tensor-parallel size)")
+    which.add_argument("--model", help="the served model's directory or its config.json: heads per rank from "
+                                       "num_attention_heads and --tensor-parallel-size")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="with --model (default 1)")
+    parser.add_argument("--variant", nargs="+", default=[measured.VARIANTS[0]],
+                        help=f"W_UK absorptions: {', '.join(measured.VARIANTS)} (default {measured.VARIANTS[0]}; fp8: "
+                             "vLLM's fp8 W_K, VLLM_ROCM_USE_AITER_FP8BMM, needs AITER's Triton fp8 BMM)")
+    parser.add_argument("--buckets", type=int, nargs="+",
+                        help="batch buckets in tokens (default vLLM's capture sizes: 1, 2, 4, 8, 16, ..., 512)")
+    parser.add_argument("--out", help="directory for the result file (default: $K3_AMD_OVERLAY_KERNEL_CONFIGS's, "
+                                      "else $XDG_CACHE_HOME/k3-amd-overlay or ~/.cache/k3-amd-overlay)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"timing rounds, in turn (default {ROUNDS})")
+    parser.add_argument("--seed", type=int, help="inputs' seed (default: a fresh one, recorded in the file)")
+
+
+def _checked(args: argparse.Namespace) -> tuple[list[int], list[str], list[int]]:
+    if args.tensor_parallel_size < 1:
+        raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size}: a positive integer")
+    heads = sorted(set(args.heads)) if args.heads else [heads_from_model(args.model, args.tensor_parallel_size)]
+    bad = [v for v in args.variant if v not in measured.VARIANTS]
+    if bad:
+        fp4 = (" (fp4: its stock absorption is AITER's MXFP4 GEMM, which this version does not measure: an fp4 layer "
+               "runs stock where a measurement exists)" if "fp4" in bad else "")
+        raise UsageError(f"--variant {' '.join(bad)}: allowed {', '.join(measured.VARIANTS)}{fp4}")
+    buckets = sorted(set(args.buckets or VLLM_CAPTURE_SIZES))
+    for name, values in (("--heads", heads), ("--buckets", buckets), ("--rounds", [args.rounds])):
+        if any(v < 1 for v in values):
+            raise UsageError(f"{name} {values}: every value must be a positive integer")
+    return heads, list(dict.fromkeys(args.variant)), buckets
+
+
+def graph_timer() -> Timer:
+    """The real timer: CUDA/HIP-graph replay medians (bench/timing.py), ``REPS`` replays of 20 calls."""
+    from functools import partial
+
+    from k3_amd_overlay.bench.timing import graph_us
+
+    return partial(graph_us, per_graph=20, reps=REPS)
+
+
+def result(rows: Sequence[measured.Row], arch: str, device_name: str, fp8_format: str,
+           seed: int) -> measured.Measurement:
+    """The measurement of ``rows`` on this machine, now (with this torch, Triton and overlay)."""
+    import torch
+    import triton
+
+    return measured.Measurement(
+        path="", arch=arch, device=device_name,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        overlay_version=__version__, torch=torch.__version__, triton=triton.__version__, kv_cache_dtype="fp8",
+        fp8_format=fp8_format, stock=STOCK_WORDS, seed=seed, rows=tuple(rows))
+
+
+def run(args: argparse.Namespace, timer: Timer | None = None) -> int:
+    """0: measured, every bucket exact; 1: some bucket not exact (written: stock runs there) or no
+    GPU; 2: a usage error."""
+    try:
+        heads, variants, buckets = _checked(args)
+    except UsageError as exc:
+        print(f"{COMMAND_NAME}: {exc}", file=sys.stderr)
+        return 2
+    import torch
+    import triton
+
+    from k3_amd_overlay.bench import aiter_peers
+    from k3_amd_overlay.fp8 import device_format
+    from k3_amd_overlay.kernels import target
+    from k3_amd_overlay.kernels.launch import device_name
+
+    if not torch.cuda.is_available():
+        print(f"{COMMAND_NAME}: no GPU here: it measures the GPU the server runs on", file=sys.stderr)
+        return 1
+    if AbsorbVariant.FP8.value in variants and (why := aiter_peers.enable()):
+        print(f"{COMMAND_NAME}: --variant fp8: stock's fp8 absorption is AITER's Triton fp8 BMM: {why}",
+              file=sys.stderr)
+        return 1
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch, name, fmt = target.of(device).arch, device_name(device), device_format(device)
+    assert name is not None
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    directory = Path(args.out) if args.out else measured.result_dir(os.environ)
+    print(f"{name} ({arch}), torch {torch.__version__}, triton {triton.__version__}, k3-amd-overlay {__version__}; "
+          f"heads per rank {', '.join(map(str, heads))}; W_UK {', '.join(variants)}; fp8 KV cache ({fmt.name}); "
+          f"{len(buckets)} buckets {buckets[0]}-{buckets[-1]}; seed {seed}; CUDA/HIP-graph replay, {args.rounds} "
+          "rounds, medians")
+    rows = measure(pairs(heads, variants, buckets, device, fmt, seed), timer or graph_timer(), args.rounds)
+    path = write(result(rows, arch, name, fmt.name, seed), directory)
+    for line in gate_lines(measured.load(path)):
+        print(line)
+    print(f"wrote {path}; the server reads it at startup from {measured.result_dir(os.environ)} (the directory of "
+          f"{KERNEL_CONFIGS}, else the per-user one): run the server with the environment this ran with")
+    return 0 if all(r.exact for r in rows) else 1
+
+
+COMMAND_NAME = measured.COMMAND
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND_NAME, description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

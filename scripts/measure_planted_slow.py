@@ -1,0 +1,103 @@
+"""Issue 28's "never slower" check on a GPU, with a planted slow kernel: ``k3-amd-overlay measure``'s
+measuring (k3_amd_overlay/self_measure.py) at the given shapes, but in one bucket the fused path of one
+fusion launches an extra spin kernel (``torch.cuda._sleep``) after its own; the result file is
+written, read back as the server reads it (measured.load_here), and the decode plan built from it
+(fusions/qk_cache.py) must run stock in that bucket, with the reason the marker shows, and the fused
+launch in every other bucket the measurement let through. Prints the table, each bucket's decision,
+the marker entry and ``check``'s line; exit 0 where the gate did so, 1 otherwise.
+
+    PYTHONPATH=$PWD python3 scripts/measure_planted_slow.py --heads 12 --variant bf16 \\
+        --buckets 1 8 64 256 --slow qk_cache 256 --out OUT_DIR
+
+A test scaffold, never shipped: the hook lives here, not in the package."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from k3_amd_overlay import measured, self_measure
+from k3_amd_overlay.fp8 import device_format
+from k3_amd_overlay.fusions.qk_cache import BatchFacts, DecodePath, DecodePlan
+from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.kernels import target
+from k3_amd_overlay.kernels.launch import device_name
+from k3_amd_overlay.package import ABSORB_MAX_TOKENS, QKV_NORM
+from k3_amd_overlay.settings import KERNEL_CONFIGS
+
+
+def slowed(pair: self_measure.Pair, cycles: int) -> self_measure.Pair:
+    """``pair`` whose fused path also spins ``cycles`` GPU clock cycles (its bytes unchanged)."""
+    fused = pair.fused
+
+    def fused_then_spin() -> None:
+        fused()
+        torch.cuda._sleep(cycles)
+
+    pair.fused = fused_then_spin
+    return pair
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--variant", default="bf16", choices=measured.VARIANTS)
+    parser.add_argument("--buckets", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--slow", nargs=2, metavar=("FUSION", "TOKENS"), default=["qk_cache", "256"],
+                        help="the fusion and bucket to slow (qk_cache above the absorbed limit: stock runs there)")
+    parser.add_argument("--cycles", type=int, default=20000, help="the planted spin (about 10 µs at 2 GHz)")
+    parser.add_argument("--rounds", type=int, default=self_measure.ROUNDS)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    slow = (args.slow[0], int(args.slow[1]))
+    if args.variant == "fp8":
+        from k3_amd_overlay.bench import aiter_peers
+
+        if why := aiter_peers.enable():
+            print(why, file=sys.stderr)
+            return 1
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch, name, fmt = target.of(device).arch, device_name(device), device_format(device)
+    assert name is not None
+    print(f"{name} ({arch}); planted: {args.cycles} spin cycles after the {slow[0]} launch at bucket {slow[1]}")
+    found = self_measure.pairs([args.heads], [args.variant], sorted(args.buckets), device, fmt, seed=2812)
+    rows = self_measure.measure((slowed(p, args.cycles) if (p.fusion, p.tokens) == slow else p for p in found),
+                                self_measure.graph_timer(), args.rounds)
+    path = self_measure.write(self_measure.result(rows, arch, name, fmt.name, 2812), Path(args.out))
+    loaded = measured.load_here(arch, name, {KERNEL_CONFIGS: args.out})
+    if loaded.measurement is None:
+        print(f"the server would not use {path}: {loaded.error}", file=sys.stderr)
+        return 1
+    gates = measured.decode_gates(loaded.measurement, args.heads, args.variant)
+    assert gates is not None
+    applied = LayerDecision(FusionState.APPLIED, "triton", "planted check")
+    plan = DecodePlan(applied, applied, measured=gates)
+    print("\n| tokens | the server's decode path | reason |\n|---|---|---|")
+    ok = True
+    planted = next((r for r in rows if (r.fusion, r.tokens) == slow), None)
+    for tokens in sorted({t for b in args.buckets for t in (b, b + 1)}):
+        path_taken, why = plan.choose(BatchFacts(tokens, tokens, True, False))
+        print(f"| {tokens} | {path_taken.value if path_taken else 'stock'} | {why or ''} |")
+        if tokens == slow[1]:  # the planted bucket: measured slower, so stock runs, saying why
+            ok = ok and planted is not None and planted.exact and not planted.fused and path_taken is None \
+                and f"{slow[0]}: stock at " in (why or "") and "of stock on this GPU" in (why or "")
+        elif tokens in args.buckets:
+            allowed = [r for r in rows if r.tokens == tokens and r.fusion != QKV_NORM and r.fused]
+            expected = {r.fusion for r in allowed}
+            want = (DecodePath.ABSORB if "absorb_qk_cache" in expected and tokens <= ABSORB_MAX_TOKENS
+                    else DecodePath.QK_CACHE if "qk_cache" in expected else None)
+            ok = ok and path_taken is want
+    entry = measured.marker_entry(loaded, {**gates, QKV_NORM: measured.norm_gate(loaded.measurement)},
+                                  measured.shape_words(args.heads, args.variant))
+    print("\nmarker measurement entry:\n" + json.dumps(entry, indent=1))
+    print("\ncheck prints: " + measured.summary(entry))
+    print(f"\nplanted-slow gate check: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

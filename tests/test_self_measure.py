@@ -1,0 +1,195 @@
+"""``k3-amd-overlay measure`` (k3_amd_overlay/self_measure.py) on the CPU: the measuring logic through a
+fake timer (the real one is a CUDA-graph replay median on the GPU), the real fused paths' parity
+against the stock sequence under the Triton interpreter, the table and the result file from a
+planted timing where one bucket is slower (that bucket's verdict: stock, with the reason the marker
+shows), a bucket whose parity fails (never timed, stock), and the command's usage errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from machine import DEVICE
+
+from k3_amd_overlay import measured, self_measure
+from k3_amd_overlay.fp8 import E4M3FN
+from k3_amd_overlay.fusions import qk_cache as qk
+from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
+from k3_amd_overlay.settings import KERNEL_CONFIGS
+
+
+class FakeTimer:
+    """Times a callable as planted: ``times[name]`` is a list handed out in turn (the last repeated)."""
+
+    def __init__(self, times: dict[str, list[float]]) -> None:
+        self.times = times
+        self.calls: list[str] = []
+
+    def __call__(self, fn: Callable[[], None]) -> float:
+        name = self.name(fn)
+        self.calls.append(name)
+        planted = self.times[name]
+        return planted.pop(0) if len(planted) > 1 else planted[0]
+
+    @staticmethod
+    def name(fn: Callable[[], None]) -> str:
+        return getattr(fn, "__name__", "")
+
+
+def fake_pair(fusion: str, tokens: int, problems: list[str] | None = None) -> self_measure.Pair:
+    def stock_a() -> None: ...
+    def stock_b() -> None: ...
+    def fused() -> None: ...
+    stock_a.__name__, stock_b.__name__, fused.__name__ = (f"{fusion}{tokens}-stock-a", f"{fusion}{tokens}-stock-b",
+                                                           f"{fusion}{tokens}-fused")
+    return self_measure.Pair(fusion, tokens, 12, "bf16", [stock_a, stock_b], fused, lambda: list(problems or []))
+
+
+def test_stock_and_fused_are_timed_in_turn_and_their_medians_kept():
+    timer = FakeTimer({"qk_cache8-stock-a": [9.0], "qk_cache8-stock-b": [8.0, 8.4, 7.9],
+                       "qk_cache8-fused": [5.0, 7.0, 6.0]})
+    got = self_measure.measure_pair(fake_pair(QK_CACHE, 8), timer, rounds=3)
+    assert timer.calls == ["qk_cache8-stock-a", "qk_cache8-stock-b", "qk_cache8-fused", "qk_cache8-fused",
+                           "qk_cache8-stock-b", "qk_cache8-fused", "qk_cache8-stock-b"]
+    assert got == measured.Row(QK_CACHE, 8, 12, "bf16", True, stock_us=8.0, fused_us=6.0)  # the fastest stock
+
+
+def test_a_bucket_whose_parity_fails_is_never_timed_and_runs_stock():
+    timer = FakeTimer({})
+    got = self_measure.measure_pair(fake_pair(QK_CACHE, 16, ["cache: 3 bytes written outside the valid slots' rows"]),
+                                    timer)
+    assert timer.calls == [] and not got.exact and not got.fused and got.verdict() == "stock: not exact"
+
+    def broken() -> list[str]:
+        raise RuntimeError("no kernel image for this GPU")
+
+    pair = fake_pair(QK_CACHE, 16)
+    pair.parity = broken
+    assert self_measure.measure_pair(pair, timer).problems == ("RuntimeError: no kernel image for this GPU",)
+    gate = measured.gate_for(self_measure_file([got]), QK_CACHE, 12, "bf16")
+    assert gate.refusal(9) == ("stock at 1-16 tokens: not exact on this GPU (cache: 3 bytes written outside the valid "
+                               "slots' rows)")
+
+
+def self_measure_file(rows: list[measured.Row]) -> measured.Measurement:
+    return measured.Measurement(path="", arch="sm90", device="NVIDIA H200", date="2026-12-02T11:00:00+00:00",
+                                overlay_version=measured.__version__, torch="2.11", triton="3.6", kv_cache_dtype="fp8",
+                                fp8_format="e4m3fn", stock=self_measure.STOCK_WORDS, seed=3, rows=tuple(rows))
+
+
+def real_names(fn: Callable[[], None]) -> str:
+    """A real pair's callables are partials of a segment over one Step: name them by segment and tokens."""
+    return f"{fn.func.__name__}@{fn.args[0].tokens}"  # type: ignore[attr-defined]
+
+
+def test_the_real_fused_paths_are_exact_and_a_planted_slower_bucket_goes_to_stock(tmp_path, capsys):
+    """heads 1, bf16, buckets 1 and 2 (the interpreter runs K3's widths): every fused path's bytes
+    match stock's; qk_cache is planted slower at bucket 2 (10 µs stock, 12.5 µs fused: 0.80x), so
+    the table, the file and the server's gate say stock there, fused at 1."""
+    times = {}
+    for tokens in (1, 2):
+        times.update({f"stock_norms@{tokens}": [3.0], f"_norms_pair@{tokens}": [2.0], f"_stock_tail@{tokens}": [10.0],
+                      f"_absorbed_tail@{tokens}": [4.0], f"_qk_cache_tail@{tokens}": [6.0 if tokens == 1 else 12.5]})
+    timer = FakeTimer(times)
+    timer.name = real_names  # type: ignore[method-assign]
+    lines: list[str] = []
+    rows = self_measure.measure(self_measure.pairs([1], ["bf16"], [1, 2], DEVICE, E4M3FN, seed=17), timer, rounds=2,
+                                out=lines.append)
+    assert [(r.fusion, r.tokens, r.exact) for r in rows] == [
+        (QKV_NORM, 1, True), (ABSORB_QK_CACHE, 1, True), (QK_CACHE, 1, True),
+        (QKV_NORM, 2, True), (ABSORB_QK_CACHE, 2, True), (QK_CACHE, 2, True)]
+    assert lines == [*self_measure.HEADER,
+                     "| qkv_norm | - | - | 1 | 3.00 | 2.00 | 1.50x | exact | fused |",
+                     "| absorb_qk_cache | 1 | bf16 | 1 | 10.00 | 4.00 | 2.50x | exact | fused |",
+                     "| qk_cache | 1 | bf16 | 1 | 10.00 | 6.00 | 1.66x | exact | fused |",
+                     "| qkv_norm | - | - | 2 | 3.00 | 2.00 | 1.50x | exact | fused |",
+                     "| absorb_qk_cache | 1 | bf16 | 2 | 10.00 | 4.00 | 2.50x | exact | fused |",
+                     "| qk_cache | 1 | bf16 | 2 | 10.00 | 12.50 | 0.80x | exact | stock: 0.80x of stock |"]
+    assert self_measure.table(rows) == lines
+    path = self_measure.write(self_measure_file(rows), tmp_path)
+    assert path == tmp_path / "sm90-NVIDIA_H200.measured.json"
+    loaded = measured.load_here("sm90", "NVIDIA H200", {KERNEL_CONFIGS: str(tmp_path)})
+    assert loaded.error is None and loaded.measurement is not None
+    assert json.loads(path.read_text())["results"][5] == {
+        "fusion": QK_CACHE, "tokens": 2, "heads": 1, "variant": "bf16", "stock_us": 10.0, "fused_us": 12.5,
+        "ratio": 0.8, "exact": True, "problems": []}
+    gates = measured.decode_gates(loaded.measurement, 1, "bf16")
+    plan = qk.DecodePlan(qk.LayerDecision(qk.FusionState.APPLIED, "triton", ""),
+                         qk.LayerDecision(qk.FusionState.DISABLED, None, ""), measured=gates)
+    batch = lambda t: qk.BatchFacts(t, t, True, False)  # noqa: E731
+    assert plan.choose(batch(1)) == (qk.DecodePath.QK_CACHE, None)
+    assert plan.choose(batch(2)) == (None, "qk_cache: stock at 2 tokens: 0.80x of stock on this GPU")
+    assert plan.choose(batch(3)) == (None, "qk_cache: stock above 2 tokens: not measured on this GPU")
+    assert self_measure.gate_lines(loaded.measurement)[1] == (
+        "qk_cache (1 heads, bf16 W_UK): fused in 1 of 2 buckets; stock at 2 tokens: 0.80x of stock on this GPU; "
+        "stock above 2 tokens: not measured on this GPU")
+
+
+def test_a_fused_path_that_writes_wrong_bytes_is_stock_in_its_bucket(monkeypatch):
+    """A planted fault in the absorbed launch (it writes no query and no cache row): the parity check
+    finds it and the bucket is not exact, never timed."""
+    monkeypatch.setattr(self_measure, "_absorbed_tail", lambda s: None)
+    timer = FakeTimer({})
+    timer.name = real_names  # type: ignore[method-assign]
+    pair = next(p for p in self_measure.pairs([1], ["bf16"], [2], DEVICE, E4M3FN, seed=5)
+                if p.fusion == ABSORB_QK_CACHE)
+    got = self_measure.measure_pair(pair, timer)
+    assert timer.calls == [] and not got.exact
+    assert any(p.startswith("q_out: ") and "bytes of valid tokens not written" in p for p in got.problems)
+    assert any(p.startswith("cache: ") for p in got.problems)
+
+
+def test_writing_keeps_the_rows_of_other_shapes_and_replaces_those_measured_again(tmp_path):
+    first = [measured.Row(QK_CACHE, 8, 12, "bf16", True, 5.0, 4.0),
+             measured.Row(QK_CACHE, 8, 12, "fp8", True, 6.0, 4.0)]
+    self_measure.write(self_measure_file(first), tmp_path)
+    again = [measured.Row(QK_CACHE, 8, 12, "bf16", True, 4.0, 5.0)]
+    path = self_measure.write(self_measure_file(again), tmp_path)
+    assert {r.key: r.ratio for r in measured.load(path).rows} == {(QK_CACHE, 12, "fp8", 8): 1.5,
+                                                                  (QK_CACHE, 12, "bf16", 8): 0.8}
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def args(**given) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    self_measure.add_arguments(parser)
+    flags = [f for k, v in given.items() for f in (f"--{k.replace('_', '-')}", *map(str, v if isinstance(v, list)
+                                                                                     else [v]))]
+    return parser.parse_args(flags)
+
+
+@pytest.mark.parametrize("given,message", [
+    ({"heads": 12, "variant": "fp4"}, "--variant fp4: allowed bf16, fp8 (fp4: its stock absorption is AITER's MXFP4"),
+    ({"heads": 0}, "--heads [0]: every value must be a positive integer"),
+    ({"heads": 12, "buckets": [8, -1]}, "--buckets [-1, 8]: every value must be a positive integer"),
+    ({"model": "/nonexistent/k3"}, "--model /nonexistent/k3: cannot read /nonexistent/k3"),
+])
+def test_usage_errors_name_the_value_and_what_is_allowed(given, message, capsys):
+    assert self_measure.run(args(**given)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"k3-amd-overlay measure: {message}") and "Traceback" not in err
+
+
+def test_heads_per_rank_come_from_the_models_config_and_the_tensor_parallel_size(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_attention_heads": 96}}))
+    assert self_measure.heads_from_model(str(tmp_path), 8) == 12
+    assert self_measure.heads_from_model(str(tmp_path / "config.json"), 32) == 3
+    assert self_measure.run(args(model=str(tmp_path), tensor_parallel_size=7)) == 2
+    assert "--tensor-parallel-size 7: does not divide the model's 96 attention heads" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measures on a GPU there")
+def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path, capsys):
+    assert self_measure.run(args(heads=12, out=str(tmp_path))) == 1
+    assert "no GPU here" in capsys.readouterr().err and not list(Path(tmp_path).iterdir())
+
+
+def test_the_default_buckets_are_vllms_capture_sizes():
+    """vLLM 0.33's defaults (vllm/config/vllm.py, capped at 512 by vllm/config/compilation.py)."""
+    sizes = self_measure.VLLM_CAPTURE_SIZES
+    assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-3:] == (480, 496, 512) and len(sizes) == 51
+    assert 248 in sizes and 256 in sizes and 264 not in sizes
