@@ -104,3 +104,22 @@ def test_the_process_wide_record_is_per_fusion_and_a_second_failure_keeps_the_fi
     kernel_failures.refuse(second, lambda f, w: recorded.append(w))
     assert recorded == [PREFIX + "RuntimeError: first"] and kernel_failures.reason("qk_cache") == recorded[0]
     assert isinstance(kernel_failures.failed(), frozenset)
+
+
+def test_a_launch_whose_config_was_degraded_is_tried_again_and_a_later_failure_still_refuses():
+    from k3_amd_overlay.kernels.launch_configs import ConfigDegraded
+
+    tries, degraded = [], []
+
+    def launch():
+        tries.append(1)
+        if len(tries) < 3:
+            raise ConfigDegraded(f"qk_cache_kernel: config {len(tries)} failed")
+        raise OutOfResources(70000, 65536, "shared memory")
+
+    with pytest.raises(kernel_failures.KernelFailed) as failure:
+        kernel_failures.guarded("qk_cache", launch, on_degraded=lambda: degraded.append(len(tries)))
+    assert tries == [1, 1, 1] and degraded == [1, 2]
+    assert failure.value.why.startswith("OutOfResources: out of resource: shared memory")
+    assert kernel_failures.guarded("qk_cache", lambda: "ran") == "ran"  # no degrade: one try, no callback
+    assert degraded == [1, 2]

@@ -1,8 +1,9 @@
 """``k3_amd_overlay.kernels.probe`` on a CPU: which batch sizes and head counts the ahead-of-time
 compile samples (one of each kind Triton compiles apart, for every config a rule can pick, none for
 a rule no batch reaches), the compile-only session it runs in, that it runs once per kernel,
-device, dtype, heads, format and block size, only for the Triton provider on a GPU, and that each
-probe launch hands the launcher vLLM's layouts (recorded through stand-in launchers)."""
+device, dtype, heads, format and kind of block size, only for the Triton provider on a GPU, that a
+sample whose config was degraded is compiled again on the safe config, and that each probe launch
+hands the launcher vLLM's layouts (recorded through stand-in launchers)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,42 @@ def test_the_ahead_of_time_compile_runs_once_per_kernel_device_dtype_heads_forma
     assert len(calls) == 7
     probe.precompile_once(*base[:-1])  # block size by default: AITER MLA's 1, already compiled
     assert len(calls) == 7
+    for same_kind in (16, 128, 32):  # 64's kind (multiples of 16): Triton compiles them alike
+        assert probe.precompile_once(*base[:-1], same_kind) is None
+    probe.precompile_once(*base[:-1], 5)  # neither 1 nor a multiple of 16: its own compile
+    assert len(calls) == 8 and calls[-1][-1] == 5
+
+
+def test_the_ahead_of_time_compile_says_how_long_it_took(precompiled, monkeypatch, caplog):
+    import logging
+    import random
+
+    took = round(random.uniform(1.0, 90.0), 2)
+    ticks = iter([50.0, 50.0 + took])
+    monkeypatch.setattr(probe, "perf_counter", lambda: next(ticks))
+    args = ("triton", names.ABSORB_QK_CACHE_KERNEL, torch.device("cuda", 0), torch.bfloat16, 12, E4M3FNUZ, 16)
+    with caplog.at_level(logging.INFO, logger="vllm.k3_amd_overlay"):
+        assert probe.precompile_once(*args) == pytest.approx(took)
+        assert probe.precompile_once(*args) is None  # done: nothing compiled, nothing to say
+    assert [r.getMessage() for r in caplog.records] == [
+        f"K3 AMD overlay: compiled 1 configs of {names.ABSORB_QK_CACHE_KERNEL} (bfloat16, 12 heads, {E4M3FNUZ.name}, "
+        f"KV cache blocks of 16) in {took:.1f} s"]
+
+
+def test_a_sample_whose_config_was_degraded_is_compiled_again(table, monkeypatch):
+    monkeypatch.setattr(target, "of", lambda device: target.Target(target.HIP, "gfx942"))
+    monkeypatch.setattr(launch, "device_name", lambda device: "AMD Instinct MI300X")
+    launched, degrade_at = [], {(2, 12)}
+
+    def launch_at(kernel, device, dtype, tokens, heads, fmt, block_size=1):
+        launched.append((tokens, heads))
+        if (tokens, heads) in degrade_at:
+            degrade_at.discard((tokens, heads))
+            raise launch_configs.ConfigDegraded("B: RuntimeError: LDS")
+
+    monkeypatch.setattr(probe, "launch_at", launch_at)
+    probe.precompile(names.QK_CACHE_KERNEL, torch.device("cuda", 0), torch.bfloat16, 12, E4M3FNUZ)
+    assert launched == [(1, 12), (2, 12), (2, 12), (16, 12), (65, 12), (80, 12), (2049, 12), (2064, 12)]
 
 
 def test_no_ahead_of_time_compile_for_another_provider_or_off_gpu(precompiled):
