@@ -11,22 +11,26 @@ cannot be collected (2), crash (a signal) or run past the time limit; it survive
         -- tests/test_tune_choice.py tests/test_launch_configs.py
 
 K3OVL_MUTANTS_PRELOAD (module names, space-separated) imports more of the package once, in the parent;
-the run refuses to start where one of them imported the mutated module; K3OVL_MUTANTS_ONLY="ID ..."
-tests only those mutants (a survivor of another run, against more tests: a kill by either counts). ``run`` prints one line per survivor (its line and diff) and "MODULE: killed/total"; RESULT.json
-keeps every mutant's outcome. The parent never imports the package: each child imports the
-mutated module afresh.
+the run refuses to start where one of them imported the mutated module. K3OVL_MUTANTS_ONLY="ID ..."
+tests only those mutants (a survivor of another run, against more tests: a kill by either counts).
+K3OVL_MUTANTS_TIME_LIMIT (seconds, default 120) bounds one mutant's tests. A mutants file ending in
+.gz is read gzipped (``scripts/mutmut_shards.py`` carries them so). ``run`` prints one line per
+survivor (its line and diff) and "MODULE: killed/total"; RESULT.json keeps every mutant's outcome,
+rewritten after each mutant, so a run stopped midway keeps what it tested. The parent never imports
+the package: each child imports the mutated module afresh.
 """
 
 from __future__ import annotations
 
 import difflib
+import gzip
 import json
 import os
 import signal
 import sys
 import time
 
-TIME_LIMIT_S = 120
+TIME_LIMIT_S = int(os.environ.get("K3OVL_MUTANTS_TIME_LIMIT", "120"))  # seconds per mutant's tests
 
 
 def list_mutants(path: str, out: str) -> None:
@@ -100,7 +104,7 @@ def run(clone: str, module: str, mutants_file: str, result_file: str, pytest_arg
     mutated_name = module.removesuffix(".py").replace("/", ".")
     if mutated_name in sys.modules:
         raise SystemExit(f"{mutated_name} was imported by a preloaded module: the children would not see the mutants")
-    with open(mutants_file) as handle:
+    with (gzip.open(mutants_file, "rt") if mutants_file.endswith(".gz") else open(mutants_file)) as handle:
         data = json.load(handle)
     only = os.environ.get("K3OVL_MUTANTS_ONLY")  # "ID ID ..." (e.g. a run's survivors): those mutants only
     chosen = [int(i) for i in only.split()] if only else range(len(data["mutants"]))
@@ -123,6 +127,8 @@ def run(clone: str, module: str, mutants_file: str, result_file: str, pytest_arg
                        else "killed" if code in (1, 2) or code < 0 else f"error {code}")
             results.append({"id": i, "line": mutant["line"], "diff": mutant["diff"], "outcome": outcome,
                             "seconds": round(time.monotonic() - start, 1)})
+            with open(result_file, "w") as handle:  # after each mutant: a run stopped midway keeps what it tested
+                json.dump(results, handle, indent=1)
             if outcome != "killed":
                 print(f"{outcome.upper():9} #{i} line {mutant['line']}: {' | '.join(mutant['diff'])[:400]}", flush=True)
     finally:
