@@ -342,8 +342,9 @@ def summary(entry: Mapping[str, Any]) -> str:
         buckets = entry.get("fused_buckets", {}).get(fusion, [])
         parts.append(f"{fusion} fused in {len(buckets)} bucket{'s' if len(buckets) != 1 else ''}"
                      + (f", {'; '.join(reasons)}" if reasons else ""))
-    return (f"self-measurement {entry.get('file')} ({entry.get('date')}, {entry.get('shape') or 'no K3 layer yet'}): "
-            + ("; ".join(parts) or "no fusion gated in this process"))
+    shape = f", {entry['shape']}" if entry.get("shape") else ""
+    return (f"self-measurement {entry.get('file')} ({entry.get('date')}{shape}): "
+            + ("; ".join(parts) or "no fused path gated in this process"))
 
 
 def doctor_section(arch: str | None, device: str | None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
