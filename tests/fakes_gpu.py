@@ -32,9 +32,22 @@ class FakeJit:
         def __init__(self, name: str) -> None:
             self.__name__ = name
 
-    def __init__(self, name: str, fails: Callable[[dict[str, Any]], BaseException | None] | None = None) -> None:
+    class Compiled:
+        """A compiled kernel whose load onto the device (``_init_handles``) raises ``error``, if any."""
+
+        def __init__(self, token: str, error: BaseException | None) -> None:
+            self.token, self.error, self.loads = token, error, 0
+
+        def _init_handles(self) -> None:
+            self.loads += 1
+            if self.error is not None:
+                raise self.error
+
+    def __init__(self, name: str, fails: Callable[[dict[str, Any]], BaseException | None] | None = None,
+                 load_fails: Callable[[dict[str, Any]], BaseException | None] | None = None) -> None:
         self.fn = self._Fn(name)
         self.fails = fails  # options -> the error Triton raises for them (None: it builds)
+        self.load_fails = load_fails  # options -> the error loading their compile raises (set: warmup gives Compiled)
         self.runs: list[tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]] = []
         self.warmups: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self.refused: list[dict[str, Any]] = []  # options of each compile or launch that raised
@@ -51,10 +64,11 @@ class FakeJit:
             self.runs.append((grid, args, options))
         return run
 
-    def warmup(self, *args: Any, **options: Any) -> str:
+    def warmup(self, *args: Any, **options: Any) -> Any:
         self._check(options)
         self.warmups.append((args, options))
-        return f"compiled-{len(self.warmups)}"
+        token = f"compiled-{len(self.warmups)}"
+        return token if self.load_fails is None else self.Compiled(token, self.load_fails(options))
 
 
 def config_key(config: dict[str, int] | None) -> tuple[tuple[str, int], ...] | None:

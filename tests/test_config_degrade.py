@@ -109,6 +109,25 @@ def test_a_config_that_fails_at_launch_is_retried_once_with_the_safe_config(gpu)
     assert launch_configs.degraded()[QK][0]["rules"] == ["T<=16, H<=any"]
 
 
+def test_a_config_the_device_refuses_to_load_degrades_in_the_ahead_of_time_compile(gpu, monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    gpu.failing.clear()  # every config builds; the T<=16 one needs more shared memory than the GPU has
+    jit = FakeJit(QK, load_fails=lambda options: OutOfResources(98304, 65536, "shared memory")
+                  if _heads_warps(options) == PLANTED else None)
+    monkeypatch.setattr(qk_cache_kernel_module, "qk_cache_kernel", jit)
+    with target.compile_only(None) as session:
+        _launch_qk_cache(100)
+    assert [compiled.loads for _, _, compiled in session.compiled] == [1]  # loaded, as its first launch would
+    probe.precompile(QK, torch.device("cpu"), torch.bfloat16, 12, E4M3FNUZ, 16)
+    assert launch_configs.choose(QK, "gfx942", GPU, 8, 12, amd=True) == SAFE
+    (entry,) = launch_configs.degraded()[QK]
+    assert entry["config"] == PLANTED and entry["why"].startswith("OutOfResources: out of resource: shared memory")
+    with target.compile_only("gfx950") as session:  # another arch's compile is never loaded here
+        _launch_qk_cache(8)
+    assert [compiled.loads for _, _, compiled in session.compiled] == [0]
+
+
 def test_a_safe_config_that_fails_too_refuses_the_fusion_and_the_marker_says_which(gpu):
     gpu.failing.append(SAFE)
     with pytest.raises(RuntimeError, match=r"LDS 4 KiB"):

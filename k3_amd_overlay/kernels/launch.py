@@ -1,6 +1,8 @@
 """The one way the overlay's kernels are launched: the config for the launch from the arch's
 launch-config table, and the launch itself, which in compile-only mode (``kernels --arch``)
-compiles for the named AMD arch and records the result instead of running. A launch (or a site's
+compiles for the named AMD arch and records the result instead of running (for the device's own
+target, the sites' ahead-of-time compile, it also loads the result: a launch the device refuses
+fails there). A launch (or a site's
 ahead-of-time compile) that fails on the table's config degrades that config to the arch's safe one
 and raises ``ConfigDegraded`` for the caller to try again (``launch_configs.degrade``); a forced
 config (``tune``) and a compile for a named arch are never degraded: their failures are the answer."""
@@ -77,6 +79,15 @@ def describe(device: torch.device) -> dict[str, Any]:
     return {**found, "error": error} if error else found
 
 
+def _load(compiled: Any) -> None:
+    """Load a kernel compiled for this device onto it, as its first launch would (Triton's
+    ``CompiledKernel._init_handles``, Triton 3.x): a launch the device refuses (more shared memory
+    or threads than it has) fails here, in the ahead-of-time compile, not in a served batch."""
+    init_handles = getattr(compiled, "_init_handles", None)
+    if callable(init_handles):
+        init_handles()
+
+
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
     """``kernel[grid](*args, **options)``, or its compile for the compile-only target. A failure on
     the table's config degrades it and raises ``ConfigDegraded`` (from the failure) where the safe
@@ -87,7 +98,10 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **options: Any) -> No
         if session is None:
             kernel[grid](*args, **options)
         else:
-            session.compiled.append((kernel.fn.__name__, options, kernel.warmup(*args, grid=grid, **options)))
+            compiled = kernel.warmup(*args, grid=grid, **options)
+            if session.target is None:
+                _load(compiled)
+            session.compiled.append((kernel.fn.__name__, options, compiled))
     except Exception as exc:
         if picked is None or picked[0] != kernel.fn.__name__:
             raise
