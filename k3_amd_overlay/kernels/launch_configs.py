@@ -84,11 +84,14 @@ class ConfigDegraded(Exception):
     launch is worth trying again (``kernel_failures.guarded`` and the ahead-of-time compile do)."""
 
 
+Config = tuple[tuple[str, int], ...]  # one launch config, its (name, value) pairs sorted
+
+
 @dataclass(frozen=True)
 class Rule:
     tokens: int | None
     heads: int | None
-    config: tuple[tuple[str, int], ...]
+    config: Config
 
     def matches(self, num_tokens: int, num_heads: int) -> bool:
         return (self.tokens is None or num_tokens <= self.tokens) and (self.heads is None or num_heads <= self.heads)
@@ -384,7 +387,7 @@ def rule_for(rules: tuple[Rule, ...], num_tokens: int, num_heads: int) -> Rule:
     return next(rule for rule in rules if rule.matches(num_tokens, num_heads))
 
 
-def safe_config(kernel: str, arch: str) -> tuple[tuple[str, int], ...]:
+def safe_config(kernel: str, arch: str) -> Config:
     """``kernel``'s safe config on ``arch``: the catch-all (last) rule of the shipped file the arch uses."""
     return _shipped_for(arch).kernels[kernel][-1].config
 
@@ -394,7 +397,6 @@ def label(rule: Rule) -> str:
     return f"T<={rule.tokens or 'any'}, H<={rule.heads or 'any'}"
 
 
-Config = tuple[tuple[str, int], ...]
 # (arch, GPU, kernel, failed config) -> what the marker says of it, for this process (a forked child
 # inherits it)
 _degraded: dict[tuple[str, str | None, str, Config], dict[str, Any]] = {}

@@ -80,7 +80,7 @@ def _specialization(tokens: int) -> int:
     return 0 if tokens == 1 else 1 if tokens % 16 == 0 else 2
 
 
-Config = tuple[tuple[str, int], ...]
+Config = launch_configs.Config
 
 
 def reachable(kernel: str, arch: str, heads: tuple[int, ...] = HEADS,
@@ -98,7 +98,7 @@ def reachable(kernel: str, arch: str, heads: tuple[int, ...] = HEADS,
         if not hits:
             continue
         samples, labels = found.setdefault(rule.config, ({}, []))
-        labels.append(f"T<={rule.tokens or 'any'}, H<={rule.heads or 'any'}")
+        labels.append(launch_configs.label(rule))
         for t, h in hits:
             samples.setdefault((_specialization(t), h), (t, h))
     return [(config, list(samples.values()), labels) for config, (samples, labels) in found.items()]
