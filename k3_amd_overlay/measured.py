@@ -72,7 +72,7 @@ def result_path(arch: str, device: str, environ: Mapping[str, str]) -> Path:
 
 def shape_words(heads: int | None, variant: str | None) -> str:
     """A row's shape as the reasons name it."""
-    return "any shape (no heads)" if heads is None else f"{heads} heads, {variant} W_UK"
+    return "any heads" if heads is None else f"{heads} heads, {variant} W_UK"
 
 
 @dataclass(frozen=True)

@@ -405,10 +405,15 @@ def run(args: argparse.Namespace, timer: Timer | None = None) -> int:
 COMMAND_NAME = measured.COMMAND
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command's parser (``k3-amd-overlay measure --help``)."""
+    built = argparse.ArgumentParser(prog=COMMAND_NAME, description=DESCRIPTION)
+    add_arguments(built)
+    return built
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=COMMAND_NAME, description=DESCRIPTION)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run(parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -193,3 +193,12 @@ def test_the_default_buckets_are_vllms_capture_sizes():
     sizes = self_measure.VLLM_CAPTURE_SIZES
     assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-3:] == (480, 496, 512) and len(sizes) == 51
     assert 248 in sizes and 256 in sizes and 264 not in sizes
+
+
+def test_the_command_parses_its_own_arguments_and_needs_one_source_of_heads(capsys):
+    assert self_measure.main(["--heads", "12", "--variant", "bf16", "fp4"]) == 2
+    assert "--variant fp4: allowed bf16, fp8" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        self_measure.parser().parse_args(["--variant", "bf16"])
+    assert exited.value.code == 2 and "one of the arguments --heads --model is required" in capsys.readouterr().err
+    assert self_measure.parser().prog == "k3-amd-overlay measure"
