@@ -8,12 +8,14 @@ marker as the fusion's reason, so ``check`` reports it. The sites compile every 
 pick when the layer is installed (``kernels.probe.precompile``, at model load, before the profile
 run and any graph capture), so a failure to build shows there, not in served traffic.
 
-A failed launch writes nothing itself: Triton compiles and checks a launch before the kernel
-starts, and each Triton provider writes the KV cache and the query in that one launch. What the
-site ran before it stands: on the qk_cache path vLLM's W_UK product and the query buffer. Outside a
-CUDA graph capture that is work thrown away; inside one it stays recorded in the graph, before the
-stock path's own calls, and is replayed with them: extra work whose result nothing reads, never a
-second write of the KV cache."""
+A failed Triton launch writes nothing itself: Triton compiles, loads and checks a launch before
+the kernel starts, and each Triton provider writes the KV cache and the query in that one launch.
+What ran before it stands: on the qk_cache path vLLM's W_UK product and the query buffer; in the
+aiter providers of the fp8 and MXFP4 absorptions, AITER's launch, which has written the KV cache
+before the overlay's query quant runs; the retry, or the stock path, then writes the same rows
+again, and the cache ends as that last writer leaves it. Outside a CUDA graph capture the earlier
+work is thrown away; inside one it stays recorded in the graph, before the retry's or the stock
+path's own calls, and is replayed with them on every replay: extra work, not a different result."""
 
 from __future__ import annotations
 

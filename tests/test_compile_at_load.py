@@ -143,6 +143,24 @@ def test_a_fused_call_after_install_compiles_nothing_new(tmp_path, load, monkeyp
     assert load.compiled == installed  # the served calls found every compile done
 
 
+@pytest.mark.parametrize("flag", ["is_aiter_triton_fp8_bmm_enabled", "is_aiter_triton_fp4_bmm_enabled"])
+def test_the_aiter_absorptions_query_quant_compiles_at_install_too(tmp_path, load, monkeypatch, flag):
+    for op in (qk_cache, absorb_qk_cache, rmsnorm_pair):
+        monkeypatch.setattr(op, "provider_missing", lambda *a, **k: {"triton": None, "aiter": None, "reference": None})
+    monkeypatch.setattr(installer.aiter_qk_cache, "reserve_zero_positions", lambda *args: None)
+    monkeypatch.setattr(installer.aiter_qk_cache, "reserve_identity_table", lambda *args: None)
+    env = {"K3_AMD_OVERLAY": "absorb_qk_cache", "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path),
+           "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": "aiter"}
+    settings = load_settings(env)
+    inst = installer.LayerInstaller(settings, Evidence(settings))
+    layer = _layer()
+    setattr(layer.mla_attn, flag, True)
+    site = inst.install_qk_cache(layer, upstream_fuses=False)
+    assert (site.plan.absorb_decision.state, site.plan.absorb_decision.provider) == (FusionState.APPLIED, "aiter")
+    assert load.compiled == [(names.STATIC_QUANT_KERNEL, CPU, DTYPE, HEADS, E4M3FNUZ, BLOCK)]  # AITER's own: not ours
+    assert set(inst.evidence.record.launch_configs["compile_seconds"]) == {names.STATIC_QUANT_KERNEL}
+
+
 def test_a_cpu_compiles_nothing_at_install(tmp_path, load):
     load.gpu = False
     inst = _installer(tmp_path)

@@ -11,10 +11,10 @@ shipped file that cannot be used refuses the fused Triton kernels (the first lau
 the sites' failure containment).
 
 A config that fails to compile or launch on this GPU is replaced, in every rule of its kernel that
-picks it and only there, by the arch's safe config: the catch-all (last) rule of the shipped file
-the arch uses (``safe_config``), the one config each kernel has been compiled and checked with on
-every shipped arch. ``degrade`` records it (``degraded``: for the marker); the launch is tried again;
-only a safe config that fails too leaves the failure to refuse the fusion (kernel_failures.py).
+picks it and only there, by the arch's safe config, defined once (``safe_config``): the catch-all
+(last) rule of the shipped file the arch uses, the arch's default for any launch no earlier rule
+takes. ``degrade`` records it (``degraded``: for the marker); the launch is tried again; only a
+safe config that fails too leaves the failure to refuse the fusion (kernel_failures.py).
 
 An arch without a shipped file (gfx908, gfx90a, gfx1100, gfx1201, ...; an NVIDIA GPU other than sm90)
 takes the nearest shipped file untuned, with a WARNING and a note in each kernel's source (the marker,

@@ -100,20 +100,27 @@ class DecodeSite:
         """The Triton kernel of the layer's absorbed variant."""
         return ABSORB_KERNELS.get(self.plan.absorb, names.ABSORB_QK_CACHE_KERNEL)
 
-    def kernels(self) -> list[tuple[str, str | None, str]]:
-        """(fusion, provider, Triton kernel) of each fused launch the plan can take (absorb first)."""
-        plan = self.plan
-        taken = [(ABSORB_QK_CACHE, plan.absorb_decision, self.absorb_kernel), (QK_CACHE, plan.decision,
-                                                                               names.QK_CACHE_KERNEL)]
-        return [(fusion, d.provider, kernel) for fusion, d, kernel in taken if d.state is FusionState.APPLIED]
+    def kernels(self, only: str | None = None) -> list[tuple[str, str]]:
+        """(fusion, kernel) for each of the overlay's Triton kernels the plan's fused launches run
+        (absorb first; ``only``: that fusion's): a Triton provider's own kernel, and the query quant
+        after AITER's launch in the aiter providers of the fp8 and MXFP4 absorptions."""
+        plan, found = self.plan, []
+        absorb = plan.absorb_decision
+        if absorb.state is FusionState.APPLIED and absorb.provider == "triton":
+            found.append((ABSORB_QK_CACHE, self.absorb_kernel))
+        elif absorb.state is FusionState.APPLIED and absorb.provider == "aiter" and plan.absorb in ABSORB_KERNELS:
+            found.append((ABSORB_QK_CACHE, names.STATIC_QUANT_KERNEL))
+        if plan.decision.state is FusionState.APPLIED and plan.decision.provider == "triton":
+            found.append((QK_CACHE, names.QK_CACHE_KERNEL))
+        return [(fusion, kernel) for fusion, kernel in found if only in (None, fusion)]
 
-    def compile_ahead(self, kernel: str, provider: str | None, device: torch.device, dtype: torch.dtype, heads: int,
+    def compile_ahead(self, kernel: str, device: torch.device, dtype: torch.dtype, heads: int,
                       block_size: int) -> float | None:
-        """``kernel``'s compile for this layer's launches (``probe.precompile_once``, once a process):
-        the seconds, or None where nothing compiled. The installer calls it at load; a fused call
-        finds it done, unless the cache's blocks are of another kind than ``block_size``."""
+        """Triton ``kernel``'s compile for this layer's launches (``probe.precompile_once``, once a
+        process): the seconds, or None where nothing compiled. The installer calls it at load; a
+        fused call finds it done, unless the cache's blocks are of another kind than ``block_size``."""
         assert self.fmt is not None
-        return precompile_once(provider, kernel, device, dtype, heads, self.fmt, block_size)
+        return precompile_once("triton", kernel, device, dtype, heads, self.fmt, block_size)
 
     def path_for(self, attn_metadata: Any, slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
                  q_dcp_replicated: torch.Tensor | None) -> DecodePath | None:
@@ -179,7 +186,8 @@ class DecodeSite:
             weight = attn.W_K if plan.absorb in ABSORB_KERNELS else attn.W_UK_T
 
             def launch() -> None:
-                self.compile_ahead(self.absorb_kernel, provider, q.device, q.dtype, heads, cache.shape[1])
+                for _, kernel in self.kernels(ABSORB_QK_CACHE):
+                    self.compile_ahead(kernel, q.device, q.dtype, heads, cache.shape[1])
                 if plan.absorb is AbsorbVariant.FP4:
                     absorb_op.run_mxfp4_provider(provider, q_nope, weight, attn.W_K_scale, q_pe, kv_c, k_pe, cache,
                                                  slots, attn._k_scale, attn._q_scale, q_out, self.fmt)
@@ -197,8 +205,8 @@ class DecodeSite:
             ql_nope = absorb_w_uk(attn, plan.absorb, q_nope.transpose(0, 1))
 
             def launch() -> None:
-                self.compile_ahead(names.QK_CACHE_KERNEL, plan.decision.provider, q.device, q.dtype, heads,
-                                   cache.shape[1])
+                for _, kernel in self.kernels(QK_CACHE):
+                    self.compile_ahead(kernel, q.device, q.dtype, heads, cache.shape[1])
                 qk_cache_op.run_provider(plan.decision.provider, ql_nope, q_pe, kv_c, k_pe, cache, slots,
                                          attn._k_scale, attn._q_scale, q_out, self.fmt)
 

@@ -211,9 +211,9 @@ class LayerInstaller:
         block_size = vllm_env.kv_cache_block_size() if plan.overlay_fuses else None
         if block_size is not None:  # unknown (no vLLM config in context): the first fused call compiles
             device, dtype = layer_device(wrapper), wrapper.kv_a_layernorm.weight.dtype
-            for fusion, provider, kernel in site.kernels():
-                self.compile_ahead(fusion, kernel, functools.partial(site.compile_ahead, kernel, provider, device,
-                                                                     dtype, inputs.num_heads, block_size))
+            for fusion, kernel in site.kernels():
+                self.compile_ahead(fusion, kernel, functools.partial(site.compile_ahead, kernel, device, dtype,
+                                                                     inputs.num_heads, block_size))
         return site
 
 
