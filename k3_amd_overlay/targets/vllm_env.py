@@ -33,9 +33,11 @@ def max_batched_tokens() -> int:
 
 def kv_cache_block_size() -> int | None:
     """The KV cache's block size (tokens a block) from vLLM's config in context
-    (``cache_config.block_size``, vLLM 0.29-0.33; the attention backends' cache tensors are blocks of
-    it, AITER MLA included, whose kernel takes any multiple of 1), or None where no config is in
-    context or the size is not set yet."""
+    (``cache_config.block_size``, vLLM 0.29-0.33: 16 unless set, and AITER MLA keeps 16), or None
+    where no config is in context or the size is not set. vLLM settles it for the attention backends
+    (``update_block_size_for_backend``) before the workers load the model under the multiprocess
+    executor but after under the single-process one, where a hybrid model's alignment can still
+    change it: a decode site then compiles at its first fused call (``probe.precompile_once``)."""
     try:
         from vllm.config import get_current_vllm_config
 
