@@ -26,9 +26,11 @@ CUDA/HIP-graph replay, ``--rounds`` rounds in turn, medians:
 It prints the table, writes ``<arch>-<device>.measured.json`` into ``--out`` (default: see measured.py:
 beside the tuned launch configs, else a per-user directory), keeping the rows of other shapes a file
 for this GPU and overlay version holds, and exits 1 where a bucket was not exact (the file is still
-written: that bucket runs stock). It imports no vLLM and touches no server state; it takes a few
-hundred MB of GPU memory at most, so it can run beside a live server, whose load then shows in the
-times (measure an idle GPU for numbers to keep)."""
+written: that bucket runs stock). It imports no vLLM, touches no server state (no marker, no
+variable) and replaces the result file atomically; its tensors take a few MB of GPU memory beside
+its process's own CUDA/HIP context, so it can run in a live container beside the server, whose load
+then shows in the times (measure an idle GPU for numbers to keep). On an H200, 51 buckets at 12
+heads took 43 s (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -79,7 +81,8 @@ class Pair:
 
 def measure_pair(pair: Pair, timer: Timer, rounds: int = ROUNDS) -> measured.Row:
     """Parity first (an exception counts as a problem: fail closed); then, only where exact, stock
-    and fused timed side by side, ``rounds`` rounds in turn, medians."""
+    and fused timed side by side, ``rounds`` rounds in turn, medians (a timing that fails, e.g. a
+    launch graph capture refuses, leaves the bucket not exact: stock)."""
     shape = (pair.fusion, pair.tokens, pair.heads, pair.variant)
     try:
         problems = pair.parity()
@@ -87,12 +90,15 @@ def measure_pair(pair: Pair, timer: Timer, rounds: int = ROUNDS) -> measured.Row
         problems = [f"{type(exc).__name__}: {exc}"]
     if problems:
         return measured.Row(*shape, exact=False, problems=tuple(problems))
-    candidates = [timer(stock) for stock in pair.stocks]
-    best = pair.stocks[min(range(len(candidates)), key=candidates.__getitem__)]
-    stock_times, fused_times = [min(candidates)], [timer(pair.fused)]
-    for _ in range(rounds - 1):
-        fused_times.append(timer(pair.fused))
-        stock_times.append(timer(best))
+    try:
+        candidates = [timer(stock) for stock in pair.stocks]
+        best = pair.stocks[min(range(len(candidates)), key=candidates.__getitem__)]
+        stock_times, fused_times = [min(candidates)], [timer(pair.fused)]
+        for _ in range(rounds - 1):
+            fused_times.append(timer(pair.fused))
+            stock_times.append(timer(best))
+    except Exception as exc:  # not measured is not fused
+        return measured.Row(*shape, exact=False, problems=(f"timing failed: {type(exc).__name__}: {exc}",))
     return measured.Row(*shape, exact=True, stock_us=statistics.median(stock_times),
                         fused_us=statistics.median(fused_times))
 
@@ -394,7 +400,12 @@ def run(args: argparse.Namespace, timer: Timer | None = None) -> int:
           f"{len(buckets)} buckets {buckets[0]}-{buckets[-1]}; seed {seed}; CUDA/HIP-graph replay, {args.rounds} "
           "rounds, medians")
     rows = measure(pairs(heads, variants, buckets, device, fmt, seed), timer or graph_timer(), args.rounds)
-    path = write(result(rows, arch, name, fmt.name, seed), directory)
+    try:
+        path = write(result(rows, arch, name, fmt.name, seed), directory)
+    except OSError as exc:
+        print(f"{COMMAND_NAME}: cannot write the result file into {directory}: {exc}; --out names another "
+              "directory", file=sys.stderr)
+        return 1
     for line in gate_lines(measured.load(path)):
         print(line)
     print(f"wrote {path}; the server reads it at startup from {measured.result_dir(os.environ)} (the directory of "

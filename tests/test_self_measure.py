@@ -70,6 +70,13 @@ def test_a_bucket_whose_parity_fails_is_never_timed_and_runs_stock():
     pair = fake_pair(QK_CACHE, 16)
     pair.parity = broken
     assert self_measure.measure_pair(pair, timer).problems == ("RuntimeError: no kernel image for this GPU",)
+
+    def refused(fn: Callable[[], None]) -> float:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    timed_out = self_measure.measure_pair(fake_pair(QK_CACHE, 16), refused)
+    assert not timed_out.exact and timed_out.problems == (
+        "timing failed: RuntimeError: operation not permitted when stream is capturing",)
     gate = measured.gate_for(self_measure_file([got]), QK_CACHE, 12, "bf16")
     assert gate.refusal(9) == ("stock at 1-16 tokens: not exact on this GPU (cache: 3 bytes written outside the valid "
                                "slots' rows)")
