@@ -18,6 +18,7 @@ what ran where, summary.png plots it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import re
@@ -34,7 +35,17 @@ from typing import Any
 from k3_amd_overlay import ab_run, ab_stats, arms, markers
 from k3_amd_overlay.baseline_hazard import ACCEPT_FLAG
 from k3_amd_overlay.package import __version__
-from k3_amd_overlay.usage import UsageError, check_baselines, check_executables, check_switches
+from k3_amd_overlay.usage import (
+    EPILOG,
+    EXIT_FAILED,
+    Parser,
+    UsageError,
+    check_baselines,
+    check_executables,
+    check_switches,
+    describe,
+    json_result,
+)
 
 BENCH_DEFAULTS = ("--backend openai-chat --endpoint /v1/chat/completions --dataset-name random "
                   "--random-input-len 1024 --random-output-len 8192 --random-range-ratio 0 --ignore-eos "
@@ -43,11 +54,15 @@ PROMPTS_PER_CONCURRENCY = 4  # default --num-prompts: this many requests per con
 RUN_DIR = re.compile(r"repeat(\d+)-arm([ABC])")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="k3-amd-overlay ab-serve", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+JSON_HELP = "one JSON object on stdout on every path (the summary; progress goes to stderr)"
+
+
+def parser() -> Parser:
+    p = Parser(prog="k3-amd-overlay ab-serve", description=describe(__doc__),
+               epilog="k3-amd-overlay ab-serve report OUT re-summarises the runs saved under OUT (its own --help). "
+                      + EPILOG)
     p.add_argument("--model", required=True, help="the checkpoint the server loads")
-    p.add_argument("--served-model-name", help="the name the server answers to (default: --model)")
+    p.add_argument("--served-model-name", help="the name the server answers to (default: the --model value)")
     p.add_argument("--serve-args", default="", help="server arguments, identical for every arm")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="bench concurrencies, each run")
     p.add_argument("--num-prompts", type=int,
@@ -63,17 +78,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(ACCEPT_FLAG, action="store_true",
                    help="run even where an arm is no valid baseline on this vLLM (breakable CUDA graphs record "
                         "vLLM's own fused decode into the graph; see baseline_hazard.py): the summary says so")
-    p.add_argument("--port", type=int, default=8010)
+    p.add_argument("--port", type=int, default=8010, help="the port each arm's server listens on")
     p.add_argument("--out", type=Path, required=True,
                    help="a new or empty directory for every raw result and the summary (a used one is refused)")
-    p.add_argument("--serve-cmd", default="vllm serve")
-    p.add_argument("--bench-cmd", default="vllm bench serve")
+    p.add_argument("--serve-cmd", default="vllm serve", help="the command that starts a server")
+    p.add_argument("--bench-cmd", default="vllm bench serve", help="the command that runs one bench")
     p.add_argument("--bench-args", default=BENCH_DEFAULTS, help="vllm bench serve arguments (the vLLM K3 PR's)")
     p.add_argument("--tokenizer", help="passed to the bench (default: the model)")
     p.add_argument("--health-timeout", type=float, default=3600.0, help="seconds for a server to become healthy")
     p.add_argument("--profile-window", type=float, metavar="SECONDS",
                    help="per arm: /start_profile this long after the bench starts, /stop_profile after "
                         "(the server needs --profiler-config in --serve-args)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     return p
 
 
@@ -146,15 +162,29 @@ def _first_line(command: list[str]) -> str | None:
     return out.splitlines()[0].strip() if out else None
 
 
+def overlay_git_sha(package_dir: Path) -> str | None:
+    """The commit of the overlay's own checkout that ``package_dir`` is in: its parent is the top
+    level of a git work tree whose pyproject.toml names k3-amd-overlay; else None (an installed
+    copy inside some other repository, a venv in a project's checkout, says nothing of the overlay)."""
+    root = package_dir.parent
+    top = _first_line(["git", "-C", str(root), "rev-parse", "--show-toplevel"])
+    if top is None or Path(top).resolve() != root.resolve():
+        return None
+    try:
+        named = re.search(r'^name\s*=\s*"k3-amd-overlay"', (root / "pyproject.toml").read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return _first_line(["git", "-C", str(root), "rev-parse", "HEAD"]) if named else None
+
+
 def environment(args: argparse.Namespace, arm_list: list[arms.Arm]) -> dict[str, Any]:
     """What ran where, for summary.json: versions (vLLM as the proved arms' markers record it), the
     GPU, the arguments, the overlay's source revision where it is a git checkout."""
     vllm_versions = sorted({m.record.vllm_version for d in args.out.glob("repeat*-arm*/markers") if d.is_dir()
                             for m in markers.read_markers(d) if m.record and m.record.vllm_version})
-    package_dir = Path(__file__).resolve().parent
     return {
         "overlay_version": __version__,
-        "overlay_git_sha": _first_line(["git", "-C", str(package_dir), "rev-parse", "HEAD"]),
+        "overlay_git_sha": overlay_git_sha(Path(__file__).resolve().parent),
         "vllm_versions": vllm_versions,
         "gpu": _first_line(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
         or _first_line(["amd-smi", "static", "--asic", "--csv"]) or _first_line(["rocm-smi", "--showproductname"]),
@@ -243,10 +273,17 @@ def plot_serving(results: dict[str, dict[int, list[dict[str, Any]]]], arm_list: 
     return True
 
 
+def report_parser() -> Parser:
+    p = Parser(prog="k3-amd-overlay ab-serve report",
+               description="Re-summarise the runs saved under an ab-serve --out directory: summary.md, summary.json "
+                           "and summary.png written again from the raw results of the run that claimed it.")
+    p.add_argument("out", type=Path, help="the --out directory of an ab-serve run")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout on every path (the summary)")
+    return p
+
+
 def report(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="k3-amd-overlay ab-serve report",
-                                description="re-summarise the runs saved under an ab-serve --out directory")
-    p.add_argument("out", type=Path)
+    p = report_parser()
     args = p.parse_args(argv)
     summary = args.out / "summary.json"
     try:
@@ -261,9 +298,11 @@ def report(argv: list[str]) -> int:
         arm_list = [arms.Arm(label, a["switch"], a["expect"]) for label, a in sorted(env.get("arms", {}).items())]
         text = summarise(args.out, run_id, arm_list, env, previous.get("aborted"))
     except ab_run.ForeignResults as exc:
-        print(f"k3-amd-overlay ab-serve report: {exc}", file=sys.stderr)
-        return 2
-    print(text)
+        return p.usage_error(UsageError(str(exc)))
+    if args.json:
+        print(json_result("ab-serve report", True, **json.loads(summary.read_text())))
+    else:
+        print(text)
     return 0
 
 
@@ -276,9 +315,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         validate(args)
     except UsageError as exc:
-        p.print_usage(sys.stderr)
-        print(f"k3-amd-overlay ab-serve: error: {exc}", file=sys.stderr)
-        return 2
+        return p.usage_error(exc)
+    try:
+        if not args.json:
+            return run(args)
+        with contextlib.redirect_stdout(sys.stderr):  # progress and the table to stderr; stdout: the one object
+            code = run(args)
+    except UsageError as exc:  # --out claimed by another run meanwhile
+        return p.usage_error(exc)
+    summary = args.out / "summary.json"
+    if summary.is_file():
+        data = json.loads(summary.read_text())
+        print(json_result("ab-serve", code == 0, **data, error=data.get("aborted")))
+    else:
+        print(json_result("ab-serve", False, error="no summary was written (see stderr)"))
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """The run of validated arguments: 0, or 1 where an arm failed or no summary could be written;
+    UsageError where --out was claimed by another run meanwhile."""
     for hazard in args.baseline_hazards:
         print(f"k3-amd-overlay ab-serve: warning ({ACCEPT_FLAG}): {hazard}", file=sys.stderr, flush=True)
     no_verdict = ab_stats.no_verdict_reason(args.repeats)
@@ -287,11 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     arm_list = list(arms.default_arms(args.arm_a, args.arm_b))
     if args.with_stock:
         arm_list.append(arms.Arm("C", "stock", arms.expectation("stock")))
-    try:
-        run_id = ab_run.claim(args.out, "ab-serve")
-    except UsageError as exc:
-        print(f"k3-amd-overlay ab-serve: error: {exc}", file=sys.stderr)
-        return 2
+    run_id = ab_run.claim(args.out, "ab-serve")
     order = arms.abba(arm_list, args.repeats)
     aborted = None
     for step, (repeat, arm) in enumerate(order, start=1):
@@ -314,5 +366,5 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + summarise(args.out, run_id, arm_list, environment(args, arm_list), aborted))
     except ab_run.ForeignResults as exc:
         print(f"k3-amd-overlay ab-serve: {exc}", file=sys.stderr)
-        return 1
-    return 1 if aborted else 0
+        return EXIT_FAILED
+    return EXIT_FAILED if aborted else 0

@@ -19,7 +19,7 @@ from k3_amd_overlay import k3, markers
 from k3_amd_overlay.package import FUSIONS, __version__
 from k3_amd_overlay.record import MarkerRecord, RecordError
 from k3_amd_overlay.settings import MARKER_DIR
-from k3_amd_overlay.usage import UsageError
+from k3_amd_overlay.usage import EXIT_FAILED, Parser, UsageError, json_usage_error, wants_json
 from k3_amd_overlay.verdict import NodeEvidence, Verdict, judge, judge_doctor, judge_merge
 
 STATIC_PROBE = """
@@ -94,7 +94,8 @@ def merged_records(paths: list[str]) -> tuple[list[NodeEvidence], list[str]]:
                                 data.get("marker_dir") is not None and data.get("source", "markers") == "markers",
                                 records, [str(line) for line in data.get("lines", [])])
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecordError) as exc:
-            raise UsageError(f"--merge: {path} is not the output of `k3-amd-overlay check --json`: {exc}") from None
+            detail = f"it has no {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
+            raise UsageError(f"--merge: {path} is not the output of `k3-amd-overlay check --json`: {detail}") from None
         nodes.append(node)
         notes.append(f"note {path}: {len(records)} process{'es' if len(records) != 1 else ''} from host "
                      f"{host or 'unknown'}")
@@ -110,7 +111,8 @@ def live_records(directory: Path, prune: bool) -> tuple[list[MarkerRecord], list
     stale = [m for m in found if m.record and not m.live and m.record.host == host]
     notes = [f"markers read from {directory}: {len(records)} live, {len(stale)} stale, "
              f"{sum(1 for m in found if m.error)} unreadable" + (f", {len(foreign)} of other hosts" if foreign else "")
-             + ("" if directory.is_dir() else " (no such directory)")]
+             + ("" if directory.is_dir() else " (it is a file, not a directory)" if directory.exists()
+                else " (no such directory)")]
     for m in found:
         if m.error:
             notes.append(f"note {m.path}: {m.error}")
@@ -139,19 +141,12 @@ def cmd_check(args: argparse.Namespace) -> int:
            "records": []}
     records: list[MarkerRecord] = []
     notes: list[str] = []
-    try:
-        wanted = _fusions(args.fusions)
-        if sum(map(bool, (args.merge, args.static))) > 1 or (args.prune and (args.merge or args.static)):
-            raise UsageError("--merge, --static and --prune each judge other processes: give at most one")
-        if args.merge:
-            nodes, notes = merged_records(args.merge)
-            records = [r for node in nodes for r in node.records]
-    except UsageError as exc:
-        if not args.json:
-            raise
-        print(json.dumps({**out, "usage_error": str(exc), "lines": [f"FAIL usage: {exc}"]}, indent=1))
-        print(f"k3-amd-overlay: error: {exc}", file=sys.stderr)
-        return 2
+    wanted = _fusions(args.fusions)  # a UsageError: main() says it (as JSON too with --json)
+    if sum(map(bool, (args.merge, args.static))) > 1 or (args.prune and (args.merge or args.static)):
+        raise UsageError("--merge, --static and --prune each judge other processes: give at most one")
+    if args.merge:
+        nodes, notes = merged_records(args.merge)
+        records = [r for node in nodes for r in node.records]
     if args.merge:
         verdict = judge_merge(nodes, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed)
     elif args.static:
@@ -182,7 +177,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         records, notes = live_records(directory, args.prune)
         verdict = judge(records, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed)
     if args.json:
-        print(json.dumps({**out, "holds": verdict.holds, "lines": verdict.lines, "notes": notes,
+        print(json.dumps({"command": "check", "ok": verdict.holds, "exit_status": 0 if verdict.holds else EXIT_FAILED,
+                          **out, "holds": verdict.holds, "lines": verdict.lines, "notes": notes,
                           "records": [r.to_json() for r in records]}, indent=1))
     else:
         for line in notes + verdict.lines:
@@ -193,11 +189,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from k3_amd_overlay.doctor import _snake_keys, render, run_doctor
+    from k3_amd_overlay.doctor import json_report, render, run_doctor
 
     report, healthy = run_doctor(switch=args.switch, serve_args=args.serve_args)
     if args.json:
-        print(json.dumps({**_snake_keys(report), "healthy": healthy}, indent=1, default=str))
+        print(json.dumps({"command": "doctor", "ok": healthy, "exit_status": 0 if healthy else EXIT_FAILED,
+                          **json_report(report), "healthy": healthy}, indent=1, default=str))
     else:
         print(render(report))
     return 0 if healthy else 1
@@ -214,12 +211,12 @@ def cmd_census(args: argparse.Namespace) -> int:
         candidate = census.read_census(args.traces)
         baseline = census.read_census(args.baseline) if args.baseline else None
     except (census.TraceError, ValueError) as exc:
-        print(f"k3-amd-overlay census: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     judged = census.judge_expectations(candidate, expectations)
     comparison = census.compare(baseline, candidate, args.steps, args.layers) if baseline is not None else None
+    holds = all(j.holds for j in judged) and (comparison is None or comparison.holds)
     if args.json:
-        out = candidate.to_json()
+        out = {"command": "census", "ok": holds, "exit_status": 0 if holds else EXIT_FAILED, **candidate.to_json()}
         if baseline is not None:
             out["baseline"] = baseline.to_json()
             out["comparison"] = comparison.to_json()
@@ -234,12 +231,32 @@ def cmd_census(args: argparse.Namespace) -> int:
             print(expectation.line())
             for problem in expectation.problems:
                 print(f"FAIL {problem}")
-    return 1 if not all(j.holds for j in judged) or (comparison is not None and not comparison.holds) else 0
+    return 0 if holds else EXIT_FAILED
 
 
-# The operator's tools, each its own module with its own options (``k3-amd-overlay NAME --help``).
+DESCRIPTION = (
+    "Prove, inspect and measure k3-amd-overlay, the Kimi-K3 AMD fusions for vLLM: doctor says what this machine "
+    "and vLLM give and what the overlay would do here and why; check proves whether vLLM processes are fused, "
+    "stock or off (an A/B arm); census counts kernel launches in profiler traces; ab-serve and gsm8k-ab run "
+    "serving and accuracy A/B tests against proved arms; bench, kernels and tune benchmark, compile and tune "
+    "the overlay's kernels.")
+CHECK = ("Prove an A/B arm: judge whether the live vLLM processes of this node (their markers), a fresh process "
+         "(--static) or several nodes' check --json outputs (--merge) are fused, stock or off, as --expect says. "
+         "Exit 0 when it holds, 1 when it does not.")
+CENSUS = ("Count the GPU kernel launches in profiler traces (one per rank); with --baseline, the before/after "
+          "table of each fusion (the launches its kernel replaced, per step and per layer); with --expect "
+          "NAME=COUNT, fail unless a kernel ran exactly so often on every rank.")
+DOCTOR = ("Say what this machine and vLLM give (versions, GPU, vLLM's K3 AMD code), what the overlay would do "
+          "with the current switch (or --switch) and why, and run each reachable provider against its reference "
+          "at K3 shapes. Exit 0 when ready or off, 1 when not.")
+
+# The operator's tools, each its own module with a ``parser()`` (a usage.Parser) and ``main(argv)``,
+# run with its own options (``k3-amd-overlay NAME --help``). A new tool is one line here (and the
+# modules it needs from the image in TOOL_NEEDS); its module imports torch and triton only inside
+# the functions that run, so that its --help and usage errors work without them.
 TOOLS = {
-    "ab-serve": ("k3_amd_overlay.ab_serve", "serving A/B: each arm a proved server, ABBA repeats, vllm bench serve"),
+    "ab-serve": ("k3_amd_overlay.ab_serve", "serving A/B: each arm a proved server, ABBA repeats, vllm bench serve; "
+                                            "`ab-serve report OUT` re-summarises"),
     "gsm8k-ab": ("k3_amd_overlay.gsm8k_ab", "accuracy A/B: lm-eval GSM8K against each proved arm, paired"),
     "bench": ("k3_amd_overlay.bench.kernels", "kernel benchmarks at K3 shapes against the unfused path (GPU); "
                                               "`bench plot BENCH.json` draws them"),
@@ -247,17 +264,27 @@ TOOLS = {
                                                  "registers, LDS, spills, waves per SIMD"),
     "tune": ("k3_amd_overlay.tune", "time each kernel's candidate launch configs on this GPU; write its config file"),
 }
-# What each tool needs from the image, looked for before it runs (``kernels`` compiles in a child
-# process, whose missing import would otherwise reach the user as the child's traceback).
+# Sub-subcommands with modules of their own (``bench plot`` needs matplotlib, not torch).
+SUBTOOLS = {("bench", "plot"): "k3_amd_overlay.bench.plot"}
+# What each tool needs from the image, looked for after its arguments are parsed and before it runs
+# (``kernels`` compiles in a child process, whose missing import would otherwise reach the user as
+# the child's traceback).
 TOOL_NEEDS: dict[str, tuple[str, ...]] = {"bench": ("torch", "triton"), "kernels": ("torch", "triton"),
                                           "tune": ("torch", "triton")}
 
 
+def _check_json_error(message: str) -> dict[str, object]:
+    """check's --json usage error: its own keys, as on every other path, and the common ones."""
+    return {**json_usage_error("check", message), "expect": None, "holds": False, "lines": [f"FAIL usage: {message}"],
+            "notes": [], "host": socket.gethostname(), "source": None, "marker_dir": None, "records": []}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="k3-amd-overlay", description=__doc__.splitlines()[0])
+    parser = Parser(prog="k3-amd-overlay", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"k3-amd-overlay {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="prove an A/B arm: are the live vLLM processes fused or stock?")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    check = sub.add_parser("check", help="prove an A/B arm: are the live vLLM processes fused or stock?",
+                           description=CHECK, own_extras=True, json_error=_check_json_error)
     check.add_argument("--expect", choices=("fused", "stock", "off"), required=True,
                        help="fused: the overlay's (or vLLM's own) fused paths took served traffic; stock: "
                             "K3_AMD_OVERLAY=stock, nothing fused, vLLM's own fusions off too; off: the overlay off")
@@ -269,38 +296,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="for --expect fused: do not require that a fused path has run yet")
     check.add_argument("--allow-mixed", action="store_true",
                        help="for --expect fused: accept a process where only some layers took a fusion")
-    check.add_argument("--marker-dir", help=f"default: ${MARKER_DIR} or the per-user directory")
+    check.add_argument("--marker-dir", help=f"where the markers are (default: ${MARKER_DIR} or the per-user "
+                                            "directory)")
     check.add_argument("--merge", nargs="+", metavar="FILE",
                        help="judge the processes of several nodes as one deployment: each FILE is one node's "
                             "`check --json` output (- for standard input); this node's markers are not read")
     check.add_argument("--prune", action="store_true",
                        help="remove the markers of processes that are gone (stale files pile up otherwise)")
-    check.add_argument("--json", action="store_true", help="one JSON object on every path, usage errors included "
-                                                          "(exit codes as without)")
+    check.add_argument("--json", action="store_true", help="one JSON object on stdout on every path")
     check.set_defaults(func=cmd_check)
-    check_parse, check_error = check.parse_known_args, check.error
-    json_wanted = [False]
-
-    def check_parse_known_args(args=None, namespace=None):  # type: ignore[no-untyped-def]
-        # With --json (or an abbreviation argparse accepts), usage errors are JSON too: flag it
-        # before argparse can fail, and make an unknown argument this parser's own error.
-        json_wanted[0] = any(a.startswith("--j") and "--json".startswith(a) for a in (args or []))
-        namespace, extras = check_parse(args, namespace)
-        if extras:
-            check.error(f"unrecognized arguments: {' '.join(extras)}")
-        return namespace, extras
-
-    def check_usage_error(message: str) -> None:
-        if json_wanted[0]:
-            print(json.dumps({"expect": None, "holds": False, "usage_error": message,
-                              "lines": [f"FAIL usage: {message}"], "notes": [], "host": socket.gethostname(),
-                              "source": None, "marker_dir": None, "records": []}, indent=1))
-        check_error(message)  # usage and message to stderr, exit 2
-
-    check.parse_known_args, check.error = check_parse_known_args, check_usage_error  # type: ignore[method-assign]
-    census = sub.add_parser("census", help="kernel census of profiler traces, before/after a fusion")
+    census = sub.add_parser("census", help="kernel census of profiler traces, before/after a fusion",
+                            description=CENSUS, own_extras=True)
     census.add_argument("traces", nargs="+", help="trace files (.json, .json.gz) or folders; one per rank")
-    census.add_argument("--baseline", nargs="+",
+    census.add_argument("--baseline", nargs="+", metavar="TRACE",
                         help="the unfused arm's traces: the before/after table of each fusion whose own launch ran "
                              "in the candidate; exit 1 where no such comparison can be made, saying why")
     census.add_argument("--expect", action="append", metavar="NAME=COUNT",
@@ -308,13 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "census's table names more exactly is not NAME's: absorb_qk_cache_kernel is not a "
                              "qk_cache_kernel); each judged on its own; an empty trace satisfies none")
     census.add_argument("--steps", type=int, help="decode steps in the window: per-step and per-layer figures")
-    census.add_argument("--layers", type=int, default=k3.MLA_LAYERS,
-                        help=f"MLA layers of the model (K3: {k3.MLA_LAYERS})")
-    census.add_argument("--json", action="store_true")
+    census.add_argument("--layers", type=int, default=k3.MLA_LAYERS, help="MLA layers of the model (K3's)")
+    census.add_argument("--json", action="store_true", help="one JSON object on stdout on every path")
     census.set_defaults(func=cmd_census)
-    doctor = sub.add_parser("doctor", help="versions, GPU, what each fusion would do here and why, self-tests")
+    doctor = sub.add_parser("doctor", help="versions, GPU, what each fusion would do here and why, self-tests",
+                            description=DOCTOR, own_extras=True)
     doctor.add_argument("--switch", help="judge this K3_AMD_OVERLAY value instead of the environment's")
-    doctor.add_argument("--json", action="store_true")
+    doctor.add_argument("--json", action="store_true",
+                        help="one JSON object on stdout on every path (keys: identifiers; the text keeps its labels)")
     doctor.add_argument("--serve-args", help="the vllm serve arguments an A/B will use: judged with the environment "
                                              "for an arm vLLM itself gets wrong (see 'A/B baseline')")
     doctor.set_defaults(func=cmd_doctor)
@@ -341,21 +350,25 @@ def _missing_message(command: str, missing: str, exc: ModuleNotFoundError) -> st
             "the ROCm build of torch, which brings triton)")
 
 
-def _tool_help_without(command: str, missing: str, exc: ModuleNotFoundError) -> int:
-    """``--help`` of a tool whose module cannot be imported here: its summary and module docstring
-    (read, not imported), and what its full option list needs."""
-    import ast
+def _run_tool(command: str, argv: list[str]) -> int:
+    """A tool: its arguments parsed (help and usage errors need nothing from the image), then what it
+    needs from the image looked for, then the run."""
+    import importlib
     import importlib.util
 
-    module, summary = TOOLS[command]
-    spec = importlib.util.find_spec(module)
-    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text())) if spec and spec.origin else None
-    print(f"usage: k3-amd-overlay {command} [options]\n\n{summary}\n\n{doc or ''}\n\n"
-          f"Its option list: {_missing_message(command, missing, exc)}".replace("\n\n\n\n", "\n\n"))
-    return 0
+    sub = tuple(argv[:1])
+    if (command, *sub) in SUBTOOLS:
+        return int(importlib.import_module(SUBTOOLS[(command, *sub)]).main(argv[1:]))
+    module = importlib.import_module(TOOLS[command][0])
+    if TOOL_NEEDS.get(command):  # --help and usage errors exit here, before the image is looked at
+        module.parser().parse_args(getattr(module, "legacy_argv", list)(argv))
+        for needed in TOOL_NEEDS[command]:
+            if importlib.util.find_spec(needed) is None:
+                raise ModuleNotFoundError(f"No module named {needed!r}", name=needed)
+    return int(module.main(argv))
 
 
-def _subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+def _subcommand_parser(parser: argparse.ArgumentParser, command: str) -> Parser:
     """The parser of ``command`` (its usage for its usage errors), else the top-level parser."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction) and command in action.choices:
@@ -364,50 +377,33 @@ def _subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argpars
 
 
 def main(argv: list[str] | None = None) -> int:
-    """0: holds / healthy; 1: does not hold / not healthy, or torch or triton missing where a command
-    needs them; 2: a usage error (argparse's code). Never a traceback for a missing torch or triton."""
+    """0: holds / healthy; 1: does not hold / not healthy, no GPU, or torch or triton missing where a
+    command needs them; 2: a usage error (argparse's code). The table: docs/cli.md. With --json one
+    JSON object on stdout on every path; never a traceback for a missing torch or triton."""
     argv = sys.argv[1:] if argv is None else argv
     command = argv[0] if argv and not argv[0].startswith("-") else ""
     try:
-        if argv[:2] == ["bench", "plot"]:  # needs matplotlib only, not torch: not through the benchmark's module
-            from k3_amd_overlay.bench.plot import main as plot_main
-
-            return plot_main(argv[2:])
         if command in TOOLS:
-            import importlib.util
-
-            wants_help = bool({"-h", "--help"} & set(argv[1:]))
-            try:
-                for needed in () if wants_help else TOOL_NEEDS.get(command, ()):
-                    if importlib.util.find_spec(needed) is None:
-                        raise ModuleNotFoundError(f"No module named {needed!r}", name=needed)
-                module = importlib.import_module(TOOLS[command][0])
-            except ModuleNotFoundError as exc:
-                missing = _missing_module(exc)
-                if missing and wants_help:
-                    return _tool_help_without(command, missing, exc)
-                raise
-            return int(module.main(argv[1:]))
+            return _run_tool(command, argv[1:])
         parser = build_parser()
         args = parser.parse_args(argv)
         try:
             return int(args.func(args))
         except UsageError as exc:
-            _subcommand_parser(parser, args.command).print_usage(sys.stderr)
-            print(f"k3-amd-overlay: error: {exc}", file=sys.stderr)
-            return 2
+            return _subcommand_parser(parser, args.command).usage_error(exc, args.json)
     except ModuleNotFoundError as exc:
         missing = _missing_module(exc)
         if missing is None:
             raise
         message = _missing_message(command, missing, exc)
-        if "--json" in argv:
-            print(json.dumps({"command": command, "ok": False, "missing": missing, "error": message}, indent=1))
+        if wants_json(argv):
+            print(json.dumps({"command": command, "ok": False, "exit_status": EXIT_FAILED, "missing": missing,
+                              "error": message}, indent=1))
         print(message, file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a shell tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from k3_amd_overlay import usage
 from k3_amd_overlay.kernels import launch_configs, names
-from k3_amd_overlay.usage import UsageError
+from k3_amd_overlay.usage import EXIT_FAILED, Parser, UsageError, json_result
 
 AMD_ARCHS = ("gfx942", "gfx950")
 MIN_WAVES = 4
@@ -311,12 +312,17 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def parser() -> Parser:
+    p = Parser(prog="k3-amd-overlay kernels", description=usage.describe(__doc__))
+    p.add_argument("--arch", choices=AMD_ARCHS, help="the AMD arch to build for (default: this machine's GPU)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout on every path (the report)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="k3-amd-overlay kernels", description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", choices=AMD_ARCHS, help="the AMD arch to build for (default: this machine's GPU)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.worker:
         try:
             json.dump(compile_arch(args.worker), sys.stdout)
@@ -326,16 +332,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         arch = args.arch or local_arch()
-    except UsageError as exc:
-        print(f"k3-amd-overlay kernels: {exc}", file=sys.stderr)
-        return 2
+    except UsageError as exc:  # no AMD GPU of a covered arch to take it from: --arch is needed here
+        return p.usage_error(exc)
     try:
         report = run_worker(arch)
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # a failed compile
+        if args.json:
+            print(json_result("kernels", False, error=str(exc)))
         print(f"k3-amd-overlay kernels: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(report, indent=1) if args.json else table(report))
+        return EXIT_FAILED
     failing = [e for e in report["kernels"] if e["problems"]]
+    print(json_result("kernels", not failing, **report) if args.json else table(report))
     if failing and not args.json:
         print(f"\n{len(failing)} of {len(report['kernels'])} configurations fall short on {arch}", file=sys.stderr)
     return 1 if failing else 0

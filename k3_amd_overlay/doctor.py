@@ -171,16 +171,33 @@ def selftest(device: torch.device) -> list[dict[str, Any]]:
     return results
 
 
+# The --json key of each prose label of the report (the text keeps the labels); any other key (a
+# fusion, provider or kernel name) is already an identifier and stays as it is.
+JSON_KEYS = {
+    "k3-amd-overlay": "k3_amd_overlay", "supported vllm": "supported_vllm", "fp8 format": "fp8_format",
+    "vllm shape": "vllm_shape", "recognised": "recognised", "this vLLM fuses by itself": "fuses_by_itself",
+    "anchors missing per fusion": "anchors_missing", "shapes not matched": "shapes_not_matched",
+    "known vLLM defects in this release": "known_defects", "K3_AMD_OVERLAY": "k3_amd_overlay",
+    "qk_cache by tensor-parallel size (K3, 96 heads)": "qk_cache_by_tp", "heads per rank": "heads_per_rank",
+    "kv_lora_rank*heads": "kv_lora_rank_heads", "upstream fuses (AITER MLA on, no fp8 BMM)": "upstream_fuses",
+    "providers here": "providers_here", f"{ABSORB_QK_CACHE} (fp8 W_K)": "absorb_qk_cache_fp8",
+    f"{ABSORB_QK_CACHE} (MXFP4 W_K)": "absorb_qk_cache_mxfp4", "launch configs": "launch_configs",
+    "compile report": "compile_report", "falling short": "falling_short", "self-test": "self_test",
+    "why not": "why_not", "max ulp diff": "max_ulp_diff", "identical query bytes": "identical_query_bytes",
+    "identical bytes": "identical_bytes", "a/b baseline": "ab_baseline", "activation error": "activation_error",
+}
+
+
 def _snake(name: str) -> str:
     return "_".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
 
 
-def _snake_keys(value: Any) -> Any:
-    """Every dict key of a report in snake_case (the --json form)."""
+def json_report(value: Any) -> Any:
+    """The report with stable identifier keys (JSON_KEYS; any other key snake_cased), the --json form."""
     if isinstance(value, dict):
-        return {_snake(str(k)): _snake_keys(v) for k, v in value.items()}
+        return {JSON_KEYS.get(str(k)) or _snake(str(k)): json_report(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_snake_keys(v) for v in value]
+        return [json_report(v) for v in value]
     return value
 
 

@@ -16,6 +16,7 @@ is downloaded (with HF_DATASETS_OFFLINE=1 set).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -23,36 +24,50 @@ from pathlib import Path
 
 from k3_amd_overlay import ab_run, ab_stats, arms
 from k3_amd_overlay.baseline_hazard import ACCEPT_FLAG
-from k3_amd_overlay.usage import UsageError, check_baselines, check_executables, check_switches
+from k3_amd_overlay.usage import (
+    EXIT_FAILED,
+    Parser,
+    UsageError,
+    check_baselines,
+    check_executables,
+    check_switches,
+    describe,
+    json_result,
+)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="k3-amd-overlay gsm8k-ab", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--served-model-name", help="the name the server answers to (default: --model)")
-    p.add_argument("--serve-args", default="")
+def parser() -> Parser:
+    p = Parser(prog="k3-amd-overlay gsm8k-ab", description=describe(__doc__))
+    p.add_argument("--model", required=True, help="the checkpoint the server loads")
+    p.add_argument("--served-model-name", help="the name the server answers to (default: the --model value)")
+    p.add_argument("--serve-args", default="", help="server arguments, identical for both arms")
     p.add_argument("--arm-a", default="0", help="K3_AMD_OVERLAY of the baseline arm (0: vLLM as it is; stock: the "
                                                "unfused path, vLLM's own fusions off too)")
     p.add_argument("--arm-b", default="1", help="K3_AMD_OVERLAY of the candidate arm")
     p.add_argument(ACCEPT_FLAG, action="store_true",
                    help="run even where an arm is no valid baseline on this vLLM (breakable CUDA graphs record "
                         "vLLM's own fused decode into the graph; see baseline_hazard.py): the summary says so")
-    p.add_argument("--port", type=int, default=8010)
+    p.add_argument("--port", type=int, default=8010, help="the port each arm's server listens on")
     p.add_argument("--out", type=Path, required=True,
                    help="a new or empty directory for the arms' results and the summary (a used one is refused)")
-    p.add_argument("--serve-cmd", default="vllm serve")
-    p.add_argument("--lm-eval-cmd", default="lm_eval")
-    p.add_argument("--task", default="gsm8k")
-    p.add_argument("--num-fewshot", type=int, default=5)
+    p.add_argument("--serve-cmd", default="vllm serve", help="the command that starts a server")
+    p.add_argument("--lm-eval-cmd", default="lm_eval", help="the lm-eval command (lm-eval[api] installed)")
+    p.add_argument("--task", default="gsm8k", help="the lm-eval task")
+    p.add_argument("--num-fewshot", type=int, default=5, help="few-shot examples in each prompt")
     p.add_argument("--limit", type=int, help="questions per arm (default: all)")
-    p.add_argument("--num-concurrent", type=int, default=32)
-    p.add_argument("--metric", default="exact_match,strict-match")
+    p.add_argument("--num-concurrent", type=int, default=32, help="lm-eval's concurrent requests to the server")
+    p.add_argument("--metric", default="exact_match,strict-match", help="the lm-eval metric and filter compared")
     p.add_argument("--extra-model-args", default="",
                    help="appended to lm-eval's --model_args, e.g. max_gen_toks=256,max_length=4096")
-    p.add_argument("--health-timeout", type=float, default=3600.0)
+    p.add_argument("--health-timeout", type=float, default=3600.0, help="seconds for a server to become healthy")
     p.add_argument("--data-file", type=Path, help="a local GSM8K-format JSONL instead of the hub data set")
-    return p.parse_args(argv)
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object on stdout on every path (the result; progress goes to stderr)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def local_task(task: str, data_file: Path, tasks_dir: Path) -> str:
@@ -119,22 +134,33 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     try:
         validate(args)
+        if not args.json:
+            return run(args)
+        with contextlib.redirect_stdout(sys.stderr):  # progress and the table to stderr; stdout: the one object
+            code = run(args)
     except UsageError as exc:
-        print(f"k3-amd-overlay gsm8k-ab: error: {exc}", file=sys.stderr)
-        return 2
+        return p.usage_error(exc)
+    summary = args.out / "summary.json"
+    if code == 0 and summary.is_file():
+        print(json_result("gsm8k-ab", True, **json.loads(summary.read_text())))
+    else:
+        print(json_result("gsm8k-ab", False, error="aborted (see stderr)"))
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """The run of validated arguments: 0, or 1 where an arm failed; UsageError where --out was
+    claimed by another run meanwhile."""
     for hazard in args.baseline_hazards:
         print(f"k3-amd-overlay gsm8k-ab: warning ({ACCEPT_FLAG}): {hazard}", file=sys.stderr, flush=True)
     if args.limit is not None and ab_stats.no_verdict_reason(args.limit):
         print(f"k3-amd-overlay gsm8k-ab: warning: --limit {args.limit}: at most {args.limit} questions can differ "
               f"between the arms; {ab_stats.no_verdict_reason(args.limit)}", file=sys.stderr, flush=True)
-    try:
-        run_id = ab_run.claim(args.out, "gsm8k-ab")
-    except UsageError as exc:
-        print(f"k3-amd-overlay gsm8k-ab: error: {exc}", file=sys.stderr)
-        return 2
+    run_id = ab_run.claim(args.out, "gsm8k-ab")
     name = args.served_model_name or args.model
     scores: dict[str, tuple[float, int]] = {}
     per_question: dict[str, dict[int, bool]] = {}
@@ -144,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             task = local_task(args.task, args.data_file, args.out / "tasks")
         except arms.ArmFailed as exc:
             print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
-            return 1
+            return EXIT_FAILED
         include = ["--include_path", str(args.out / "tasks")]
     for arm in arms.default_arms(args.arm_a, args.arm_b):
         workdir = args.out / f"arm{arm.label}"
@@ -170,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 per_question[arm.label] = outcomes(workdir / "lm_eval", task, args.metric)
         except (arms.ArmFailed, ab_run.ForeignResults) as exc:
             print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
-            return 1
+            return EXIT_FAILED
     (acc_a, n_a), (acc_b, n_b) = scores["A"], scores["B"]
     paired = ab_stats.PairedAccuracy.from_outcomes(per_question["A"], per_question["B"])
     lines = [
@@ -184,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         *(f"WARNING, measured with {ACCEPT_FLAG}: {hazard}" for hazard in args.baseline_hazards),
     ]
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    (args.out / "summary.json").write_text(json.dumps({
+        "run_id": run_id, "task": task, "metric": args.metric,
+        "arms": {"A": {"switch": args.arm_a, "accuracy": acc_a, "questions": n_a},
+                 "B": {"switch": args.arm_b, "accuracy": acc_b, "questions": n_b}},
+        "paired": {"questions": paired.questions, "delta": paired.delta, "only_a": paired.only_a,
+                   "only_b": paired.only_b, "verdict": paired.verdict()},
+        "baseline_hazards": args.baseline_hazards}, indent=1))
     print("\n".join(lines))
     return 0
 

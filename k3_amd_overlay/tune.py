@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from k3_amd_overlay.kernels import launch_configs, names
-from k3_amd_overlay.usage import UsageError
+from k3_amd_overlay.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
 
 TUNED_KERNELS = (names.RMSNORM_PAIR_KERNEL, names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL,
                  names.ABSORB_FP8_QK_CACHE_KERNEL, names.ABSORB_MXFP4_QK_CACHE_KERNEL)
@@ -265,30 +265,53 @@ def out_path(out: str, arch: str, device: str) -> Path:
     return path / f"{arch}-{device_slug(device)}.json" if path.is_dir() or not path.suffix else path
 
 
+def parser() -> Parser:
+    p = Parser(prog="k3-amd-overlay tune", description=describe(__doc__))
+    p.add_argument("--out", default=".", help="a file, or a directory for <arch>-<device>.json (default .); "
+                   "an existing file for this arch and GPU keeps the kernels not tuned now")
+    p.add_argument("--heads", type=int, nargs="+", help="per-rank query heads (default: the benchmarks')")
+    p.add_argument("--tokens", type=int, nargs="+", help="batch sizes (default: the benchmarks')")
+    p.add_argument("--kernels", nargs="+", choices=TUNED_KERNELS, default=list(TUNED_KERNELS), metavar="KERNEL",
+                   help=f"the kernels to tune, of {', '.join(TUNED_KERNELS)} (default: all)")
+    p.add_argument("--compare", metavar="FILE", help="instead of tuning: time FILE's configs against the "
+                   "shipped ones at the benchmarks' shapes; exit 1 where FILE's are slower")
+    p.add_argument("--verbose", action="store_true", help="say why each rejected candidate was")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object on stdout on every path (the file written; the table goes to stderr)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="k3-amd-overlay tune", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=".", help="a file, or a directory for <arch>-<device>.json (default .); "
-                        "an existing file for this arch and GPU keeps the kernels not tuned now")
-    parser.add_argument("--heads", type=int, nargs="+", help="per-rank query heads (default: the benchmarks')")
-    parser.add_argument("--tokens", type=int, nargs="+", help="batch sizes (default: the benchmarks')")
-    parser.add_argument("--kernels", nargs="+", choices=TUNED_KERNELS, default=list(TUNED_KERNELS))
-    parser.add_argument("--compare", metavar="FILE", help="instead of tuning: time FILE's configs against the "
-                        "shipped ones at the benchmarks' shapes; exit 1 where FILE's are slower")
-    parser.add_argument("--verbose", action="store_true", help="say why each rejected candidate was")
-    args = parser.parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     try:
         for name, values in (("--heads", args.heads), ("--tokens", args.tokens)):
             if values is not None and any(v < 1 for v in values):
                 raise UsageError(f"{name} {values}: every value must be a positive integer")
         if args.compare and not Path(args.compare).is_file():
             raise UsageError(f"--compare {args.compare}: no such file")
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("no GPU here: tune runs on the GPU it tunes for")
     except UsageError as exc:
-        print(f"k3-amd-overlay tune: {exc}", file=sys.stderr)
-        return 2
+        return p.usage_error(exc)
+    import torch
+
+    if not torch.cuda.is_available():  # a machine that cannot run it: a failure, not a usage error
+        message = "no GPU here: tune runs on the GPU it tunes for"
+        if args.json:
+            print(json_result("tune", False, error=message))
+        print(f"k3-amd-overlay tune: {message}", file=sys.stderr)
+        return EXIT_FAILED
+    if not args.json:
+        return run(args)
+    args.written = None
+    with contextlib.redirect_stdout(sys.stderr):  # the table to stderr; stdout: the one object
+        code = run(args)
+    print(json_result("tune", code == 0, file=args.written, compare=args.compare))
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """Tune (or --compare) on this machine's GPU, with checked arguments."""
+    import torch
     import triton
 
     from k3_amd_overlay.bench import shapes
@@ -327,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                 rule["heads"] = heads_here
             rules.append(rule)
         write(path, where.arch, name, {kernel: with_catch_alls(rules)}, torch.__version__, triton.__version__)
+    args.written = str(path)
     print(f"wrote {path}; the overlay uses it with {launch_configs.KERNEL_CONFIGS}={path} (or its directory)")
     return 0
 

@@ -1,18 +1,123 @@
-"""Usage errors of the command line and its tools: the one exception (exit 2, as argparse's own),
-and the argument checks the A/B tools share, run before any server starts."""
+"""The command line's one style and its usage errors: the parser every command and tool builds
+(plain one-paragraph description, each option's default said once, the exit codes referenced,
+``--json`` usage errors as one JSON object on stdout), the one usage exception (exit 2, as
+argparse's own), and the argument checks the A/B tools share, run before any server starts."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import re
 import shlex
 import shutil
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
 
 from k3_amd_overlay.settings import SWITCH, SettingsError, load_settings
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2  # the table: docs/cli.md
+EPILOG = ("Exit status: 0 ok; 1 a verdict, health check or run failed (no GPU, torch or triton missing "
+          "included); 2 a usage error. --json: one JSON object on stdout on every path, usage errors "
+          "included. The table: docs/cli.md.")
 
 
 class UsageError(ValueError):
     """A command line that asks for something impossible; the message names the value and why."""
+
+
+def describe(doc: str | None) -> str:
+    """A module docstring's first paragraph as a help description: plain text (reST literals and
+    backquotes unquoted, a leading ``k3-amd-overlay NAME:`` dropped, as the usage line says it), one
+    paragraph, ending in a full stop."""
+    text = " ".join((doc or "").strip().split("\n\n")[0].split())
+    text = re.sub(r"`+([^`]*)`+", r"\1", text)
+    text = re.sub(r"^k3-amd-overlay[\w .-]*?: ", "", text)
+    text = text[:1].upper() + text[1:]
+    return text if text.endswith(".") else text.rstrip(":;,") + "."
+
+
+def wants_json(argv: Iterable[str]) -> bool:
+    """Whether ``argv`` asks for --json (or an abbreviation argparse accepts), read before parsing
+    so that a usage error can be JSON too."""
+    for arg in argv:
+        if arg == "--":
+            return False
+        if arg.startswith("--j") and "--json".startswith(arg):
+            return True
+    return False
+
+
+def said_default(action: argparse.Action) -> str | None:
+    """An option's default as its help should say it, or None where there is none worth saying."""
+    default = action.default
+    if (not action.option_strings or action.required or default in (None, False, "", [], ())
+            or default is argparse.SUPPRESS or isinstance(action, argparse._HelpAction | argparse._VersionAction)):
+        return None
+    return " ".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter with each option's default appended once, where its help does not say
+    a default already and there is one to say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = said_default(action)
+        if default is None or "default" in text:
+            return text
+        return f"{text} (default: {default.replace('%', '%%')})"
+
+
+def json_usage_error(command: str, message: str) -> dict[str, Any]:
+    """The JSON object of a usage error (``--json``): the same keys for every command."""
+    return {"command": command, "ok": False, "exit_status": EXIT_USAGE, "usage_error": message, "error": message}
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of every command and tool: the one help style, the exit-status epilog, and with
+    --json a usage error is one JSON object on stdout too (``json_error`` builds it; usage and
+    message still go to stderr, exit 2). ``own_extras``: a subcommand's unknown argument is its
+    own usage error (argparse would report it with the top-level usage)."""
+
+    def __init__(self, *args: Any, json_error: Callable[[str], dict[str, Any]] | None = None,
+                 own_extras: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("epilog", EPILOG)
+        super().__init__(*args, **kwargs)
+        command = self.prog.removeprefix("k3-amd-overlay").strip()
+        self.json_error = json_error or (lambda message: json_usage_error(command, message))
+        self.own_extras = own_extras
+        self.json_wanted = False
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        args = sys.argv[1:] if args is None else list(args)
+        self.json_wanted = wants_json(args)
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and self.own_extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def error(self, message: str) -> NoReturn:
+        if self.json_wanted:
+            print(json.dumps(self.json_error(message), indent=1))
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+    def usage_error(self, exc: UsageError, json_wanted: bool | None = None) -> int:
+        """Report a UsageError raised after parsing as this parser's own usage error; 2."""
+        if self.json_wanted if json_wanted is None else json_wanted:
+            print(json.dumps(self.json_error(str(exc)), indent=1))
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def json_result(command: str, ok: bool, **fields: Any) -> str:
+    """The JSON object a command prints on stdout with --json (``ok`` and ``exit_status`` always)."""
+    return json.dumps({"command": command, "ok": ok, "exit_status": EXIT_OK if ok else EXIT_FAILED, **fields},
+                      indent=1, default=str)
 
 
 def check_switches(named: Iterable[tuple[str, str]]) -> None:

@@ -45,7 +45,24 @@ WITHOUT_TORCH = [
     (["census"], 2, "the following arguments are required: traces"),
     (["check"], 2, "the following arguments are required: --expect"),
 ]
-HELP = ["doctor", "check", "census", "kernels", "tune", "bench", "ab-serve", "gsm8k-ab"]
+HELP = [["doctor"], ["check"], ["census"], ["kernels"], ["tune"], ["bench"], ["bench", "plot"], ["ab-serve"],
+        ["ab-serve", "report"], ["gsm8k-ab"]]
+# In one child Python: each command's --help (full option list, no traceback) and a --json run of
+# each command that needs torch (one JSON object saying what to install, exit 1).
+BATCH = """
+import contextlib, io, json, sys
+from k3_amd_overlay.cli import main
+out = {}
+for argv in json.loads(sys.argv[1]):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    out[" ".join(argv)] = [code, stdout.getvalue(), stderr.getvalue()]
+print(json.dumps(out))
+"""
 
 
 def _run(python: str, argv: list[str], pythonpath: list[str]) -> subprocess.CompletedProcess[str]:
@@ -81,11 +98,26 @@ def test_without_torch_each_command_says_what_to_install(blocked, argv, code, sa
     _assert_said(_run(sys.executable, argv, blocked), code, said)
 
 
-@pytest.mark.parametrize("command", HELP)
-def test_without_torch_every_subcommand_has_its_help(blocked, command):
-    proc = _run(sys.executable, [command, "--help"], blocked)
-    assert "Traceback" not in proc.stderr and proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"usage: k3-amd-overlay {command}"), proc.stdout[:300]
+def test_without_torch_every_help_is_whole_and_every_json_run_one_object(blocked):
+    """Each command's and sub-subcommand's --help with its full option list (the tools import
+    torch only where they run), and each command that needs torch, with --json: one object saying
+    what to install, exit 1; all in one child Python."""
+    runs = [[*c, "--json"] for c in (["doctor"], ["bench"], ["tune"], ["kernels", "--arch", "gfx942"])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*blocked, PACKAGE_ROOT])}
+    proc = subprocess.run([sys.executable, "-c", BATCH, json.dumps([[*c, "--help"] for c in HELP] + runs)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=Path(PACKAGE_ROOT).parent)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    results = json.loads(proc.stdout)
+    for command in HELP:
+        code, out, err = results[" ".join([*command, "--help"])]
+        assert code == 0 and "Traceback" not in err, (command, err)
+        assert out.startswith(f"usage: k3-amd-overlay {' '.join(command)}") and "--json" in out, (command, out[:300])
+        assert "options:" in out and "needs torch" not in out, (command, out)
+    for argv in runs:
+        code, out, err = results[" ".join(argv)]
+        data = json.loads(out)
+        assert code == 1 and data["ok"] is False and data["missing"] == "torch", (argv, out)
+        assert "pip install torch" in data["error"] and "Traceback" not in err, (argv, err)
 
 
 def test_without_torch_json_is_one_object_saying_what_is_missing(blocked):
@@ -120,8 +152,9 @@ def _python_without_torch() -> str | None:
     return None
 
 
-@pytest.mark.parametrize("argv,code,said", [*WITHOUT_TORCH[:4], (["bench", "--help"], 0, "")],
-                         ids=["doctor", "kernels-arch", "kernels", "tune", "bench-help"])
+@pytest.mark.parametrize("argv,code,said", [*WITHOUT_TORCH[:4], (["bench", "--help"], 0, ""),
+                                             (["bench", "--json"], 1, "needs torch")],
+                         ids=["doctor", "kernels-arch", "kernels", "tune", "bench-help", "bench-json"])
 def test_a_real_python_without_torch(argv, code, said):
     python = _python_without_torch()
     if python is None:

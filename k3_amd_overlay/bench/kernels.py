@@ -3,37 +3,29 @@ baseline (launches of the same quality, one per step), the fused launch, the flo
 launch; bytes over the bandwidth measured here) and, with ``--peers aiter``, AMD's own AITER Triton
 kernels, eager and CUDA-graph replay, medians.
 
-    k3-amd-overlay bench [--json OUT.json] [--quick] [--peers aiter]
+    k3-amd-overlay bench [--json-out OUT.json] [--quick] [--peers aiter]
+    k3-amd-overlay bench plot OUT.json        # draw it
 
-Needs a GPU with Triton; does not need vLLM."""
+Needs a GPU with Triton; does not need vLLM. torch, triton and the kernels are imported by the
+functions that run them, so that --help and usage errors need none of them."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable
-
-import torch
-import triton
+from typing import TYPE_CHECKING
 
 from k3_amd_overlay import k3
-from k3_amd_overlay.bench import aiter_peers
-from k3_amd_overlay.bench.baselines import (
-    _empty_kernel,
-    _one_load_kernel,
-    concat_and_cache_mla_like_kernel,
-)
+from k3_amd_overlay.bench import AITER_TREE
 from k3_amd_overlay.bench.shapes import ABSORB_BATCHES, HEADS, NORM_TOKENS, QK_CACHE_BATCHES
-from k3_amd_overlay.bench.timing import bandwidth_bytes_per_us, eager_us, graph_us
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
-from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
-from k3_amd_overlay.kernels.absorb_mxfp4_qk_cache import absorb_mxfp4_qk_cache
-from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
-from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
-from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
-from k3_amd_overlay.kernels.static_quant import scaled_quant
-from k3_amd_overlay.ops import aiter_absorb
+from k3_amd_overlay.usage import EPILOG, EXIT_FAILED, Parser, describe, json_result
+
+if TYPE_CHECKING:
+    import torch
 
 SINGLE_NORM_CONFIGS = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8)]  # (rows, warps) tried for the baseline
 
@@ -51,6 +43,11 @@ def _result(op: str, shape: dict, mode: str, baseline: float, fused: float, empt
 
 
 def bench_qkv_norm(tokens_list: list[int], bw: float, empty: dict[str, float]) -> list[dict]:
+    import torch
+
+    from k3_amd_overlay.bench.timing import eager_us, graph_us
+    from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
+
     results = []
     print(f"\n### qkv_norm: two single-norm launches vs one fused launch (bf16, q {k3.Q_LORA_RANK} + kv {k3.KV_LORA_RANK})")
     print("| T | mode | two launches µs | fused µs | ratio | empty µs | one-load µs | bytes/bw µs "
@@ -80,6 +77,14 @@ def bench_qkv_norm(tokens_list: list[int], bw: float, empty: dict[str, float]) -
 
 def bench_qk_cache(heads_list: list[int], tokens_list: list[int], bw: float, empty: dict[str, float],
                    fmt: Fp8Format = E4M3FN, peers: bool = False) -> list[dict]:
+    import torch
+
+    from k3_amd_overlay.bench import aiter_peers
+    from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel
+    from k3_amd_overlay.bench.timing import eager_us, graph_us
+    from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
+    from k3_amd_overlay.kernels.static_quant import scaled_quant
+
     results = []
     lora, rope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM
     mode_bits = fp8_mode(fmt, torch.device("cuda"))
@@ -135,6 +140,8 @@ def decode_step_inputs(tokens: int, heads: int) -> tuple[torch.Tensor, ...]:
     """One decode step's absorbed-path inputs at K3 widths, laid out as vLLM hands them over (q_nope and
     q_pe column slices of q, k_pe a slice of the latent row), a block-1536 uint8 cache with random
     slots, and the scales: (q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out)."""
+    import torch
+
     lora, rope, nope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM
     q = torch.randn(tokens, heads, nope + rope, dtype=torch.bfloat16, device="cuda")
     kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16, device="cuda")
@@ -151,6 +158,14 @@ def bench_absorb(heads_list: list[int], tokens_list: list[int], bw: float, empty
                  fmt: Fp8Format = E4M3FN, block_n: int | None = None) -> list[dict]:
     """The W_UK absorption folded in: bmm + three launches (stock), bmm + one qk_cache launch, and
     one absorb_qk_cache launch; the floor counts W_UK_T read once."""
+    import torch
+
+    from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel
+    from k3_amd_overlay.bench.timing import eager_us, graph_us
+    from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
+    from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
+    from k3_amd_overlay.kernels.static_quant import scaled_quant
+
     results = []
     lora, rope, nope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM
     mode_bits = fp8_mode(fmt, torch.device("cuda"))
@@ -205,6 +220,14 @@ def bench_absorb_fp8(heads_list: list[int], tokens_list: list[int], bw: float, e
     """vLLM's fp8 W_UK absorption folded in: the unfused fp8 path (AITER's fp8 BMM, then the overlay's
     qk_cache launch) and AITER's own fused fp8 kernel (its launch alone, query unscaled; and the aiter
     provider: that launch plus the static query quant), against the overlay's one launch."""
+    import torch
+
+    from k3_amd_overlay.bench import aiter_peers
+    from k3_amd_overlay.bench.timing import eager_us, graph_us
+    from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
+    from k3_amd_overlay.kernels.qk_cache import qk_cache
+    from k3_amd_overlay.ops import aiter_absorb
+
     results = []
     lora, rope, nope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM
     print(f"\n### absorb_qk_cache, fp8 W_UK (VLLM_ROCM_USE_AITER_FP8BMM): one launch vs peers ({fmt.name}, block 1536)")
@@ -255,6 +278,11 @@ def bench_absorb_fp8(heads_list: list[int], tokens_list: list[int], bw: float, e
 
 def sweep_absorb_fp8(heads_list: list[int], tokens_list: list[int], fmt: Fp8Format = E4M3FN) -> list[dict]:
     """The fp8 absorb kernel's launch shapes side by side (graph replay): column block x warps."""
+    import torch
+
+    from k3_amd_overlay.bench.timing import graph_us
+    from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
+
     results = []
     shapes = [(n, w, 0) for n in (16, 32, 64, 128) for w in (2, 4, 8)] + [(n, w, 1) for n in (16, 32, 64)
                                                                           for w in (1, 2, 4)]
@@ -287,6 +315,8 @@ def sweep_absorb_fp8(heads_list: list[int], tokens_list: list[int], fmt: Fp8Form
 def mxfp4_weights(heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random MXFP4 W_K [H, L, P/2] and e8m0 W_K_scale [H, L, P/32] in vLLM's layout (transposed views of
     the [L, H, ...] quant), scales around 2**-5 as a bf16 W_UK of magnitude ~0.1 gives."""
+    import torch
+
     lora, nope = k3.KV_LORA_RANK, k3.QK_NOPE_HEAD_DIM
     w_k = torch.randint(0, 256, (lora, heads, nope // 2), dtype=torch.uint8, device="cuda").transpose(0, 1)
     w_k_scale = torch.randint(120, 125, (lora, heads, nope // 32), dtype=torch.uint8, device="cuda").transpose(0, 1)
@@ -299,6 +329,13 @@ def bench_absorb_mxfp4(heads_list: list[int], tokens_list: list[int], bw: float,
     overlay's qk_cache launch) and AITER's own fused fp4 kernel (its launch alone; on sm90 it mis-scales
     groups below ~3.5, which changes no time), against the overlay's one launch. ``sweep``: the
     overlay kernel's launch shapes instead."""
+
+    from k3_amd_overlay.bench import aiter_peers
+    from k3_amd_overlay.bench.timing import eager_us, graph_us
+    from k3_amd_overlay.kernels.absorb_mxfp4_qk_cache import absorb_mxfp4_qk_cache
+    from k3_amd_overlay.kernels.qk_cache import qk_cache
+    from k3_amd_overlay.ops import aiter_absorb
+
     results = []
     lora, rope, nope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM
     shapes = [(n, w, t) for n in (16, 32, 64, 128) for w in (4, 8) for t in (0, 1)]
@@ -361,26 +398,73 @@ def bench_absorb_mxfp4(heads_list: list[int], tokens_list: list[int], bw: float,
     return results
 
 
+SECTIONS = ("qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_fp8", "absorb_mxfp4", "layer_step")
+
+
+def parser() -> Parser:
+    p = Parser(prog="k3-amd-overlay bench", description=describe(__doc__),
+               epilog="k3-amd-overlay bench plot OUT.json draws what --json-out wrote (its own --help). "
+                      + EPILOG)
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object on stdout on every path (every measurement; the tables go to stderr)")
+    p.add_argument("--json-out", metavar="FILE", help="also write every measurement to FILE (what bench plot reads)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes")
+    p.add_argument("--absorb-block-n", type=int, nargs="+", metavar="N", help="absorb kernel column blocks to compare")
+    p.add_argument("--sweep-fp8", action="store_true", help="the fp8 absorb kernel's launch shapes")
+    p.add_argument("--sweep-mxfp4", action="store_true", help="the MXFP4 absorb kernel's launch shapes")
+    p.add_argument("--only", choices=SECTIONS, help="one section (default: all)")
+    p.add_argument("--peers", choices=("aiter",), help="add AMD's AITER Triton kernels as columns "
+                   f"(on ROCm from the installed AITER; elsewhere from ${AITER_TREE})")
+    return p
+
+
+def legacy_argv(argv: list[str]) -> list[str]:
+    """``--json FILE`` (before --json became the flag it is for every command) as ``--json-out FILE``."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--":
+            break
+        if arg == "--json" and not out[i + 1].startswith("-"):
+            out[i] = "--json-out"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="k3-amd-overlay bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write every measurement here")
-    parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--absorb-block-n", type=int, nargs="+", help="absorb kernel column blocks to compare")
-    parser.add_argument("--sweep-fp8", action="store_true", help="the fp8 absorb kernel's launch shapes")
-    parser.add_argument("--sweep-mxfp4", action="store_true", help="the MXFP4 absorb kernel's launch shapes")
-    parser.add_argument("--only", choices=("qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_fp8", "absorb_mxfp4",
-                                           "layer_step"),
-                        help="one section")
-    parser.add_argument("--peers", choices=("aiter",), help="add AMD's AITER Triton kernels as columns "
-                        f"(on ROCm from the installed AITER; elsewhere from ${aiter_peers.AITER_TREE})")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no GPU: nothing to benchmark", file=sys.stderr)
-        return 2
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if legacy_argv(argv) != argv:
+        print("k3-amd-overlay bench: --json FILE is --json-out FILE now (--json: one JSON object on stdout)",
+              file=sys.stderr)
+        argv = legacy_argv(argv)
+    args = parser().parse_args(argv)
+    if not args.json:
+        return run(args)
+    measured: dict = {}
+    with contextlib.redirect_stdout(sys.stderr):  # the tables to stderr; stdout: the one object
+        code = run(args, measured)
+    print(json_result("bench", code == 0, **measured))
+    return code
+
+
+def run(args: argparse.Namespace, measured: dict | None = None) -> int:
+    """The benchmark of parsed arguments; 1 where it cannot run here (no GPU, --peers aiter without
+    AITER) or a layer step's parity failed. ``measured``: filled with what --json-out writes, or an
+    error."""
+    import torch
+    import triton
+
+    from k3_amd_overlay.bench import aiter_peers
+    from k3_amd_overlay.bench.baselines import _empty_kernel, _one_load_kernel
+    from k3_amd_overlay.bench.timing import bandwidth_bytes_per_us, eager_us, graph_us
+
+    measured = {} if measured is None else measured
+    why = "no GPU: nothing to benchmark" if not torch.cuda.is_available() else None
     peers = args.peers == "aiter"
-    if peers and (why := aiter_peers.enable()):
-        print(f"--peers aiter: {why}", file=sys.stderr)
-        return 2
+    if why is None and peers and (missing := aiter_peers.enable()):
+        why = f"--peers aiter: {missing}"
+    if why:
+        measured["error"] = why
+        print(why, file=sys.stderr)
+        return EXIT_FAILED
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     bw = bandwidth_bytes_per_us()
@@ -425,9 +509,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.only in (None, "layer_step"):  # a shape whose parity failed is not timed and fails the run
         results += layer_step.bench(heads, absorb_batches, peers)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(dict(device=props.name, torch=torch.__version__, triton=triton.__version__,
-                           bandwidth_tb_s=bw / 1e6, empty_us=empty, results=results), handle, indent=1)
-    return 1 if layer_step.failed(results) else 0
+    measured.update(device=props.name, torch=torch.__version__, triton=triton.__version__, bandwidth_tb_s=bw / 1e6,
+                    empty_us=empty, results=results)
+    if args.json_out:
+        with open(args.json_out, "w") as handle:
+            json.dump({k: v for k, v in measured.items() if k != "error"}, handle, indent=1)
+    if layer_step.failed(results):
+        measured["error"] = "a layer step's parity failed: it was not timed"
+        return EXIT_FAILED
+    return 0
 

@@ -5,12 +5,13 @@ unfused baseline and AMD's AITER kernels where the run measured them. Needs matp
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from k3_amd_overlay.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
 
 # (result key, legend) of the series drawn, where a result has them
 SERIES = (("fused_us", "fused (overlay)"), ("baseline_us", "unfused baseline"), ("aiter_fused_us", "AITER fused"),
@@ -62,24 +63,37 @@ def plot(data: dict[str, Any], path: Path, mode: str = "graph") -> int:
     return len(drawn)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="k3-amd-overlay bench plot", description=__doc__.splitlines()[0])
-    p.add_argument("bench_json", type=Path, help="what `k3-amd-overlay bench --json` wrote")
+def parser() -> Parser:
+    p = Parser(prog="k3-amd-overlay bench plot", description=describe(__doc__))
+    p.add_argument("bench_json", type=Path, metavar="BENCH.json",
+                   help="what `k3-amd-overlay bench --json-out` wrote")
     p.add_argument("--out", type=Path, help="the PNG (default: beside the JSON)")
-    p.add_argument("--mode", choices=("graph", "eager"), default="graph")
+    p.add_argument("--mode", choices=("graph", "eager"), default="graph",
+                   help="the timings drawn: CUDA/HIP-graph replay or eager launches")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout on every path (the PNG drawn)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
+
+    def failed(message: str) -> int:
+        if args.json:
+            print(json_result("bench plot", False, error=message))
+        print(f"k3-amd-overlay bench plot: {message}", file=sys.stderr)
+        return EXIT_FAILED
+
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("k3-amd-overlay bench plot: matplotlib is not installed (pip install 'k3-amd-overlay[plot]')",
-              file=sys.stderr)
-        return 2
+        return failed("matplotlib is not installed (pip install 'k3-amd-overlay[plot]')")
     try:
         data = json.loads(args.bench_json.read_text())
         out = args.out or args.bench_json.with_suffix(".png")
         count = plot(data, out, args.mode)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"k3-amd-overlay bench plot: {args.bench_json}: {exc}", file=sys.stderr)
-        return 2
-    print(f"{out}: {count} panels")
+        detail = f"no {exc.args[0]!r} in it (not what bench --json-out writes)" if isinstance(exc, KeyError) else exc
+        return p.usage_error(UsageError(f"{args.bench_json}: {detail}"))  # the input is not a benchmark's
+    print(json_result("bench plot", True, png=str(out), panels=count) if args.json else f"{out}: {count} panels")
     return 0

@@ -1,0 +1,211 @@
+"""One command-line style for every command and sub-subcommand: a one-paragraph plain-text
+description ending in a full stop, help for every option with its default said once, the exit
+codes referenced, parents listing their sub-subcommands; ``--json`` is a flag everywhere meaning
+one JSON object on stdout, usage errors included (exit 2, the command's own usage on stderr);
+'no GPU' is a health failure (1), not a usage error; doctor's JSON keys are identifiers."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3_amd_overlay import ab_serve
+from k3_amd_overlay.cli import main
+
+COMMANDS = [[], ["check"], ["census"], ["doctor"], ["ab-serve"], ["ab-serve", "report"], ["gsm8k-ab"], ["bench"],
+            ["bench", "plot"], ["kernels"], ["tune"]]
+JSON_COMMANDS = [c for c in COMMANDS if c]
+INVOCATION = re.compile(r"^  (?=\S)(.*?)(?:\s{2,}(\S.*))?$")
+IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def test_every_command_is_checked_here():
+    from k3_amd_overlay import cli
+
+    listed = {c[0] for c in JSON_COMMANDS}
+    sub = next(a for a in cli.build_parser()._actions if a.choices and "check" in a.choices)
+    assert listed == set(sub.choices) and {tuple(c) for c in COMMANDS} >= set(cli.SUBTOOLS), listed
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's --help and usage errors
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def sections(text: str) -> tuple[str, list[str]]:
+    """The description (between the usage block and the first argument section) and each option's
+    block of lines (its invocation line and the help lines under it)."""
+    blocks = text.split("\n\n")
+    heading = re.compile(r"^(options|positional arguments):")
+    first = next(i for i, block in enumerate(blocks) if heading.match(block))
+    description = " ".join(blocks[1:first])
+    options: list[list[str]] = []
+    for block in blocks:
+        if not heading.match(block):
+            continue
+        for line in block.splitlines()[1:]:
+            if INVOCATION.match(line):
+                options.append([line])
+            elif options:
+                options[-1].append(line)
+    return " ".join(description.split()), ["\n".join(o) for o in options]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(c) or "top" for c in COMMANDS])
+def test_every_help_is_plain_complete_and_says_defaults_once(command, capsys):
+    code, out, _ = run([*command, "--help"], capsys)
+    assert code == 0 and out.startswith(f"usage: k3-amd-overlay{' ' if command else ''}{' '.join(command)}"), out[:200]
+    description, options = sections(out)
+    assert description.endswith(".") and len(description) > 40, description
+    assert "``" not in out and ":: " not in out, out
+    assert "docs/cli.md" in out  # the exit-code table, in one place
+    for option in options:
+        first = option.splitlines()[0]
+        has_help = INVOCATION.match(first).group(2) or len(option.splitlines()) > 1
+        assert has_help, f"no help: {first.strip()}"
+        assert option.count("(default") <= 1, option
+        assert not re.search(r"\(default: (None|False|)\)", " ".join(option.split())), option
+
+
+def test_parents_list_their_subcommands(capsys):
+    assert "ab-serve report" in run(["ab-serve", "--help"], capsys)[1]
+    assert "bench plot" in run(["bench", "--help"], capsys)[1]
+    gsm8k = " ".join(run(["gsm8k-ab", "--help"], capsys)[1].split())
+    assert "(default: 5)" in gsm8k and "(default: 32)" in gsm8k  # 5-shot, 32 concurrent: visible
+
+
+@pytest.mark.parametrize("command", JSON_COMMANDS, ids=[" ".join(c) for c in JSON_COMMANDS])
+def test_json_usage_errors_are_one_object_and_the_commands_own_usage(command, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run([*command, "--json", "--no-such-option"], capsys)
+    data = json.loads(out)  # one object, nothing else on stdout
+    assert code == 2 and data["ok"] is False and data["usage_error"], (code, out)
+    assert err.startswith(f"usage: k3-amd-overlay {' '.join(command)} "), err
+    code, out, err = run([*command, "--no-such-option"], capsys)  # without --json: text on stderr only
+    assert code == 2 and out == "" and err.startswith(f"usage: k3-amd-overlay {' '.join(command)} "), err
+
+
+def test_no_gpu_is_a_health_failure_not_a_usage_error(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    for command in (["bench"], ["tune"]):
+        code, out, err = run([*command, "--json"], capsys)
+        data = json.loads(out)
+        assert code == 1 and data["ok"] is False and "no GPU" in data["error"] and "no GPU" in err, (command, out)
+
+
+def test_bench_json_is_a_flag_and_the_old_file_form_still_writes_the_file(capsys, tmp_path):
+    from k3_amd_overlay.bench import kernels
+
+    args = kernels.parser().parse_args(["--json-out", str(tmp_path / "b.json"), "--json"])
+    assert args.json is True and args.json_out == str(tmp_path / "b.json")
+    assert kernels.legacy_argv(["--json", str(tmp_path / "b.json"), "--quick"]) == [
+        "--json-out", str(tmp_path / "b.json"), "--quick"]
+    assert kernels.legacy_argv(["--json", "--quick"]) == ["--json", "--quick"]
+
+
+DOCTOR_TOP = {"versions", "gpu", "vllm_shape", "switch", "qk_cache_by_tp", "providers_here", "launch_configs",
+              "self_test", "fusions", "ab_baseline", "verdict", "healthy"}
+
+
+def test_doctor_json_keys_are_stable_identifiers(capsys, monkeypatch):
+    monkeypatch.setenv("K3_AMD_OVERLAY", "1")
+    code, out, _ = run(["doctor", "--json"], capsys)
+    data = json.loads(out)
+    assert DOCTOR_TOP <= set(data) and code in (0, 1), sorted(data)
+    assert set(data["providers_here"]) == {"qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_qk_cache_fp8",
+                                           "absorb_qk_cache_mxfp4"}
+    assert set(data["qk_cache_by_tp"][0]) <= {"tp", "heads_per_rank", "kv_lora_rank_heads", "overlay",
+                                              "upstream_fuses"}
+    assert {"recognised", "releases", "fuses_by_itself", "known_defects"} <= set(data["vllm_shape"])
+
+    def keys(value, path=""):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                assert IDENTIFIER.match(k) and len(k) <= 32, f"{path}/{k}"
+                keys(v, f"{path}/{k}")
+        elif isinstance(value, list):
+            for v in value:
+                keys(v, path)
+
+    keys(data)
+
+
+def _git(cwd: Path, *argv: str) -> str:
+    return subprocess.run(["git", "-C", str(cwd), *argv], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_overlay_git_sha_only_from_the_overlays_own_checkout(tmp_path):
+    import secrets
+
+    def repo(name: str, project: str) -> Path:
+        root = tmp_path / name
+        (root / "k3_amd_overlay").mkdir(parents=True)
+        (root / "pyproject.toml").write_text(f'[project]\nname = "{project}"\n')
+        (root / "k3_amd_overlay" / "x.py").write_text(secrets.token_hex(8))
+        _git(root, "init", "-q")
+        _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
+        _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+        return root
+
+    own = repo("own", "k3-amd-overlay")
+    assert ab_serve.overlay_git_sha(own / "k3_amd_overlay") == _git(own, "rev-parse", "HEAD")
+    venv = repo("venv", "some-app")  # a venv inside another project's checkout
+    assert ab_serve.overlay_git_sha(venv / "k3_amd_overlay") is None
+    nested = venv / "lib" / "site-packages" / "k3_amd_overlay"
+    nested.mkdir(parents=True)
+    assert ab_serve.overlay_git_sha(nested) is None
+
+
+def test_check_names_a_file_as_a_file_and_a_missing_key_in_words(capsys, tmp_path):
+    not_a_dir = tmp_path / "markers"
+    not_a_dir.write_text("x")
+    code, out, _ = run(["check", "--expect", "fused", "--marker-dir", str(not_a_dir)], capsys)
+    assert code == 1 and "is a file, not a directory" in out and "no such directory" not in out, out
+    merged = tmp_path / "node.json"
+    merged.write_text(json.dumps({"host": "n1", "holds": True}))
+    code, _, err = run(["check", "--expect", "fused", "--merge", str(merged)], capsys)
+    assert code == 2 and "has no 'records'" in err and ": 'records'" not in err, err
+
+
+STANDINS = Path(__file__).parent / "standins"
+
+
+def _tool(command: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The tool run through the command line against the loopback stand-ins of tests/standins."""
+    import os
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
+    return subprocess.run([sys.executable, "-m", "k3_amd_overlay", command, "--model", "k3", "--out", str(tmp_path),
+                           "--port", str(port), "--health-timeout", "60", "--serve-cmd",
+                           f"{sys.executable} {STANDINS / 'fake_serve.py'}", "--json", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_the_ab_tools_json_is_their_summary_alone_on_stdout(tmp_path):
+    proc = _tool("ab-serve", tmp_path / "serve", "--bench-cmd", f"{sys.executable} "
+                 f"{STANDINS / 'fake_bench.py'}", "--concurrency", "1", "--repeats", "1")
+    data = json.loads(proc.stdout)  # progress and the table went to stderr
+    assert proc.returncode == 0 and data["ok"] is True and data["aborted"] is None, proc.stderr[-2000:]
+    assert data["run_id"] and {r["metric"] for r in data["rows"]["B_vs_A"]} >= {"TPOT p50 (ms)"}
+    assert "arm B proved fused" in proc.stderr
+    proc = _tool("gsm8k-ab", tmp_path / "gsm8k", "--lm-eval-cmd",
+                 f"{sys.executable} {STANDINS / 'fake_lm_eval.py'}")
+    data = json.loads(proc.stdout)
+    assert proc.returncode == 0 and data["ok"] is True, proc.stderr[-2000:]
+    assert data["arms"]["A"]["accuracy"] == 0.9 and data["arms"]["B"]["questions"] == 40
+    assert (data["paired"]["only_a"], data["paired"]["only_b"]) == (1, 0) and "| A | 0 | 0.9000 | 40 |" in proc.stderr
