@@ -138,6 +138,12 @@ class Evidence:
             self.record.launch_configs = launch_configs
             self._write()
 
+    def set_measurement(self, entry: dict[str, Any]) -> None:
+        """This GPU's self-measurement and where it lets each fusion run (measured.marker_entry)."""
+        with self._lock:
+            self.record.measurement = entry
+            self._write()
+
     def update_launch_configs(self, entries: dict[str, Any]) -> None:
         """Add to what ``set_launch_configs`` recorded: the configs degraded in this process and the
         seconds the ahead-of-time compile took (targets/installer.py)."""

@@ -302,7 +302,10 @@ def tuned_file(setting: str, arch: str, device_name: str | None) -> ConfigFile |
     names are ignored with a warning; the file, once there, must be for this arch and device)."""
     path = Path(setting)
     if path.is_dir():
-        foreign = tuple(sorted(p.name for p in path.glob("*.json") if not TUNED_NAME.fullmatch(p.name)))
+        from k3_amd_overlay.measured import is_result_name  # the self-measurement's files live here too
+
+        foreign = tuple(sorted(p.name for p in path.glob("*.json")
+                               if not TUNED_NAME.fullmatch(p.name) and not is_result_name(p.name)))
         if foreign:
             _warn_foreign(str(path), foreign)
         candidate = path / tuned_name(arch, device_name) if device_name else None

@@ -7,13 +7,14 @@ run). Runs in vLLM processes only, as each K3 MLA layer is built."""
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from k3_amd_overlay import kernel_failures
+from k3_amd_overlay import kernel_failures, measured
 from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.fusions.qk_cache import (
     AbsorbVariant,
@@ -24,7 +25,7 @@ from k3_amd_overlay.fusions.qk_cache import (
     decide_qk_cache,
 )
 from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
-from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.fusions.states import BucketGate, FusionState, LayerDecision
 from k3_amd_overlay.kernels import launch, launch_configs
 from k3_amd_overlay.kernels.names import RMSNORM_PAIR_KERNEL
 from k3_amd_overlay.ops import absorb_qk_cache, aiter_qk_cache, qk_cache, rmsnorm_pair
@@ -35,6 +36,7 @@ from k3_amd_overlay.targets.decode import DECODE_SITE, DecodeSite, EagerStep, in
 from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormCallback, QkvNormSite
 
 DECODE_FUSIONS = frozenset({QK_CACHE, ABSORB_QK_CACHE})  # both act at the one decode site
+logger = logging.getLogger("vllm.k3_amd_overlay")
 NOT_REQUESTED = LayerDecision(FusionState.DISABLED, None, "not requested")
 
 
@@ -73,6 +75,8 @@ class LayerInstaller:
     evidence: Evidence
     coverage_recorded: bool = False
     compile_seconds: dict[str, float] = field(default_factory=dict)  # per kernel, this process's installs
+    measurement: measured.Loaded = field(default_factory=lambda: measured.Loaded(None))  # this GPU's, if any
+    gates: dict[str, BucketGate | None] = field(default_factory=dict)  # per fusion, as the marker records them
 
     def record_coverage(self, wrapper: Any) -> None:
         """Once per process: what vLLM serves here, and the launch configs this GPU's kernels use (a
@@ -82,7 +86,25 @@ class LayerInstaller:
             self.coverage_recorded = True
             self.evidence.set_coverage(vllm_env.model_coverage())
             if not self.stock:
-                self.evidence.set_launch_configs(launch.describe(layer_device(wrapper)))
+                described = launch.describe(layer_device(wrapper))
+                self.evidence.set_launch_configs(described)
+                self.load_measurement(described.get("arch"), described.get("device"))
+
+    def load_measurement(self, arch: str | None, device: str | None) -> None:
+        """Once per process: this GPU's self-measurement (measured.py), whose gates the sites take; a
+        file that cannot be used is one ERROR line and the marker's ``error``, the fusions then run
+        as without one."""
+        self.measurement = measured.load_here(arch or "", device)
+        if self.measurement.error:
+            logger.error("K3 AMD overlay: %s; the self-measurement is ignored: every fused path runs at every "
+                         "batch size", self.measurement.error)
+        self.evidence.set_measurement(measured.marker_entry(self.measurement))
+
+    def record_gates(self, gates: dict[str, BucketGate | None], shape: str | None) -> None:
+        """The marker's record of where each fusion may run and every reason stock runs elsewhere."""
+        if self.measurement.measurement is not None:
+            self.gates.update(gates)
+            self.evidence.set_measurement(measured.marker_entry(self.measurement, self.gates, shape))
 
     def refuse_failed(self, fusion: str, why: str) -> None:
         """A fused kernel failed in this process: ``fusion`` is refused from now on (stock runs)."""
@@ -141,9 +163,12 @@ class LayerInstaller:
         decision = decide_qkv_norm(inputs)
         callback = QkvNormCallback(q_norm, kv_norm, decision.provider) if decision.state is FusionState.APPLIED \
             else None
+        gate = measured.norm_gate(self.measurement.measurement) if callback is not None else None
         site = QkvNormSite(decision, callback,
                            self.evidence.effective_hook(QKV_NORM, wrapper.mla_attn.layer_name),
-                           on_failure=self.refuse_failed, on_degraded=self.record_degraded)
+                           on_failure=self.refuse_failed, on_degraded=self.record_degraded, gate=gate)
+        if gate is not None:
+            self.record_gates({QKV_NORM: gate}, None)
         setattr(wrapper, QKV_NORM_SITE, site)
         self.note(QKV_NORM, decision)
         if callback is not None:
@@ -190,7 +215,11 @@ class LayerInstaller:
             aiter_qk_cache.reserve_zero_positions(layer_device(wrapper), vllm_env.max_batched_tokens())
             aiter_qk_cache.reserve_identity_table(layer_device(wrapper), wrapper.kv_a_layernorm.weight.dtype,
                                                   attn.qk_rope_head_dim)
-        plan = DecodePlan(decision, absorb, inputs.absorb, upstream_fuses)
+        gates = measured.decode_gates(self.measurement.measurement, inputs.num_heads, inputs.absorb.value)
+        plan = DecodePlan(decision, absorb, inputs.absorb, upstream_fuses, measured=gates)
+        if gates is not None and plan.overlay_fuses:
+            self.record_gates({f: g for f, g in gates.items() if requested(f)},
+                              measured.shape_words(inputs.num_heads, inputs.absorb.value))
         site = DecodeSite(
             plan=plan,
             on_effective=self.evidence.effective_hook(QK_CACHE, attn.layer_name),

@@ -14,7 +14,7 @@ import torch
 
 from k3_amd_overlay import kernel_failures
 from k3_amd_overlay.fp8 import E4M3FN
-from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.fusions.states import BucketGate, FusionState, LayerDecision
 from k3_amd_overlay.kernels.names import RMSNORM_PAIR_KERNEL
 from k3_amd_overlay.kernels.probe import precompile_once
 from k3_amd_overlay.ops import rmsnorm_pair
@@ -58,6 +58,7 @@ class QkvNormSite:
     on_effective: Callable[[int], None]  # given the batch's token count
     on_failure: Callable[[str, str], None] | None = None  # records qkv_norm refused for a failed kernel
     on_degraded: Callable[[], None] | None = None  # records a config degraded to the safe one
+    gate: BucketGate | None = None  # this GPU's self-measurement (measured.py): the token counts it may fuse
 
     def normalize(self, q_norm: Any, kv_norm: Any, upstream: TwoNorms | None,
                   q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +71,8 @@ class QkvNormSite:
     def _normalize(self, q_norm: Any, kv_norm: Any, upstream: TwoNorms | None,
                    q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         state = self.decision.state
-        if state is FusionState.APPLIED and self.q_kv_norm is not None and QKV_NORM not in kernel_failures.failed():
+        if state is FusionState.APPLIED and self.q_kv_norm is not None and QKV_NORM not in kernel_failures.failed() \
+                and (self.gate is None or self.gate.allows(q_c.shape[0])):
             if torch.compiler.is_compiling():
                 return q_norm(q_c), kv_norm(kv_c)
             callback = self.q_kv_norm

@@ -1,0 +1,105 @@
+"""The self-measurement wired into a served layer (targets/installer.py, targets/norm.py): the installer
+reads this GPU's result file at the first layer; the decode plan and the norm site take its gates, so
+a bucket measured slower runs stock and the marker says why; a malformed file is one ERROR line and
+the marker's error, every fused path then running as without a file; without a file, as before."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from test_installer import _installer, _layer, here  # noqa: F401  (the fixture)
+
+from k3_amd_overlay import measured
+from k3_amd_overlay.fusions.qk_cache import BatchFacts, DecodePath
+from k3_amd_overlay.kernels import launch
+from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM, __version__
+from k3_amd_overlay.settings import KERNEL_CONFIGS
+
+ARCH, DEVICE = "sm90", "NVIDIA H200"
+SLOWER = "stock at 65-256 tokens: 0.80x of stock on this GPU"
+
+
+def planted(heads: int) -> dict:
+    rows = [measured.Row(QKV_NORM, 8, None, None, True, 3.0, 2.0),
+            measured.Row(QKV_NORM, 256, None, None, True, 2.0, 3.0),
+            measured.Row(ABSORB_QK_CACHE, 64, heads, "bf16", True, 10.0, 4.0),
+            measured.Row(QK_CACHE, 64, heads, "bf16", True, 10.0, 6.0),
+            measured.Row(QK_CACHE, 256, heads, "bf16", True, 10.0, 12.5)]
+    return measured.Measurement(path="", arch=ARCH, device=DEVICE, date="2026-12-02T11:00:00+00:00",
+                                overlay_version=__version__, torch="t", triton="t", kv_cache_dtype="fp8",
+                                fp8_format="e4m3fn", stock="s", seed=1, rows=tuple(rows)).to_json()
+
+
+@pytest.fixture
+def gpu_here(monkeypatch, tmp_path):
+    """This process on an H200 whose result file lives in ``tmp_path/configs``."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    monkeypatch.setenv(KERNEL_CONFIGS, str(configs))
+    monkeypatch.setattr(launch, "describe", lambda device: {"arch": ARCH, "device": DEVICE, "kernels": {}})
+    return configs / measured.result_name(ARCH, DEVICE)
+
+
+def batch(tokens: int) -> BatchFacts:
+    return BatchFacts(tokens, tokens, True, False)
+
+
+def test_a_bucket_measured_slower_runs_stock_and_the_marker_says_why(tmp_path, here, gpu_here):  # noqa: F811
+    gpu_here.write_text(json.dumps(planted(heads=8)))
+    inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference", qkv_norm="reference")
+    layer = _layer()
+    norm_site = inst.install_qkv_norm(layer, upstream_fuses=False)
+    site = inst.install_qk_cache(layer, upstream_fuses=False)
+    plan = site.plan
+    assert [plan.path_for(batch(t)) for t in (1, 64, 65, 256, 257)] == [
+        DecodePath.ABSORB, DecodePath.ABSORB, None, None, None]
+    assert plan.choose(batch(100)) == (None, f"qk_cache: {SLOWER}")
+    entry = inst.evidence.record.measurement
+    assert entry["state"] == "used" and entry["file"] == str(gpu_here) and entry["shape"] == "8 heads, bf16 W_UK"
+    assert entry["stock"][QK_CACHE] == [SLOWER, "stock above 256 tokens: not measured on this GPU"]
+    assert entry["stock"][QKV_NORM] == ["stock at 9-256 tokens: 0.66x of stock on this GPU",
+                                        "stock above 256 tokens: not measured on this GPU"]
+    assert entry["fused_buckets"] == {QKV_NORM: [8], QK_CACHE: [64], ABSORB_QK_CACHE: [64]}
+    # the norm site: the fused pair at 8 tokens, the layer's own two norms at 9
+    calls = []
+    q_norm = lambda x: calls.append("stock") or x  # noqa: E731
+    for tokens in (8, 9):
+        q_c, kv_c = torch.randn(tokens, 4).bfloat16(), torch.randn(tokens, 4).bfloat16()
+        norm_site.normalize(q_norm, q_norm, None, q_c, kv_c)
+    assert calls == ["stock", "stock"] and inst.evidence.fusion(QKV_NORM).effective_layers == 1
+
+
+def test_a_malformed_file_is_one_error_and_every_fused_path_runs_as_without_it(tmp_path, here, gpu_here, caplog):  # noqa: F811
+    data = planted(heads=8)
+    data["results"][4]["ratio"] = 2.0
+    gpu_here.write_text(json.dumps(data))
+    inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference")
+    with caplog.at_level(logging.ERROR, logger="vllm.k3_amd_overlay"):
+        site = inst.install_qk_cache(_layer(), upstream_fuses=False)
+    assert site.plan.measured is None and site.plan.path_for(batch(200)) is DecodePath.QK_CACHE
+    entry = inst.evidence.record.measurement
+    assert entry["state"] == "ignored" and "results[4]: field 'ratio' is 2.0" in entry["error"]
+    assert [r.levelname for r in caplog.records] == ["ERROR"]
+    assert caplog.records[0].getMessage().endswith("the self-measurement is ignored: every fused path runs at every "
+                                                   "batch size")
+
+
+def test_without_a_file_every_batch_is_fused_as_before_and_the_marker_says_none(tmp_path, here, gpu_here):  # noqa: F811
+    inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference")
+    site = inst.install_qk_cache(_layer(), upstream_fuses=False)
+    assert site.plan.measured is None and site.plan.path_for(batch(4096)) is DecodePath.QK_CACHE
+    assert inst.evidence.record.measurement == {"file": str(gpu_here), "state": "none"}
+
+
+def test_a_result_file_beside_the_tuned_configs_is_not_warned_about(tmp_path, caplog):
+    from k3_amd_overlay.kernels import launch_configs
+
+    (tmp_path / measured.result_name(ARCH, DEVICE)).write_text("{}")
+    (tmp_path / "notes.json").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="vllm.k3_amd_overlay"):
+        assert launch_configs.tuned_file(str(tmp_path), ARCH, DEVICE) is None
+    assert [r.getMessage().split(": ignored ")[1] for r in caplog.records] == [
+        "notes.json (only <arch>-<device>.json files, as `k3-amd-overlay tune` names them, are read)"]
