@@ -3,13 +3,16 @@ runtime event on the CPU thread) by correlation id, optionally inside the overla
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 Blocks = list[tuple[str | None, list[str]]]
 
 
-def ranged_events(steps: list[Blocks], ranges: bool = True) -> list[dict[str, Any]]:
-    """Per step, blocks of (overlay range or None, kernels launched in it): the trace's events."""
+def ranged_events(steps: list[Blocks], ranges: bool = True,
+                  durations: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
+    """Per step, blocks of (overlay range or None, kernels launched in it): the trace's events. Each
+    kernel runs ``durations[name]`` µs (2.0 for a name not given)."""
     events: list[dict[str, Any]] = []
     t, corr = 0.0, 0
     for blocks in steps:
@@ -19,7 +22,8 @@ def ranged_events(steps: list[Blocks], ranges: bool = True) -> list[dict[str, An
                 corr += 1
                 events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
                                "ts": t + 1, "dur": 1, "args": {"correlation": corr}})
-                events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": t + 3, "dur": 2.0,
+                events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": t + 3,
+                               "dur": (durations or {}).get(name, 2.0),
                                "args": {"correlation": corr}})
                 t += 4
             if region_name and ranges:
