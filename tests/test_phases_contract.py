@@ -1,0 +1,173 @@
+"""The phase's contract on plain Python threads (no vLLM): a thread in no step of its own takes the
+step of the thread that started it and waits for it (joining it, holding it alone or in a list),
+never that of another thread that waits for some other thread or that holds it without waiting; a
+chain of starters is followed MAX_STARTERS deep and no deeper (fail closed); and ``capturing`` is
+true only where torch is imported, CUDA available and initialised, and the stream capturing."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from k3_amd_overlay import phases
+from k3_amd_overlay.phases import Phase, Step
+
+WAIT_S = 30
+
+
+def _dummy_run(body: Callable[[], None]) -> None:  # named as vLLM's model runner names its dummy batches
+    body()
+
+
+def execute_model(body: Callable[[], None]) -> None:  # named as vLLM's worker names the step serving a batch
+    body()
+
+
+def _joining(thread: threading.Thread) -> bool:
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code is threading.Thread.join.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _checked(seen: dict[str, object], done: threading.Event,
+             joining: list[threading.Thread] = ()) -> Callable[[], None]:
+    """Ask the step here, once each thread of ``joining`` waits in ``Thread.join`` (a starter that
+    waits for the thread it started is in ``start`` until that thread runs)."""
+    def check() -> None:
+        while not all(_joining(thread) for thread in joining):
+            threading.Event().wait(0.005)
+        seen["step"] = phases.step_of(sys._getframe())
+        seen["phase"] = phases.current_phase()
+        done.set()
+
+    return check
+
+
+def _starts_and_joins(step: Callable, body: Callable[[], None]) -> Callable[[], None]:
+    """A thread that, inside ``step``, starts one thread (held alone) running ``body`` and joins it."""
+    def run() -> None:
+        def inner() -> None:
+            worker = threading.Thread(target=body)
+            worker.start()
+            worker.join(WAIT_S)
+
+        step(inner)
+
+    return run
+
+
+def _joins_another(step: Callable, release: threading.Event) -> Callable[[], None]:
+    """A thread that, inside ``step``, waits for threads of its own (held in a list), which wait for
+    ``release``."""
+    def run() -> None:
+        def inner() -> None:
+            others = [threading.Thread(target=release.wait, args=(WAIT_S,))]
+            others[0].start()
+            others[0].join(WAIT_S)
+
+        step(inner)
+
+    return run
+
+
+@pytest.mark.parametrize("starter_first", [True, False])
+@pytest.mark.parametrize("starter_step,other_step,expected", [
+    (_dummy_run, execute_model, Step.WARMUP), (execute_model, _dummy_run, Step.SERVED)])
+def test_a_thread_takes_the_step_of_the_thread_that_started_it_not_of_another_that_waits(
+        starter_first, starter_step, other_step, expected):
+    """Both threads are joining; only one holds the thread asking. Started in either order, so that
+    whichever order the interpreter lists threads in, a wrong pick shows."""
+    seen: dict[str, object] = {}
+    done, release = threading.Event(), threading.Event()
+    joining: list[threading.Thread] = []
+    other = threading.Thread(target=_joins_another(other_step, release))
+    starter = threading.Thread(target=_starts_and_joins(starter_step, _checked(seen, done, joining)))
+    joining += [starter, other]
+    for thread in (starter, other) if starter_first else (other, starter):
+        thread.start()
+    try:
+        assert done.wait(WAIT_S)
+    finally:
+        release.set()
+        starter.join(WAIT_S)
+        other.join(WAIT_S)
+    assert seen == {"step": expected, "phase": Phase.SERVED if expected is Step.SERVED else Phase.WARMUP}
+
+
+def test_a_thread_held_by_a_served_step_that_does_not_wait_for_it_is_not_served():
+    """Fail closed: a served step that started the thread and holds it, but does not join it, has
+    not shown the thread runs part of its step."""
+    seen: dict[str, object] = {}
+    done, release = threading.Event(), threading.Event()
+
+    def holds_without_waiting() -> None:
+        worker = threading.Thread(target=_checked(seen, done))
+        worker.start()
+        release.wait(WAIT_S)  # holds ``worker`` in a running frame, in no join
+        worker.join(WAIT_S)
+
+    holder = threading.Thread(target=execute_model, args=(holds_without_waiting,))
+    holder.start()
+    try:
+        assert done.wait(WAIT_S)
+    finally:
+        release.set()
+        holder.join(WAIT_S)
+    assert seen == {"step": Step.UNKNOWN, "phase": Phase.WARMUP}
+
+
+def _chain(levels: int, seen: dict[str, object], starters: dict[str, list[threading.Thread]]) -> None:
+    """Start a thread that starts a thread ... ``levels`` deep; the last one asks its step. The
+    starters are kept in a dict, which holds no thread the way vLLM's runners hold theirs."""
+    if levels == 0:
+        _checked(seen, threading.Event(), starters["threads"])()
+        return
+    above = {"threads": [*starters["threads"], threading.current_thread()]}
+    worker = threading.Thread(target=_chain, args=(levels - 1, seen, above))
+    worker.start()
+    worker.join(WAIT_S)
+
+
+@pytest.mark.parametrize("depth,expected", [
+    (1, Step.SERVED), (phases.MAX_STARTERS, Step.SERVED), (phases.MAX_STARTERS + 1, Step.UNKNOWN)])
+def test_starters_are_followed_max_starters_deep_and_no_deeper(depth, expected):
+    seen: dict[str, object] = {}
+    execute_model(lambda: _chain(depth, seen, {"threads": []}))
+    assert seen["step"] is expected
+    assert phases.MAX_STARTERS == 4
+
+
+class _Cuda:
+    """Stands in for ``torch.cuda`` (no CUDA here): the three facts ``capturing`` reads."""
+
+    def __init__(self, available: bool, initialized: bool, capturing: bool) -> None:
+        self.facts = available, initialized, capturing
+
+    def is_available(self) -> bool:
+        return self.facts[0]
+
+    def is_initialized(self) -> bool:
+        return self.facts[1]
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.facts[2]
+
+
+@pytest.mark.parametrize("available", [True, False])
+@pytest.mark.parametrize("initialized", [True, False])
+@pytest.mark.parametrize("capturing", [True, False])
+def test_capturing_only_where_cuda_is_available_initialised_and_the_stream_captures(
+        monkeypatch, available, initialized, capturing):
+    import torch
+
+    monkeypatch.setattr(torch, "cuda", _Cuda(available, initialized, capturing))
+    assert phases.capturing() is (available and initialized and capturing)
+    assert (phases.current_phase() is Phase.CAPTURE) is (available and initialized and capturing)
+    monkeypatch.delitem(sys.modules, "torch")  # torch never imported: nothing is captured
+    assert phases.capturing() is False
