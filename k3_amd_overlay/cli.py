@@ -263,6 +263,8 @@ TOOLS = {
     "kernels": ("k3_amd_overlay.compile_report", "compile every kernel for gfx942/gfx950 (no GPU needed): "
                                                  "registers, LDS, spills, waves per SIMD"),
     "tune": ("k3_amd_overlay.tune", "time each kernel's candidate launch configs on this GPU; write its config file"),
+    "measure": ("k3_amd_overlay.self_measure", "time each fused path against stock per batch bucket on this GPU; the "
+                                               "server then fuses only where it measured exact and at least as fast"),
 }
 # Sub-subcommands with modules of their own (``bench plot`` needs matplotlib, not torch).
 SUBTOOLS = {("bench", "plot"): "k3_amd_overlay.bench.plot"}
@@ -270,7 +272,7 @@ SUBTOOLS = {("bench", "plot"): "k3_amd_overlay.bench.plot"}
 # (``kernels`` compiles in a child process, whose missing import would otherwise reach the user as
 # the child's traceback).
 TOOL_NEEDS: dict[str, tuple[str, ...]] = {"bench": ("torch", "triton"), "kernels": ("torch", "triton"),
-                                          "tune": ("torch", "triton")}
+                                          "tune": ("torch", "triton"), "measure": ("torch", "triton")}
 
 
 def _check_json_error(message: str) -> dict[str, object]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from k3_amd_overlay import k3
+from k3_amd_overlay import k3, measured
 from k3_amd_overlay.fp8 import FP8_FORMATS, device_format
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import (
@@ -185,6 +185,7 @@ JSON_KEYS = {
     "compile report": "compile_report", "falling short": "falling_short", "self-test": "self_test",
     "why not": "why_not", "max ulp diff": "max_ulp_diff", "identical query bytes": "identical_query_bytes",
     "identical bytes": "identical_bytes", "a/b baseline": "ab_baseline", "activation error": "activation_error",
+    "self-measurement": "self_measurement", "fused buckets": "fused_buckets",
 }
 
 
@@ -308,6 +309,8 @@ def run_doctor(switch: str | None = None, serve_args: str | None = None) -> tupl
 
         report["providers here"] = {f: with_vllm_aiter_switch(m) for f, m in report["providers here"].items()}
     report["launch configs"] = launch_configs_here(device)
+    report["self-measurement"] = measured.doctor_section(report["launch configs"].get("arch"),
+                                                         report["launch configs"].get("device"))
     report["self-test"] = selftest(device)
     if settings.enabled and has_vllm:
         report.update(_activate_here(env))
@@ -455,6 +458,9 @@ def render(report: dict[str, Any]) -> str:
                 lines.append(f"  compile report: {report_here['configurations']} configurations, {len(short)} falling "
                              "short")
                 lines += [f"    {line}" for line in short]
+    if report.get("self-measurement"):
+        lines.append("\n== self-measurement (never slower: `k3-amd-overlay measure`)")
+        lines += measured.doctor_lines(report["self-measurement"])
     lines.append("\n== self-test against the reference at K3 shapes")
     lines += _table(["op", "W_UK", "fp8", "provider", "result"],
                     [[r["op"], r.get("W_UK", ""), r.get("format", ""), r["provider"],

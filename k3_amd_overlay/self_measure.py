@@ -35,6 +35,7 @@ heads took 43 s (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -50,7 +51,7 @@ from k3_amd_overlay import measured
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, __version__
 from k3_amd_overlay.settings import KERNEL_CONFIGS
-from k3_amd_overlay.usage import UsageError
+from k3_amd_overlay.usage import Parser, UsageError, describe, json_result
 
 DESCRIPTION = ("time each fused path against the stock sequence on this GPU per batch bucket; write the file the "
                "server keeps a fusion only where it measured exact and at least as fast")
@@ -327,6 +328,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                       "else $XDG_CACHE_HOME/k3-amd-overlay or ~/.cache/k3-amd-overlay)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"timing rounds, in turn (default {ROUNDS})")
     parser.add_argument("--seed", type=int, help="inputs' seed (default: a fresh one, recorded in the file)")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object on stdout on every path (the file written; the table goes to stderr)")
 
 
 def _checked(args: argparse.Namespace) -> tuple[list[int], list[str], list[int]]:
@@ -406,6 +409,7 @@ def run(args: argparse.Namespace, timer: Timer | None = None) -> int:
         print(f"{COMMAND_NAME}: cannot write the result file into {directory}: {exc}; --out names another "
               "directory", file=sys.stderr)
         return 1
+    args.written = str(path)
     for line in gate_lines(measured.load(path)):
         print(line)
     print(f"wrote {path}; the server reads it at startup from {measured.result_dir(os.environ)} (the directory of "
@@ -416,15 +420,27 @@ def run(args: argparse.Namespace, timer: Timer | None = None) -> int:
 COMMAND_NAME = measured.COMMAND
 
 
-def parser() -> argparse.ArgumentParser:
+def parser() -> Parser:
     """The command's parser (``k3-amd-overlay measure --help``)."""
-    built = argparse.ArgumentParser(prog=COMMAND_NAME, description=DESCRIPTION)
+    built = Parser(prog=COMMAND_NAME, description=describe(__doc__))
     add_arguments(built)
     return built
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(parser().parse_args(argv))
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        _checked(args)
+    except UsageError as exc:
+        return p.usage_error(exc)
+    if not getattr(args, "json", False):
+        return run(args)
+    args.written = None
+    with contextlib.redirect_stdout(sys.stderr):  # the table to stderr; stdout: the one object
+        code = run(args)
+    print(json_result("measure", code == 0, file=args.written))
+    return code
 
 
 if __name__ == "__main__":

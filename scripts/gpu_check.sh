@@ -21,7 +21,7 @@ fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
 python3 -m pytest -q -p no:cacheprovider -m kernels tests --ignore tests/engine 2>&1 | tee "$out/gpu-tests.log"
 tests=${PIPESTATUS[0]}
-python3 scripts/bench_kernels.py --json "$out/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+python3 scripts/bench_kernels.py --json-out "$out/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
 bench=${PIPESTATUS[0]}
 report=0
 if python3 -c "import sys, torch; sys.exit(torch.version.hip is None)"; then  # ROCm: this arch's compile report

@@ -18,7 +18,7 @@ from k3_amd_overlay import ab_serve
 from k3_amd_overlay.cli import main
 
 COMMANDS = [[], ["check"], ["census"], ["doctor"], ["ab-serve"], ["ab-serve", "report"], ["gsm8k-ab"], ["bench"],
-            ["bench", "plot"], ["kernels"], ["tune"]]
+            ["bench", "plot"], ["kernels"], ["tune"], ["measure"]]
 JSON_COMMANDS = [c for c in COMMANDS if c]
 INVOCATION = re.compile(r"^  (?=\S)(.*?)(?:\s{2,}(\S.*))?$")
 IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]*$")

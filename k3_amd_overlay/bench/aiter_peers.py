@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from k3_amd_overlay.bench import AITER_TREE
 from k3_amd_overlay.ops import aiter_absorb, aiter_qk_cache
 
-AITER_TREE = "K3OVL_AITER_TRITON"
 AMD_ONLY_LAUNCH_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim")
 QK_CACHE_PEER = ("aiter.ops.triton.fusions.fused_kv_cache", "fused_qk_rope_cat_and_cache_mla")
 FP8_BMM = ("aiter.ops.triton.gemm.batched.batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant",
