@@ -2,10 +2,13 @@
 step of the thread that started it and waits for it (joining it, holding it alone or in a list),
 never that of another thread that waits for some other thread or that holds it without waiting; a
 chain of starters is followed MAX_STARTERS deep and no deeper (fail closed); and ``capturing`` is
-true only where torch is imported, CUDA available and initialised, and the stream capturing."""
+true only where torch is imported, CUDA available and initialised, and the stream capturing.
+``current_phase``, ``replay_phase`` and ``capturing_graph`` read the frames of their callers as
+each says; the graph of vLLM's active breakable capture comes first."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from collections.abc import Callable
@@ -171,3 +174,88 @@ def test_capturing_only_where_cuda_is_available_initialised_and_the_stream_captu
     assert (phases.current_phase() is Phase.CAPTURE) is (available and initialized and capturing)
     monkeypatch.delitem(sys.modules, "torch")  # torch never imported: nothing is captured
     assert phases.capturing() is False
+
+
+def test_the_phase_is_that_of_the_callers_frame_and_a_replays_that_of_the_callers_caller():
+    def execute_model() -> tuple[Phase, Phase]:  # a served step that asks itself, and replays
+        return phases.current_phase(), replay()
+
+    def replay() -> Phase:  # what a graph's counted replay is to its caller
+        return phases.replay_phase()
+
+    assert execute_model() == (Phase.SERVED, Phase.REPLAY)
+    assert (phases.current_phase(), replay()) == (Phase.WARMUP, Phase.WARMUP)
+
+
+class StandInGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` (no capture without a GPU)."""
+
+    def capture_begin(self, *args, **kwargs) -> None:
+        pass
+
+    def capture_end(self) -> None:
+        pass
+
+    def replay(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class _Holder:  # as UBatchWrapper's CUDAGraphMetaData holds the graph being captured
+    cudagraph: object
+
+
+@dataclasses.dataclass
+class _Other:  # a dataclass with no graph
+    size: int
+
+
+class _NotADataclass:
+    def __init__(self, graph: object) -> None:
+        self.cudagraph = graph
+
+
+def test_the_graph_being_captured_is_a_local_of_the_callers_frames_or_a_dataclass_holders(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
+    monkeypatch.delitem(sys.modules, "vllm.compilation.breakable_cudagraph", raising=False)
+    assert phases.capturing_graph() is None  # no frame holds one (yet)
+    graph = StandInGraph()
+
+    def held_by_the_caller() -> tuple[object, object]:
+        captured = StandInGraph()  # the capturing frame's own local, not this test's
+        return captured, phases.capturing_graph()
+
+    def under(holder: object) -> object:
+        return phases.capturing_graph()
+
+    captured, found = held_by_the_caller()
+    assert found is captured and captured is not graph
+    holder, other, not_a_holder = _Holder(StandInGraph()), _Other(23), _NotADataclass(StandInGraph())
+    found = [under(holder), under(other), under(not_a_holder)]  # (computed outside pytest's rewritten assert)
+    # the graph of a dataclass holder; else further up (this test's frame holds ``graph``): a dataclass
+    # without one holds none, and only a dataclass holds the graph being captured
+    assert found == [holder.cudagraph, graph, graph] and holder.cudagraph is not graph
+    monkeypatch.delitem(sys.modules, "torch")  # torch never imported: no graph
+    assert phases.capturing_graph() is None
+
+
+@pytest.mark.vllm
+def test_vllms_breakable_capture_segment_comes_first(monkeypatch):
+    """vLLM's breakable capture (vllm/compilation/breakable_cudagraph.py) records into its current
+    segment's graph, whatever graphs the frames hold; between segments (in an eager break) the
+    frames are read."""
+    import torch
+
+    breakable = pytest.importorskip("vllm.compilation.breakable_cudagraph")
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
+    local = StandInGraph()
+    seen = {}
+    with breakable.BreakableCUDAGraphCapture() as capture:
+        segment = capture._current_graph
+        seen["segment"] = phases.capturing_graph()
+        capture.add_eager(lambda: seen.setdefault("between", phases.capturing_graph()))
+    assert isinstance(segment, StandInGraph) and segment is not local
+    assert seen == {"segment": segment, "between": local}
+    assert phases.capturing_graph() is local  # no capture active
