@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -88,14 +89,14 @@ def test_each_replay_of_a_captured_graph_counts_once_for_every_fusion_it_recorde
     assert len(writes) - written == 5 and runs("qk_cache") == {"warmup": 1, "capture": 2, "served": 0, "replay": 6}
 
 
-def _observe_fork(evidence: Evidence, unusable: Evidence, out: str, depth: int) -> None:
-    """In a forked child: what its record says before its first batch, then after one; at depth 1 it
-    forks a grandchild of its own after running a batch."""
+def _observe_fork(evidence: Evidence, unusable: Evidence, hook: Callable[[int], None], out: str, depth: int) -> None:
+    """In a forked child: what its record says before its first batch through the layer's hook (made
+    and run in the parent), then after one; at depth 1 it forks a grandchild of its own after running
+    its batch."""
     registered = []
     evidence_module.atexit = types.SimpleNamespace(register=registered.append)
     pid = os.getpid()
     before = json.loads((evidence.marker_path).read_text())  # written by the fork hook
-    hook = evidence.effective_hook("qk_cache", "model.layers.5.self_attn")
     execute_model(hook, 12)
     evidence.flush()
     after = json.loads(evidence.marker_path.read_text())
@@ -104,7 +105,7 @@ def _observe_fork(evidence: Evidence, unusable: Evidence, out: str, depth: int) 
             "flush_registered": registered == [evidence.flush]}
     if depth == 1:
         grandchild = multiprocessing.get_context("fork").Process(
-            target=_observe_fork, args=(evidence, unusable, out + ".grandchild", 2))
+            target=_observe_fork, args=(evidence, unusable, hook, out + ".grandchild", 2))
         grandchild.start()
         grandchild.join(60)
         seen["grandchild_exit"] = grandchild.exitcode
@@ -126,7 +127,8 @@ def test_a_forked_child_and_its_own_child_each_start_a_record_of_their_own(tmp_p
     parent = json.loads(evidence.marker_path.read_text())["fusions"]["qk_cache"]
     assert (parent["effective"], parent["effective_layers"], parent["runs"]["served"]) == (True, 1, 3)
     out = tmp_path / "child.json"
-    child = multiprocessing.get_context("fork").Process(target=_observe_fork, args=(evidence, unusable, str(out), 1))
+    child = multiprocessing.get_context("fork").Process(target=_observe_fork,
+                                                        args=(evidence, unusable, hook, str(out), 1))
     child.start()
     child.join(120)
     assert child.exitcode == 0
