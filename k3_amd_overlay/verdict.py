@@ -46,6 +46,27 @@ def launch_configs_summary(launch_configs: dict[str, Any]) -> str:
     return f"{launch_configs.get('arch')} ({launch_configs.get('device') or 'no GPU'}): {files}"
 
 
+def launch_config_notes(launch_configs: dict[str, Any]) -> list[str]:
+    """What else a process's launch configs say (kernels/launch.py, targets/installer.py): a tuned file
+    it could not use, each config degraded to the arch's safe one (and whether that failed too), and
+    its kernels' compile seconds at model load."""
+    notes = []
+    if launch_configs.get("error"):
+        notes.append(f"unusable launch-config file: {launch_configs['error']}")
+    for kernel, entries in launch_configs.get("degraded", {}).items():
+        for entry in entries:
+            note = (f"{kernel} config {entry.get('config')} (rules {', '.join(entry.get('rules', []))}) degraded to "
+                    f"the safe config {entry.get('safe')}: {entry.get('why')}")
+            if entry.get("safe_failed"):
+                note += f"; the safe config failed too: {entry['safe_failed']}"
+            notes.append(note)
+    seconds = launch_configs.get("compile_seconds") or {}
+    if seconds:
+        each = ", ".join(f"{kernel} {s:.1f} s" for kernel, s in seconds.items())
+        notes.append(f"compiled at model load in {sum(seconds.values()):.1f} s ({each})")
+    return notes
+
+
 # A fusion whose one launch also does another's work: absorb_qk_cache's launch writes the KV cache
 # and quantises the concatenated query too, so its runs prove qk_cache's fusion ran as well.
 DOES_THE_WORK_OF = {ABSORB_QK_CACHE: QK_CACHE}
@@ -167,6 +188,8 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
             continue
         if record.launch_configs and expect == "fused":
             verdict.info(f"{name}: launch configs {launch_configs_summary(record.launch_configs)}")
+            for note in launch_config_notes(record.launch_configs):
+                verdict.info(f"{name}: {note}")
         if record.measurement and expect == "fused":
             verdict.info(f"{name}: {measured.summary(record.measurement)}")
         for fusion in wanted:

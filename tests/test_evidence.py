@@ -766,7 +766,7 @@ def test_check_usage_errors_exit_2_with_the_reason(argv, message, capsys):
     from k3_amd_overlay.cli import main
 
     assert main(["check", "--expect", "fused", *argv]) == 2
-    assert capsys.readouterr().err.endswith(f"k3-amd-overlay: error: {message}\n")
+    assert capsys.readouterr().err.endswith(f"k3-amd-overlay check: error: {message}\n")  # its own usage
 
 
 def test_check_json_is_json_when_the_static_probe_fails(monkeypatch, capsys):
