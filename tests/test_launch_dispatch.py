@@ -1,9 +1,12 @@
 """``k3_amd_overlay.kernels.launch`` on a CPU through a fake CUDA runtime and a fake Triton kernel:
 the config a launch takes (a forced one while ``tune`` times it, AMD-only options kept off NVIDIA,
 the device's own name unless compiling for a named arch), the GPU name asked once per index, and a
-launch that runs, or only compiles under a compile-only session."""
+launch that runs, or only compiles under a compile-only session, and one that fails on the table's
+config (degraded: ``ConfigDegraded`` naming the kernel and why; nothing left to try: the failure itself)."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -114,3 +117,29 @@ def test_a_launch_runs_the_kernel_or_only_compiles_it_in_a_compile_only_session(
     assert kernel.runs == [((4, 2), ("a", 7), {"num_warps": 4, "BLOCK": 16})]  # nothing more ran
     assert kernel.warmups == [(("b",), {"grid": (8,), "num_warps": 2})]
     assert session.compiled == [("_qk_cache_kernel", {"num_warps": 2}, "compiled-1")]
+
+
+def test_a_failed_launch_on_the_tables_config_degrades_it_and_says_which_kernel_failed_and_why(
+        cuda, chosen, monkeypatch):
+    monkeypatch.setattr(target, "of", lambda device: HIP)
+    degraded = []
+    answers = iter((True, False))
+
+    def degrade(kernel, arch, device_name, num_tokens, num_heads, why):
+        degraded.append((kernel, arch, device_name, num_tokens, num_heads, why))
+        return next(answers)
+
+    monkeypatch.setattr(launch_configs, "degrade", degrade)
+    lds = random.randrange(65_537, 200_000)
+    error = RuntimeError(f"triton compile of the kernel\nout of resource: shared memory, {lds} > 65536")
+    kernel = FakeJit(names.QK_CACHE_KERNEL, fails=lambda options: error)
+    why = f"RuntimeError: out of resource: shared memory, {lds} > 65536"
+    launch.config_for(names.QK_CACHE_KERNEL, torch.device("cuda", 1), 9, 6)
+    with pytest.raises(launch_configs.ConfigDegraded) as caught:
+        launch.launch(kernel, (2,), num_warps=8)
+    assert str(caught.value) == f"{names.QK_CACHE_KERNEL}: {why}" and caught.value.__cause__ is error
+    launch.config_for(names.QK_CACHE_KERNEL, torch.device("cuda", 1), 9, 6)
+    with pytest.raises(RuntimeError) as caught:  # nothing left to try: the failure itself
+        launch.launch(kernel, (2,), num_warps=8)
+    assert caught.value is error
+    assert degraded == [(names.QK_CACHE_KERNEL, "gfx942", "AMD Instinct MI325X", 9, 6, why)] * 2
