@@ -4,9 +4,9 @@ one log line through the ``vllm`` logger hierarchy and as a JSON marker file."""
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -49,6 +49,14 @@ def process_record(settings: OverlaySettings, fusions: dict[str, FusionEntry], *
         **fields,
     )
 
+
+
+def register_exit_flush(flush: Callable[[], None]) -> None:
+    """``flush`` when this process ends. multiprocessing's finalizers run at the interpreter's exit and
+    also where multiprocessing ends a child it started with ``os._exit`` (vLLM's fork start method),
+    where no ``atexit`` function runs; a finalizer inherited by a forked child is not run there (the
+    child registers its own)."""
+    multiprocessing.util.Finalize(None, flush, exitpriority=0)
 
 class Evidence:
     """The record of one process. Thread-safe; every change is written out atomically."""
@@ -263,7 +271,7 @@ class Evidence:
         entry.runs[phase] += 1
         if not self._flush_registered:
             self._flush_registered = True
-            atexit.register(self.flush)  # the counts since the last rewrite reach the marker at exit
+            register_exit_flush(self.flush)  # the counts since the last rewrite reach the marker at exit
         if phase is Phase.CAPTURE and num_tokens not in entry.captured_sizes:
             entry.captured_sizes = sorted([*entry.captured_sizes, num_tokens])
             return True

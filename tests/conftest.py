@@ -2,7 +2,6 @@
 on the vLLM release (``--release-independent``: scripts/run_tests.sh runs those once), and the
 fixtures shared across test files: the AITER stand-in and the real-vLLM layer session."""
 
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -71,10 +70,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def no_exit_flush(monkeypatch: pytest.MonkeyPatch) -> None:
     """An Evidence made by a test registers its marker's exit flush; by the interpreter's exit the
     test's directory is gone, so the flush would only print failures. Tests see the registration
-    through this stand-in ``atexit`` instead."""
+    through this stand-in registration instead."""
     from k3_amd_overlay import evidence
 
-    monkeypatch.setattr(evidence, "atexit", types.SimpleNamespace(register=lambda function: None))
+    monkeypatch.setattr(evidence, "register_exit_flush", lambda function: None)
 
 
 @pytest.fixture

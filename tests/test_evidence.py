@@ -581,7 +581,7 @@ def test_the_marker_keeps_up_with_new_layers_and_each_phases_first_batch(tmp_pat
     phase's first batch; its time stamp is each write's; the exit flush is registered once."""
     evidence = Evidence(settings_for(tmp_path))
     registered = []
-    monkeypatch.setattr(evidence_module.atexit, "register", registered.append)
+    monkeypatch.setattr(evidence_module, "register_exit_flush", registered.append)
     monkeypatch.setattr(evidence_module.time, "monotonic", lambda: 1000.0)  # the interval never passes
     phase = [phases.Phase.WARMUP]
     monkeypatch.setattr(evidence_module, "current_phase", lambda: phase[0])
