@@ -101,6 +101,19 @@ def isa_facts(amdgcn: str) -> dict[str, Any]:
     return facts
 
 
+_NUM_AGPRS = re.compile(r"^\s*;\s*NumAgprs:\s*(\d+)\s*$", re.M)
+
+
+def agpr_count(amdgcn: str, facts: dict[str, Any]) -> int | None:
+    """The kernel's AGPRs: the metadata's ``.agpr_count``, else the assembler's own ``; NumAgprs:``
+    line (the gfx942 code objects Triton 3.9.0 builds carry only the latter); None where
+    neither says (the row then fails: a count is never assumed)."""
+    if facts.get("agpr_count") is not None:
+        return int(facts["agpr_count"])
+    found = _NUM_AGPRS.search(amdgcn)
+    return int(found.group(1)) if found else None
+
+
 def waves_per_simd(vgpr: int, agpr: int, lds_bytes: int, num_warps: int, arch: str) -> int:
     """Occupancy from registers (AGPRs follow the VGPRs at a multiple of 4) and LDS."""
     registers = ((vgpr + 3) // 4 * 4 + agpr) if agpr else vgpr
@@ -155,12 +168,14 @@ def describe(compiled: Any, kernel: str, options: dict[str, Any], arch: str, dty
     config = {k: v for k, v in options.items() if k in keys}
     entry = Entry(kernel=kernel, config=config, compiled=True, dtype=dtype,
                   target=facts["target"],
-                  vgpr=int(facts.get("vgpr_count", 0)), agpr=int(facts.get("agpr_count", 0)),
-                  sgpr=int(facts.get("sgpr_count", 0)), lds_bytes=int(compiled.metadata.shared),
-                  vgpr_spill=int(facts.get("vgpr_spill_count", 0)), sgpr_spill=int(facts.get("sgpr_spill_count", 0)),
-                  scratch_bytes=int(facts.get("private_segment_fixed_size", 0)))
-    entry.waves_per_simd = waves_per_simd(entry.vgpr or 0, entry.agpr or 0, entry.lds_bytes or 0,
-                                          int(options.get("num_warps", 4)), arch)
+                  # a count the metadata lacks stays None and fails the row (problems), never read as 0
+                  vgpr=facts.get("vgpr_count"), agpr=agpr_count(amdgcn, facts),
+                  sgpr=facts.get("sgpr_count"), lds_bytes=int(compiled.metadata.shared),
+                  vgpr_spill=facts.get("vgpr_spill_count"), sgpr_spill=facts.get("sgpr_spill_count"),
+                  scratch_bytes=facts.get("private_segment_fixed_size"))
+    if entry.vgpr is not None and entry.agpr is not None:
+        entry.waves_per_simd = waves_per_simd(entry.vgpr, entry.agpr, entry.lds_bytes or 0,
+                                              int(options.get("num_warps", 4)), arch)
     mfma = re.search(r"\bv_mfma_\w+", amdgcn)
     entry.mfma = mfma.group(0) if mfma else None
     ttgir = compiled.asm.get("ttgir", "")
@@ -186,6 +201,12 @@ def problems(entry: Entry, arch: str) -> list[str]:
     found = []
     if entry.target != arch:
         found.append(f"built for {entry.target}, not {arch}")
+    unread = [key for key, value in (("vgpr_count", entry.vgpr), ("agpr_count", entry.agpr),
+                                     ("sgpr_count", entry.sgpr), ("vgpr_spill_count", entry.vgpr_spill),
+                                     ("sgpr_spill_count", entry.sgpr_spill),
+                                     ("private_segment_fixed_size", entry.scratch_bytes)) if value is None]
+    if unread:
+        found.append(f"not in the code object's metadata: {', '.join(unread)}")
     if entry.vgpr_spill or entry.sgpr_spill:
         found.append(f"spills {entry.vgpr_spill} VGPRs, {entry.sgpr_spill} SGPRs")
     if entry.scratch_bytes:

@@ -70,8 +70,10 @@ def _compiled(amdgcn: str, ttgir: str) -> types.SimpleNamespace:
     return types.SimpleNamespace(asm={"amdgcn": amdgcn, "ttgir": ttgir}, metadata=types.SimpleNamespace(shared=8192))
 
 
-AMDGCN_950 = '\t.amdgcn_target "amdgcn-amd-amdhsa--gfx950"\n    .vgpr_count:     60\n' \
-             '\tv_mfma_f32_16x16x128_f8f6f4 v[0:3], v[4:11], v[12:19], 0\n'
+AMDGCN_950 = ('\t.amdgcn_target "amdgcn-amd-amdhsa--gfx950"\n    .vgpr_count:     60\n    .agpr_count:     0\n'
+              '    .sgpr_count:     30\n    .vgpr_spill_count: 0\n    .sgpr_spill_count: 0\n'
+              '    .private_segment_fixed_size: 0\n'
+              '\tv_mfma_f32_16x16x128_f8f6f4 v[0:3], v[4:11], v[12:19], 0\n')
 BAD = {"BLOCK_N": 64, "BLOCK_T": 16, "num_warps": 8}
 
 

@@ -192,8 +192,8 @@ def test_waves_per_simd_from_registers_and_lds(vgpr, agpr, lds, warps, arch, wav
 
 
 def test_a_configuration_falls_short_for_each_goal_it_misses():
-    entry = compile_report.Entry(kernel="k", config={}, compiled=True, target="gfx942", vgpr_spill=1, sgpr_spill=0,
-                                 scratch_bytes=16, waves_per_simd=3, tile_copies=8)
+    entry = compile_report.Entry(kernel="k", config={}, compiled=True, target="gfx942", vgpr=160, agpr=0, sgpr=40,
+                                 vgpr_spill=1, sgpr_spill=0, scratch_bytes=16, waves_per_simd=3, tile_copies=8)
     assert compile_report.problems(entry, "gfx950") == [
         "built for gfx942, not gfx950", "spills 1 VGPRs, 0 SGPRs", "16 B scratch", "3 waves per SIMD (< 4)",
         "the dot's tile computed 8 times over by its warps"]
