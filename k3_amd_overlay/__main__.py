@@ -2,6 +2,6 @@
 
 import sys
 
-from k3_amd_overlay.cli import main
+from k3_amd_overlay.commands.cli import main
 
 sys.exit(main())

@@ -26,7 +26,7 @@ for t in "${tritons[@]}"; do
   fi
   for arch in gfx942 gfx950; do
     json="$out/kernels-$arch-triton-$t.json"
-    (cd "$out" && PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m k3_amd_overlay.compile_report \
+    (cd "$out" && PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m k3_amd_overlay.commands.compile_report \
        --arch "$arch" --json > "$json")
     rc=$?
     [ $rc -eq 0 ] || status=1
@@ -35,7 +35,7 @@ for t in "${tritons[@]}"; do
 done
 "$venv/bin/python" - "$out" > "$out/amd-compile-report.md" <<'PY'
 import json, pathlib, sys
-from k3_amd_overlay.compile_report import table
+from k3_amd_overlay.commands.compile_report import table
 for path in sorted(pathlib.Path(sys.argv[1]).glob("kernels-*.json")):
     try:
         print(table(json.loads(path.read_text())) + "\n")

@@ -25,7 +25,7 @@ python3 scripts/bench_kernels.py --json-out "$out/bench.json" ${BENCH_ARGS:-} 2>
 bench=${PIPESTATUS[0]}
 report=0
 if python3 -c "import sys, torch; sys.exit(torch.version.hip is None)"; then  # ROCm: this arch's compile report
-  python3 -m k3_amd_overlay.compile_report 2>&1 | tee "$out/kernels.md"
+  python3 -m k3_amd_overlay.commands.compile_report 2>&1 | tee "$out/kernels.md"
   report=${PIPESTATUS[0]}
 fi
 echo "gpu tests exit $tests, bench exit $bench, compile report exit $report"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from k3_amd_overlay import k3
-from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel
+from k3_amd_overlay.commands.bench.baselines import concat_and_cache_mla_like_kernel
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
 from k3_amd_overlay.kernels.static_quant import scaled_quant

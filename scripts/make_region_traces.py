@@ -26,7 +26,7 @@ import triton.language as tl
 from make_gpu_trace import export_gzipped  # scripts/, beside this one
 
 from k3_amd_overlay import k3
-from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel
+from k3_amd_overlay.commands.bench.baselines import concat_and_cache_mla_like_kernel
 from k3_amd_overlay.fp8 import device_format
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant, DecodePlan
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision

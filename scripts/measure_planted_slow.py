@@ -1,5 +1,5 @@
 """Issue 28's "never slower" check on a GPU, with a planted slow kernel: ``k3-amd-overlay measure``'s
-measuring (k3_amd_overlay/self_measure.py) at the given shapes, but in one bucket the fused path of one
+measuring (k3_amd_overlay/commands/self_measure.py) at the given shapes, but in one bucket the fused path of one
 fusion launches an extra spin kernel (``torch.cuda._sleep``) after its own; the result file is
 written, read back as the server reads it (measured.load_here), and the decode plan built from it
 (fusions/qk_cache.py) must run stock in that bucket, with the reason the marker shows, and the fused
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from k3_amd_overlay import measured, self_measure
+from k3_amd_overlay import measured
+from k3_amd_overlay.commands import self_measure
 from k3_amd_overlay.fp8 import device_format
 from k3_amd_overlay.fusions.qk_cache import BatchFacts, DecodePath, DecodePlan
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
@@ -55,7 +56,7 @@ def main() -> int:
     args = parser.parse_args()
     slow = (args.slow[0], int(args.slow[1]))
     if args.variant == "fp8":
-        from k3_amd_overlay.bench import aiter_peers
+        from k3_amd_overlay.commands.bench import aiter_peers
 
         if why := aiter_peers.enable():
             print(why, file=sys.stderr)

@@ -100,19 +100,19 @@ declare -A TESTS=(
   [engine.py]="test_engine.py"
   [activation.py]="test_activation.py test_field_faults.py test_vllm_plugin.py"
   [settings.py]="test_settings.py"
-  [verdict.py]="test_evidence.py test_field_faults.py"
+  [commands/verdict.py]="test_evidence.py test_field_faults.py"
   [record.py]="test_evidence.py test_field_faults.py test_census.py"
   [markers.py]="test_evidence.py test_field_faults.py"
   [evidence.py]="test_evidence.py"
   [phases.py]="test_evidence.py"
-  [census.py]="test_census.py test_field_faults.py"
+  [commands/census.py]="test_census.py test_field_faults.py"
   # added since the last release (issue 27): CPU tests through fakes (tests/fakes_gpu.py) of what runs on a GPU
   [kernel_failures.py]="test_kernel_failures_containment.py test_launch_configs.py $NO_COMPILE_REPORT"
   [kernels/launch.py]="test_launch_dispatch.py test_launch_configs.py $NO_COMPILE_REPORT"
   [kernels/probe.py]="test_probe_sampling.py test_launch_configs.py $NO_COMPILE_REPORT"
-  [tune.py]="test_tune_choice.py test_launch_configs.py test_tune_case.py $NO_COMPILE_REPORT"
-  [bench/timing.py]="test_tune_timing.py"
-  [ab_stats.py]="test_ab_stats_sets.py $AB_STATISTICS"
+  [commands/tune.py]="test_tune_choice.py test_launch_configs.py test_tune_case.py $NO_COMPILE_REPORT"
+  [commands/bench/timing.py]="test_tune_timing.py"
+  [commands/ab_stats.py]="test_ab_stats_sets.py $AB_STATISTICS"
 )
 # modules whose code only some releases run: mutated against such a release, not K3OVL_MUTANTS_VLLM
 declare -A VLLM_FOR=(

@@ -6,8 +6,8 @@ committed tree (never the working tree). A mutant is killed when the tests fail 
 cannot be collected (2), crash (a signal) or run past the time limit; it survives when they pass.
 
     # from the repository root; scripts/mutants.sh builds the mutmut venv
-    .venvs/mutmut/bin/python scripts/mutmut_forked.py list k3_amd_overlay/tune.py /tmp/tune.json
-    VENV/bin/python scripts/mutmut_forked.py run CLONE k3_amd_overlay/tune.py /tmp/tune.json RESULT.json \
+    .venvs/mutmut/bin/python scripts/mutmut_forked.py list k3_amd_overlay/commands/tune.py /tmp/tune.json
+    VENV/bin/python scripts/mutmut_forked.py run CLONE k3_amd_overlay/commands/tune.py /tmp/tune.json RESULT.json \
         -- tests/test_tune_choice.py tests/test_launch_configs.py
 
 K3OVL_MUTANTS_PRELOAD (module names, space-separated) imports more of the package once, in the parent;

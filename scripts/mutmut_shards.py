@@ -6,7 +6,7 @@ each module's kill count and survivors.
 
     python3 scripts/mutmut_shards.py PLAN.json OUT_DIR --workers 15 --deadline 520
 
-PLAN.json: [{"module": "k3_amd_overlay/verdict.py", "mutants": "PATH.json.gz",
+PLAN.json: [{"module": "k3_amd_overlay/commands/verdict.py", "mutants": "PATH.json.gz",
 "tests": ["tests/test_evidence.py", ...], "only": [ids] (optional), "shard": 25 (optional)}].
 The tree copied is the current directory (the repository root).
 """

@@ -6,9 +6,9 @@ import sys
 
 import torch
 
+from k3_amd_overlay.commands.tune import Case, interleaved_us
 from k3_amd_overlay.fp8 import device_format
 from k3_amd_overlay.kernels import names
-from k3_amd_overlay.tune import Case, interleaved_us
 
 fmt = device_format(torch.device("cuda", 0))
 A, F = names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL

@@ -78,9 +78,9 @@ def no_exit_flush(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def aiter_triton(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """AMD's AITER Triton kernels, callable here (``k3_amd_overlay.bench.aiter_peers``), with the
+    """AMD's AITER Triton kernels, callable here (``k3_amd_overlay.commands.bench.aiter_peers``), with the
     overlay's AITER providers let onto this GPU; skips with the reason where they are not."""
-    from k3_amd_overlay.bench import aiter_peers
+    from k3_amd_overlay.commands.bench import aiter_peers
     from k3_amd_overlay.ops import aiter_absorb
 
     if not HAS_GPU:

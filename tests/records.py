@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from k3_amd_overlay import verdict
+from k3_amd_overlay.commands import verdict
 from k3_amd_overlay.record import MarkerRecord
 
 

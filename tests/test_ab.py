@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from k3_amd_overlay import ab_stats as stats
-from k3_amd_overlay import arms
+from k3_amd_overlay.commands import ab_stats as stats
+from k3_amd_overlay.commands import arms
 
 ROOT = Path(__file__).resolve().parent.parent
 STANDINS = Path(__file__).parent / "standins"

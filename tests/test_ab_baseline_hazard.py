@@ -11,15 +11,15 @@ import pytest
 from releases import MATRIX, minor, tree_of
 from test_ab import STANDINS
 
-from k3_amd_overlay import ab_serve, gsm8k_ab
-from k3_amd_overlay.usage import UsageError
+from k3_amd_overlay.commands import ab_serve, gsm8k_ab
+from k3_amd_overlay.commands.usage import UsageError
 
 HAZARD_ENV = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1", "VLLM_ROCM_USE_AITER": "1"}
 K3_ARGS = "--tensor-parallel-size 8 --kv-cache-dtype fp8 --trust-remote-code"
 
 
 def hazard(switch="0", env=None, args=K3_ARGS, own=True, version="0.33.0"):
-    from k3_amd_overlay.baseline_hazard import VllmFacts, baseline_hazard
+    from k3_amd_overlay.commands.baseline_hazard import VllmFacts, baseline_hazard
 
     return baseline_hazard(VllmFacts(version, own), HAZARD_ENV if env is None else env, args, switch)
 
@@ -79,7 +79,7 @@ def test_unknown_facts_are_reported_not_assumed_away():
 @pytest.mark.parametrize("version", MATRIX)
 def test_each_release_s_own_fused_decode_read_from_its_source(version):
     """0.32 and 0.33 carry vLLM's own _fused_decode in the K3 wrapper; 0.29-0.31 do not."""
-    from k3_amd_overlay.baseline_hazard import facts_of
+    from k3_amd_overlay.commands.baseline_hazard import facts_of
 
     facts = facts_of(tree_of(version), version)
     assert facts.fused_decode_of_its_own is (minor(version) in ("0.32", "0.33"))
@@ -88,7 +88,7 @@ def test_each_release_s_own_fused_decode_read_from_its_source(version):
 
 @pytest.fixture
 def a_hazardous_vllm(monkeypatch):
-    from k3_amd_overlay import baseline_hazard
+    from k3_amd_overlay.commands import baseline_hazard
 
     monkeypatch.setattr(baseline_hazard, "facts_here", lambda: baseline_hazard.VllmFacts("0.33.0", True))
     for name, value in HAZARD_ENV.items():
@@ -114,7 +114,7 @@ def test_ab_serve_refuses_an_invalid_baseline_before_any_server_starts(tmp_path,
 def test_ab_serve_records_an_accepted_hazard_in_its_summary(tmp_path, a_hazardous_vllm, monkeypatch, capsys):
     from test_ab import free_port
 
-    from k3_amd_overlay import arms
+    from k3_amd_overlay.commands import arms
 
     monkeypatch.setattr(arms.Server, "prove", lambda self: "")
     code = ab_serve.main(["--model", "k3", "--out", str(tmp_path / "out"), "--port", str(free_port()),
@@ -144,7 +144,7 @@ def test_gsm8k_ab_refuses_an_invalid_baseline(tmp_path, a_hazardous_vllm):
 
 
 def test_the_doctor_warns_about_the_default_baseline_and_this_switch(monkeypatch):
-    from k3_amd_overlay import doctor
+    from k3_amd_overlay.commands import doctor
     from k3_amd_overlay.targets.shapes import K3_DECODE_WRAPPER, K3_NORM_WRAPPER
 
     env = {**HAZARD_ENV, "K3_AMD_OVERLAY": "stock"}
@@ -159,7 +159,7 @@ def test_the_doctor_warns_about_the_default_baseline_and_this_switch(monkeypatch
 
 
 def test_doctor_serve_args_reach_the_baseline_judgement(monkeypatch):
-    from k3_amd_overlay import cli, doctor
+    from k3_amd_overlay.commands import cli, doctor
 
     seen = {}
     monkeypatch.setattr(doctor, "run_doctor", lambda switch=None, serve_args=None: (
@@ -172,8 +172,8 @@ def test_doctor_serve_args_reach_the_baseline_judgement(monkeypatch):
 def test_the_doctor_report_carries_the_warning(monkeypatch):
     """run_doctor with the overlay off on this venv's vLLM: the warning where its K3 code has a fused
     decode of its own (0.32-0.33), none elsewhere; the verdict itself is unchanged."""
-    from k3_amd_overlay import doctor
-    from k3_amd_overlay.baseline_hazard import facts_here
+    from k3_amd_overlay.commands import doctor
+    from k3_amd_overlay.commands.baseline_hazard import facts_here
 
     for name, value in HAZARD_ENV.items():
         monkeypatch.setenv(name, value)

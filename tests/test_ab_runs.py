@@ -13,8 +13,8 @@ import sys
 import pytest
 from test_ab import STANDINS, bench_runs, free_port, run_script, serve_standin
 
-from k3_amd_overlay import ab_serve, arms, gsm8k_ab
-from k3_amd_overlay import ab_stats as stats
+from k3_amd_overlay.commands import ab_serve, arms, gsm8k_ab
+from k3_amd_overlay.commands import ab_stats as stats
 
 ARMS = ("--arm-a", "stock", "--arm-b", "1")
 
@@ -91,7 +91,7 @@ def test_report_re_summarises_its_own_run_and_refuses_a_mixed_or_unmarked_direct
 
 
 def test_load_results_reads_only_its_own_run(tmp_path):
-    from k3_amd_overlay import ab_run
+    from k3_amd_overlay.commands import ab_run
 
     run_id = ab_run.claim(tmp_path / "out", "ab-serve")
     ab_run.stamp(tmp_path / "out" / "repeat0-armA", run_id)

@@ -1,4 +1,4 @@
-"""The A/B statistics (``k3_amd_overlay.ab_stats``) on outcome sets that tell the quantities apart:
+"""The A/B statistics (``k3_amd_overlay.commands.ab_stats``) on outcome sets that tell the quantities apart:
 medians that are not means, a median paired ratio that is not the ratio of medians, zero and
 missing metrics, unequal repeat counts, one pair, ties and all-zero differences, the sign-flip
 test past its exact range, and McNemar's test on small and lopsided splits. Verdict wording is
@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 
-from k3_amd_overlay import ab_stats as stats
+from k3_amd_overlay.commands import ab_stats as stats
 
 
 def _runs(key, values):

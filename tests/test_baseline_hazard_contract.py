@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from k3_amd_overlay.baseline_hazard import VllmFacts, baseline_hazard, facts_of, ruled_out
+from k3_amd_overlay.commands.baseline_hazard import VllmFacts, baseline_hazard, facts_of, ruled_out
 
 HAZARD_ENV = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1", "VLLM_ROCM_USE_AITER": "1"}
 K3_ARGS = ["--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8", "--trust-remote-code"]

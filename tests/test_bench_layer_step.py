@@ -1,4 +1,4 @@
-"""The layer-step benchmark (k3_amd_overlay/bench/layer_step.py): the overlay's chain matches the stock
+"""The layer-step benchmark (k3_amd_overlay/commands/bench/layer_step.py): the overlay's chain matches the stock
 sequence on fresh inputs (bf16 and fp8 W_UK, absorbed and above the absorbed path's token limit),
 planted faults (a skipped norm, a doubled cache write, an unscaled query) are caught, a shape that
 fails is not timed and fails the run, and the table, JSON and the issue's goal verdict are built
@@ -14,7 +14,7 @@ import torch
 from machine import DEVICE, HAS_GPU
 
 from k3_amd_overlay import k3, package
-from k3_amd_overlay.bench import aiter_peers, kernels, layer_step
+from k3_amd_overlay.commands.bench import aiter_peers, kernels, layer_step
 from k3_amd_overlay.fp8 import format_of
 from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm
 from k3_amd_overlay.ops import reference

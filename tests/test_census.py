@@ -13,8 +13,8 @@ import pytest
 import torch
 from kineto_traces import ranged_events
 
-from k3_amd_overlay import census
-from k3_amd_overlay.cli import main
+from k3_amd_overlay.commands import census
+from k3_amd_overlay.commands.cli import main
 from k3_amd_overlay.kernels.names import STATIC_QUANT_KERNEL
 
 DATA = Path(__file__).parent / "data"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from kineto_traces import ranged_events
 
-from k3_amd_overlay import census
-from k3_amd_overlay.cli import main
+from k3_amd_overlay.commands import census
+from k3_amd_overlay.commands.cli import main
 
 DATA = Path(__file__).parent / "data"
 GRAPH_BASE, GRAPH_FUSED = DATA / "trace-baseline-rank0.json.gz", DATA / "trace-fused-rank0.json.gz"

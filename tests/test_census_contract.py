@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from kineto_traces import ranged_events
 
-from k3_amd_overlay import census
-from k3_amd_overlay.verdict import DOES_THE_WORK_OF
+from k3_amd_overlay.commands import census
+from k3_amd_overlay.commands.verdict import DOES_THE_WORK_OF
 
 DECODE, NORM = "k3_amd_overlay::mla_decode", "k3_amd_overlay::qkv_norm"
 GEMM = "Cijk_Ailk_Bljk_BBS_BH_MT64x64x64_MI16x16x16x1"

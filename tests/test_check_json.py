@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from k3_amd_overlay.cli import main
+from k3_amd_overlay.commands.cli import main
 
 
 def check(argv: list[str]) -> int:

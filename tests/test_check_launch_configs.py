@@ -6,7 +6,7 @@ import random
 
 from records import judge
 
-from k3_amd_overlay import verdict
+from k3_amd_overlay.commands import verdict
 
 
 def _record(launch_configs):

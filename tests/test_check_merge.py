@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from records import off_process, process
 
-from k3_amd_overlay.cli import main
+from k3_amd_overlay.commands.cli import main
 
 
 def node(tmp_path: Path, host: str, *records: dict[str, Any], expect: str = "fused", holds: bool = True,

@@ -16,7 +16,7 @@ import pytest
 from records import judge, off_process, process
 
 from k3_amd_overlay import markers
-from k3_amd_overlay.cli import main
+from k3_amd_overlay.commands.cli import main
 
 REGISTER = """
 import json, multiprocessing, os, sys

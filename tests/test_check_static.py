@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 from records import process
 
-from k3_amd_overlay import cli
+from k3_amd_overlay.commands import cli
 from k3_amd_overlay.record import MarkerRecord
 
 # The command line with doctor's self-test left out: on CPU it takes minutes under the Triton
 # interpreter, and whether each provider matches its reference is not what these tests ask.
-CHECK = ("import sys\nfrom k3_amd_overlay import doctor\ndoctor.selftest = lambda device: []\n"
-         "from k3_amd_overlay.cli import main\nraise SystemExit(main(sys.argv[1:]))")
+CHECK = ("import sys\nfrom k3_amd_overlay.commands import doctor\ndoctor.selftest = lambda device: []\n"
+         "from k3_amd_overlay.commands.cli import main\nraise SystemExit(main(sys.argv[1:]))")
 
 
 def run_check(*args: str, doctor: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
@@ -80,7 +80,7 @@ def report(mode: str = "auto", **outlook: str) -> dict[str, Any]:
 def static(monkeypatch, capsys, expect: str, doctor_report: dict[str, Any], record: dict[str, Any],
            *args: str, switch: str = "1") -> tuple[int, list[str]]:
     """`check --static` with this doctor report and this probe record (the real verdict logic of both)."""
-    from k3_amd_overlay import doctor
+    from k3_amd_overlay.commands import doctor
 
     monkeypatch.setenv("K3_AMD_OVERLAY", switch)
     monkeypatch.setattr(doctor, "run_doctor", lambda switch=None: (doctor_report, True))

@@ -51,7 +51,7 @@ HELP = [["doctor"], ["check"], ["census"], ["kernels"], ["tune"], ["bench"], ["b
 # each command that needs torch (one JSON object saying what to install, exit 1).
 BATCH = """
 import contextlib, io, json, sys
-from k3_amd_overlay.cli import main
+from k3_amd_overlay.commands.cli import main
 out = {}
 for argv in json.loads(sys.argv[1]):
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -144,7 +144,7 @@ def _python_without_torch() -> str | None:
         python = shutil.which(name)
         if python is None:
             continue
-        probe = subprocess.run([python, "-c", "import importlib.util, sys, k3_amd_overlay.cli; "
+        probe = subprocess.run([python, "-c", "import importlib.util, sys, k3_amd_overlay.commands.cli; "
                                 "sys.exit(importlib.util.find_spec('torch') is not None)"],
                                capture_output=True, env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
         if probe.returncode == 0:
@@ -169,7 +169,7 @@ def test_a_real_python_without_torch(argv, code, said):
     (["check", "--expect", "fused", "--static", "--prune"], "check"),
 ])
 def test_a_subcommands_usage_error_shows_its_own_usage(argv, command, capsys):
-    from k3_amd_overlay.cli import main
+    from k3_amd_overlay.commands.cli import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from k3_amd_overlay import ab_serve
-from k3_amd_overlay.cli import main
+from k3_amd_overlay.commands import ab_serve
+from k3_amd_overlay.commands.cli import main
 
 COMMANDS = [[], ["check"], ["census"], ["doctor"], ["ab-serve"], ["ab-serve", "report"], ["gsm8k-ab"], ["bench"],
             ["bench", "plot"], ["kernels"], ["tune"], ["measure"]]
@@ -25,7 +25,7 @@ IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 def test_every_command_is_checked_here():
-    from k3_amd_overlay import cli
+    from k3_amd_overlay.commands import cli
 
     listed = {c[0] for c in JSON_COMMANDS}
     sub = next(a for a in cli.build_parser()._actions if a.choices and "check" in a.choices)
@@ -105,7 +105,7 @@ def test_no_gpu_is_a_health_failure_not_a_usage_error(capsys):
 
 
 def test_bench_json_is_a_flag_and_the_old_file_form_still_writes_the_file(capsys, tmp_path):
-    from k3_amd_overlay.bench import kernels
+    from k3_amd_overlay.commands.bench import kernels
 
     args = kernels.parser().parse_args(["--json-out", str(tmp_path / "b.json"), "--json"])
     assert args.json is True and args.json_out == str(tmp_path / "b.json")

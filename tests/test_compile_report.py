@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from k3_amd_overlay import compile_report
+from k3_amd_overlay.commands import compile_report
 from k3_amd_overlay.kernels import launch_configs, names
 
 # gfx950, Triton 3.9.0, the fp8 absorb kernel at BLOCK_T=16, BLOCK_N=64, 8 warps (the rule the gfx950
@@ -162,7 +162,7 @@ _COMPILE_BAD = textwrap.dedent("""
     os.environ.pop("TRITON_INTERPRET", None)
     import torch
     from triton.runtime import driver
-    from k3_amd_overlay import compile_report
+    from k3_amd_overlay.commands import compile_report
     from k3_amd_overlay.fp8 import E4M3FN
     from k3_amd_overlay.kernels import launch, names, probe, target
     driver.set_active(compile_report.AotDriver("gfx950"))
@@ -233,7 +233,7 @@ def test_the_kernels_command_on_an_arch_it_does_not_cover_says_so(arch, amd_gpu,
 
 
 def test_doctors_launch_configs_on_such_a_gpu_name_the_fallback_and_why_there_is_no_report(amd_gpu):
-    from k3_amd_overlay import doctor
+    from k3_amd_overlay.commands import doctor
 
     found = doctor.launch_configs_here(amd_gpu("gfx90a"))
     assert found["arch"] == "gfx90a" and found["device"] == "AMD Instinct MI250X"
@@ -243,7 +243,7 @@ def test_doctors_launch_configs_on_such_a_gpu_name_the_fallback_and_why_there_is
 
 
 def test_doctor_names_a_bad_tuned_file_for_this_gpu_in_one_line(amd_gpu, tmp_path, monkeypatch):
-    from k3_amd_overlay import doctor
+    from k3_amd_overlay.commands import doctor
     from k3_amd_overlay.settings import KERNEL_CONFIGS
 
     path = tmp_path / "gfx942-AMD_Instinct_MI300X.json"

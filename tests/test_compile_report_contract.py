@@ -16,7 +16,7 @@ import types
 
 import pytest
 
-from k3_amd_overlay import compile_report
+from k3_amd_overlay.commands import compile_report
 from k3_amd_overlay.kernels import launch_configs, names
 
 FIELDS = ["kernel", "config", "compiled", "error", "target", "vgpr", "agpr", "sgpr", "lds_bytes", "vgpr_spill",
@@ -380,7 +380,7 @@ def test_the_worker_runs_this_module_for_the_arch_with_the_interpreter_off(monke
     calls = _run_stand_in(monkeypatch, 0, '{"arch": "gfx950", "kernels": [3]}', "")
     assert compile_report.run_worker("gfx950") == {"arch": "gfx950", "kernels": [3]}
     [(args, capture, kwargs)] = calls
-    assert args == ([sys.executable, "-m", "k3_amd_overlay.compile_report", "--worker", "gfx950"],)
+    assert args == ([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--worker", "gfx950"],)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     assert capture is True and kwargs == {"text": True, "env": env} and env["K3_CONTRACT_PROBE"] == "kept-7291"
 
@@ -541,8 +541,9 @@ def test_without_a_covered_amd_gpu_the_command_needs_arch(gpus, monkeypatch, cap
 
 
 def test_the_module_runs_as_the_kernels_command():
-    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.compile_report", "--help"], capture_output=True,
-                          text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "COLUMNS"})
+    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--help"],
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "COLUMNS"})
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
     assert text.startswith("usage: k3-amd-overlay kernels [-h] [--arch {gfx942,gfx950}] [--json] ")

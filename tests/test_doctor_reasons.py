@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from machine import HAS_VLLM
 
-from k3_amd_overlay import doctor
+from k3_amd_overlay.commands import doctor
 
 NOT_RECOGNISED = "this vLLM's K3 AMD code is not recognised"
 

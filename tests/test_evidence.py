@@ -248,7 +248,7 @@ def test_check_reads_live_markers_and_ignores_dead_ones(tmp_path):
                                                            pid=os.getpid()),
                                                   "start_ticks": markers.process_start_ticks(os.getpid())})
     (directory / "junk.json").write_text("{not json")
-    from k3_amd_overlay.cli import main
+    from k3_amd_overlay.commands.cli import main
 
     assert main(["check", "--expect", "stock", "--marker-dir", str(directory)]) == 0
     assert main(["check", "--expect", "fused", "--marker-dir", str(directory)]) == 1
@@ -712,7 +712,7 @@ def test_a_defect_decided_per_layer_records_what_the_layer_build_showed(tmp_path
 def test_check_merges_the_json_of_several_nodes_into_one_verdict(tmp_path, capsys):
     """Issue 19: across nodes each node's `check --json` sees only its own markers; `--merge` judges
     their records together: both nodes fused holds, one node stock fails, naming the process."""
-    from k3_amd_overlay.cli import main
+    from k3_amd_overlay.commands.cli import main
 
     def node(name, *records):
         path = tmp_path / f"{name}.json"
@@ -738,7 +738,7 @@ def test_check_merges_the_json_of_several_nodes_into_one_verdict(tmp_path, capsy
 def test_check_names_its_marker_directory_prunes_stale_markers_and_rejects_unknown_schemas(tmp_path, capsys):
     """Issue 21: `check` says which directory it read and what it found there; `--prune` removes the
     markers of processes that are gone; a marker of another schema is unreadable, not judged."""
-    from k3_amd_overlay.cli import main
+    from k3_amd_overlay.commands.cli import main
 
     directory = markers.ensure_marker_dir(tmp_path / "m")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -763,14 +763,14 @@ def test_check_names_its_marker_directory_prunes_stale_markers_and_rejects_unkno
     (["--static", "--prune"], "--merge, --static and --prune each judge other processes: give at most one"),
 ])
 def test_check_usage_errors_exit_2_with_the_reason(argv, message, capsys):
-    from k3_amd_overlay.cli import main
+    from k3_amd_overlay.commands.cli import main
 
     assert main(["check", "--expect", "fused", *argv]) == 2
     assert capsys.readouterr().err.endswith(f"k3-amd-overlay check: error: {message}\n")  # its own usage
 
 
 def test_check_json_is_json_when_the_static_probe_fails(monkeypatch, capsys):
-    from k3_amd_overlay import cli, doctor
+    from k3_amd_overlay.commands import cli, doctor
 
     monkeypatch.setenv("K3_AMD_OVERLAY", "1")  # with the overlay off here no probe runs: it says so instead
     monkeypatch.setattr(doctor, "run_doctor", lambda: ({"switch": {"mode": "auto"}, "fusions": {}}, False))

@@ -15,7 +15,8 @@ from machine import HAS_VLLM
 from records import judge
 from vllm_support import run_vllm_process
 
-from k3_amd_overlay import census, markers
+from k3_amd_overlay import markers
+from k3_amd_overlay.commands import census
 from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.fusions import qk_cache as qk
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision

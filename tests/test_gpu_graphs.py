@@ -141,7 +141,7 @@ def test_fused_runs_are_told_apart_warm_up_capture_served_and_replayed(tmp_path)
     assert entry.runs == {"warmup": 3, "capture": 1, "served": 1, "replay": 3} and entry.captured_sizes == [8]
     assert y.sum().item() == 8 and z.sum().item() == 16
     evidence.flush()
-    from k3_amd_overlay.verdict import judge
+    from k3_amd_overlay.commands.verdict import judge
 
     line = judge([evidence.record], "fused", ["qk_cache"], require_effective=True).lines[-1]
     assert line.startswith("ok   qk_cache: served traffic took the fused path: 3 replays of the 1 graph"), line
@@ -149,10 +149,10 @@ def test_fused_runs_are_told_apart_warm_up_capture_served_and_replayed(tmp_path)
 
 def test_a_server_with_graphs_and_no_request_does_not_prove_served_traffic(tmp_path):
     """Capture happens at startup: before any replay for a served batch, ``fused`` does not hold."""
+    from k3_amd_overlay.commands.verdict import judge
     from k3_amd_overlay.evidence import Evidence
     from k3_amd_overlay.fusions.states import FusionState, LayerDecision
     from k3_amd_overlay.settings import load_settings
-    from k3_amd_overlay.verdict import judge
 
     evidence = Evidence(load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path / "m")}))
     evidence.note_layer("qk_cache", LayerDecision(FusionState.APPLIED, "triton", "r"))

@@ -154,7 +154,7 @@ def test_qk_cache_matches_aiters_own_triton_kernel(provider, tokens, heads, k_sc
     """AMD's AITER ``fused_qk_rope_cat_and_cache_mla`` (Triton, identity rotation) as the oracle
     nobody here wrote: at q_scale 1 (it takes no query scale) every provider writes the same query
     and cache bytes, padding slots included. Skipped where AITER's Triton kernels are not importable."""
-    from k3_amd_overlay.bench import aiter_peers
+    from k3_amd_overlay.commands.bench import aiter_peers
 
     why = aiter_peers.enable()
     if why:

@@ -14,7 +14,8 @@ import types
 import pytest
 import torch
 
-from k3_amd_overlay import compile_report, kernel_failures, tune
+from k3_amd_overlay import kernel_failures
+from k3_amd_overlay.commands import compile_report, tune
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant, BatchFacts, DecodePath, DecodePlan
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.kernels import launch_configs, names
@@ -209,7 +210,8 @@ def test_the_kernels_command_needs_an_arch_where_there_is_no_amd_gpu(capsys):
 @pytest.mark.kernels
 def test_the_report_compiles_every_kernel_for_mi300x_with_the_fields_promised():
     """The report of gfx942 with this venv's Triton (CI runs it for both archs and three Tritons)."""
-    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.compile_report", "--arch", "gfx942", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--arch", "gfx942",
+                           "--json"],
                           capture_output=True, text=True, timeout=600)
     report = json.loads(proc.stdout)
     assert proc.returncode == 0, [e for e in report["kernels"] if e["problems"]]

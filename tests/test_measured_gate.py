@@ -11,11 +11,11 @@ import random
 import pytest
 
 from k3_amd_overlay import measured
+from k3_amd_overlay.commands.verdict import judge
 from k3_amd_overlay.fusions.states import BucketGate
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM, __version__
 from k3_amd_overlay.record import MarkerRecord, RecordError
 from k3_amd_overlay.settings import KERNEL_CONFIGS, Mode
-from k3_amd_overlay.verdict import judge
 
 ARCH, DEVICE = "gfx942", "AMD Instinct MI300X"
 NAME = "gfx942-AMD_Instinct_MI300X.measured.json"

@@ -175,7 +175,7 @@ def test_a_graph_captured_in_dbo_microbatch_threads_counts_its_replays(tmp_path,
     as replays, in vLLM's own warm-up as warm-up, and ``check`` holds only after a served replay."""
     from vllm.config import CUDAGraphMode
 
-    from k3_amd_overlay.verdict import judge
+    from k3_amd_overlay.commands.verdict import judge
 
     evidence, threads = evidence_for(tmp_path), []
     wrapper = v1_wrapper(k3_model(evidence, threads), dbo_config, CUDAGraphMode.NONE)

@@ -1,4 +1,4 @@
-"""``k3-amd-overlay measure`` (k3_amd_overlay/self_measure.py) on the CPU: the measuring logic through a
+"""``k3-amd-overlay measure`` (k3_amd_overlay/commands/self_measure.py) on the CPU: the measuring logic through a
 fake timer (the real one is a CUDA-graph replay median on the GPU), the real fused paths' parity
 against the stock sequence under the Triton interpreter, the table and the result file from a
 planted timing where one bucket is slower (that bucket's verdict: stock, with the reason the marker
@@ -15,7 +15,8 @@ import pytest
 import torch
 from machine import DEVICE
 
-from k3_amd_overlay import measured, self_measure
+from k3_amd_overlay import measured
+from k3_amd_overlay.commands import self_measure
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.fusions import qk_cache as qk
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM

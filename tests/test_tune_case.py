@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from k3_amd_overlay import tune
+from k3_amd_overlay.commands import tune
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels import names
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 from fakes_gpu import ScriptedTimer, config_key
 
-from k3_amd_overlay import fp8, tune
-from k3_amd_overlay.bench import shapes
+from k3_amd_overlay import fp8
+from k3_amd_overlay.commands import tune
+from k3_amd_overlay.commands.bench import shapes
 from k3_amd_overlay.kernels import launch, launch_configs, names, target
 
 SHIPPED = {"HEADS": 4, "num_warps": 4}
@@ -159,7 +160,7 @@ def test_codes_apart_reads_the_bits_of_two_byte_codes():
 # ---- timing -----------------------------------------------------------------------------------------
 
 def test_a_config_is_timed_under_graph_replay_while_it_is_forced(monkeypatch):
-    from k3_amd_overlay.bench import timing
+    from k3_amd_overlay.commands.bench import timing
 
     seen = []
     monkeypatch.setattr(timing, "graph_us", lambda fn, per_graph, reps: seen.append(
@@ -414,7 +415,7 @@ def test_compare_skips_mxfp4_where_vllm_does_not_run_it(fake_gpu, monkeypatch, t
 
 
 def test_the_module_runs_as_a_command():
-    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.tune", "--heads", "0"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.commands.tune", "--heads", "0"], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("usage: k3-amd-overlay tune "), proc.stderr
     assert proc.stderr.splitlines()[-1] == "k3-amd-overlay tune: error: --heads [0]: every value must be a " \

@@ -1,4 +1,4 @@
-"""How ``tune`` and the benchmarks time a launch (``k3_amd_overlay.bench.timing``), on a CPU through a
+"""How ``tune`` and the benchmarks time a launch (``k3_amd_overlay.commands.bench.timing``), on a CPU through a
 fake CUDA runtime (``tests/fakes_gpu.py``): the launch is run once before the capture (so the
 capture holds no compile), ``per_graph`` launches are captured in one graph, five untimed replays
 warm it, then each timed replay is bracketed by events and the median per launch kept; eager
@@ -12,7 +12,7 @@ import types
 import pytest
 from fakes_gpu import FakeEvent, FakeGraph
 
-from k3_amd_overlay.bench import timing
+from k3_amd_overlay.commands.bench import timing
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ from typing import Any
 
 from records import off_process, process
 
-from k3_amd_overlay import verdict
+from k3_amd_overlay.commands import verdict
+from k3_amd_overlay.commands.verdict import NodeEvidence, Verdict, judge, judge_doctor, judge_merge
 from k3_amd_overlay.package import FUSIONS
 from k3_amd_overlay.record import MarkerRecord
-from k3_amd_overlay.verdict import NodeEvidence, Verdict, judge, judge_doctor, judge_merge
 
 TUNED = "/opt/tuned/gfx950-AMD_Instinct_MI355X.json"
 LAUNCH_CONFIGS = {"arch": "gfx950", "device": "AMD Instinct MI355X", "kernels": {

@@ -249,7 +249,7 @@ def test_live_check_follows_the_process(tmp_path):
     try:
         lines = iter(server.stdout.readline, "")
         assert any(line.strip() == "up" for line in lines)  # vLLM may log to stdout first
-        check = [sys.executable, "-m", "k3_amd_overlay.cli", "check", "--marker-dir", str(markers), "--expect"]
+        check = [sys.executable, "-m", "k3_amd_overlay.commands.cli", "check", "--marker-dir", str(markers), "--expect"]
         assert subprocess.run([*check, "stock"], capture_output=True, text=True).returncode == 0
         fused = subprocess.run([*check, "fused"], capture_output=True, text=True)
         assert fused.returncode == 1 and "overlay in stock mode" in fused.stdout
@@ -301,7 +301,8 @@ def test_doctor_for_people_ends_with_its_verdict(tmp_path):
 
 
 def test_doctor_on_a_vllm_outside_the_range_says_why_without_a_traceback(tmp_path, monkeypatch):
-    from k3_amd_overlay import activation, doctor
+    from k3_amd_overlay import activation
+    from k3_amd_overlay.commands import doctor
 
     monkeypatch.setenv("K3_AMD_OVERLAY", "1")
     monkeypatch.setenv("K3_AMD_OVERLAY_MARKER_DIR", str(tmp_path / "markers"))

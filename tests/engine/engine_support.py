@@ -13,7 +13,7 @@ from typing import Any
 
 from engine_args import ENGINE_ENV, REFERENCE_PROVIDERS, server_args
 
-from k3_amd_overlay import arms
+from k3_amd_overlay.commands import arms
 from k3_amd_overlay.settings import MARKER_DIR, SWITCH
 
 HERE = Path(__file__).resolve().parent

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from engine_support import OFFLINE_TIMEOUT_S, engine_env, read_records
 
-from k3_amd_overlay import arms
+from k3_amd_overlay.commands import arms
 
 
 def lines(proc: subprocess.CompletedProcess[str]) -> str:

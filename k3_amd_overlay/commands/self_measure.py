@@ -48,10 +48,10 @@ from pathlib import Path
 from typing import Any
 
 from k3_amd_overlay import measured
+from k3_amd_overlay.commands.usage import Parser, UsageError, describe, json_result
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, __version__
 from k3_amd_overlay.settings import KERNEL_CONFIGS
-from k3_amd_overlay.usage import Parser, UsageError, describe, json_result
 
 DESCRIPTION = ("time each fused path against the stock sequence on this GPU per batch bucket; write the file the "
                "server keeps a fusion only where it measured exact and at least as fast")
@@ -193,8 +193,8 @@ def _stock_tail(s: Any) -> None:
     import torch
 
     from k3_amd_overlay import k3
-    from k3_amd_overlay.bench import layer_step
-    from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel
+    from k3_amd_overlay.commands.bench import layer_step
+    from k3_amd_overlay.commands.bench.baselines import concat_and_cache_mla_like_kernel
     from k3_amd_overlay.kernels.qk_cache import fp8_mode
     from k3_amd_overlay.kernels.static_quant import scaled_quant
 
@@ -208,14 +208,14 @@ def _stock_tail(s: Any) -> None:
 
 
 def _qk_cache_tail(s: Any) -> None:
-    from k3_amd_overlay.bench import layer_step
+    from k3_amd_overlay.commands.bench import layer_step
     from k3_amd_overlay.kernels.qk_cache import qk_cache
 
     qk_cache(layer_step._w_uk(s), *_tail(s))
 
 
 def _absorbed_tail(s: Any) -> None:
-    from k3_amd_overlay.bench import layer_step
+    from k3_amd_overlay.commands.bench import layer_step
     from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
     from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
 
@@ -228,7 +228,7 @@ def _absorbed_tail(s: Any) -> None:
 # Per fusion: (the timed stock segment, the timed fused segment, the whole chain with the fusion, for parity)
 def _segments(fusion: str, config: tuple[int, int]) -> tuple[Callable[[Any], None], Callable[[Any], None],
                                                              Callable[[Any], None]]:
-    from k3_amd_overlay.bench import layer_step
+    from k3_amd_overlay.commands.bench import layer_step
 
     def stock_norms(s: Any) -> None:
         layer_step._stock_norms(s, config)
@@ -245,8 +245,8 @@ def pairs(heads_list: Sequence[int], variants: Sequence[str], buckets: Sequence[
     launch has no heads), each on its own fresh inputs: a padded batch for parity, another to time."""
     from functools import partial
 
-    from k3_amd_overlay.bench import layer_step
-    from k3_amd_overlay.bench.kernels import SINGLE_NORM_CONFIGS
+    from k3_amd_overlay.commands.bench import layer_step
+    from k3_amd_overlay.commands.bench.kernels import SINGLE_NORM_CONFIGS
 
     def pair(fusion: str, tokens: int, heads: int, variant: str, n: int) -> Pair:
         step_seed = seed + 7919 * n
@@ -352,7 +352,7 @@ def graph_timer() -> Timer:
     """The real timer: CUDA/HIP-graph replay medians (bench/timing.py), ``REPS`` replays of 20 calls."""
     from functools import partial
 
-    from k3_amd_overlay.bench.timing import graph_us
+    from k3_amd_overlay.commands.bench.timing import graph_us
 
     return partial(graph_us, per_graph=20, reps=REPS)
 
@@ -381,7 +381,7 @@ def run(args: argparse.Namespace, timer: Timer | None = None) -> int:
     import torch
     import triton
 
-    from k3_amd_overlay.bench import aiter_peers
+    from k3_amd_overlay.commands.bench import aiter_peers
     from k3_amd_overlay.fp8 import device_format
     from k3_amd_overlay.kernels import target
     from k3_amd_overlay.kernels.launch import device_name

@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
+from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
 
 # (result key, legend) of the series drawn, where a result has them
 SERIES = (("fused_us", "fused (overlay)"), ("baseline_us", "unfused baseline"), ("aiter_fused_us", "AITER fused"),

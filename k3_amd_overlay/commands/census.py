@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay.commands.verdict import DOES_THE_WORK_OF
 from k3_amd_overlay.kernels.names import (
     ABSORB_FP8_QK_CACHE_KERNEL,
     ABSORB_MXFP4_QK_CACHE_KERNEL,
@@ -47,7 +48,6 @@ from k3_amd_overlay.kernels.names import (
 )
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.regions import DECODE_REGION, QKV_NORM_REGION, REGION_PREFIX
-from k3_amd_overlay.verdict import DOES_THE_WORK_OF
 
 # One table of the kernels each fusion removes and adds, matched as substrings of the full
 # kernel name: AITER's, vLLM's and the overlay's own. A kernel counts under the longest pattern of

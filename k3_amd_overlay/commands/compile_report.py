@@ -23,9 +23,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from k3_amd_overlay import usage
+from k3_amd_overlay.commands import usage
+from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, json_result
 from k3_amd_overlay.kernels import launch_configs, names
-from k3_amd_overlay.usage import EXIT_FAILED, Parser, UsageError, json_result
 
 AMD_ARCHS = ("gfx942", "gfx950")
 MIN_WAVES = 4
@@ -308,7 +308,7 @@ def run_worker(arch: str) -> dict[str, Any]:
     if arch not in AMD_ARCHS:
         raise RuntimeError(unreported(arch))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.compile_report", "--worker", arch],
+    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--worker", arch],
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"compiling for {arch} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -16,11 +16,11 @@ import tempfile
 from pathlib import Path
 
 from k3_amd_overlay import k3, markers
+from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, json_usage_error, wants_json
+from k3_amd_overlay.commands.verdict import NodeEvidence, Verdict, judge, judge_doctor, judge_merge
 from k3_amd_overlay.package import FUSIONS, __version__
 from k3_amd_overlay.record import MarkerRecord, RecordError
 from k3_amd_overlay.settings import MARKER_DIR
-from k3_amd_overlay.usage import EXIT_FAILED, Parser, UsageError, json_usage_error, wants_json
-from k3_amd_overlay.verdict import NodeEvidence, Verdict, judge, judge_doctor, judge_merge
 
 STATIC_PROBE = """
 import json, sys
@@ -161,7 +161,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                              f"here patches nothing, so it cannot be {args.expect}; set {SWITCH}="
                              + ("1 (or a list of fusions)" if args.expect == "fused" else "stock"))
             else:
-                from k3_amd_overlay.doctor import run_doctor
+                from k3_amd_overlay.commands.doctor import run_doctor
 
                 report, _ = run_doctor()
                 record, reason = static_record()
@@ -189,7 +189,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from k3_amd_overlay.doctor import json_report, render, run_doctor
+    from k3_amd_overlay.commands.doctor import json_report, render, run_doctor
 
     report, healthy = run_doctor(switch=args.switch, serve_args=args.serve_args)
     if args.json:
@@ -201,7 +201,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_census(args: argparse.Namespace) -> int:
-    from k3_amd_overlay import census
+    from k3_amd_overlay.commands import census
 
     if args.layers < 1 or (args.steps is not None and args.steps < 1):
         raise UsageError(f"--layers {args.layers} and --steps {args.steps}: each at least 1 (steps: decode steps "
@@ -255,19 +255,22 @@ DOCTOR = ("Say what this machine and vLLM give (versions, GPU, vLLM's K3 AMD cod
 # modules it needs from the image in TOOL_NEEDS); its module imports torch and triton only inside
 # the functions that run, so that its --help and usage errors work without them.
 TOOLS = {
-    "ab-serve": ("k3_amd_overlay.ab_serve", "serving A/B: each arm a proved server, ABBA repeats, vllm bench serve; "
-                                            "`ab-serve report OUT` re-summarises"),
-    "gsm8k-ab": ("k3_amd_overlay.gsm8k_ab", "accuracy A/B: lm-eval GSM8K against each proved arm, paired"),
-    "bench": ("k3_amd_overlay.bench.kernels", "kernel benchmarks at K3 shapes against the unfused path (GPU); "
-                                              "`bench plot BENCH.json` draws them"),
-    "kernels": ("k3_amd_overlay.compile_report", "compile every kernel for gfx942/gfx950 (no GPU needed): "
-                                                 "registers, LDS, spills, waves per SIMD"),
-    "tune": ("k3_amd_overlay.tune", "time each kernel's candidate launch configs on this GPU; write its config file"),
-    "measure": ("k3_amd_overlay.self_measure", "time each fused path against stock per batch bucket on this GPU; the "
-                                               "server then fuses only where it measured exact and at least as fast"),
+    "ab-serve": ("k3_amd_overlay.commands.ab_serve",
+                 "serving A/B: each arm a proved server, ABBA repeats, vllm bench serve; "
+                 "`ab-serve report OUT` re-summarises"),
+    "gsm8k-ab": ("k3_amd_overlay.commands.gsm8k_ab", "accuracy A/B: lm-eval GSM8K against each proved arm, paired"),
+    "bench": ("k3_amd_overlay.commands.bench.kernels",
+              "kernel benchmarks at K3 shapes against the unfused path (GPU); `bench plot BENCH.json` draws them"),
+    "kernels": ("k3_amd_overlay.commands.compile_report",
+                "compile every kernel for gfx942/gfx950 (no GPU needed): registers, LDS, spills, waves per SIMD"),
+    "tune": ("k3_amd_overlay.commands.tune",
+             "time each kernel's candidate launch configs on this GPU; write its config file"),
+    "measure": ("k3_amd_overlay.commands.self_measure",
+                "time each fused path against stock per batch bucket on this GPU; the server then fuses only "
+                "where it measured exact and at least as fast"),
 }
 # Sub-subcommands with modules of their own (``bench plot`` needs matplotlib, not torch).
-SUBTOOLS = {("bench", "plot"): "k3_amd_overlay.bench.plot"}
+SUBTOOLS = {("bench", "plot"): "k3_amd_overlay.commands.bench.plot"}
 # What each tool needs from the image, looked for after its arguments are parsed and before it runs
 # (``kernels`` compiles in a child process, whose missing import would otherwise reach the user as
 # the child's traceback).

@@ -22,9 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3_amd_overlay import ab_run, ab_stats, arms
-from k3_amd_overlay.baseline_hazard import ACCEPT_FLAG
-from k3_amd_overlay.usage import (
+from k3_amd_overlay.commands import ab_run, ab_stats, arms
+from k3_amd_overlay.commands.baseline_hazard import ACCEPT_FLAG
+from k3_amd_overlay.commands.usage import (
     EXIT_FAILED,
     Parser,
     UsageError,

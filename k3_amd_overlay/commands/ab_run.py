@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-from k3_amd_overlay.usage import UsageError
+from k3_amd_overlay.commands.usage import UsageError
 
 RUN_FILE = "run.json"  # in --out: {"run_id", "tool", "started"}
 RUN_ID_FILE = "run-id"  # in each arm's folder: the run id of the run that made it

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from k3_amd_overlay import k3
-from k3_amd_overlay.bench import AITER_TREE
-from k3_amd_overlay.bench.shapes import ABSORB_BATCHES, HEADS, NORM_TOKENS, QK_CACHE_BATCHES
+from k3_amd_overlay.commands.bench import AITER_TREE
+from k3_amd_overlay.commands.bench.shapes import ABSORB_BATCHES, HEADS, NORM_TOKENS, QK_CACHE_BATCHES
+from k3_amd_overlay.commands.usage import EPILOG, EXIT_FAILED, Parser, describe, json_result
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
-from k3_amd_overlay.usage import EPILOG, EXIT_FAILED, Parser, describe, json_result
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,7 @@ def _result(op: str, shape: dict, mode: str, baseline: float, fused: float, empt
 def bench_qkv_norm(tokens_list: list[int], bw: float, empty: dict[str, float]) -> list[dict]:
     import torch
 
-    from k3_amd_overlay.bench.timing import eager_us, graph_us
+    from k3_amd_overlay.commands.bench.timing import eager_us, graph_us
     from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
 
     results = []
@@ -79,9 +79,9 @@ def bench_qk_cache(heads_list: list[int], tokens_list: list[int], bw: float, emp
                    fmt: Fp8Format = E4M3FN, peers: bool = False) -> list[dict]:
     import torch
 
-    from k3_amd_overlay.bench import aiter_peers
-    from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel
-    from k3_amd_overlay.bench.timing import eager_us, graph_us
+    from k3_amd_overlay.commands.bench import aiter_peers
+    from k3_amd_overlay.commands.bench.baselines import concat_and_cache_mla_like_kernel
+    from k3_amd_overlay.commands.bench.timing import eager_us, graph_us
     from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
     from k3_amd_overlay.kernels.static_quant import scaled_quant
 
@@ -160,8 +160,8 @@ def bench_absorb(heads_list: list[int], tokens_list: list[int], bw: float, empty
     one absorb_qk_cache launch; the floor counts W_UK_T read once."""
     import torch
 
-    from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel
-    from k3_amd_overlay.bench.timing import eager_us, graph_us
+    from k3_amd_overlay.commands.bench.baselines import concat_and_cache_mla_like_kernel
+    from k3_amd_overlay.commands.bench.timing import eager_us, graph_us
     from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
     from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
     from k3_amd_overlay.kernels.static_quant import scaled_quant
@@ -222,8 +222,8 @@ def bench_absorb_fp8(heads_list: list[int], tokens_list: list[int], bw: float, e
     provider: that launch plus the static query quant), against the overlay's one launch."""
     import torch
 
-    from k3_amd_overlay.bench import aiter_peers
-    from k3_amd_overlay.bench.timing import eager_us, graph_us
+    from k3_amd_overlay.commands.bench import aiter_peers
+    from k3_amd_overlay.commands.bench.timing import eager_us, graph_us
     from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
     from k3_amd_overlay.kernels.qk_cache import qk_cache
     from k3_amd_overlay.ops import aiter_absorb
@@ -280,7 +280,7 @@ def sweep_absorb_fp8(heads_list: list[int], tokens_list: list[int], fmt: Fp8Form
     """The fp8 absorb kernel's launch shapes side by side (graph replay): column block x warps."""
     import torch
 
-    from k3_amd_overlay.bench.timing import graph_us
+    from k3_amd_overlay.commands.bench.timing import graph_us
     from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
 
     results = []
@@ -330,8 +330,8 @@ def bench_absorb_mxfp4(heads_list: list[int], tokens_list: list[int], bw: float,
     groups below ~3.5, which changes no time), against the overlay's one launch. ``sweep``: the
     overlay kernel's launch shapes instead."""
 
-    from k3_amd_overlay.bench import aiter_peers
-    from k3_amd_overlay.bench.timing import eager_us, graph_us
+    from k3_amd_overlay.commands.bench import aiter_peers
+    from k3_amd_overlay.commands.bench.timing import eager_us, graph_us
     from k3_amd_overlay.kernels.absorb_mxfp4_qk_cache import absorb_mxfp4_qk_cache
     from k3_amd_overlay.kernels.qk_cache import qk_cache
     from k3_amd_overlay.ops import aiter_absorb
@@ -452,9 +452,9 @@ def run(args: argparse.Namespace, measured: dict | None = None) -> int:
     import torch
     import triton
 
-    from k3_amd_overlay.bench import aiter_peers
-    from k3_amd_overlay.bench.baselines import _empty_kernel, _one_load_kernel
-    from k3_amd_overlay.bench.timing import bandwidth_bytes_per_us, eager_us, graph_us
+    from k3_amd_overlay.commands.bench import aiter_peers
+    from k3_amd_overlay.commands.bench.baselines import _empty_kernel, _one_load_kernel
+    from k3_amd_overlay.commands.bench.timing import bandwidth_bytes_per_us, eager_us, graph_us
 
     measured = {} if measured is None else measured
     why = "no GPU: nothing to benchmark" if not torch.cuda.is_available() else None
@@ -505,7 +505,7 @@ def run(args: argparse.Namespace, measured: dict | None = None) -> int:
         mxfp4_peers = peers and not fp4_why
         results += bench_absorb_mxfp4(heads, absorb_batches, bw, empty,
                                       mxfp4_peers)
-    from k3_amd_overlay.bench import layer_step  # it imports this module: not at the top
+    from k3_amd_overlay.commands.bench import layer_step  # it imports this module: not at the top
 
     if args.only in (None, "layer_step"):  # a shape whose parity failed is not timed and fails the run
         results += layer_step.bench(heads, absorb_batches, peers)

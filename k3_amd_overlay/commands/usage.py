@@ -141,7 +141,7 @@ def check_baselines(named: Iterable[tuple[str, str]], serve_args: str, accept: b
     """Each (arm, K3_AMD_OVERLAY value) against baseline_hazard, in the environment the servers
     inherit: UsageError naming every hazardous arm unless ``accept`` (--accept-baseline-hazard),
     then the reasons, for the run's warnings and its summary."""
-    from k3_amd_overlay.baseline_hazard import ACCEPT_FLAG, baseline_hazard, facts_here
+    from k3_amd_overlay.commands.baseline_hazard import ACCEPT_FLAG, baseline_hazard, facts_here
 
     facts = facts_here()
     reasons = [f"{name}: {why}" for name, value in named

@@ -32,10 +32,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay import ab_run, ab_stats, arms, markers
-from k3_amd_overlay.baseline_hazard import ACCEPT_FLAG
-from k3_amd_overlay.package import __version__
-from k3_amd_overlay.usage import (
+from k3_amd_overlay import markers
+from k3_amd_overlay.commands import ab_run, ab_stats, arms
+from k3_amd_overlay.commands.baseline_hazard import ACCEPT_FLAG
+from k3_amd_overlay.commands.usage import (
     EPILOG,
     EXIT_FAILED,
     Parser,
@@ -46,6 +46,7 @@ from k3_amd_overlay.usage import (
     describe,
     json_result,
 )
+from k3_amd_overlay.package import __version__
 
 BENCH_DEFAULTS = ("--backend openai-chat --endpoint /v1/chat/completions --dataset-name random "
                   "--random-input-len 1024 --random-output-len 8192 --random-range-ratio 0 --ignore-eos "

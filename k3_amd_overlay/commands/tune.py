@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
 from k3_amd_overlay.kernels import launch_configs, names
-from k3_amd_overlay.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
 
 TUNED_KERNELS = (names.RMSNORM_PAIR_KERNEL, names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL,
                  names.ABSORB_FP8_QK_CACHE_KERNEL, names.ABSORB_MXFP4_QK_CACHE_KERNEL)
@@ -74,7 +74,7 @@ class Case:
         import torch
 
         from k3_amd_overlay import k3
-        from k3_amd_overlay.bench.kernels import decode_step_inputs, mxfp4_weights
+        from k3_amd_overlay.commands.bench.kernels import decode_step_inputs, mxfp4_weights
         from k3_amd_overlay.ops import reference
 
         self.kernel = kernel
@@ -154,7 +154,7 @@ class Case:
 
 def time_us(run: Callable[[], None], config: dict[str, int] | None) -> float:
     """Median µs of one launch under ``config`` (None: the shipped one), CUDA/HIP-graph replay."""
-    from k3_amd_overlay.bench.timing import graph_us
+    from k3_amd_overlay.commands.bench.timing import graph_us
     from k3_amd_overlay.kernels.launch import forced
 
     with forced(config) if config is not None else contextlib.nullcontext():
@@ -210,7 +210,7 @@ def shipped_rules(arch: str, kernel: str) -> tuple[launch_configs.Rule, ...]:
 
 def shapes_of(kernel: str, heads: list[int], tokens: list[int] | None) -> list[tuple[int, int]]:
     """(tokens, heads) to tune or compare ``kernel`` at: the benchmarks' shapes by default."""
-    from k3_amd_overlay.bench import shapes
+    from k3_amd_overlay.commands.bench import shapes
 
     if kernel == names.RMSNORM_PAIR_KERNEL:
         return [(t, 1) for t in tokens or shapes.NORM_TOKENS]
@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import triton
 
-    from k3_amd_overlay.bench import shapes
+    from k3_amd_overlay.commands.bench import shapes
     from k3_amd_overlay.fp8 import device_format
     from k3_amd_overlay.kernels import target
     from k3_amd_overlay.kernels.launch import device_name

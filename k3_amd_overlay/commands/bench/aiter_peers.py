@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from k3_amd_overlay.bench import AITER_TREE
+from k3_amd_overlay.commands.bench import AITER_TREE
 from k3_amd_overlay.ops import aiter_absorb, aiter_qk_cache
 
 AMD_ONLY_LAUNCH_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim")

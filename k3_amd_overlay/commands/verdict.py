@@ -307,7 +307,7 @@ def judge_doctor(report: dict[str, Any], expect: str, fusions: Iterable[str] | N
     """``--static``: add ``doctor``'s own verdict (``doctor.verdict_line``) on this machine, for the
     fusions asked (default: those the switch requests), to ``verdict``; it holds only where the
     doctor says what this expectation needs ("ready" for fused, each fusion asked fusing here)."""
-    from k3_amd_overlay.doctor import verdict_line
+    from k3_amd_overlay.commands.doctor import verdict_line
 
     outlook = report.get("fusions", {})
     asked = list(fusions) if fusions is not None else [f for f, o in outlook.items() if o["state"] != "off"]

@@ -36,10 +36,10 @@ from functools import partial
 import torch
 
 from k3_amd_overlay import k3, package
-from k3_amd_overlay.bench import aiter_peers
-from k3_amd_overlay.bench.baselines import concat_and_cache_mla_like_kernel
-from k3_amd_overlay.bench.kernels import SINGLE_NORM_CONFIGS, row
-from k3_amd_overlay.bench.timing import graph_us
+from k3_amd_overlay.commands.bench import aiter_peers
+from k3_amd_overlay.commands.bench.baselines import concat_and_cache_mla_like_kernel
+from k3_amd_overlay.commands.bench.kernels import SINGLE_NORM_CONFIGS, row
+from k3_amd_overlay.commands.bench.timing import graph_us
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
 from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
 from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache

@@ -65,7 +65,7 @@ def launch_configs_here(device: torch.device) -> dict[str, Any]:
     except LaunchConfigError as exc:
         return {"error": str(exc)}
     if torch.version.hip is not None and device.type == "cuda":
-        from k3_amd_overlay import compile_report
+        from k3_amd_overlay.commands import compile_report
 
         try:
             entries = compile_report.run_worker(found["arch"])["kernels"]
@@ -327,7 +327,7 @@ def ab_baseline(env: dict[str, str], shape: Any, serve_args: str | None = None) 
     """Warnings for an A/B on this machine: the default baseline (overlay off) and this switch, as
     baseline_hazard judges them with this environment and ``serve_args`` (None: not known here).
     A warning, not a "not ready": serving itself is what the rest of the report judges."""
-    from k3_amd_overlay.baseline_hazard import VllmFacts, baseline_hazard
+    from k3_amd_overlay.commands.baseline_hazard import VllmFacts, baseline_hazard
     from k3_amd_overlay.versions import installed_vllm_version
 
     facts = VllmFacts(installed_vllm_version(), None if shape is None else bool(shape.upstream.get(QK_CACHE)))
