@@ -119,8 +119,13 @@ DOCTOR_TOP = {"versions", "gpu", "vllm_shape", "switch", "qk_cache_by_tp", "prov
 
 
 def test_doctor_json_keys_are_stable_identifiers(capsys, monkeypatch):
+    from k3_amd_overlay import activation
+
     monkeypatch.setenv("K3_AMD_OVERLAY", "1")
-    code, out, _ = run(["doctor", "--json"], capsys)
+    try:
+        code, out, _ = run(["doctor", "--json"], capsys)
+    finally:
+        activation.deactivate()  # the doctor activated the overlay in this process: no later test may see it
     data = json.loads(out)
     assert DOCTOR_TOP <= set(data) and code in (0, 1), sorted(data)
     assert set(data["providers_here"]) == {"qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_qk_cache_fp8",
