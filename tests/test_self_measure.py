@@ -17,6 +17,7 @@ from machine import DEVICE
 
 from k3_amd_overlay import measured
 from k3_amd_overlay.commands import self_measure
+from k3_amd_overlay.commands.bench import layer_step
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.fusions import qk_cache as qk
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
@@ -100,8 +101,8 @@ def test_the_real_fused_paths_are_exact_and_a_planted_slower_bucket_goes_to_stoc
     the table, the file and the server's gate say stock there, fused at 1."""
     times = {}
     for tokens in (1, 2):
-        times.update({f"stock_norms@{tokens}": [3.0], f"_norms_pair@{tokens}": [2.0], f"_stock_tail@{tokens}": [10.0],
-                      f"_absorbed_tail@{tokens}": [4.0], f"_qk_cache_tail@{tokens}": [6.0 if tokens == 1 else 12.5]})
+        times.update({f"stock_norms@{tokens}": [3.0], f"norm_pair@{tokens}": [2.0], f"stock_tail@{tokens}": [10.0],
+                      f"absorbed_tail@{tokens}": [4.0], f"qk_cache_tail@{tokens}": [6.0 if tokens == 1 else 12.5]})
     timer = FakeTimer(times)
     timer.name = real_names  # type: ignore[method-assign]
     lines: list[str] = []
@@ -140,7 +141,7 @@ def test_the_real_fused_paths_are_exact_and_a_planted_slower_bucket_goes_to_stoc
 def test_a_fused_path_that_writes_wrong_bytes_is_stock_in_its_bucket(monkeypatch):
     """A planted fault in the absorbed launch (it writes no query and no cache row): the parity check
     finds it and the bucket is not exact, never timed."""
-    monkeypatch.setattr(self_measure, "_absorbed_tail", lambda s: None)
+    monkeypatch.setattr(layer_step, "absorbed_tail", lambda s: None)
     timer = FakeTimer({})
     timer.name = real_names  # type: ignore[method-assign]
     pair = next(p for p in self_measure.pairs([1], ["bf16"], [2], DEVICE, E4M3FN, seed=5)

@@ -177,66 +177,18 @@ def write(measurement: measured.Measurement, directory: Path) -> Path:
 
 # --- the pairs at K3 shapes (torch and Triton, imported when measuring) ---
 
-def _norms_pair(s: Any) -> None:
-    from k3_amd_overlay import k3
-    from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm_pair
-
-    rmsnorm_pair(s.q_c, s.kv_c, s.q_w, s.kv_w, k3.RMS_NORM_EPS, k3.RMS_NORM_EPS, s.q_norm, s.kv_norm)
-
-
-def _tail(s: Any) -> tuple[Any, ...]:
-    return s.q_pe, s.kv_norm, s.k_pe, s.cache, s.slots, s.k_scale, s.q_scale, s.q_out, s.fmt
-
-
-def _stock_tail(s: Any) -> None:
-    """layer_step.stock less its norms: the W_UK absorption, KV write, concat and query quant."""
-    import torch
-
-    from k3_amd_overlay import k3
-    from k3_amd_overlay.commands.bench import layer_step
-    from k3_amd_overlay.commands.bench.baselines import concat_and_cache_mla_like_kernel
-    from k3_amd_overlay.kernels.qk_cache import fp8_mode
-    from k3_amd_overlay.kernels.static_quant import scaled_quant
-
-    ql_nope = layer_step._w_uk(s)
-    concat_and_cache_mla_like_kernel[(s.tokens,)](
-        s.kv_norm, s.k_pe, s.cache, s.slots, s.k_scale, s.kv_norm.stride(0), s.k_pe.stride(0), s.cache.stride(0),
-        s.cache.stride(1), s.cache.shape[1], s.fmt.fmax, L=k3.KV_LORA_RANK, R=k3.QK_ROPE_HEAD_DIM,
-        FP8_MODE=fp8_mode(s.fmt, s.cache.device), num_warps=4)
-    torch.cat([ql_nope, s.q_pe], dim=-1, out=s.cat)
-    scaled_quant(s.cat, s.q_scale, s.q_out, s.fmt)
-
-
-def _qk_cache_tail(s: Any) -> None:
-    from k3_amd_overlay.commands.bench import layer_step
-    from k3_amd_overlay.kernels.qk_cache import qk_cache
-
-    qk_cache(layer_step._w_uk(s), *_tail(s))
-
-
-def _absorbed_tail(s: Any) -> None:
-    from k3_amd_overlay.commands.bench import layer_step
-    from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
-    from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
-
-    if s.variant == layer_step.BF16:
-        absorb_qk_cache(s.q_nope, s.w, *_tail(s))
-    else:
-        absorb_fp8_qk_cache(s.q_nope, s.w, s.w_scale, *_tail(s))
-
-
 # Per fusion: (the timed stock segment, the timed fused segment, the whole chain with the fusion, for parity)
 def _segments(fusion: str, config: tuple[int, int]) -> tuple[Callable[[Any], None], Callable[[Any], None],
                                                              Callable[[Any], None]]:
     from k3_amd_overlay.commands.bench import layer_step
 
     def stock_norms(s: Any) -> None:
-        layer_step._stock_norms(s, config)
+        layer_step.stock_norms(s, config)
 
     if fusion == QKV_NORM:
-        return stock_norms, _norms_pair, lambda s: (_norms_pair(s), _stock_tail(s))
-    fused = _qk_cache_tail if fusion == QK_CACHE else _absorbed_tail
-    return _stock_tail, fused, lambda s: (stock_norms(s), fused(s))
+        return stock_norms, layer_step.norm_pair, lambda s: (layer_step.norm_pair(s), layer_step.stock_tail(s))
+    fused = layer_step.qk_cache_tail if fusion == QK_CACHE else layer_step.absorbed_tail
+    return layer_step.stock_tail, fused, lambda s: (stock_norms(s), fused(s))
 
 
 def pairs(heads_list: Sequence[int], variants: Sequence[str], buckets: Sequence[int], device: Any, fmt: Any,
@@ -256,7 +208,7 @@ def pairs(heads_list: Sequence[int], variants: Sequence[str], buckets: Sequence[
             return layer_step.parity_problems(s, chain=_segments(fusion, SINGLE_NORM_CONFIGS[0])[2])
 
         timed = layer_step.make_step(tokens, heads, variant, device, seed=step_seed + 1, fmt=fmt)
-        layer_step._stock_norms(timed, SINGLE_NORM_CONFIGS[0])  # the tails read written norms
+        layer_step.stock_norms(timed, SINGLE_NORM_CONFIGS[0])  # the tails read written norms
         configs = SINGLE_NORM_CONFIGS if fusion == QKV_NORM else SINGLE_NORM_CONFIGS[:1]
         stocks = [partial(_segments(fusion, c)[0], timed) for c in configs]
         fused = partial(_segments(fusion, configs[0])[1], timed)

@@ -32,6 +32,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -133,23 +134,25 @@ def make_step(tokens: int, heads: int, variant: str, device: torch.device | str,
     )
 
 
-def _w_uk(s: Step) -> torch.Tensor:
+def w_uk(s: Step) -> torch.Tensor:
     """The stock W_UK absorption: ql_nope [T, H, L] in bf16."""
     if s.variant == BF16:
         return reference.absorb_w_uk_reference(s.q_nope, s.w)  # vLLM's torch.bmm call
     return aiter_peers.fp8_bmm(s.q_nope, s.w, s.w_scale)
 
 
-def _stock_norms(s: Step, config: tuple[int, int]) -> None:
+# The chain's segments: stock's and the overlay's norms, and what follows them in each (the
+# self-measurement times them one fusion at a time).
+def stock_norms(s: Step, config: tuple[int, int] = SINGLE_NORM_CONFIGS[0]) -> None:
+    """The two single-norm launches (``config``: their rows, warps)."""
     rows, warps = config
     rmsnorm(s.q_c, s.q_w, k3.RMS_NORM_EPS, s.q_norm, rows, warps)
     rmsnorm(s.kv_c, s.kv_w, k3.RMS_NORM_EPS, s.kv_norm, rows, warps)
 
 
-def stock(s: Step, config: tuple[int, int] = SINGLE_NORM_CONFIGS[0]) -> None:
-    """The unfused chain, one launch per step (``config``: the single-norm launches' rows, warps)."""
-    _stock_norms(s, config)
-    ql_nope = _w_uk(s)
+def stock_tail(s: Step) -> None:
+    """After the norms, stock: the W_UK absorption, the KV-cache write, the concat, the query quant."""
+    ql_nope = w_uk(s)
     concat_and_cache_mla_like_kernel[(s.tokens,)](
         s.kv_norm, s.k_pe, s.cache, s.slots, s.k_scale, s.kv_norm.stride(0), s.k_pe.stride(0), s.cache.stride(0),
         s.cache.stride(1), s.cache.shape[1], s.fmt.fmax, L=k3.KV_LORA_RANK, R=k3.QK_ROPE_HEAD_DIM,
@@ -158,29 +161,51 @@ def stock(s: Step, config: tuple[int, int] = SINGLE_NORM_CONFIGS[0]) -> None:
     scaled_quant(s.cat, s.q_scale, s.q_out, s.fmt)
 
 
+def stock(s: Step, config: tuple[int, int] = SINGLE_NORM_CONFIGS[0]) -> None:
+    """The unfused chain, one launch per step (``config``: the single-norm launches' rows, warps)."""
+    stock_norms(s, config)
+    stock_tail(s)
+
+
 def absorbed(s: Step) -> bool:
     return s.tokens <= package.ABSORB_MAX_TOKENS
+
+
+def norm_pair(s: Step) -> None:
+    """The overlay's one launch for both norms."""
+    rmsnorm_pair(s.q_c, s.kv_c, s.q_w, s.kv_w, k3.RMS_NORM_EPS, k3.RMS_NORM_EPS, s.q_norm, s.kv_norm)
+
+
+def _tail_args(s: Step) -> tuple[Any, ...]:
+    return s.q_pe, s.kv_norm, s.k_pe, s.cache, s.slots, s.k_scale, s.q_scale, s.q_out, s.fmt
+
+
+def qk_cache_tail(s: Step) -> None:
+    """After the norms, the overlay above the absorbed path's token limit: W_UK, then the qk_cache launch."""
+    qk_cache(w_uk(s), *_tail_args(s))
+
+
+def absorbed_tail(s: Step) -> None:
+    """After the norms, the overlay up to its token limit: the one absorbed launch."""
+    if s.variant == BF16:
+        absorb_qk_cache(s.q_nope, s.w, *_tail_args(s))
+    else:
+        absorb_fp8_qk_cache(s.q_nope, s.w, s.w_scale, *_tail_args(s))
 
 
 def overlay(s: Step) -> None:
     """What the overlay runs: the norm pair, then the absorbed launch, or above its token limit the
     W_UK absorption and the qk_cache launch."""
-    rmsnorm_pair(s.q_c, s.kv_c, s.q_w, s.kv_w, k3.RMS_NORM_EPS, k3.RMS_NORM_EPS, s.q_norm, s.kv_norm)
-    tail = (s.q_pe, s.kv_norm, s.k_pe, s.cache, s.slots, s.k_scale, s.q_scale, s.q_out, s.fmt)
-    if not absorbed(s):
-        qk_cache(_w_uk(s), *tail)
-    elif s.variant == BF16:
-        absorb_qk_cache(s.q_nope, s.w, *tail)
-    else:
-        absorb_fp8_qk_cache(s.q_nope, s.w, s.w_scale, *tail)
+    norm_pair(s)
+    (absorbed_tail if absorbed(s) else qk_cache_tail)(s)
 
 
 def aiter(s: Step, config: tuple[int, int] = SINGLE_NORM_CONFIGS[0]) -> None:
     """The stock norms, then AITER's fused Triton kernel for the rest (importable AITER only)."""
-    _stock_norms(s, config)
+    stock_norms(s, config)
     cache = s.cache.view(s.fmt.dtype)
     if s.variant == BF16:
-        aiter_peers.qk_cache(_w_uk(s), s.q_pe, s.kv_norm, s.k_pe, cache, s.slots, s.k_scale)
+        aiter_peers.qk_cache(w_uk(s), s.q_pe, s.kv_norm, s.k_pe, cache, s.slots, s.k_scale)
     else:
         aiter_absorb.run(s.q_nope, s.w, s.w_scale, s.q_pe, s.kv_norm, s.k_pe, cache, s.slots, s.k_scale, s.q_scale,
                          s.q_out.view(s.fmt.dtype), s.fmt)
