@@ -40,6 +40,7 @@ from k3_amd_overlay.commands.usage import (
     EXIT_FAILED,
     Parser,
     UsageError,
+    add_arm_server_arguments,
     check_baselines,
     check_executables,
     check_switches,
@@ -62,31 +63,21 @@ def parser() -> Parser:
     p = Parser(prog="k3-amd-overlay ab-serve", description=describe(__doc__),
                epilog="k3-amd-overlay ab-serve report OUT re-summarises the runs saved under OUT (its own --help). "
                       + EPILOG)
-    p.add_argument("--model", required=True, help="the checkpoint the server loads")
-    p.add_argument("--served-model-name", help="the name the server answers to (default: the --model value)")
-    p.add_argument("--serve-args", default="", help="server arguments, identical for every arm")
+    add_arm_server_arguments(p, "K3_AMD_OVERLAY of the baseline arm (0: vLLM as it is)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="bench concurrencies, each run")
     p.add_argument("--num-prompts", type=int,
                    help=f"requests per bench run (default: {PROMPTS_PER_CONCURRENCY} x the concurrency)")
     p.add_argument("--repeats", type=int, default=ab_stats.pairs_for_a_verdict(),
                    help=f"ABBA repeats; the exact test can call a difference (p < {ab_stats.SIGNIFICANCE}) only from "
                         f"{ab_stats.pairs_for_a_verdict()} on")
-    p.add_argument("--arm-a", default="0", help="K3_AMD_OVERLAY of the baseline arm (0: vLLM as it is)")
-    p.add_argument("--arm-b", default="1", help="K3_AMD_OVERLAY of the candidate arm")
     p.add_argument("--with-stock", action="store_true",
                    help="a third arm C with K3_AMD_OVERLAY=stock: the unfused path, vLLM's own fusions off too "
                         "(on vLLM 0.30+ that also turns off what vLLM fuses by itself), compared with A as well")
-    p.add_argument(ACCEPT_FLAG, action="store_true",
-                   help="run even where an arm is no valid baseline on this vLLM (breakable CUDA graphs record "
-                        "vLLM's own fused decode into the graph; see baseline_hazard.py): the summary says so")
-    p.add_argument("--port", type=int, default=8010, help="the port each arm's server listens on")
     p.add_argument("--out", type=Path, required=True,
                    help="a new or empty directory for every raw result and the summary (a used one is refused)")
-    p.add_argument("--serve-cmd", default="vllm serve", help="the command that starts a server")
     p.add_argument("--bench-cmd", default="vllm bench serve", help="the command that runs one bench")
     p.add_argument("--bench-args", default=BENCH_DEFAULTS, help="vllm bench serve arguments (the vLLM K3 PR's)")
     p.add_argument("--tokenizer", help="passed to the bench (default: the model)")
-    p.add_argument("--health-timeout", type=float, default=3600.0, help="seconds for a server to become healthy")
     p.add_argument("--profile-window", type=float, metavar="SECONDS",
                    help="per arm: /start_profile this long after the bench starts, /stop_profile after "
                         "(the server needs --profiler-config in --serve-args)")

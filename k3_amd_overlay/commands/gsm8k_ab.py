@@ -28,6 +28,7 @@ from k3_amd_overlay.commands.usage import (
     EXIT_FAILED,
     Parser,
     UsageError,
+    add_arm_server_arguments,
     check_baselines,
     check_executables,
     check_switches,
@@ -38,19 +39,10 @@ from k3_amd_overlay.commands.usage import (
 
 def parser() -> Parser:
     p = Parser(prog="k3-amd-overlay gsm8k-ab", description=describe(__doc__))
-    p.add_argument("--model", required=True, help="the checkpoint the server loads")
-    p.add_argument("--served-model-name", help="the name the server answers to (default: the --model value)")
-    p.add_argument("--serve-args", default="", help="server arguments, identical for both arms")
-    p.add_argument("--arm-a", default="0", help="K3_AMD_OVERLAY of the baseline arm (0: vLLM as it is; stock: the "
-                                               "unfused path, vLLM's own fusions off too)")
-    p.add_argument("--arm-b", default="1", help="K3_AMD_OVERLAY of the candidate arm")
-    p.add_argument(ACCEPT_FLAG, action="store_true",
-                   help="run even where an arm is no valid baseline on this vLLM (breakable CUDA graphs record "
-                        "vLLM's own fused decode into the graph; see baseline_hazard.py): the summary says so")
-    p.add_argument("--port", type=int, default=8010, help="the port each arm's server listens on")
+    add_arm_server_arguments(p, "K3_AMD_OVERLAY of the baseline arm (0: vLLM as it is; stock: the unfused path, "
+                                "vLLM's own fusions off too)")
     p.add_argument("--out", type=Path, required=True,
                    help="a new or empty directory for the arms' results and the summary (a used one is refused)")
-    p.add_argument("--serve-cmd", default="vllm serve", help="the command that starts a server")
     p.add_argument("--lm-eval-cmd", default="lm_eval", help="the lm-eval command (lm-eval[api] installed)")
     p.add_argument("--task", default="gsm8k", help="the lm-eval task")
     p.add_argument("--num-fewshot", type=int, default=5, help="few-shot examples in each prompt")
@@ -59,7 +51,6 @@ def parser() -> Parser:
     p.add_argument("--metric", default="exact_match,strict-match", help="the lm-eval metric and filter compared")
     p.add_argument("--extra-model-args", default="",
                    help="appended to lm-eval's --model_args, e.g. max_gen_toks=256,max_length=4096")
-    p.add_argument("--health-timeout", type=float, default=3600.0, help="seconds for a server to become healthy")
     p.add_argument("--data-file", type=Path, help="a local GSM8K-format JSONL instead of the hub data set")
     p.add_argument("--json", action="store_true",
                    help="one JSON object on stdout on every path (the result; progress goes to stderr)")

@@ -137,6 +137,24 @@ def check_executables(named: Iterable[tuple[str, str]]) -> None:
             raise UsageError(f"{name} {command!r}: {words[0] if words else 'nothing'} is not an executable on PATH")
 
 
+def add_arm_server_arguments(parser: argparse.ArgumentParser, arm_a_help: str) -> None:
+    """The arguments every A/B tool takes for its arms' servers, with their defaults (one home)."""
+    from k3_amd_overlay.commands.baseline_hazard import ACCEPT_FLAG
+
+    parser.add_argument("--model", required=True, help="the checkpoint the server loads")
+    parser.add_argument("--served-model-name", help="the name the server answers to (default: the --model value)")
+    parser.add_argument("--serve-args", default="", help="server arguments, identical for every arm")
+    parser.add_argument("--arm-a", default="0", help=arm_a_help)
+    parser.add_argument("--arm-b", default="1", help="K3_AMD_OVERLAY of the candidate arm")
+    parser.add_argument(ACCEPT_FLAG, action="store_true",
+                        help="run even where an arm is no valid baseline on this vLLM (breakable CUDA graphs record "
+                             "vLLM's own fused decode into the graph; see baseline_hazard.py): the summary says so")
+    parser.add_argument("--port", type=int, default=8010, help="the port each arm's server listens on")
+    parser.add_argument("--serve-cmd", default="vllm serve", help="the command that starts a server")
+    parser.add_argument("--health-timeout", type=float, default=3600.0,
+                        help="seconds for a server to become healthy")
+
+
 def check_baselines(named: Iterable[tuple[str, str]], serve_args: str, accept: bool) -> list[str]:
     """Each (arm, K3_AMD_OVERLAY value) against baseline_hazard, in the environment the servers
     inherit: UsageError naming every hazardous arm unless ``accept`` (--accept-baseline-hazard),
