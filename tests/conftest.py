@@ -77,6 +77,17 @@ def no_exit_flush(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def emitted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """What the evidence module reports (through the vllm logger or stderr, whichever is live), as
+    (level, line) pairs."""
+    from k3_amd_overlay import evidence
+
+    lines: list[tuple[int, str]] = []
+    monkeypatch.setattr(evidence, "_emit", lambda level, line: lines.append((level, line)))
+    return lines
+
+
+@pytest.fixture
 def aiter_triton(monkeypatch: pytest.MonkeyPatch) -> Any:
     """AMD's AITER Triton kernels, callable here (``k3_amd_overlay.commands.bench.aiter_peers``), with the
     overlay's AITER providers let onto this GPU; skips with the reason where they are not."""

@@ -57,14 +57,6 @@ def test_symlinked_foreign_and_open_dirs_are_refused(tmp_path):
             markers.ensure_marker_dir(foreign)
 
 
-@pytest.fixture
-def emitted(monkeypatch):
-    """What the evidence module reports (through the vllm logger or stderr, whichever is live)."""
-    lines = []
-    monkeypatch.setattr(evidence_module, "_emit", lambda level, line: lines.append((level, line)))
-    return lines
-
-
 def test_unusable_marker_dir_is_reported_never_raised(tmp_path, emitted):
     (tmp_path / "m").symlink_to(tmp_path)
     evidence = Evidence(settings_for(tmp_path))

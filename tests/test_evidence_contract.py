@@ -14,8 +14,6 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from k3_amd_overlay import evidence as evidence_module
 from k3_amd_overlay import markers
 from k3_amd_overlay.evidence import Evidence
@@ -42,13 +40,6 @@ class StandInGraph:
 
 def execute_model(run, *args):  # named as vLLM's worker and model runners name the step serving a batch
     return run(*args)
-
-
-@pytest.fixture
-def emitted(monkeypatch):
-    lines = []
-    monkeypatch.setattr(evidence_module, "_emit", lambda level, line: lines.append((level, line)))
-    return lines
 
 
 def test_each_replay_of_a_captured_graph_counts_once_for_every_fusion_it_recorded(tmp_path, monkeypatch):
