@@ -182,6 +182,7 @@ def test_a_kernel_that_cannot_build_at_load_is_refused_there_and_not_tried_again
     assert sum("absorb_qk_cache refused" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.vllm
 def test_vllms_kv_cache_block_size_is_read_from_its_config_in_context():
     from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
 

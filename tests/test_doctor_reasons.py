@@ -46,3 +46,44 @@ def test_a_bad_variable_on_an_unrecognised_vllm_gives_both_real_reasons(monkeypa
     assert not healthy and report["verdict"].startswith("not ready: K3_AMD_OVERLAY='fast' is not valid")
     assert report["verdict"].endswith(f"; {NOT_RECOGNISED} (see vllm shape)")
     assert "NOT recognised: k3: missing an anchor" in doctor.render(report)
+
+
+def test_a_provider_that_raises_in_the_self_test_is_a_failed_row_not_a_crash(monkeypatch):
+    """A kernel that raises (a compile error on this GPU, an fp8 type this Triton lacks) fails its
+    own self-test row, with what it raised; the other providers are still tested and the doctor
+    still gives its verdict (found on an H200 host's Triton 3.6 interpreter, which cannot convert
+    AMD's fnuz fp8: the whole doctor ended in a traceback)."""
+    import random
+
+    import torch
+
+    from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
+    from k3_amd_overlay.ops import qk_cache as qk_op
+    from k3_amd_overlay.ops import rmsnorm_pair
+
+    why = f"cannot compile config {random.randrange(10**6)}"
+    for module in (rmsnorm_pair, qk_op, absorb_op):
+        monkeypatch.setattr(module, "provider_missing", lambda *a, **k: {"reference": None, "boom": None})
+
+    def raising(real):
+        def op(*args, provider, **kwargs):
+            if provider == "boom":
+                raise RuntimeError(f"triton said:\n{why}")
+            return real(*args, provider=provider, **kwargs)
+        return op
+
+    monkeypatch.setattr(rmsnorm_pair, "fused_q_kv_rmsnorm", raising(rmsnorm_pair.fused_q_kv_rmsnorm))
+    monkeypatch.setattr(qk_op, "fused_qk_cache", raising(qk_op.fused_qk_cache))
+    for name in ("fused_absorb_qk_cache", "fused_absorb_fp8_qk_cache", "fused_absorb_mxfp4_qk_cache"):
+        monkeypatch.setattr(absorb_op, name, raising(getattr(absorb_op, name)))
+    rows = doctor.selftest(torch.device("cpu"))
+    booms = [r for r in rows if r["provider"] == "boom"]
+    assert len(booms) == 1 + 2 * (1 + 3)  # the norm; per fp8 format, qk_cache and the three W_UK variants
+    assert all(r["ran"] and not r["pass"] and r["raised"] == f"RuntimeError: {why}" for r in booms), booms
+    references = [r for r in rows if r["provider"] == "reference"]
+    assert len(references) == len(booms) and all(r["pass"] for r in references)
+    verdict, healthy = doctor.verdict_line({"self-test": rows})
+    assert not healthy and verdict.startswith("not ready: self-test failed: qkv_norm boom, ")
+    report, healthy = doctor.run_doctor(switch="0")  # the whole doctor, with the switch off: nothing activated
+    assert not healthy and report["verdict"].startswith("not ready: self-test failed: qkv_norm boom, ")
+    assert f"FAIL (raised RuntimeError: {why})" in doctor.render(report)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
 import torch
 
-from k3_amd_overlay import k3, measured
+from k3_amd_overlay import k3, kernel_failures, measured
 from k3_amd_overlay.fp8 import FP8_FORMATS, device_format
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import (
@@ -92,8 +93,18 @@ def qk_cache_by_tp(shape_upstream: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _raised(op: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
+    """``op(*args, **kwargs)``, or None and what it raised in one line: a provider that raises fails
+    its own self-test row, and the doctor goes on to the others."""
+    try:
+        return op(*args, **kwargs), None
+    except Exception as exc:  # any failure of a provider's kernel (compiler, driver, dtype) is its row's
+        return None, kernel_failures.summary(exc)
+
+
 def selftest(device: torch.device) -> list[dict[str, Any]]:
-    """Every provider this device can run, against the reference, on fresh random K3 inputs."""
+    """Every provider this device can run, against the reference, on fresh random K3 inputs; a
+    provider that raises fails its row with what it raised."""
     from k3_amd_overlay.ops import absorb_qk_cache as absorb_op
     from k3_amd_overlay.ops import qk_cache as qk_op
     from k3_amd_overlay.ops import reference, rmsnorm_pair
@@ -108,7 +119,11 @@ def selftest(device: torch.device) -> list[dict[str, Any]]:
         if missing:
             results.append({"op": QKV_NORM, "provider": name, "ran": False, "why not": missing})
             continue
-        got = rmsnorm_pair.fused_q_kv_rmsnorm(q, kv, q_w, kv_w, k3.RMS_NORM_EPS, k3.RMS_NORM_EPS, provider=name)
+        got, raised = _raised(rmsnorm_pair.fused_q_kv_rmsnorm, q, kv, q_w, kv_w, k3.RMS_NORM_EPS,
+                              k3.RMS_NORM_EPS, provider=name)
+        if raised:
+            results.append({"op": QKV_NORM, "provider": name, "ran": True, "raised": raised, "pass": False})
+            continue
         # in units in the last place of the reference (bf16): 0 where the provider rounds as vLLM's
         # RMSNorm does; the Triton interpreter's bf16 casts may be one or two off
         ulp = torch.finfo(torch.bfloat16).eps
@@ -131,7 +146,12 @@ def selftest(device: torch.device) -> list[dict[str, Any]]:
                 results.append({"op": QK_CACHE, "format": fmt.name, "provider": name, "ran": False, "why not": missing})
                 continue
             cache = torch.zeros(8, 16, k3.LATENT_ROW, dtype=torch.uint8, device=device)
-            q_out = qk_op.fused_qk_cache(ql, q_pe, kv_c, k_pe, cache, slots, *scales, provider=name, kv_format=fmt.name)
+            q_out, raised = _raised(qk_op.fused_qk_cache, ql, q_pe, kv_c, k_pe, cache, slots, *scales,
+                                    provider=name, kv_format=fmt.name)
+            if raised:
+                results.append({"op": QK_CACHE, "format": fmt.name, "provider": name, "ran": True, "raised": raised,
+                                "pass": False})
+                continue
             outs[name] = (cache, q_out.view(torch.uint8)[slots >= 0])
         w_uk = torch.randn(k3.KV_LORA_RANK, heads, k3.QK_NOPE_HEAD_DIM, device=device) / 8
         q_nope = (torch.randn(tokens, heads, k3.QK_NOPE_HEAD_DIM, device=device) * 2).to(torch.bfloat16)
@@ -154,8 +174,12 @@ def selftest(device: torch.device) -> list[dict[str, Any]]:
                                     "ran": False, "why not": missing})
                     continue
                 cache = torch.zeros(8, 16, k3.LATENT_ROW, dtype=torch.uint8, device=device)
-                q_out = op(q_nope, *weight, q_pe, kv_c, k_pe, cache, slots, *scales, provider=name,
-                           kv_format=fmt.name)
+                q_out, raised = _raised(op, q_nope, *weight, q_pe, kv_c, k_pe, cache, slots, *scales,
+                                        provider=name, kv_format=fmt.name)
+                if raised:
+                    results.append({"op": ABSORB_QK_CACHE, "W_UK": variant, "format": fmt.name, "provider": name,
+                                    "ran": True, "raised": raised, "pass": False})
+                    continue
                 absorb_outs[name] = q_out.view(torch.uint8)[slots >= 0]
             for name, q_bits in absorb_outs.items():
                 # codes one step apart where two fp32 sums in another order straddle a rounding boundary
@@ -482,7 +506,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def _measure(row: dict[str, Any]) -> str:
-    for key in ("max ulp diff", "identical bytes", "identical query bytes"):
+    for key in ("raised", "max ulp diff", "identical bytes", "identical query bytes"):
         if key in row:
             return f" ({key} {row[key]})"
     return ""
