@@ -13,7 +13,10 @@ cannot be collected (2), crash (a signal) or run past the time limit; it survive
 K3OVL_MUTANTS_PRELOAD (module names, space-separated) imports more of the package once, in the parent;
 the run refuses to start where one of them imported the mutated module. K3OVL_MUTANTS_ONLY="ID ..."
 tests only those mutants (a survivor of another run, against more tests: a kill by either counts).
-K3OVL_MUTANTS_TIME_LIMIT (seconds, default 120) bounds one mutant's tests. A mutants file ending in
+K3OVL_MUTANTS_TIME_LIMIT (seconds, default 120) bounds one mutant's tests. K3OVL_MUTANTS_COVERAGE
+(a file written by ``cover``) runs each mutant against only the tests that execute its statement:
+all of them where the statement runs at import or under no test (a subprocess may run it); a kill
+is a kill either way, and a survivor can be tested again against every test. A mutants file ending in
 .gz is read gzipped (``scripts/mutmut_shards.py`` carries them so). ``run`` prints one line per
 survivor (its line and diff) and "MODULE: killed/total"; RESULT.json keeps every mutant's outcome,
 rewritten after each mutant, so a run stopped midway keeps what it tested. The parent never imports
@@ -50,7 +53,53 @@ def list_mutants(path: str, out: str) -> None:
     print(f"{len(mutants)} mutants of {path}")
 
 
-def _test_in_child(clone: str, pytest_args: list[str], log: str) -> int:
+def cover(clone: str, module: str, out: str, pytest_args: list[str]) -> None:
+    """Which tests execute each line of ``module`` (pytest-cov's per-test contexts, read back
+    statement by statement): {line: [test ids]} for lines some test executes, "all" for lines only
+    import executes; lines no test executes are left out."""
+    from coverage import Coverage
+    from coverage.parser import PythonParser
+
+    path = os.path.join(clone, module)
+    data_file = os.path.join(clone, ".coverage-mutants")
+    os.environ["COVERAGE_FILE"] = data_file
+    args = [f"--cov={os.path.dirname(path)}", "--cov-context=test", "--cov-report=", *pytest_args]
+    code = _test_in_child(clone, args, os.path.join(clone, "cover-pytest.log"), stop_first=False)
+    if code != 0:
+        raise SystemExit(f"the tests fail on the unmutated clone ({code}); see {clone}/cover-pytest.log")
+    measured = Coverage(data_file=data_file)
+    measured.load()
+    data = measured.get_data()
+    contexts = data.contexts_by_lineno(path)
+    parser = PythonParser(filename=path)
+    parser.parse_source()
+    with open(path) as handle:
+        count = len(handle.read().split("\n"))
+    by_line: dict[int, object] = {}
+    for line in range(1, count + 1):
+        names = {c.removesuffix("|run").removesuffix("|setup").removesuffix("|teardown")
+                 for c in contexts.get(parser.first_line(line), [])}
+        tests = sorted(n for n in names if n)
+        if tests:
+            by_line[line] = tests
+        elif names:
+            by_line[line] = "all"
+    with open(out, "w") as handle:
+        json.dump({"module": module, "lines": by_line}, handle)
+    print(f"{module}: {sum(v != 'all' for v in by_line.values())} lines with their tests, "
+          f"{sum(v == 'all' for v in by_line.values())} executed at import only")
+
+
+def _selected(coverage: dict | None, line: int, clone: str, pytest_args: list[str]) -> list[str]:
+    """The pytest arguments for a mutant on ``line``: its statement's tests where coverage names
+    them (options kept), every test otherwise."""
+    tests = None if coverage is None else coverage.get(str(line))
+    if not isinstance(tests, list):
+        return pytest_args
+    return [a for a in pytest_args if a.startswith("-")] + [os.path.join(clone, t) for t in tests]
+
+
+def _test_in_child(clone: str, pytest_args: list[str], log: str, stop_first: bool = True) -> int:
     pid = os.fork()
     if pid == 0:
         code = 3
@@ -62,7 +111,7 @@ def _test_in_child(clone: str, pytest_args: list[str], log: str) -> int:
             os.dup2(fd, 2)
             import pytest
 
-            code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *pytest_args]))
+            code = int(pytest.main([*(["-x"] if stop_first else []), "-q", "-p", "no:cacheprovider", *pytest_args]))
         finally:
             os._exit(code)
     deadline = time.monotonic() + TIME_LIMIT_S
@@ -113,7 +162,11 @@ def run(clone: str, module: str, mutants_file: str, result_file: str, pytest_arg
         if handle.read() != data["original"]:
             raise SystemExit(f"{path} is not the file the mutants were made from")
     log = os.path.join(clone, "mutant-pytest.log")
-    if _test_in_child(clone, pytest_args, log) != 0:
+    coverage = None
+    if os.environ.get("K3OVL_MUTANTS_COVERAGE"):
+        with open(os.environ["K3OVL_MUTANTS_COVERAGE"]) as handle:
+            coverage = json.load(handle)["lines"]
+    if coverage is None and _test_in_child(clone, pytest_args, log) != 0:  # ``cover`` ran them unmutated
         raise SystemExit(f"the tests fail on the unmutated clone; see {log}")
     results = []
     try:
@@ -122,7 +175,7 @@ def run(clone: str, module: str, mutants_file: str, result_file: str, pytest_arg
             with open(path, "w") as handle:
                 handle.write(mutant["source"])
             start = time.monotonic()
-            code = _test_in_child(clone, pytest_args, log)
+            code = _test_in_child(clone, _selected(coverage, mutant["line"], clone, pytest_args), log)
             outcome = ("survived" if code == 0 else "timeout" if code == -999
                        else "killed" if code in (1, 2) or code < 0 else f"error {code}")
             results.append({"id": i, "line": mutant["line"], "diff": mutant["diff"], "outcome": outcome,
@@ -144,6 +197,9 @@ def run(clone: str, module: str, mutants_file: str, result_file: str, pytest_arg
 def main(argv: list[str]) -> None:
     if argv[:1] == ["list"]:
         list_mutants(argv[1], argv[2])
+    elif argv[:1] == ["cover"]:
+        split = argv.index("--")
+        cover(*argv[1:split], argv[split + 1:])
     elif argv[:1] == ["run"]:
         split = argv.index("--")
         run(*argv[1:split], argv[split + 1:])

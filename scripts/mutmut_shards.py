@@ -8,7 +8,9 @@ each module's kill count and survivors.
 
 PLAN.json: [{"module": "k3_amd_overlay/commands/verdict.py", "mutants": "PATH.json.gz",
 "tests": ["tests/test_evidence.py", ...], "only": [ids] (optional), "shard": 25 (optional)}].
-The tree copied is the current directory (the repository root).
+The tree copied is the current directory (the repository root). With --coverage each module's tests
+first run once under pytest-cov (``mutmut_forked.py cover``, the modules side by side), and each
+mutant then runs only the tests that execute its statement.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--deadline", type=float, default=520.0, help="seconds from start for every shard")
+    parser.add_argument("--coverage", action="store_true", help="each mutant against the tests that run its line")
     args = parser.parse_args()
     start = time.monotonic()
     plan = json.load(open(args.plan))
@@ -60,6 +63,24 @@ def main() -> None:
             tasks.put((entry, ids[first:first + size], result))
     scratch = tempfile.mkdtemp()
     python = sys.executable
+    coverage_files: dict[str, str] = {}
+    if args.coverage:
+        covering = []
+        for entry in plan:
+            name = entry["module"].removeprefix("k3_amd_overlay/").removesuffix(".py").replace("/", "-")
+            clone = copy_tree(root, os.path.join(scratch, f"cover-{name}"))
+            coverage_files[entry["module"]] = os.path.join(args.out, f"{name}.coverage.json")
+            command = [python, os.path.join(clone, "scripts/mutmut_forked.py"), "cover", clone, entry["module"],
+                       os.path.abspath(coverage_files[entry["module"]]), "--",
+                       *[t if t.startswith("-") else os.path.join(clone, t) for t in entry["tests"]]]
+            covering.append(subprocess.Popen(command, env={**os.environ, "PYTHONPATH": clone}))
+        failed = [entry for entry, proc in zip(plan, covering, strict=True) if proc.wait() != 0]
+        for entry in failed:
+            name = entry["module"].removeprefix("k3_amd_overlay/").removesuffix(".py").replace("/", "-")
+            with open(os.path.join(scratch, f"cover-{name}", "cover-pytest.log")) as handle:
+                print(f"--- {entry['module']}: its tests fail unmutated\n{handle.read()[-4000:]}", flush=True)
+        if failed:
+            raise SystemExit(f"{len(failed)} modules' tests failed unmutated under coverage")
     log_lock = threading.Lock()
 
     def worker(k: int) -> None:
@@ -70,6 +91,8 @@ def main() -> None:
             except queue.Empty:
                 return
             env = {**os.environ, "K3OVL_MUTANTS_ONLY": " ".join(map(str, ids)), "PYTHONPATH": clone}
+            if entry["module"] in coverage_files:
+                env["K3OVL_MUTANTS_COVERAGE"] = os.path.abspath(coverage_files[entry["module"]])
             command = [python, os.path.join(clone, "scripts/mutmut_forked.py"), "run", clone, entry["module"],
                        os.path.abspath(entry["mutants"]), os.path.abspath(result), "--",
                        *[t if t.startswith("-") else os.path.join(clone, t) for t in entry["tests"]]]
