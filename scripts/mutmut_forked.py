@@ -64,7 +64,8 @@ def cover(clone: str, module: str, out: str, pytest_args: list[str]) -> None:
     data_file = os.path.join(clone, ".coverage-mutants")
     os.environ["COVERAGE_FILE"] = data_file
     args = [f"--cov={os.path.dirname(path)}", "--cov-context=test", "--cov-report=", *pytest_args]
-    code = _test_in_child(clone, args, os.path.join(clone, "cover-pytest.log"), stop_first=False)
+    code = _test_in_child(clone, args, os.path.join(clone, "cover-pytest.log"), stop_first=False,
+                          limit=TIME_LIMIT_S * 10)
     if code != 0:
         raise SystemExit(f"the tests fail on the unmutated clone ({code}); see {clone}/cover-pytest.log")
     measured = Coverage(data_file=data_file)
@@ -99,7 +100,8 @@ def _selected(coverage: dict | None, line: int, clone: str, pytest_args: list[st
     return [a for a in pytest_args if a.startswith("-")] + [os.path.join(clone, t) for t in tests]
 
 
-def _test_in_child(clone: str, pytest_args: list[str], log: str, stop_first: bool = True) -> int:
+def _test_in_child(clone: str, pytest_args: list[str], log: str, stop_first: bool = True,
+                   limit: float = TIME_LIMIT_S) -> int:
     pid = os.fork()
     if pid == 0:
         code = 3
@@ -114,7 +116,7 @@ def _test_in_child(clone: str, pytest_args: list[str], log: str, stop_first: boo
             code = int(pytest.main([*(["-x"] if stop_first else []), "-q", "-p", "no:cacheprovider", *pytest_args]))
         finally:
             os._exit(code)
-    deadline = time.monotonic() + TIME_LIMIT_S
+    deadline = time.monotonic() + limit
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:

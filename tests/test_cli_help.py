@@ -118,6 +118,7 @@ DOCTOR_TOP = {"versions", "gpu", "vllm_shape", "switch", "qk_cache_by_tp", "prov
               "self_test", "fusions", "ab_baseline", "verdict", "healthy"}
 
 
+@pytest.mark.vllm  # the keys of the vLLM sections (shape, qk_cache by TP) are among those checked
 def test_doctor_json_keys_are_stable_identifiers(capsys, monkeypatch):
     from k3_amd_overlay import activation
 
