@@ -75,12 +75,22 @@ def main() -> None:
                        *[t if t.startswith("-") else os.path.join(clone, t) for t in entry["tests"]]]
             covering.append(subprocess.Popen(command, env={**os.environ, "PYTHONPATH": clone}))
         failed = [entry for entry, proc in zip(plan, covering, strict=True) if proc.wait() != 0]
-        for entry in failed:
+        for entry in failed:  # reported, and left out: the other modules go on
             name = entry["module"].removeprefix("k3_amd_overlay/").removesuffix(".py").replace("/", "-")
             with open(os.path.join(scratch, f"cover-{name}", "cover-pytest.log")) as handle:
-                print(f"--- {entry['module']}: its tests fail unmutated\n{handle.read()[-4000:]}", flush=True)
+                print(f"--- {entry['module']}: its tests fail unmutated, not run\n{handle.read()[-4000:]}", flush=True)
         if failed:
-            raise SystemExit(f"{len(failed)} modules' tests failed unmutated under coverage")
+            left_out = {entry["module"] for entry in failed}
+            kept = []
+            while not tasks.empty():
+                task = tasks.get_nowait()
+                if task[0]["module"] not in left_out:
+                    kept.append(task)
+            for task in kept:
+                tasks.put(task)
+            shards[:] = [(name, result) for name, result in shards
+                         if name not in {m.removeprefix("k3_amd_overlay/").removesuffix(".py").replace("/", "-")
+                                         for m in left_out}]
     log_lock = threading.Lock()
 
     def worker(k: int) -> None:
