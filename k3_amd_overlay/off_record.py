@@ -14,8 +14,8 @@ import multiprocessing.util
 import os
 import time
 
-from k3_amd_overlay import markers
-from k3_amd_overlay.evidence import _emit, process_record
+from k3_amd_overlay import log_lines, markers
+from k3_amd_overlay.evidence import process_record
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import FUSIONS
 from k3_amd_overlay.record import FusionEntry, MarkerRecord
@@ -72,6 +72,6 @@ def _write() -> MarkerRecord:
     except (OSError, markers.MarkerDirError) as exc:  # serving must never fail over evidence
         if not _state.warned:
             _state.warned = True
-            _emit(logging.WARNING, f"k3-amd-overlay: WARNING: the overlay is off, but this process writes no off "
-                                   f"record, so `k3-amd-overlay check --expect off` cannot see it: {exc}")
+            log_lines.emit(logging.WARNING, "k3-amd-overlay: WARNING: the overlay is off, but this process writes no "
+                                            f"off record, so `k3-amd-overlay check --expect off` cannot see it: {exc}")
     return record

@@ -71,19 +71,19 @@ def no_exit_flush(monkeypatch: pytest.MonkeyPatch) -> None:
     """An Evidence made by a test registers its marker's exit flush; by the interpreter's exit the
     test's directory is gone, so the flush would only print failures. Tests see the registration
     through this stand-in registration instead."""
-    from k3_amd_overlay import evidence
+    from k3_amd_overlay import process_hooks
 
-    monkeypatch.setattr(evidence, "register_exit_flush", lambda function: None)
+    monkeypatch.setattr(process_hooks, "register_exit_flush", lambda function: None)
 
 
 @pytest.fixture
 def emitted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
-    """What the evidence module reports (through the vllm logger or stderr, whichever is live), as
-    (level, line) pairs."""
-    from k3_amd_overlay import evidence
+    """What the overlay reports as its own lines (log_lines.emit: through the vllm logger or stderr,
+    whichever is live), as (level, line) pairs."""
+    from k3_amd_overlay import log_lines
 
     lines: list[tuple[int, str]] = []
-    monkeypatch.setattr(evidence, "_emit", lambda level, line: lines.append((level, line)))
+    monkeypatch.setattr(log_lines, "emit", lambda level, line: lines.append((level, line)))
     return lines
 
 

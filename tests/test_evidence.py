@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 from records import judge
 
-from k3_amd_overlay import evidence as evidence_module
-from k3_amd_overlay import markers, phases
+from k3_amd_overlay import log_lines, marker_writes, markers, phases, process_hooks, run_counts
 from k3_amd_overlay.evidence import Evidence, process_role
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.record import LayerTally, MarkerRecord
@@ -460,22 +459,22 @@ def test_markers_are_rewritten_at_powers_of_two_then_at_most_every_interval(tmp_
     real_write = markers.write_marker
     monkeypatch.setattr(markers, "write_marker", lambda *a: writes.append(a) or real_write(*a))
     clock = [1000.0]
-    monkeypatch.setattr(evidence_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(marker_writes.time, "monotonic", lambda: clock[0])
     hook = evidence.effective_hook("qk_cache", "layer.0")
     for _ in range(9):
         hook(4)
     assert len(writes) == 4  # batches 1 (first run), 2, 4, 8
-    clock[0] += evidence_module.MARKER_INTERVAL_S  # the interval passed: the next batch writes
+    clock[0] += marker_writes.MARKER_INTERVAL_S  # the interval passed: the next batch writes
     hook(4)
     assert len(writes) == 5
     hook(4)  # batch 11, just after a write
     assert len(writes) == 5
-    monkeypatch.setattr(evidence_module, "current_phase", lambda: phases.Phase.CAPTURE)
+    monkeypatch.setattr(run_counts, "current_phase", lambda: phases.Phase.CAPTURE)
     hook(16)
     hook(8)
     hook(16)  # a size seen already: count 3, not a power of two
     assert len(writes) == 7 and evidence.fusion("qk_cache").captured_sizes == [8, 16]
-    assert evidence_module.MARKER_INTERVAL_S == 2.0
+    assert marker_writes.MARKER_INTERVAL_S == 2.0
 
 
 def test_initial_states_and_reasons_word_for_word(tmp_path):
@@ -555,7 +554,7 @@ def test_command_lines_that_are_not_vllm_servers(argv, role):
 def test_lines_go_through_vllms_logger_once_it_has_handlers(capsys, monkeypatch):
     vllm_logger = logging.getLogger("vllm")
     monkeypatch.setattr(vllm_logger, "handlers", [])
-    evidence_module._emit(logging.INFO, "before vLLM's logging")
+    log_lines.emit(logging.INFO, "before vLLM's logging")
     assert capsys.readouterr().err == "before vLLM's logging\n"
     seen = []
 
@@ -564,7 +563,7 @@ def test_lines_go_through_vllms_logger_once_it_has_handlers(capsys, monkeypatch)
             seen.append(record.getMessage())
 
     monkeypatch.setattr(vllm_logger, "handlers", [Keep()])
-    evidence_module._emit(logging.WARNING, "after")
+    log_lines.emit(logging.WARNING, "after")
     assert seen == ["after"] and capsys.readouterr().err == ""
 
 
@@ -573,10 +572,10 @@ def test_the_marker_keeps_up_with_new_layers_and_each_phases_first_batch(tmp_pat
     phase's first batch; its time stamp is each write's; the exit flush is registered once."""
     evidence = Evidence(settings_for(tmp_path))
     registered = []
-    monkeypatch.setattr(evidence_module, "register_exit_flush", registered.append)
-    monkeypatch.setattr(evidence_module.time, "monotonic", lambda: 1000.0)  # the interval never passes
+    monkeypatch.setattr(process_hooks, "register_exit_flush", registered.append)
+    monkeypatch.setattr(marker_writes.time, "monotonic", lambda: 1000.0)  # the interval never passes
     phase = [phases.Phase.WARMUP]
-    monkeypatch.setattr(evidence_module, "current_phase", lambda: phase[0])
+    monkeypatch.setattr(run_counts, "current_phase", lambda: phase[0])
     first, second = (evidence.effective_hook("qk_cache", f"layer.{i}") for i in range(2))
 
     def saved():

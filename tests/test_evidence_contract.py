@@ -15,13 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from k3_amd_overlay import evidence as evidence_module
-from k3_amd_overlay import markers
+from k3_amd_overlay import marker_writes, markers, process_hooks, run_counts
 from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.phases import Phase
 from k3_amd_overlay.settings import load_settings
 
-REAL_EXIT_FLUSH = evidence_module.register_exit_flush  # read before the suite's stand-in (conftest) replaces it
+REAL_EXIT_FLUSH = process_hooks.register_exit_flush  # read before the suite's stand-in (conftest) replaces it
 
 
 def settings_for(tmp_path: Path, directory: str = "m"):
@@ -46,10 +46,10 @@ def test_each_replay_of_a_captured_graph_counts_once_for_every_fusion_it_recorde
     evidence = Evidence(settings_for(tmp_path))
     graph = StandInGraph()
     clock, phase, replayed_as = [5000.0], [Phase.CAPTURE], [Phase.REPLAY]
-    monkeypatch.setattr(evidence_module.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(evidence_module, "current_phase", lambda: phase[0])
-    monkeypatch.setattr(evidence_module, "capturing_graph", lambda: graph if phase[0] is Phase.CAPTURE else None)
-    monkeypatch.setattr(evidence_module, "replay_phase", lambda: replayed_as[0])
+    monkeypatch.setattr(marker_writes.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(run_counts, "current_phase", lambda: phase[0])
+    monkeypatch.setattr(run_counts, "capturing_graph", lambda: graph if phase[0] is Phase.CAPTURE else None)
+    monkeypatch.setattr(run_counts, "replay_phase", lambda: replayed_as[0])
     writes = []
     real_write = markers.write_marker
     monkeypatch.setattr(markers, "write_marker", lambda *a: writes.append(a[2]["fusions"]) or real_write(*a))
@@ -73,7 +73,7 @@ def test_each_replay_of_a_captured_graph_counts_once_for_every_fusion_it_recorde
     assert runs("qkv_norm") == {"warmup": 0, "capture": 1, "served": 0, "replay": 4}
     graph.replay()  # replay 5, before the interval: counted, not yet written
     assert len(writes) - written == 3 and evidence.fusion("qk_cache").runs[Phase.REPLAY] == 5
-    clock[0] += evidence_module.MARKER_INTERVAL_S  # exactly the interval since the last write
+    clock[0] += marker_writes.MARKER_INTERVAL_S  # exactly the interval since the last write
     graph.replay()
     assert len(writes) - written == 4 and runs("qkv_norm")["replay"] == 6
     replayed_as[0] = Phase.WARMUP  # a replay in vLLM's own warm-up: its first is written at once
@@ -86,7 +86,7 @@ def _observe_fork(evidence: Evidence, unusable: Evidence, hook: Callable[[int], 
     and run in the parent), then after one; at depth 1 it forks a grandchild of its own after running
     its batch."""
     registered = []
-    evidence_module.register_exit_flush = registered.append
+    process_hooks.register_exit_flush = registered.append
     pid = os.getpid()
     before = json.loads((evidence.marker_path).read_text())  # written by the fork hook
     execute_model(hook, 12)
@@ -176,7 +176,7 @@ def test_a_fork_started_childs_last_counts_reach_its_marker_at_exit(tmp_path, mo
     """vLLM's fork start method: a worker's counts since its marker's last rewrite must still reach
     the marker when it exits (multiprocessing ends such a child with os._exit, which runs no atexit
     function: the flush is a multiprocessing finalizer)."""
-    monkeypatch.setattr(evidence_module, "register_exit_flush", REAL_EXIT_FLUSH)  # the real registration
+    monkeypatch.setattr(process_hooks, "register_exit_flush", REAL_EXIT_FLUSH)  # the real registration
     evidence = Evidence(settings_for(tmp_path))
     child = multiprocessing.get_context("fork").Process(target=_three_batches, args=(evidence,))
     child.start()

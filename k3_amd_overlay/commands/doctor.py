@@ -409,7 +409,7 @@ def _activate_here(env: dict[str, str]) -> dict[str, Any]:
         }
         if refused:
             out["activation error"] = "; ".join(f"{f} refused: {why}" for f, why in sorted(refused.items()))
-        active.evidence._directory = None  # nothing more is written into the directory being removed
+        active.evidence.stop_writing()  # nothing more is written into the directory being removed
         return out
 
 
