@@ -808,3 +808,69 @@ def test_ab_baseline_warnings_and_what_they_say_when_the_serve_arguments_are_unk
     assert doctor.ab_baseline(env, SimpleNamespace(upstream={QK_CACHE: ""}), None) == []
     unread = baseline_hazard(VllmFacts(installed_vllm_version(), None), env, "", "0")
     assert doctor.ab_baseline(env, None, "") == [unread] and unread != off
+
+
+# --------------------------------------------------------------------------------------------
+# activation in the doctor's own process
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="imports vLLM's K3 AMD code, as a vLLM process would")
+def test_activate_here_reports_patches_refusals_and_leaves_no_marker_behind(monkeypatch):
+    import os
+    import stat
+
+    from k3_amd_overlay import activation
+    from k3_amd_overlay.fusions.states import FusionState
+    from k3_amd_overlay.settings import MARKER_DIR
+
+    tag = random.randrange(10**6)
+    seen = []
+
+    class Evidence:
+        _directory = "set"
+
+        def fusion(self, name):
+            refused = name != QKV_NORM
+            return SimpleNamespace(state=FusionState.REFUSED if refused else FusionState.APPLIED,
+                                   reason=f"{name} reason {tag}")
+
+        def summary_line(self):
+            return f"summary {tag}"
+
+        def stop_writing(self):
+            self._directory = None
+
+    evidence = Evidence()
+
+    def activate(settings):
+        markers = settings.marker_dir
+        seen.append((settings.raw, os.path.basename(markers), stat.S_IMODE(os.stat(markers).st_mode), markers))
+        applied = [SimpleNamespace(spec=SimpleNamespace(key=f"k{i}", target=f"t{i}", fusions=(QKV_NORM, f"f{i}")))
+                   for i in range(2)]
+        return SimpleNamespace(settings=settings, evidence=evidence, engine=SimpleNamespace(applied=applied))
+
+    monkeypatch.setattr(activation, "activate", activate)
+    env = {"K3_AMD_OVERLAY": "1", MARKER_DIR: "/nowhere"}
+    assert doctor._activate_here(env) == {
+        "patched": [{"key": "k0", "target": "t0", "fusions": [QKV_NORM, "f0"]},
+                    {"key": "k1", "target": "t1", "fusions": [QKV_NORM, "f1"]}],
+        "evidence": f"summary {tag}",
+        "activation error": f"absorb_qk_cache refused: absorb_qk_cache reason {tag}; "
+                            f"qk_cache refused: qk_cache reason {tag}"}
+    (raw, name, mode, markers), = seen
+    assert raw == "1" and name.startswith("k3ovl-doctor-") and mode == 0o700 and not os.path.exists(markers)
+    assert evidence._directory is None  # nothing more is written into the directory removed
+
+    monkeypatch.setattr(Evidence, "fusion", lambda self, name: SimpleNamespace(state=FusionState.APPLIED, reason=""))
+    evidence._directory = "set"
+    assert doctor._activate_here({"K3_AMD_OVERLAY": "qkv_norm"}) == {
+        "patched": [{"key": "k0", "target": "t0", "fusions": [QKV_NORM, "f0"]},
+                    {"key": "k1", "target": "t1", "fusions": [QKV_NORM, "f1"]}], "evidence": f"summary {tag}"}
+    monkeypatch.setattr(activation, "activate", lambda settings: None)
+    assert doctor._activate_here({"K3_AMD_OVERLAY": "1"}) == {}
+
+    def refusing(settings):
+        raise activation.OverlayActivationError(f"strict: cannot take this vLLM {tag}")
+    monkeypatch.setattr(activation, "activate", refusing)
+    assert doctor._activate_here({"K3_AMD_OVERLAY": "1"}) == {
+        "activation error": f"strict: cannot take this vLLM {tag}"}
