@@ -688,7 +688,8 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
     monkeypatch.setattr(doctor, "versions", lambda: {"v": tag})
     monkeypatch.setattr(doctor, "gpu", lambda: {"g": tag})
     shape = SimpleNamespace(upstream={QK_CACHE: "_fused_decode", QKV_NORM: ""})
-    monkeypatch.setattr(doctor, "_vllm_shape", lambda env: ({"recognised": f"shape {tag}"}, shape))
+    recognised = lambda env: ({"recognised": f"shape {tag}"}, shape)  # noqa: E731
+    monkeypatch.setattr(doctor, "_vllm_shape", recognised)
 
     def missing(name):
         def provider_missing(device, *args, **kwargs):
@@ -737,6 +738,12 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
                             "self-measurement", "self-test", "patched", "evidence", "fusions", "a/b baseline",
                             "verdict"]
     assert healthy and report["verdict"].startswith("ready (stock): ")
+
+    monkeypatch.setattr(doctor, "_vllm_shape", lambda env: ({"recognised": None}, None))  # not recognised
+    report, healthy = doctor.run_doctor(switch="0")
+    assert report["qk_cache by tensor-parallel size (K3, 96 heads)"] == doctor.qk_cache_by_tp("")
+    assert report["a/b baseline"] == ["wrong shape"] and not healthy
+    monkeypatch.setattr(doctor, "_vllm_shape", recognised)
 
     report, healthy = doctor.run_doctor(switch="fast")
     assert list(report) == ["versions", "gpu", "vllm shape", "switch", "verdict"] and not healthy
