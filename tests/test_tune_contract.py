@@ -1,0 +1,271 @@
+"""``tune``'s contracts, on a CPU: what the command says (its help, word for word; with --json one
+object on stdout on every path, with the file written or the file compared; each table row on the
+terminal before the next shape is measured), and what a ``tune.Case`` checks against (the model's
+norm eps in the launch and the reference alike; inputs like a real decode step's, whose query codes
+neither saturate nor vanish nor repeat; every output paired with a reference, or no verdict)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import io
+import json
+import sys
+import typing
+
+import pytest
+import torch
+
+from k3_amd_overlay import fp8, k3
+from k3_amd_overlay.commands import tune
+from k3_amd_overlay.commands.bench import shapes
+from k3_amd_overlay.kernels import launch, launch_configs, names, target
+from k3_amd_overlay.ops import reference
+
+NO_GPU = "no GPU here: tune runs on the GPU it tunes for"
+ABSORBING = (names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL,
+             names.ABSORB_MXFP4_QK_CACHE_KERNEL)
+
+
+# ---- the help ------------------------------------------------------------------------------------
+
+def test_the_help_says_every_option_word_for_word(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tune.main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: k3-amd-overlay tune [-h] [--out OUT] [--heads HEADS [HEADS ...]] "
+                           "[--tokens TOKENS [TOKENS ...]] [--kernels KERNEL [KERNEL ...]] [--compare FILE] "
+                           "[--verbose] [--json] ")
+    options = (
+        "options: -h, --help show this help message and exit "
+        "--out OUT a file, or a directory for <arch>-<device>.json (default .); an existing file for this arch "
+        "and GPU keeps the kernels not tuned now "
+        "--heads HEADS [HEADS ...] per-rank query heads (default: the benchmarks') "
+        "--tokens TOKENS [TOKENS ...] batch sizes (default: the benchmarks') "
+        "--kernels KERNEL [KERNEL ...] the kernels to tune, of rmsnorm_pair_kernel, qk_cache_kernel, "
+        "absorb_qk_cache_kernel, absorb_fp8_qk_cache_kernel, absorb_mxfp4_qk_cache_kernel (default: all) "
+        "--compare FILE instead of tuning: time FILE's configs against the shipped ones at the benchmarks' "
+        "shapes; exit 1 where FILE's are slower "
+        "--verbose say why each rejected candidate was "
+        "--json one JSON object on stdout on every path (the file written; the table goes to stderr) ")
+    assert options in text
+    assert ", ".join(tune.TUNED_KERNELS) in text  # the list is the kernels tune takes, in their order
+
+
+# ---- the command on a fake H200 ------------------------------------------------------------------
+
+class LightCase:
+    """``tune.Case`` without tensors: its kernel and shape recorded, a launch that does nothing."""
+
+    made: typing.ClassVar[list[tuple[str, int, int]]] = []
+
+    def __init__(self, kernel: str, tokens: int, heads: int, fmt: fp8.Fp8Format) -> None:
+        LightCase.made.append((kernel, tokens, heads))
+        self.run = lambda: None
+
+
+@pytest.fixture
+def fake_h200(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    gpu = torch.device("cuda", 1)
+
+    def on_gpu(answer):
+        return lambda device: answer if device == gpu else pytest.fail(f"asked about {device}, not {gpu}")
+
+    monkeypatch.setattr(target, "of", on_gpu(target.Target(target.CUDA, "sm90")))
+    monkeypatch.setattr(launch, "device_name", on_gpu("NVIDIA H200"))
+    monkeypatch.setattr(fp8, "device_format", on_gpu(fp8.E4M3FN))
+    LightCase.made = []
+    monkeypatch.setattr(tune, "Case", LightCase)
+
+
+class Terminal(io.TextIOBase):
+    """A stdout that shows what was written only when flushed (as a pipe or a file does)."""
+
+    def __init__(self) -> None:
+        self.pending, self.shown = "", ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        return len(text)
+
+    def flush(self) -> None:
+        self.shown, self.pending = self.shown + self.pending, ""
+
+
+def _shipped(kernel, tokens, heads):
+    return dict(launch_configs.rule_for(tune.shipped_rules("sm90", kernel), tokens, heads).config)
+
+
+def _mine_file(tmp_path, kernel=names.QK_CACHE_KERNEL):
+    mine = {"HEADS": 1, "num_warps": 2}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"schema": launch_configs.SCHEMA, "arch": "sm90",
+                                "kernels": {kernel: [{"config": mine}]}}))
+    return path, mine
+
+
+def test_with_json_a_machine_without_a_gpu_says_so_in_one_object(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune.main(["--json", "--heads", "3"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"command": "tune", "ok": False, "exit_status": 1, "error": NO_GPU}
+    assert err == f"k3-amd-overlay tune: {NO_GPU}\n"
+
+
+def test_with_json_a_tuning_prints_one_object_naming_the_file_and_the_table_goes_to_stderr(
+        fake_h200, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tune, "tune_case", lambda case, shipped, tried, log: (shipped, 8.0, 10.0))
+    out_file = tmp_path / "mine.json"
+    code = tune.main(["--json", "--out", str(out_file), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "4",
+                      "--heads", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert json.loads(out) == {"command": "tune", "ok": True, "exit_status": 0, "file": str(out_file),
+                               "compare": None}
+    assert f"| {names.QK_CACHE_KERNEL} | 4 | 2 | 10.00 | 8.00 | 1.25 | {_shipped(names.QK_CACHE_KERNEL, 4, 2)} |" \
+        in err.splitlines()
+    assert err.splitlines()[-1].startswith(f"wrote {out_file}; ")
+    assert launch_configs.load(out_file).tuned_on == "NVIDIA H200"
+
+
+@pytest.mark.parametrize(("mine_us", "code"), [(100.0, 0), (150.0, 1)], ids=["as-fast", "slower"])
+def test_with_json_a_compare_prints_one_object_naming_the_file_compared_and_no_file_written(
+        fake_h200, monkeypatch, tmp_path, capsys, mine_us, code):
+    path, mine = _mine_file(tmp_path)
+    monkeypatch.setattr(tune, "interleaved_us", lambda run, configs: (
+        [mine_us, 100.0] if configs[0] == mine else pytest.fail(f"timed {configs}, not the file's first")))
+    assert tune.main(["--json", "--compare", str(path), "--heads", "2"]) == code
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"command": "tune", "ok": code == 0, "exit_status": code, "file": None,
+                               "compare": str(path)}
+    slower = len(shapes.QK_CACHE_BATCHES) if code else 0
+    assert err.splitlines()[-1] == f"{slower} shapes slower than the shipped configs by more than 2%"
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.json"]
+
+
+def test_each_tuned_row_is_on_the_terminal_before_the_next_shape_is_tuned(fake_h200, monkeypatch, tmp_path):
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    shown_when_tuned = []
+
+    def tune_case(case, shipped, tried, log):
+        shown_when_tuned.append(terminal.shown)
+        return shipped, 8.0, 10.0
+
+    monkeypatch.setattr(tune, "tune_case", tune_case)
+    assert tune.main(["--out", str(tmp_path), "--kernels", names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL,
+                      "--tokens", "1", "4", "--heads", "2"]) == 0
+    made = LightCase.made
+    assert len(made) == len(shown_when_tuned) == 4
+    rows = [f"| {k} | {t} | {h} | 10.00 | 8.00 | 1.25 | {_shipped(k, t, h)} |" for k, t, h in made]
+    for i, shown in enumerate(shown_when_tuned):
+        assert [row for row in rows if row in shown.splitlines()] == rows[:i]
+    assert all(row in terminal.shown.splitlines() for row in rows)
+
+
+def test_each_compared_row_is_on_the_terminal_before_the_next_shape_is_timed(fake_h200, monkeypatch, tmp_path):
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    path, _ = _mine_file(tmp_path)
+    shown_when_timed = []
+
+    def interleaved_us(run, configs):
+        shown_when_timed.append(terminal.shown)
+        return [90.0, 100.0]
+
+    monkeypatch.setattr(tune, "interleaved_us", interleaved_us)
+    assert tune.main(["--compare", str(path), "--heads", "2"]) == 0
+    rows = [f"| {names.QK_CACHE_KERNEL} | {t} | 2 | 100.00 | 90.00 | 1.11 |" for t in shapes.QK_CACHE_BATCHES]
+    assert len(shown_when_timed) == len(rows) > 1
+    for i, shown in enumerate(shown_when_timed):
+        assert [row for row in rows if row in shown.splitlines()] == rows[:i]
+    assert all(row in terminal.shown.splitlines() for row in rows)
+
+
+# ---- what a case checks against -------------------------------------------------------------------
+
+FACTORIES = ("randn", "empty", "zeros", "randperm", "tensor", "randint")
+
+
+@pytest.fixture
+def cpu_for_cuda(monkeypatch):
+    """torch's factories told ``device="cuda"`` make CPU tensors; seed 0, as the command seeds."""
+    def on_cpu(factory):
+        @functools.wraps(factory)
+        def make(*args, **kwargs):
+            if kwargs.get("device") == "cuda":
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+        return make
+
+    for name in FACTORIES:
+        monkeypatch.setattr(torch, name, on_cpu(getattr(torch, name)))
+    torch.manual_seed(0)
+
+
+def test_the_norm_case_launches_and_checks_with_the_models_eps(cpu_for_cuda, monkeypatch):
+    from k3_amd_overlay.kernels import rmsnorm_pair
+
+    calls = {}
+
+    def spy(name, function):
+        signature = inspect.signature(function)
+
+        def called(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs).arguments
+            calls[name] = (bound["q_eps"], bound["kv_eps"])
+            return function(*args, **kwargs) if name == "reference" else None
+        return called
+
+    monkeypatch.setattr(reference, "rmsnorm_pair_reference", spy("reference", reference.rmsnorm_pair_reference))
+    monkeypatch.setattr(rmsnorm_pair, "rmsnorm_pair", spy("launch", rmsnorm_pair.rmsnorm_pair))
+    case = tune.Case(names.RMSNORM_PAIR_KERNEL, 3, 1, fp8.E4M3FN)
+    assert calls == {"reference": (k3.RMS_NORM_EPS, k3.RMS_NORM_EPS)}
+    case.run()
+    assert calls["launch"] == (k3.RMS_NORM_EPS, k3.RMS_NORM_EPS)
+
+
+@pytest.mark.parametrize("fmt", [fp8.E4M3FN, fp8.E4M3FNUZ], ids=lambda f: f.name)
+@pytest.mark.parametrize("kernel", ABSORBING)
+def test_a_cases_query_codes_are_like_a_decode_steps(kernel, fmt, cpu_for_cuda):
+    """The reference's query (the absorbed 512 codes and the rope 64 of each head) is what a real step
+    quantizes: the absorbed part of the same order as the rope part (the one q_scale serves both), no
+    code saturated or flushed to zero, and each head's codes varied: a bytes check over such codes
+    sees a candidate's rounding everywhere."""
+    tokens, heads = 4, 2
+    case = tune.Case(kernel, tokens, heads, fmt)
+    want_out = case.wanted[0]
+    assert tuple(want_out.shape) == (tokens, heads, k3.KV_LORA_RANK + k3.QK_ROPE_HEAD_DIM)
+    values = want_out.view(fmt.dtype).float()
+    absorbed, rope = values[..., : k3.KV_LORA_RANK], values[..., k3.KV_LORA_RANK:]
+    ratio = float(absorbed.abs().median() / rope.abs().median())
+    assert 0.25 < ratio < 4, ratio
+    assert float((absorbed.abs() >= fmt.fmax).float().mean()) < 1e-3
+    assert float((absorbed == 0).float().mean()) < 1e-2
+    distinct = [len(set(row.tolist())) for row in want_out[..., : k3.KV_LORA_RANK].reshape(-1, k3.KV_LORA_RANK)]
+    assert min(distinct) >= 64, distinct
+
+
+class PairedCase(tune.Case):
+    """A case with outputs and a reference set by hand (no kernel, no GPU)."""
+
+    def __init__(self, outputs, wanted):
+        self.kernel, self.outputs, self.wanted = names.QK_CACHE_KERNEL, outputs, wanted
+        self.run = lambda: [o.copy_(w) for o, w in zip(outputs, wanted, strict=False)]
+
+
+def test_a_case_whose_reference_does_not_pair_every_output_gives_no_verdict():
+    def codes(n):
+        return torch.randint(0, 256, (n,), dtype=torch.uint8)
+
+    reference_codes = codes(7)
+    assert PairedCase((torch.empty(7, dtype=torch.uint8),), (reference_codes,)).mismatches(None) == (0, 0)
+    # the second output never checked (or a reference for an output that is not there): refused, not a pass
+    with pytest.raises(ValueError, match="zip"):
+        PairedCase((torch.empty(7, dtype=torch.uint8), torch.empty(5, dtype=torch.uint8)),
+                   (reference_codes,)).mismatches(None)
+    with pytest.raises(ValueError, match="zip"):
+        PairedCase((torch.empty(7, dtype=torch.uint8),), (reference_codes, codes(5))).mismatches(None)
