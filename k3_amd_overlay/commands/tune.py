@@ -88,8 +88,9 @@ class Case:
             kv_w = torch.randn(lora, dtype=torch.bfloat16, device="cuda")
             self.outputs = (torch.empty(tokens, k3.Q_LORA_RANK, dtype=torch.bfloat16, device="cuda"),
                             torch.empty(tokens, lora, dtype=torch.bfloat16, device="cuda"))
-            self.wanted = reference.rmsnorm_pair_reference(q_c, kv, q_w, kv_w, 1e-5, 1e-5)
-            self.run = lambda: rmsnorm_pair(q_c, kv, q_w, kv_w, 1e-5, 1e-5, *self.outputs)
+            eps = k3.RMS_NORM_EPS
+            self.wanted = reference.rmsnorm_pair_reference(q_c, kv, q_w, kv_w, eps, eps)
+            self.run = lambda: rmsnorm_pair(q_c, kv, q_w, kv_w, eps, eps, *self.outputs)
             return
         q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(tokens, heads)
         self.outputs = (q_out, cache)
