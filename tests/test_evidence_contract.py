@@ -184,3 +184,20 @@ def test_a_fork_started_childs_last_counts_reach_its_marker_at_exit(tmp_path, mo
     assert child.exitcode == 0
     saved = json.loads((tmp_path / "m" / f"{child.pid}.json").read_text())
     assert saved["fusions"]["qk_cache"]["runs"]["served"] == 3
+
+
+def test_the_measurement_and_later_launch_config_entries_reach_the_marker(tmp_path):
+    """``set_measurement`` and ``update_launch_configs`` write what they are given at once, the latter
+    added to what ``set_launch_configs`` recorded (the degraded configs and the compile seconds)."""
+    import random
+
+    evidence = Evidence(settings_for(tmp_path))
+    measurement = {"file": f"/opt/tuned/gfx950-{random.randrange(10**6)}.measured.json",
+                   "stock_buckets": {"qk_cache": [[129, 256, 0.93]]}}
+    evidence.set_measurement(measurement)
+    assert json.loads(evidence.marker_path.read_text())["measurement"] == measurement
+    evidence.set_launch_configs({"arch": "gfx950", "kernels": {}})
+    seconds = round(random.uniform(0.1, 9.0), 3)
+    evidence.update_launch_configs({"compile_seconds": {"qk_cache_kernel": seconds}})
+    assert json.loads(evidence.marker_path.read_text())["launch_configs"] == {
+        "arch": "gfx950", "kernels": {}, "compile_seconds": {"qk_cache_kernel": seconds}}
