@@ -201,3 +201,21 @@ def test_the_measurement_and_later_launch_config_entries_reach_the_marker(tmp_pa
     evidence.update_launch_configs({"compile_seconds": {"qk_cache_kernel": seconds}})
     assert json.loads(evidence.marker_path.read_text())["launch_configs"] == {
         "arch": "gfx950", "kernels": {}, "compile_seconds": {"qk_cache_kernel": seconds}}
+
+
+def test_after_stop_writing_no_change_is_written_anywhere(tmp_path, monkeypatch):
+    """``stop_writing`` (the doctor, before it removes its marker directory): later changes stay in the
+    record and are written nowhere, neither the old marker nor a file in the working directory."""
+    evidence = Evidence(settings_for(tmp_path))
+    evidence.flush()
+    marker = evidence.marker_path
+    before = marker.read_text()
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    evidence.stop_writing()
+    evidence.set_fusion("qk_cache", FusionState.REFUSED, "stopped")
+    evidence.effective_hook("qkv_norm", "layer.0")(8)
+    evidence.flush()
+    assert marker.read_text() == before and list(elsewhere.iterdir()) == []
+    assert evidence.fusion("qk_cache").reason == "stopped" and evidence.fusion("qkv_norm").effective
