@@ -502,6 +502,15 @@ def test_progress_and_warnings_reach_their_reader_before_each_next_step(lab, tmp
          warnings + aborted + f"logs: {lab.out / 'repeat0-armB'}\n")]
     assert [(b["stdout"], b["stderr"]) for b in lab.benches()] == [(bench_a, warnings)]
 
+    # the hazard's warning alone (n = 6 can give a verdict: no second warning flushes it)
+    lab.out, lab.fail, lab.snapshots = tmp_path / "six", {"repeat0-armA"}, []
+    with open(lab.files[0], "w") as out, open(lab.files[1], "w") as err, pytest.MonkeyPatch.context() as streams:
+        streams.setattr(sys, "stdout", out)
+        streams.setattr(sys, "stderr", err)
+        assert lab.main("--repeats", "6", "--concurrency", "2", "--accept-baseline-hazard") == 1
+    assert lab.snapshots[0] == ("serve repeat0-armA", "[1/12] repeat 0, arm A (K3_AMD_OVERLAY=0): starting\n",
+                                "k3-amd-overlay ab-serve: warning (--accept-baseline-hazard): arm A: a hazard\n")
+
 
 def test_the_profile_window_posts_start_then_stop_from_a_daemon_thread(lab, monkeypatch):
     made = []
