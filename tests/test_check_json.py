@@ -22,6 +22,8 @@ def check(argv: list[str]) -> int:
     (["--json", "--expect", "fast"], "argument --expect: invalid choice: 'fast'"),
     (["--expect", "fused", "--json", "--bogus"], "unrecognized arguments: --bogus"),
     (["--expect", "fused", "--js", "--fusions", "fast"], "--fusions: unknown fast; allowed: qkv_norm, qk_cache"),
+    (["--expect", "fused", "--json", "--fusions", "fast, qk_cache,slow"],
+     "--fusions: unknown fast, slow; allowed: qkv_norm, qk_cache, absorb_qk_cache"),
     (["--expect", "fused", "--json", "--static", "--merge", "x.json"], "--merge, --static and --prune each judge"),
     (["--expect", "fused", "--json", "--static", "--prune"], "--merge, --static and --prune each judge"),
     (["--expect", "fused", "--json", "--merge", "missing.json"], "--merge: missing.json is not the output of"),

@@ -148,3 +148,16 @@ def test_a_record_without_a_host_is_its_node_files(tmp_path, capsys):
     b = node(tmp_path, "node-b", process(pid=11))
     code, out = merge(capsys, "fused", str(a), b)
     assert code == 0 and "ok   host node-a pid 11 (worker" in out, out
+
+
+def test_a_node_file_can_come_on_standard_input(tmp_path, capsys, monkeypatch):
+    """``-`` reads one node's check --json from standard input, judged with the files beside it."""
+    import io
+
+    a = node(tmp_path, "node-a", process(pid=11))
+    b = Path(node(tmp_path, "node-b", process(pid=12))).read_text()
+    monkeypatch.setattr("sys.stdin", io.StringIO(b))
+    code, out = merge(capsys, "fused", a, "-")
+    assert code == 0, out
+    assert "ok   host node-b pid 12 (worker, vLLM 0.33.0): qk_cache=applied" in out
+    assert "HOLDS: expect fused (2 processes)" in out
