@@ -78,6 +78,30 @@ def no_exit_flush(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(process_hooks, "register_exit_flush", lambda function: None)
 
 
+TORCH_FACTORIES = ("randn", "empty", "zeros", "randperm", "tensor", "randint")
+
+
+@pytest.fixture
+def cpu_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's factories told ``device="cuda"`` make CPU tensors, seeded 0 as ``tune`` seeds: a
+    GPU-only command's inputs built on this CPU."""
+    import functools
+
+    import torch
+
+    def on_cpu(factory: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(factory)
+        def make(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("device") == "cuda":
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+        return make
+
+    for name in TORCH_FACTORIES:
+        monkeypatch.setattr(torch, name, on_cpu(getattr(torch, name)))
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def emitted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
     """What the overlay reports as its own lines (log_lines.emit: through the vllm logger or stderr,

@@ -6,32 +6,11 @@ poisoned code."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
 from k3_amd_overlay.commands import tune
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels import names
-
-FACTORIES = ("randn", "empty", "zeros", "randperm", "tensor", "randint")
-
-
-@pytest.fixture
-def cpu_for_cuda(monkeypatch):
-    def on_cpu(factory):
-        @functools.wraps(factory)
-        def make(*args, **kwargs):
-            if kwargs.get("device") == "cuda":
-                kwargs["device"] = "cpu"
-            return factory(*args, **kwargs)
-        return make
-
-    for name in FACTORIES:
-        monkeypatch.setattr(torch, name, on_cpu(getattr(torch, name)))
-    torch.manual_seed(0)
-
 
 LAUNCHING_MODULES = ("rmsnorm_pair", "qk_cache", "absorb_qk_cache", "absorb_fp8_qk_cache", "absorb_mxfp4_qk_cache",
                      "static_quant")

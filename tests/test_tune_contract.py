@@ -6,7 +6,6 @@ neither saturate nor vanish nor repeat; every output paired with a reference, or
 
 from __future__ import annotations
 
-import functools
 import inspect
 import io
 import json
@@ -186,24 +185,6 @@ def test_each_compared_row_is_on_the_terminal_before_the_next_shape_is_timed(fak
 
 
 # ---- what a case checks against -------------------------------------------------------------------
-
-FACTORIES = ("randn", "empty", "zeros", "randperm", "tensor", "randint")
-
-
-@pytest.fixture
-def cpu_for_cuda(monkeypatch):
-    """torch's factories told ``device="cuda"`` make CPU tensors; seed 0, as the command seeds."""
-    def on_cpu(factory):
-        @functools.wraps(factory)
-        def make(*args, **kwargs):
-            if kwargs.get("device") == "cuda":
-                kwargs["device"] = "cpu"
-            return factory(*args, **kwargs)
-        return make
-
-    for name in FACTORIES:
-        monkeypatch.setattr(torch, name, on_cpu(getattr(torch, name)))
-    torch.manual_seed(0)
 
 
 def test_the_norm_case_launches_and_checks_with_the_models_eps(cpu_for_cuda, monkeypatch):
