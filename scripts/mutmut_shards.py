@@ -35,6 +35,11 @@ def copy_tree(root: str, into: str) -> str:
     return into
 
 
+def short_name(module: str) -> str:
+    """A module's name in result files: ``k3_amd_overlay/commands/cli.py`` -> ``commands-cli``."""
+    return module.removeprefix("k3_amd_overlay/").removesuffix(".py").replace("/", "-")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("plan")
@@ -55,7 +60,7 @@ def main() -> None:
             count = len(json.load(handle)["mutants"])
         ids = entry.get("only") or list(range(count))
         size = entry.get("shard", 25)
-        name = entry["module"].removeprefix("k3_amd_overlay/").removesuffix(".py").replace("/", "-")
+        name = short_name(entry["module"])
         totals[name] = len(ids)
         for n, first in enumerate(range(0, len(ids), size)):
             result = os.path.join(args.out, f"{name}.shard{n}.json")
@@ -67,7 +72,7 @@ def main() -> None:
     if args.coverage:
         covering = []
         for entry in plan:
-            name = entry["module"].removeprefix("k3_amd_overlay/").removesuffix(".py").replace("/", "-")
+            name = short_name(entry["module"])
             clone = copy_tree(root, os.path.join(scratch, f"cover-{name}"))
             coverage_files[entry["module"]] = os.path.join(args.out, f"{name}.coverage.json")
             command = [python, os.path.join(clone, "scripts/mutmut_forked.py"), "cover", clone, entry["module"],
@@ -76,11 +81,12 @@ def main() -> None:
             covering.append(subprocess.Popen(command, env={**os.environ, "PYTHONPATH": clone}))
         failed = [entry for entry, proc in zip(plan, covering, strict=True) if proc.wait() != 0]
         for entry in failed:  # reported, and left out: the other modules go on
-            name = entry["module"].removeprefix("k3_amd_overlay/").removesuffix(".py").replace("/", "-")
+            name = short_name(entry["module"])
             with open(os.path.join(scratch, f"cover-{name}", "cover-pytest.log")) as handle:
                 print(f"--- {entry['module']}: its tests fail unmutated, not run\n{handle.read()[-4000:]}", flush=True)
         if failed:
             left_out = {entry["module"] for entry in failed}
+            left_out_names = {short_name(module) for module in left_out}
             kept = []
             while not tasks.empty():
                 task = tasks.get_nowait()
@@ -88,9 +94,7 @@ def main() -> None:
                     kept.append(task)
             for task in kept:
                 tasks.put(task)
-            shards[:] = [(name, result) for name, result in shards
-                         if name not in {m.removeprefix("k3_amd_overlay/").removesuffix(".py").replace("/", "-")
-                                         for m in left_out}]
+            shards[:] = [(name, result) for name, result in shards if name not in left_out_names]
     log_lock = threading.Lock()
 
     def worker(k: int) -> None:
