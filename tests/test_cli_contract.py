@@ -1,0 +1,342 @@
+"""The exact contract of ``commands/cli.py`` beyond the verdicts it calls: which marker files the
+local ``check`` counts as live, stale, unreadable or another host's, and the note for each (word for
+word, as an operator reads them); what ``--prune`` removes and what it leaves; what ``--merge``
+reads from each node file and the note it prints; what the static probe's subprocess is given and
+each way its answer is read; the ``check --json`` object on each source; the tool dispatch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+from records import off_process, process
+
+from k3_amd_overlay.commands import cli
+from k3_amd_overlay.commands.usage import UsageError
+from k3_amd_overlay.record import MarkerRecord
+from k3_amd_overlay.settings import MARKER_DIR
+
+HOST = socket.gethostname()
+ME = os.getpid()
+
+
+def marker(directory: Path, name: str, record: dict[str, Any] | str) -> Path:
+    path = directory / name
+    path.write_text(record if isinstance(record, str) else json.dumps(record))
+    return path
+
+
+@pytest.fixture
+def markers_dir(tmp_path: Path) -> dict[str, Path]:
+    """One file of each kind, named so that they sort a, b, c, d, e: live here, stale here (this
+    pid with another start time: a reused pid), unreadable, another host's live pid, another
+    host's dead one."""
+    directory = tmp_path / "markers"
+    directory.mkdir()
+    return {
+        "live": marker(directory, "a.json", off_process(pid=ME, host=HOST)),
+        "stale": marker(directory, "b.json", off_process(pid=ME, host=HOST, start_ticks=1)),
+        "unreadable": marker(directory, "c.json", "{not json"),
+        "foreign": marker(directory, "d.json", off_process(pid=ME, host="node-z")),
+        "foreign_dead": marker(directory, "e.json", off_process(pid=ME, host="node-y", start_ticks=1)),
+    }
+
+
+def test_live_records_counts_each_kind_and_notes_each_file_word_for_word(markers_dir):
+    directory = markers_dir["live"].parent
+    records, notes = cli.live_records(directory, prune=False)
+    assert [(r.pid, r.host, r.start_ticks) for r in records] == [(ME, HOST, None)]
+    error = notes[2].split(": ", 1)[1]
+    assert error.startswith("unreadable marker: ")
+    assert notes == [
+        f"markers read from {directory}: 1 live, 1 stale, 1 unreadable, 2 of other hosts",
+        f"note {markers_dir['stale']}: host {HOST} pid {ME} is gone (or its pid was reused); stale, ignored "
+        "(--prune removes such files)",
+        f"note {markers_dir['unreadable']}: {error}",
+        f"note {markers_dir['foreign']}: host node-z pid {ME} was written on another host, whose processes cannot "
+        f"be checked from {HOST}; ignored (a marker directory shared between nodes? give each node its own and "
+        "judge them with --merge)",
+        f"note {markers_dir['foreign_dead']}: host node-y pid {ME} was written on another host, whose processes "
+        f"cannot be checked from {HOST}; ignored (a marker directory shared between nodes? give each node its own "
+        "and judge them with --merge)",
+    ]
+    assert all(path.exists() for path in markers_dir.values())  # without --prune nothing is removed
+
+
+def test_prune_removes_only_this_hosts_stale_markers(markers_dir):
+    directory = markers_dir["live"].parent
+    records, notes = cli.live_records(directory, prune=True)
+    assert [r.pid for r in records] == [ME]
+    assert f"note {markers_dir['stale']}: host {HOST} pid {ME} is gone; stale marker removed (--prune)" in notes
+    assert not markers_dir["stale"].exists()
+    for kept in ("live", "unreadable", "foreign", "foreign_dead"):
+        assert markers_dir[kept].exists(), kept  # another host's file is that host's to prune
+
+
+def test_a_directory_without_other_hosts_says_no_host_count(tmp_path):
+    marker(tmp_path, "1.json", off_process(pid=ME, host=HOST))
+    records, notes = cli.live_records(tmp_path, prune=False)
+    assert notes == [f"markers read from {tmp_path}: 1 live, 0 stale, 0 unreadable"] and len(records) == 1
+
+
+def test_a_record_without_a_host_is_this_machines(tmp_path):
+    marker(tmp_path, "1.json", off_process(pid=ME))
+    records, _ = cli.live_records(tmp_path, prune=False)
+    assert [r.host for r in records] == [HOST]
+
+
+@pytest.mark.parametrize("kind,said", [("file", " (it is a file, not a directory)"),
+                                       ("missing", " (no such directory)")])
+def test_a_marker_dir_that_is_not_a_directory_is_named(tmp_path, kind, said):
+    path = tmp_path / "markers"
+    if kind == "file":
+        path.write_text("{}")
+    said = f"markers read from {path}: 0 live, 0 stale, 0 unreadable{said}"
+    assert cli.live_records(path, prune=False) == ([], [said])
+
+
+def test_check_json_reports_the_marker_dir_it_read_and_the_records(markers_dir, capsys, monkeypatch):
+    directory = markers_dir["live"].parent
+    monkeypatch.setenv(MARKER_DIR, str(directory))
+    code = cli.main(["check", "--expect", "off", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["ok"] is True and data["holds"] is True and data["exit_status"] == 0
+    assert data["command"] == "check" and data["source"] == "markers" and data["expect"] == "off"
+    assert data["marker_dir"] == str(directory) and data["host"] == HOST
+    assert [r["pid"] for r in data["records"]] == [ME] and data["records"][0]["host"] == HOST
+    assert data["notes"][0] == f"markers read from {directory}: 1 live, 1 stale, 1 unreadable, 2 of other hosts"
+    # --marker-dir wins over the environment
+    other = directory.parent / "other"
+    code = cli.main(["check", "--expect", "off", "--json", "--marker-dir", str(other)])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1 and data["ok"] is False and data["exit_status"] == 1 and data["marker_dir"] == str(other)
+    assert data["records"] == []
+
+
+def test_check_text_ends_with_the_verdict_and_a_process_count(markers_dir, capsys, monkeypatch):
+    monkeypatch.setenv(MARKER_DIR, str(markers_dir["live"].parent))
+    assert cli.main(["check", "--expect", "off"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("markers read from ") and lines[-1] == "HOLDS: expect off (1 process)"
+    assert cli.main(["check", "--expect", "fused"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "DOES NOT HOLD: expect fused (1 process)"
+
+
+def test_the_default_marker_dir_is_the_per_user_one(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv(MARKER_DIR, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    cli.main(["check", "--expect", "off", "--json"])
+    assert json.loads(capsys.readouterr().out)["marker_dir"] == str(tmp_path / "k3-amd-overlay")
+
+
+def node_file(tmp_path: Path, name: str, data: dict[str, Any]) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_merged_records_reads_each_node_and_notes_its_count_and_host(tmp_path):
+    two = node_file(tmp_path, "a.json", {"host": "node-a", "expect": "fused", "holds": True, "lines": ["ok", 3],
+                                         "marker_dir": "/m", "records": [process(pid=1), process(pid=2, host="x")]})
+    one = node_file(tmp_path, "b.json", {"host": "node-b", "marker_dir": "/m", "source": "static",
+                                         "records": [process(pid=3)]})
+    none = node_file(tmp_path, "c.json", {"records": []})
+    older = node_file(tmp_path, "d.json", {"marker_dir": "/m", "records": [process(pid=4)]})
+    nodes, notes = cli.merged_records([two, one, none, older])
+    assert notes == [f"note {two}: 2 processes from host node-a", f"note {one}: 1 process from host node-b",
+                     f"note {none}: 0 processes from host unknown", f"note {older}: 1 process from host unknown"]
+    a, b, c, d = nodes
+    assert (a.source, a.host, a.expect, a.holds, a.live, a.lines) == (two, "node-a", "fused", True, True, ["ok", "3"])
+    assert [(r.pid, r.host) for r in a.records] == [(1, "node-a"), (2, "x")]  # a record's own host wins
+    assert (b.host, b.expect, b.holds, b.live, b.lines) == ("node-b", None, None, False, [])  # a --static output
+    assert (c.host, c.live, c.records) == (None, False, [])  # no marker_dir: not read from live markers
+    assert [r.host for r in d.records] == [""] and d.live is True  # neither says: not this machine's
+
+
+@pytest.mark.parametrize("data,detail", [
+    ({"host": "h"}, "it has no 'records'"),
+    ([1, 2], "'list' object has no attribute 'get'"),
+    ({"records": 5}, "'int' object is not iterable"),
+    ({"records": [{"mode": "auto"}]}, "marker field 'pid'"),
+])
+def test_merged_records_refuses_a_file_that_is_not_a_check_output_naming_it(tmp_path, data, detail):
+    path = node_file(tmp_path, "bad.json", data)
+    with pytest.raises(UsageError) as raised:
+        cli.merged_records([path])
+    assert str(raised.value) == f"--merge: {path} is not the output of `k3-amd-overlay check --json`: {detail}"
+
+
+def test_merged_records_reads_standard_input_for_a_dash(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(read=lambda *a: json.dumps(
+        {"host": "node-s", "marker_dir": "/m", "records": [process(pid=9)]})))
+    nodes, notes = cli.merged_records(["-"])
+    assert notes == ["note -: 1 process from host node-s"] and nodes[0].records[0].host == "node-s"
+
+
+class FakeRun:
+    """subprocess.run as the static probe calls it: records the call, answers ``result``."""
+
+    def __init__(self, stdout: str = "", stderr: str = "", returncode: int = 0, raises: Exception | None = None):
+        self.result = subprocess.CompletedProcess([], returncode, stdout, stderr)
+        self.raises = raises
+        self.calls: list[tuple[list[str], dict[str, Any]]] = []
+
+    def __call__(self, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        directory = kwargs["env"][MARKER_DIR]
+        self.calls.append((argv, {**kwargs, "mode": os.stat(directory).st_mode & 0o777}))
+        if self.raises:
+            raise self.raises
+        return self.result
+
+
+def probe(monkeypatch, fake: FakeRun, **kwargs: Any) -> tuple[MarkerRecord | None, str]:
+    monkeypatch.setattr(cli.subprocess, "run", fake)
+    return cli.static_record(**kwargs)
+
+
+def test_the_static_probe_runs_this_python_with_a_private_throwaway_marker_dir(monkeypatch):
+    monkeypatch.setenv("K3OVL_SEEN_BY_PROBE", "yes")
+    record = off_process(pid=77)
+    fake = FakeRun(stdout="loading\nK3_AMD_OVERLAY_RECORD=" + json.dumps(record) + "\n")
+    got, reason = probe(monkeypatch, fake, timeout=12.0)
+    assert reason == "" and got is not None and got.pid == 77
+    (argv, kwargs), = fake.calls
+    assert argv == [sys.executable, "-c", cli.STATIC_PROBE]
+    assert kwargs["timeout"] == 12.0 and kwargs["capture_output"] is True and kwargs["text"] is True
+    assert kwargs["env"]["K3OVL_SEEN_BY_PROBE"] == "yes" and kwargs["mode"] == 0o700
+    assert not os.path.exists(kwargs["env"][MARKER_DIR])  # removed after the probe
+
+
+@pytest.mark.parametrize("fake,reason", [
+    (FakeRun(raises=subprocess.TimeoutExpired("python", 7)),
+     "the probe took over 7 s (vLLM plugin loading + the K3 AMD import)"),
+    (FakeRun(stdout="K3_AMD_OVERLAY_RECORD=null\n"),
+     "vLLM's plugin loading never ran k3-amd-overlay's plugin in this Python (is k3-amd-overlay installed in it, "
+     "under the vllm.general_plugins entry point?)"),
+    (FakeRun(stdout="K3_AMD_OVERLAY_RECORD={oops\n"), "unreadable record from the static probe: Expecting property"),
+    (FakeRun(stdout='K3_AMD_OVERLAY_RECORD={"pid": 1}\n'), "unreadable record from the static probe: marker field "),
+    (FakeRun(stdout="out\n", stderr="Traceback\n  File x\nImportError: no vllm\n  \n", returncode=1),
+     "vLLM plugin loading or the K3 AMD import failed: ImportError: no vllm (`k3-amd-overlay doctor` says more)"),
+    (FakeRun(stdout="first\n  last said  \n\n", returncode=1),
+     "vLLM plugin loading or the K3 AMD import failed: last said (`k3-amd-overlay doctor` says more)"),
+    (FakeRun(returncode=3),
+     "vLLM plugin loading or the K3 AMD import failed: exit 3 (`k3-amd-overlay doctor` says more)"),
+])
+def test_each_way_the_static_probe_ends_is_one_line(monkeypatch, fake, reason):
+    got, said = probe(monkeypatch, fake, timeout=7.0)
+    assert got is None and said.startswith(reason) and "\n" not in said
+
+
+def test_fusions_are_split_trimmed_and_checked():
+    assert cli._fusions(None) is None and cli._fusions("") is None
+    assert cli._fusions(" qk_cache, ,qkv_norm ") == ["qk_cache", "qkv_norm"]
+    assert cli._fusions(",") == []
+
+
+def test_the_check_json_usage_error_has_checks_keys():
+    data = cli._check_json_error("bad")
+    assert {k: data[k] for k in ("expect", "holds", "lines", "notes", "host", "source", "marker_dir", "records")} == {
+        "expect": None, "holds": False, "lines": ["FAIL usage: bad"], "notes": [], "host": HOST, "source": None,
+        "marker_dir": None, "records": []}
+    assert data["command"] == "check" and data["usage_error"] == "bad"
+
+
+@pytest.fixture
+def fake_tool(monkeypatch):
+    """A tool module of the shape cli.TOOLS names: its parser, its main, what it was given."""
+    seen: dict[str, Any] = {}
+    module = types.ModuleType("k3ovl_fake_tool")
+
+    def parser():
+        seen["parsed"] = True
+        return types.SimpleNamespace(parse_args=lambda argv: seen.setdefault("parse_args", list(argv)))
+
+    module.parser = parser
+    module.main = lambda argv: seen.setdefault("main", list(argv)) and 5
+    monkeypatch.setitem(sys.modules, "k3ovl_fake_tool", module)
+    monkeypatch.setitem(cli.TOOLS, "faketool", ("k3ovl_fake_tool", "a fake"))
+    return module, seen
+
+
+def test_a_tool_without_needs_runs_with_its_arguments(fake_tool):
+    _, seen = fake_tool
+    assert cli.main(["faketool", "--x", "1"]) == 5
+    assert seen == {"main": ["--x", "1"]}  # no parse before the run: it needs nothing from the image
+
+
+def test_a_tool_with_needs_parses_first_then_looks_for_them(fake_tool, monkeypatch, capsys):
+    module, seen = fake_tool
+    module.legacy_argv = lambda argv: ["converted", *argv]
+    monkeypatch.setitem(cli.TOOL_NEEDS, "faketool", ("torch", "triton"))
+    looked: list[str] = []
+
+    def find_spec(name, *args):
+        looked.append(name)
+        return None if name == "triton" else object()
+
+    monkeypatch.setattr("importlib.util.find_spec", find_spec)
+    assert cli.main(["faketool", "--json", "a"]) == 1
+    assert seen == {"parsed": True, "parse_args": ["converted", "--json", "a"]} and looked == ["torch", "triton"]
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert data["command"] == "faketool" and data["missing"] == "triton" and data["ok"] is False
+    assert data["exit_status"] == 1 and data["error"] == err.strip()
+    assert err.startswith(f"k3-amd-overlay faketool: needs triton, which this Python ({sys.executable}) cannot import "
+                          "(No module named 'triton'). Run k3-amd-overlay with the Python vLLM is installed in")
+
+
+def test_a_sub_tool_runs_its_own_module_with_the_rest(monkeypatch):
+    got: dict[str, Any] = {}
+    module = types.ModuleType("k3ovl_fake_sub")
+    module.main = lambda argv: got.setdefault("argv", list(argv)) and 0
+    monkeypatch.setitem(sys.modules, "k3ovl_fake_sub", module)
+    monkeypatch.setitem(cli.SUBTOOLS, ("bench", "draw"), "k3ovl_fake_sub")
+    assert cli.main(["bench", "draw", "f.json", "--x"]) == 0 and got == {"argv": ["f.json", "--x"]}
+
+
+def test_another_missing_module_is_not_hidden(fake_tool):
+    module, _ = fake_tool
+
+    def main(argv):
+        raise ModuleNotFoundError("No module named 'yaml'", name="yaml")
+
+    module.main = main
+    with pytest.raises(ModuleNotFoundError):
+        cli.main(["faketool"])
+
+
+@pytest.mark.parametrize("name,missing", [("torch", "torch"), ("triton.language", "triton"), ("torchvision", None),
+                                          (None, None)])
+def test_only_torch_and_triton_are_the_images_to_name(name, missing):
+    assert cli._missing_module(ModuleNotFoundError("x", name=name)) == missing
+
+
+def test_the_missing_message_without_a_command():
+    said = cli._missing_message("", "torch", ModuleNotFoundError("No module named 'torch'"))
+    assert said.startswith(f"k3-amd-overlay: needs torch, which this Python ({sys.executable}) cannot import")
+    assert said.endswith("or install torch into this one (pip install torch; on ROCm, the ROCm build of torch, which "
+                         "brings triton)")
+
+
+def test_a_usage_error_is_the_subcommands_or_else_the_top_parsers():
+    parser = cli.build_parser()
+    assert cli._subcommand_parser(parser, "census").prog.endswith("census")
+    assert cli._subcommand_parser(parser, "nope") is parser
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--layers", "0"], "--layers 0 and --steps None: each at least 1"),
+    (["--steps", "0"], "--layers 24 and --steps 0: each at least 1"),
+])
+def test_census_counts_below_one_are_usage_errors(tmp_path, capsys, argv, said):
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": []}))
+    assert cli.main(["census", str(trace), *argv]) == 2
+    assert said in capsys.readouterr().err
