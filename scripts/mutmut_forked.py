@@ -92,12 +92,16 @@ def cover(clone: str, module: str, out: str, pytest_args: list[str]) -> None:
 
 
 def _selected(coverage: dict | None, line: int, clone: str, pytest_args: list[str]) -> list[str]:
-    """The pytest arguments for a mutant on ``line``: its statement's tests where coverage names
-    them (options kept), every test otherwise."""
+    """The pytest arguments for a mutant on ``line``: its statement's test functions where coverage
+    names them (options kept), every test otherwise. Functions, not parametrized ids: a context's
+    id can be spelled otherwise than pytest collects it (pytest versions differ on long or quoted
+    string parameters), and an id pytest cannot find ends the run with exit 4 before any test,
+    which must never pass for a kill."""
     tests = None if coverage is None else coverage.get(str(line))
     if not isinstance(tests, list):
         return pytest_args
-    return [a for a in pytest_args if a.startswith("-")] + [os.path.join(clone, t) for t in tests]
+    functions = list(dict.fromkeys(t.split("[", 1)[0] for t in tests))
+    return [a for a in pytest_args if a.startswith("-")] + [os.path.join(clone, t) for t in functions]
 
 
 def _test_in_child(clone: str, pytest_args: list[str], log: str, stop_first: bool = True,
