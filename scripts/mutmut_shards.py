@@ -70,8 +70,10 @@ def main() -> None:
     python = sys.executable
     coverage_files: dict[str, str] = {}
     if args.coverage:
-        covering = []
-        for entry in plan:
+        covering: list[subprocess.Popen] = []
+        for entry in plan:  # at most --workers at once: each imports torch (and vLLM where installed)
+            while sum(proc.poll() is None for proc in covering) >= args.workers:
+                time.sleep(0.5)
             name = short_name(entry["module"])
             clone = copy_tree(root, os.path.join(scratch, f"cover-{name}"))
             coverage_files[entry["module"]] = os.path.join(args.out, f"{name}.coverage.json")
