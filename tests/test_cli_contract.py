@@ -340,3 +340,165 @@ def test_census_counts_below_one_are_usage_errors(tmp_path, capsys, argv, said):
     trace.write_text(json.dumps({"traceEvents": []}))
     assert cli.main(["census", str(trace), *argv]) == 2
     assert said in capsys.readouterr().err
+
+
+CHECK_KEYS = ["command", "ok", "exit_status", "expect", "holds", "lines", "notes", "host", "source", "marker_dir",
+              "records"]
+
+
+def test_check_json_has_exactly_its_keys_in_order_one_space_indented(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(MARKER_DIR, str(tmp_path))
+    cli.main(["check", "--expect", "off", "--json"])
+    out = capsys.readouterr().out
+    assert list(json.loads(out)) == CHECK_KEYS and out.startswith('{\n "command": "check",\n "ok": false,')
+
+
+def static_check(monkeypatch, capsys, expect: str, *extra: str, switch: str | None = None,
+                 probe: tuple[Any, str] | None = None, **env: str) -> tuple[int, dict[str, Any]]:
+    """``check --static --json`` in this process: doctor and the probe replaced where the path reaches them."""
+    from k3_amd_overlay.commands import doctor
+
+    for name in [k for k in os.environ if k.startswith("K3_AMD_OVERLAY")]:
+        monkeypatch.delenv(name)
+    if switch is not None:
+        monkeypatch.setenv("K3_AMD_OVERLAY", switch)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    reached: list[str] = []
+    mode = "auto" if switch else "off"
+    monkeypatch.setattr(doctor, "run_doctor", lambda switch=None: reached.append("doctor") or (
+        {"switch": {"mode": mode}, "vllm shape": {"recognised": "k3_decode_wrapper"}, "launch configs": {},
+         "self-test": [], "fusions": {}}, True))
+    monkeypatch.setattr(cli, "static_record", lambda timeout=600.0: reached.append("probe") or probe)
+    code = cli.main(["check", "--expect", expect, "--static", "--json", *extra])
+    data = json.loads(capsys.readouterr().out)
+    data["reached"] = reached
+    return code, data
+
+
+@pytest.mark.parametrize("expect,wanted", [("fused", "1 (or a list of fusions)"), ("stock", "stock")])
+def test_static_with_the_overlay_off_here_says_what_to_set(monkeypatch, capsys, expect, wanted):
+    code, data = static_check(monkeypatch, capsys, expect)
+    assert code == 1 and data["source"] == "static" and data["records"] == [] and data["reached"] == []
+    assert data["lines"] == [
+        f"FAIL the overlay is off in this environment (K3_AMD_OVERLAY unset or 0): a vLLM process started here "
+        f"patches nothing, so it cannot be {expect}; set K3_AMD_OVERLAY={wanted}"]
+
+
+def test_static_expecting_off_with_the_overlay_off_asks_the_probe(monkeypatch, capsys):
+    code, data = static_check(monkeypatch, capsys, "off", probe=(MarkerRecord.from_json(off_process(pid=5)), ""))
+    assert code == 0 and data["holds"] is True and data["reached"] == ["doctor", "probe"]
+    assert [r["pid"] for r in data["records"]] == [5]
+
+
+def test_static_with_a_mistyped_switch_is_its_reason_and_no_process(monkeypatch, capsys):
+    code, data = static_check(monkeypatch, capsys, "fused", switch="fast")
+    assert code == 1 and data["records"] == [] and data["reached"] == [] and len(data["lines"]) == 1
+    assert data["lines"][0].startswith("FAIL K3_AMD_OVERLAY='fast' is not valid")
+    code, text = cli.main(["check", "--expect", "fused", "--static"]), capsys.readouterr().out
+    assert code == 1 and text.splitlines()[-1] == "DOES NOT HOLD: expect fused (0 processes)"
+
+
+def test_static_when_the_probe_does_not_complete_says_why(monkeypatch, capsys):
+    code, data = static_check(monkeypatch, capsys, "fused", switch="1", probe=(None, "it broke"))
+    assert code == 1 and data["records"] == [] and data["reached"] == ["doctor", "probe"]
+    assert data["lines"][0] == "FAIL the static probe did not complete: it broke"
+
+
+def test_merge_json_says_its_source_and_no_marker_dir(tmp_path, capsys):
+    path = node_file(tmp_path, "a.json", {"host": "node-a", "expect": "off", "holds": True, "marker_dir": "/m",
+                                          "records": [off_process(pid=3)]})
+    code = cli.main(["check", "--expect", "off", "--merge", path, "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["source"] == "merge" and data["marker_dir"] is None
+    assert data["notes"] == [f"note {path}: 1 process from host node-a"]
+
+
+def test_no_effective_is_passed_to_the_verdict(tmp_path, capsys, monkeypatch):
+    """A fused process whose fused path has not run yet: it holds only with --no-effective."""
+    marker(tmp_path, "1.json", process(pid=ME, host=HOST, served=0, warmup=0))
+    monkeypatch.setenv(MARKER_DIR, str(tmp_path))
+    assert cli.main(["check", "--expect", "fused"]) == 1
+    assert cli.main(["check", "--expect", "fused", "--no-effective"]) == 0
+
+
+def test_a_record_with_an_equals_sign_in_it_is_read_whole(monkeypatch):
+    record = off_process(pid=8, process_name="VLLM::Worker a=b=c")
+    fake = FakeRun(stdout="K3_AMD_OVERLAY_RECORD=" + json.dumps(record) + "\n")
+    got, reason = probe(monkeypatch, fake)
+    assert reason == "" and got is not None and got.process_name == "VLLM::Worker a=b=c"
+
+
+def test_the_probe_waits_ten_minutes_by_default_in_a_named_directory(monkeypatch):
+    got, reason = probe(monkeypatch, FakeRun(raises=subprocess.TimeoutExpired("python", 600)))
+    assert got is None and reason == "the probe took over 600 s (vLLM plugin loading + the K3 AMD import)"
+    fake = FakeRun(returncode=1)
+    probe(monkeypatch, fake)
+    assert Path(fake.calls[0][1]["env"][MARKER_DIR]).name.startswith("k3ovl-static-")
+
+
+def test_pruning_a_marker_another_check_removed_first_is_no_error(tmp_path, monkeypatch):
+    from k3_amd_overlay import markers
+
+    gone = markers.MarkerFile(tmp_path / "9.json", MarkerRecord.from_json(off_process(pid=ME, host=HOST)), None, False)
+    monkeypatch.setattr(cli.markers, "read_markers", lambda directory: [gone])
+    records, notes = cli.live_records(tmp_path, prune=True)
+    assert records == []
+    assert notes[1] == f"note {gone.path}: host {HOST} pid {ME} is gone; stale marker removed (--prune)"
+
+
+def test_two_stale_markers_here_are_counted_apart_from_another_hosts(tmp_path):
+    for n in (1, 2):
+        marker(tmp_path, f"{n}.json", off_process(pid=ME, host=HOST, start_ticks=n))
+    marker(tmp_path, "3.json", off_process(pid=ME, host="node-z", start_ticks=1))
+    _, notes = cli.live_records(tmp_path, prune=False)
+    assert notes[0] == f"markers read from {tmp_path}: 0 live, 2 stale, 0 unreadable, 1 of other hosts"
+
+
+@pytest.mark.parametrize("argv", [["--layers", "1"], ["--steps", "1"], ["--layers", "1", "--steps", "1"]])
+def test_census_takes_one_layer_and_one_step(tmp_path, capsys, argv):
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": []}))
+    assert cli.main(["census", str(trace), *argv]) in (0, 1)
+    assert "each at least 1" not in capsys.readouterr().err
+
+
+def test_census_counts_below_one_are_one_whole_message(tmp_path, capsys):
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": []}))
+    assert cli.main(["census", str(trace), "--steps", "-2", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["usage_error"] == (
+        "--layers 24 and --steps -2: each at least 1 (steps: decode steps in the profiled window)")
+
+
+def test_the_version_and_a_missing_command(capsys):
+    from k3_amd_overlay.package import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"k3-amd-overlay {__version__}\n"
+    with pytest.raises(SystemExit) as exited:
+        cli.main([])
+    assert exited.value.code == 2 and "the following arguments are required: COMMAND" in capsys.readouterr().err
+
+
+def test_main_reads_the_command_line_when_given_none(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["k3-amd-overlay", "census", "--layers", "0", "x.json"])
+    assert cli.main() == 2 and "--layers 0 and --steps None" in capsys.readouterr().err
+
+
+def test_the_module_runs_as_a_script():
+    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.commands.cli", "--version"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("k3-amd-overlay "), proc.stderr[-2000:]
+
+
+def test_the_missing_module_json_is_one_space_indented(fake_tool, monkeypatch, capsys):
+    module, _ = fake_tool
+
+    def main(argv):
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    module.main = main
+    assert cli.main(["faketool", "--json"]) == 1
+    assert capsys.readouterr().out.startswith('{\n "command": "faketool",\n "ok": false,')

@@ -136,9 +136,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     """0: holds; 1: does not hold; 2: a usage error. With ``--json`` one JSON object on every path."""
     from k3_amd_overlay.settings import SWITCH, Mode, SettingsError, load_settings
 
-    out = {"expect": args.expect, "holds": False, "lines": [], "notes": [], "host": socket.gethostname(),
-           "source": "merge" if args.merge else "static" if args.static else "markers", "marker_dir": None,
-           "records": []}
+    source = "merge" if args.merge else "static" if args.static else "markers"
+    marker_dir: str | None = None
     records: list[MarkerRecord] = []
     notes: list[str] = []
     wanted = _fusions(args.fusions)  # a UsageError: main() says it (as JSON too with --json)
@@ -173,12 +172,13 @@ def cmd_check(args: argparse.Namespace) -> int:
                 judge_doctor(report, args.expect, wanted, verdict)
     else:
         directory = Path(args.marker_dir or os.environ.get(MARKER_DIR) or markers.default_marker_dir())
-        out["marker_dir"] = str(directory)
+        marker_dir = str(directory)
         records, notes = live_records(directory, args.prune)
         verdict = judge(records, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed)
     if args.json:
         print(json.dumps({"command": "check", "ok": verdict.holds, "exit_status": 0 if verdict.holds else EXIT_FAILED,
-                          **out, "holds": verdict.holds, "lines": verdict.lines, "notes": notes,
+                          "expect": args.expect, "holds": verdict.holds, "lines": verdict.lines, "notes": notes,
+                          "host": socket.gethostname(), "source": source, "marker_dir": marker_dir,
                           "records": [r.to_json() for r in records]}, indent=1))
     else:
         for line in notes + verdict.lines:
