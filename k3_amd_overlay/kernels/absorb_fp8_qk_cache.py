@@ -13,7 +13,7 @@ import triton.language as tl
 
 from k3_amd_overlay.fp8 import Fp8Format, format_of
 from k3_amd_overlay.kernels import target
-from k3_amd_overlay.kernels.absorb_qk_cache import absorb_launch, query_operands, store_query
+from k3_amd_overlay.kernels.absorb_qk_cache import absorb_launch, load_rope, query_operands, store_query
 from k3_amd_overlay.kernels.launch import launch
 from k3_amd_overlay.kernels.names import ABSORB_FP8_QK_CACHE_KERNEL
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row
@@ -40,6 +40,7 @@ def absorb_fp8_qk_cache_kernel(
         column, head, t64, live, offs_n, q_nope, w = query_operands(
             pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, num_tokens, token_blocks, P, L, BLOCK_T,
             BLOCK_N)
+        pe, rope = load_rope(column, head, t64, live, q_pe_ptr, s_qp_t, s_qp_h, R)
         # the dynamic per-(token, head) quant of the AITER GEMM: scale = max(max|q|, 1e-10) times the
         # fp32 constant 1 / fp8 max (folded at compile time, as there: a run-time fp32 reciprocal can be
         # an ulp off and move codes), q * (1 / scale) clamped and cast to the weight's fp8 type
@@ -60,8 +61,7 @@ def absorb_fp8_qk_cache_kernel(
         ql = to_dtype_rne(ql, q_nope_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
         scale = tl.load(q_scale_ptr)
         inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
-        store_query(ql, inv, column, head, t64, live, offs_n, q_pe_ptr, q_out_ptr, s_qp_t, s_qp_h, s_qo_t, s_qo_h,
-                    fmax, L, R, FP8_MODE)
+        store_query(ql, inv, pe, rope, head, t64, live, offs_n, q_out_ptr, s_qo_t, s_qo_h, fmax, L, R, FP8_MODE)
     else:
         write_kv_row((pid - num_heads * token_blocks * column_blocks).to(tl.int64), kv_c_ptr, k_pe_ptr, cache_ptr,
                      slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, L, R, FP8_MODE)

@@ -20,7 +20,7 @@ import triton.language as tl
 from k3_amd_overlay import mxfp4
 from k3_amd_overlay.fp8 import Fp8Format
 from k3_amd_overlay.kernels import target
-from k3_amd_overlay.kernels.absorb_qk_cache import absorb_launch, query_rows, store_query
+from k3_amd_overlay.kernels.absorb_qk_cache import absorb_launch, load_rope, query_rows, store_query
 from k3_amd_overlay.kernels.launch import launch
 from k3_amd_overlay.kernels.names import ABSORB_MXFP4_QK_CACHE_KERNEL
 from k3_amd_overlay.kernels.qk_cache import fp8_mode, write_kv_row
@@ -82,6 +82,7 @@ def absorb_mxfp4_qk_cache_kernel(
     if pid < num_heads * token_blocks * column_blocks:
         column, head, t64, live, offs_n, q_nope = query_rows(pid, q_nope_ptr, s_qn_t, s_qn_h, num_tokens,
                                                              token_blocks, P, L, BLOCK_T, BLOCK_N)
+        pe, rope = load_rope(column, head, t64, live, q_pe_ptr, s_qp_t, s_qp_h, R)
         values = mxfp4_values(q_nope.to(tl.float32), BLOCK_T, P, GROUP, AMAX_ROUND_BITS, EXPONENT_OFFSET, E2M1_MAX)
         even, odd = tl.split(tl.reshape(values, (BLOCK_T, P // 2, 2)))
         # packed row j holds lanes 2j (low nibble) and 2j + 1 (high); its scale is group 2j // GROUP
@@ -105,8 +106,7 @@ def absorb_mxfp4_qk_cache_kernel(
         inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
         # vLLM hands its q_scale to the GEMM as y_scale and quantises the query with it again
         ql = to_dtype_rne(ql * inv, q_nope_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
-        store_query(ql, inv, column, head, t64, live, offs_n, q_pe_ptr, q_out_ptr, s_qp_t, s_qp_h, s_qo_t, s_qo_h,
-                    fmax, L, R, FP8_MODE)
+        store_query(ql, inv, pe, rope, head, t64, live, offs_n, q_out_ptr, s_qo_t, s_qo_h, fmax, L, R, FP8_MODE)
     else:
         write_kv_row((pid - num_heads * token_blocks * column_blocks).to(tl.int64), kv_c_ptr, k_pe_ptr, cache_ptr,
                      slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, L, R, FP8_MODE)
