@@ -23,6 +23,8 @@ RELEASE_INDEPENDENT_MODULES = frozenset({
     "test_census_attribution.py",
     "test_check_merge.py",
     "test_check_off.py",
+    "test_cli_contract.py",
+    "test_cli_help_text.py",
     "test_compile_report.py",
     "test_engine.py",
     "test_evidence.py",
