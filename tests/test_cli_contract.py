@@ -502,3 +502,19 @@ def test_the_missing_module_json_is_one_space_indented(fake_tool, monkeypatch, c
     module.main = main
     assert cli.main(["faketool", "--json"]) == 1
     assert capsys.readouterr().out.startswith('{\n "command": "faketool",\n "ok": false,')
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+def test_doctor_json_carries_the_command_its_exit_status_and_returns_it(healthy, capsys, monkeypatch):
+    from k3_amd_overlay.commands import doctor
+
+    monkeypatch.setattr(doctor, "run_doctor", lambda switch, serve_args: ({"rows": []}, healthy))
+    monkeypatch.setattr(doctor, "json_report", lambda report: {"report": report})
+    code = cli.main(["doctor", "--json"])
+    out = capsys.readouterr().out
+    data = json.loads(out)
+    assert code == (0 if healthy else 1)
+    assert data["command"] == "doctor" and data["ok"] is healthy and data["healthy"] is healthy
+    assert data["exit_status"] == code
+    assert data["report"] == {"rows": []}
+    assert out.startswith('{\n "command"')  # indent=1, as every --json of the CLI
