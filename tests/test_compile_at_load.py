@@ -68,7 +68,9 @@ def load(monkeypatch, tmp_path):
     def precompile(kernel, device, dtype, heads, fmt, block_size=1):
         if kernel in where.fails:
             raise RuntimeError(f"PassManager::run failed\nno {kernel} on this GPU")
-        seconds = round(random.uniform(0.5, 30.0), 3)
+        # a tenth plus 0.03, so that the clock difference (a float subtraction) and the
+        # recorded value print the same at one decimal: x.x5 would round either way
+        seconds = round(random.randint(5, 300) / 10 + 0.03, 3)
         clock["now"] += seconds
         where.compiled.append((kernel, device, dtype, heads, fmt, block_size))
         where.seconds.append(seconds)
