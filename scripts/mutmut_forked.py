@@ -101,6 +101,10 @@ def _selected(coverage: dict | None, line: int, clone: str, pytest_args: list[st
     if not isinstance(tests, list):
         return pytest_args
     functions = list(dict.fromkeys(t.split("[", 1)[0] for t in tests))
+    # In the order the plan lists their files (a module's own fast contract tests first), not
+    # alphabetically: with -x a kill then costs seconds, not the slow subprocess tests before it.
+    files = [a for a in pytest_args if not a.startswith("-")]
+    functions.sort(key=lambda f: files.index(f.split("::", 1)[0]) if f.split("::", 1)[0] in files else len(files))
     return [a for a in pytest_args if a.startswith("-")] + [os.path.join(clone, t) for t in functions]
 
 
