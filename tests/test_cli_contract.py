@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -18,8 +19,9 @@ from typing import Any
 import pytest
 from records import off_process, process
 
-from k3_amd_overlay.commands import cli
-from k3_amd_overlay.commands.usage import UsageError
+from k3_amd_overlay import k3
+from k3_amd_overlay.commands import census, cli
+from k3_amd_overlay.commands.usage import EXIT_FAILED, UsageError
 from k3_amd_overlay.record import MarkerRecord
 from k3_amd_overlay.settings import MARKER_DIR
 
@@ -518,3 +520,100 @@ def test_doctor_json_carries_the_command_its_exit_status_and_returns_it(healthy,
     assert data["exit_status"] == code
     assert data["report"] == {"rows": []}
     assert out.startswith('{\n "command"')  # indent=1, as every --json of the CLI
+
+
+def census_trace(path: Path, kernels: dict[str, int]) -> Path:
+    """A chrome trace of GPU kernels (as tests/test_census.py writes them): each one ``count`` launches of 2 µs."""
+    events = [{"ph": "X", "cat": "kernel", "name": name, "ts": i, "dur": 2.0}
+              for name, count in kernels.items() for i in range(count)]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def census_json(capsys, *argv: str) -> tuple[int, dict[str, Any]]:
+    """``census --json``: main's exit code and the object, its stdout exactly one-space-indented JSON."""
+    code = cli.main(["census", *argv, "--json"])
+    out = capsys.readouterr().out
+    data = json.loads(out)
+    assert out == json.dumps(data, indent=1) + "\n"  # indent=1, as every --json of the CLI
+    return code, data
+
+
+CENSUS_KEYS = ["command", "ok", "exit_status", "ranks", "total", "expect"]
+
+
+@pytest.mark.parametrize("holds", [True, False])
+def test_census_json_carries_the_command_its_exit_status_and_returns_it(holds, tmp_path, capsys):
+    count = random.randint(2, 40)
+    trace = census_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": count, "other_kernel": count + 1})
+    expected = count if holds else count + random.randint(1, 5)
+    code, data = census_json(capsys, str(trace), "--expect", f"qk_cache_kernel={expected}")
+    assert code == data["exit_status"] == (0 if holds else EXIT_FAILED), (count, expected)
+    assert data["command"] == "census" and data["ok"] is holds
+    assert list(data) == CENSUS_KEYS
+    assert {k: data[k] for k in ("ranks", "total")} == census.read_census([trace]).to_json()
+    assert set(data["expect"]) == {"problems", "holds", "items"}
+    assert data["expect"]["holds"] is holds
+    (item,) = data["expect"]["items"]
+    assert item["name"] == "qk_cache_kernel" and item["count"] == expected and item["holds"] is holds
+    if holds:
+        assert data["expect"]["problems"] == []
+    else:
+        (problem,) = data["expect"]["problems"]
+        assert f"ran {count} times, expected {expected}" in problem
+
+
+def test_census_json_without_expect_holds_and_says_so(tmp_path, capsys):
+    trace = census_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": random.randint(1, 30)})
+    code, data = census_json(capsys, str(trace))
+    assert code == data["exit_status"] == 0 and data["ok"] is True and data["command"] == "census"
+    assert list(data) == CENSUS_KEYS and data["expect"] == {"problems": [], "holds": True, "items": []}
+
+
+def test_census_json_with_a_baseline_carries_it_and_the_comparison(tmp_path, capsys):
+    before, after = random.randint(5, 40), random.randint(1, 4)
+    base = census_trace(tmp_path / "b_rank0.json", {"void vllm::rms_norm_kernel<x>": before})
+    cand = census_trace(tmp_path / "c_rank0.json", {"rmsnorm_pair_kernel": after})
+    code, alone = census_json(capsys, str(base))
+    assert code == 0
+    code, data = census_json(capsys, str(cand), "--baseline", str(base), "--expect", f"rmsnorm_pair_kernel={after}")
+    assert code == data["exit_status"] == 0 and data["ok"] is True and data["command"] == "census", (before, after)
+    assert list(data) == ["command", "ok", "exit_status", "ranks", "total", "baseline", "comparison", "expect"]
+    # the baseline's own census, as `census --json` says it on the baseline alone
+    assert data["baseline"] == census.read_census([base]).to_json()
+    assert data["baseline"] == {k: v for k, v in alone.items() if k not in ("command", "ok", "exit_status", "expect")}
+    assert data["baseline"]["total"][0]["count"] == before
+    assert {k: data[k] for k in ("ranks", "total")} == census.read_census([cand]).to_json()
+    comparison = census.compare(census.read_census([base]), census.read_census([cand]), None, k3.MLA_LAYERS).to_json()
+    assert data["comparison"] == comparison and comparison["holds"] is True
+    assert data["expect"]["holds"] is True and data["expect"]["problems"] == []
+
+
+def test_census_json_with_a_baseline_that_cannot_compare_fails_and_still_carries_it(tmp_path, capsys):
+    (tmp_path / "b").mkdir()
+    count = random.randint(1, 20)
+    base = [census_trace(tmp_path / "b" / f"rank{r}.json", {"concat_and_cache_mla_kernel": count}) for r in range(2)]
+    cand = census_trace(tmp_path / "c_rank0.json", {"qk_cache_kernel": count})
+    code, data = census_json(capsys, str(cand), "--baseline", *map(str, base))
+    assert code == data["exit_status"] == EXIT_FAILED and data["ok"] is False and data["command"] == "census"
+    assert list(data) == ["command", "ok", "exit_status", "ranks", "total", "baseline", "comparison", "expect"]
+    assert data["baseline"] == census.read_census(base).to_json() and sorted(data["baseline"]["ranks"]) == ["0", "1"]
+    assert data["comparison"]["holds"] is False and data["comparison"]["problems"]
+    assert data["expect"] == {"problems": [], "holds": True, "items": []}  # the comparison alone failed it
+
+
+@pytest.mark.parametrize("json_wanted", [False, True])
+def test_an_unknown_census_argument_is_the_census_usage_error(json_wanted, tmp_path, capsys):
+    trace = census_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": 1})
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["census", str(trace), "--bogus", *(["--json"] if json_wanted else [])])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("usage: k3-amd-overlay census ")
+    assert captured.err.splitlines()[-1] == "k3-amd-overlay census: error: unrecognized arguments: --bogus"
+    if json_wanted:
+        data = json.loads(captured.out)
+        assert data["command"] == "census" and data["ok"] is False and data["exit_status"] == 2
+        assert data["usage_error"] == "unrecognized arguments: --bogus"
+    else:
+        assert captured.out == ""
