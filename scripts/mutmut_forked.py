@@ -103,8 +103,8 @@ def _selected(coverage: dict | None, line: int, clone: str, pytest_args: list[st
     functions = list(dict.fromkeys(t.split("[", 1)[0] for t in tests))
     # In the order the plan lists their files (a module's own fast contract tests first), not
     # alphabetically: with -x a kill then costs seconds, not the slow subprocess tests before it.
-    files = [a for a in pytest_args if not a.startswith("-")]
-    functions.sort(key=lambda f: files.index(f.split("::", 1)[0]) if f.split("::", 1)[0] in files else len(files))
+    order = {f: i for i, f in enumerate(a for a in pytest_args if not a.startswith("-"))}
+    functions.sort(key=lambda f: order.get(f.split("::", 1)[0], len(order)))
     return [a for a in pytest_args if a.startswith("-")] + [os.path.join(clone, t) for t in functions]
 
 

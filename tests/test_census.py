@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kineto_traces import ranged_events
+from kineto_traces import kernel_trace, ranged_events
 
 from k3_amd_overlay.commands import census
 from k3_amd_overlay.commands.cli import main
@@ -124,20 +124,13 @@ def test_census_names_are_the_kernels_own_names():
     assert not any(name in names.STATIC_QUANT_KERNEL for name in removed)  # never taken for a stock quant
 
 
-def _trace(path: Path, kernels: dict[str, int]) -> Path:
-    events = [{"ph": "X", "cat": "kernel", "name": name, "ts": i, "dur": 2.0}
-              for name, count in kernels.items() for i in range(count)]
-    path.write_text(json.dumps({"traceEvents": events}))
-    return path
-
-
 def test_a_kernel_matching_a_removed_and_an_added_pattern_is_counted_once(tmp_path):
     """AITER's fused fp8 / fp4 BMM kernels contain "bmm" (a removed pattern): each fused launch is
     counted once, as added, and the region's time is not doubled."""
-    base = census.read_census([_trace(tmp_path / "base_rank0.json", {
+    base = census.read_census([kernel_trace(tmp_path / "base_rank0.json", {
         "_batched_gemm_a16wfp4_kernel": 4, "vllm::concat_and_cache_mla_kernel": 4, "triton_poi_fused__to_copy_cat_"
         "clamp_mul_reciprocal_0": 4})])
-    fused = census.read_census([_trace(tmp_path / "fused_rank0.json", {
+    fused = census.read_census([kernel_trace(tmp_path / "fused_rank0.json", {
         "_fused_fp4_bmm_rope_cat_and_cache_mla_kernel": 4, STATIC_QUANT_KERNEL: 4})])
     out = census.render_comparison(base, fused, steps=None, layers=1)
     section = out.split("absorb_qk_cache (summed")[1]
@@ -187,7 +180,7 @@ NAMED_KERNELS = [
 def test_every_table_pattern_claims_the_kernel_it_names(tmp_path):
     """Each pattern of the table claims a kernel name as profilers report it, once, in its fusion's
     section; every pattern of the table is exercised here."""
-    trace = census.read_census([_trace(tmp_path / "base_rank0.json", {name: 1 for _, name, _ in NAMED_KERNELS})])
+    trace = census.read_census([kernel_trace(tmp_path / "base_rank0.json", {name: 1 for _, name, _ in NAMED_KERNELS})])
     claimed = {fusion: census.name_claims(trace, (*kinds["removes"], *kinds["adds"]))
                for fusion, kinds in census.FUSION_KERNELS.items()}
     for fusion, _, pattern in NAMED_KERNELS:
@@ -200,8 +193,8 @@ def test_every_table_pattern_claims_the_kernel_it_names(tmp_path):
 
 
 def test_counts_and_times_sum_over_kernels_and_ranks(tmp_path):
-    one = _trace(tmp_path / "a_rank0.json", {"qk_cache_kernel": 2, "absorb_qk_cache_kernel": 3})
-    two = _trace(tmp_path / "b_rank1.json", {"qk_cache_kernel": 5})
+    one = kernel_trace(tmp_path / "a_rank0.json", {"qk_cache_kernel": 2, "absorb_qk_cache_kernel": 3})
+    two = kernel_trace(tmp_path / "b_rank1.json", {"qk_cache_kernel": 5})
     result = census.read_census([one, two])
     total = result.total()
     assert (total["qk_cache_kernel"].count, total["qk_cache_kernel"].total_us) == (7, 14.0)
@@ -265,8 +258,8 @@ def test_the_rank_of_a_trace(name, data, rank):
 def test_the_census_text_word_for_word(tmp_path):
     """`k3-amd-overlay census` without --json: per rank, the top kernels by time; with several ranks,
     their sum (census.py's rendering mutants survived)."""
-    one = _trace(tmp_path / "a_rank0.json", {"qk_cache_kernel": 3, "rmsnorm_pair_kernel": 1, "other": 2})
-    two = _trace(tmp_path / "b_rank1.json", {"qk_cache_kernel": 1})
+    one = kernel_trace(tmp_path / "a_rank0.json", {"qk_cache_kernel": 3, "rmsnorm_pair_kernel": 1, "other": 2})
+    two = kernel_trace(tmp_path / "b_rank1.json", {"qk_cache_kernel": 1})
     text = census.render(census.read_census([one, two]), top=2)
     assert text == "\n".join([
         "", "rank 0: 6 kernel launches, 12.0 µs",
@@ -317,7 +310,7 @@ def test_expectations_parse_and_fail_word_for_word(tmp_path):
             census.parse_expectations([bad])
         assert str(raised.value) == (f"--expect {bad!r}: write NAME=COUNT (a kernel-name substring and a count "
                                      "per rank)")
-    result = census.read_census([_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": 2})])
+    result = census.read_census([kernel_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": 2})])
     assert census.check_expectations(result, [("qk_cache_kernel", 3)]) == [
         "rank 0: kernels matching 'qk_cache_kernel' ran 2 times, expected 3"]
     assert census.KernelStats().mean_us == 0.0 and census.KernelStats(2, 5.0) == census.KernelStats(2, 5.0)
@@ -326,15 +319,15 @@ def test_expectations_parse_and_fail_word_for_word(tmp_path):
 def test_traces_from_several_directories_are_all_read(tmp_path):
     for rank in (0, 1):
         (tmp_path / f"d{rank}").mkdir()
-        _trace(tmp_path / f"d{rank}" / f"t_rank{rank}.json", {"qk_cache_kernel": 1})
+        kernel_trace(tmp_path / f"d{rank}" / f"t_rank{rank}.json", {"qk_cache_kernel": 1})
     assert sorted(census.read_census([tmp_path / "d0", tmp_path / "d1"]).ranks) == ["0", "1"]
 
 
 def test_the_comparison_text_word_for_word(tmp_path):
     """`census --baseline`: a section per fusion with kernels in either trace (qk_cache's absent here,
     so the later sections must still come), its region and its per-layer, per-step time."""
-    base = census.read_census([_trace(tmp_path / "b_rank0.json", {"void vllm::rms_norm_kernel<x>": 8})])
-    fused = census.read_census([_trace(tmp_path / "f_rank0.json", {"rmsnorm_pair_kernel": 2})])
+    base = census.read_census([kernel_trace(tmp_path / "b_rank0.json", {"void vllm::rms_norm_kernel<x>": 8})])
+    fused = census.read_census([kernel_trace(tmp_path / "f_rank0.json", {"rmsnorm_pair_kernel": 2})])
     assert census.render_comparison(base, fused, steps=2, layers=2) == "\n".join([
         "", "qkv_norm (summed over ranks; count × mean µs = total µs; counted by kernel name alone: the baseline "
             "and candidate traces have no k3_amd_overlay::qkv_norm ranges (the overlay off, or kernels replayed "
@@ -353,20 +346,21 @@ def test_the_comparison_text_word_for_word(tmp_path):
             "absorb_mxfp4_qk_cache_kernel, fused_fp8_bmm_rope_cat_and_cache_mla, fused_fp4_bmm_rope_cat_and_cache_mla, "
             "query_fp8_quant_kernel) did not run in the candidate (counted by kernel name): no section, no ratio",
         "", "kernel launches per rank per step: 4 -> 1 (-3, -75.0%)"])
-    many = census.read_census([_trace(tmp_path / "m_rank0.json", {f"k{i:02d}": 1 for i in range(30)})])
+    many = census.read_census([kernel_trace(tmp_path / "m_rank0.json", {f"k{i:02d}": 1 for i in range(30)})])
     assert census.render(many).count("| k") == 1 + 25  # the header, then the top 25 by default
 
 
 def test_launches_are_compared_per_rank_of_each_side(tmp_path):
     """Two ranks a side, without steps (launches per rank: each side's sum over its ranks); a baseline
     with no kernel is no baseline: no launch change, no ratio."""
-    base = census.read_census([_trace(tmp_path / f"b_rank{r}.json", {"void vllm::rms_norm_kernel<x>": 4 + 2 * r})
-                               for r in range(2)])
-    fused = census.read_census([_trace(tmp_path / f"f_rank{r}.json", {"rmsnorm_pair_kernel": 1}) for r in range(2)])
+    base = census.read_census([
+        kernel_trace(tmp_path / f"b_rank{r}.json", {"void vllm::rms_norm_kernel<x>": 4 + 2 * r}) for r in range(2)])
+    fused = census.read_census([
+        kernel_trace(tmp_path / f"f_rank{r}.json", {"rmsnorm_pair_kernel": 1}) for r in range(2)])
     text = census.render_comparison(base, fused, steps=None, layers=2)
     assert "per MLA layer" not in text
     assert text.endswith("\nkernel launches per rank: 5 -> 1 (-4, -80.0%)")
-    empty = census.read_census([_trace(tmp_path / "e_rank0.json", {})])
+    empty = census.read_census([kernel_trace(tmp_path / "e_rank0.json", {})])
     text = census.render_comparison(empty, census.read_census([tmp_path / "f_rank0.json"]), steps=None, layers=2)
     assert "kernel launches" not in text and "region" not in text
     assert "NO COMPARISON: the baseline's rank 0: the trace has no GPU kernel at all" in text
@@ -377,7 +371,7 @@ def test_launches_are_compared_per_rank_of_each_side(tmp_path):
     (["--steps", "-3"], "--layers 24 and --steps -3: each at least 1"),
 ])
 def test_census_nonsense_arguments_are_usage_errors(tmp_path, capsys, argv, message):
-    trace = _trace(tmp_path / "rank0.json", {"qk_cache_kernel": 2})
+    trace = kernel_trace(tmp_path / "rank0.json", {"qk_cache_kernel": 2})
     assert main(["census", str(trace), *argv]) == 2
     assert message in capsys.readouterr().err
 
@@ -390,8 +384,8 @@ def test_census_refuses_an_empty_path_instead_of_scanning_the_current_directory(
 def test_census_flags_traces_of_a_different_rank_count(tmp_path, capsys):
     (tmp_path / "b").mkdir()
     (tmp_path / "c").mkdir()
-    base = [_trace(tmp_path / "b" / f"rank{r}.json", {"concat_and_cache_mla_kernel": 4}) for r in range(2)]
-    cand = _trace(tmp_path / "c" / "rank0.json", {"qk_cache_kernel": 4})
+    base = [kernel_trace(tmp_path / "b" / f"rank{r}.json", {"concat_and_cache_mla_kernel": 4}) for r in range(2)]
+    cand = kernel_trace(tmp_path / "c" / "rank0.json", {"qk_cache_kernel": 4})
     assert main(["census", str(cand), "--baseline", *map(str, base)]) == 1
     out = capsys.readouterr().out
     assert ("NO COMPARISON: the baseline has 2 rank trace(s) (ranks 0, 1), the candidate 1 (ranks 0): different "
@@ -403,7 +397,7 @@ def test_census_into_a_closed_pipe_stops_without_a_traceback(tmp_path):
     import subprocess
     import sys
 
-    trace = _trace(tmp_path / "rank0.json", {f"kernel_{i}": 1 for i in range(5000)})
+    trace = kernel_trace(tmp_path / "rank0.json", {f"kernel_{i}": 1 for i in range(5000)})
     proc = subprocess.run(f"{sys.executable} -m k3_amd_overlay census {trace} | head -n 1", shell=True,
                           capture_output=True, text=True)
     assert proc.stdout.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -2,8 +2,7 @@
 a config degraded to the arch's safe one (and whether that failed too), and the seconds its kernels
 took to compile at model load. Each is a fact for the reader (info), never a reason to hold."""
 
-import random
-
+from drawn_seconds import seconds_between
 from records import judge
 
 from k3_amd_overlay.commands import verdict
@@ -17,7 +16,7 @@ def _record(launch_configs):
 
 
 def test_an_unusable_file_a_degraded_config_and_the_compile_seconds_are_each_said():
-    seconds = round(random.randint(5, 90) / 10 + 0.03, 3)  # never x.x5: the sum and the part print unambiguously
+    seconds = seconds_between(0.5, 9.0)
     launch_configs = {
         "error": "/t/gfx942-AMD_Instinct_MI300X.json: cannot read launch configs; this GPU's kernels take the "
                  "shipped gfx942 launch configs instead",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kineto_traces import kernel_trace
 from records import off_process, process
 
 from k3_amd_overlay import k3
@@ -522,14 +523,6 @@ def test_doctor_json_carries_the_command_its_exit_status_and_returns_it(healthy,
     assert out.startswith('{\n "command"')  # indent=1, as every --json of the CLI
 
 
-def census_trace(path: Path, kernels: dict[str, int]) -> Path:
-    """A chrome trace of GPU kernels (as tests/test_census.py writes them): each one ``count`` launches of 2 µs."""
-    events = [{"ph": "X", "cat": "kernel", "name": name, "ts": i, "dur": 2.0}
-              for name, count in kernels.items() for i in range(count)]
-    path.write_text(json.dumps({"traceEvents": events}))
-    return path
-
-
 def census_json(capsys, *argv: str) -> tuple[int, dict[str, Any]]:
     """``census --json``: main's exit code and the object, its stdout exactly one-space-indented JSON."""
     code = cli.main(["census", *argv, "--json"])
@@ -540,12 +533,13 @@ def census_json(capsys, *argv: str) -> tuple[int, dict[str, Any]]:
 
 
 CENSUS_KEYS = ["command", "ok", "exit_status", "ranks", "total", "expect"]
+CENSUS_BASELINE_KEYS = ["command", "ok", "exit_status", "ranks", "total", "baseline", "comparison", "expect"]
 
 
 @pytest.mark.parametrize("holds", [True, False])
 def test_census_json_carries_the_command_its_exit_status_and_returns_it(holds, tmp_path, capsys):
     count = random.randint(2, 40)
-    trace = census_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": count, "other_kernel": count + 1})
+    trace = kernel_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": count, "other_kernel": count + 1})
     expected = count if holds else count + random.randint(1, 5)
     code, data = census_json(capsys, str(trace), "--expect", f"qk_cache_kernel={expected}")
     assert code == data["exit_status"] == (0 if holds else EXIT_FAILED), (count, expected)
@@ -564,7 +558,7 @@ def test_census_json_carries_the_command_its_exit_status_and_returns_it(holds, t
 
 
 def test_census_json_without_expect_holds_and_says_so(tmp_path, capsys):
-    trace = census_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": random.randint(1, 30)})
+    trace = kernel_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": random.randint(1, 30)})
     code, data = census_json(capsys, str(trace))
     assert code == data["exit_status"] == 0 and data["ok"] is True and data["command"] == "census"
     assert list(data) == CENSUS_KEYS and data["expect"] == {"problems": [], "holds": True, "items": []}
@@ -572,13 +566,13 @@ def test_census_json_without_expect_holds_and_says_so(tmp_path, capsys):
 
 def test_census_json_with_a_baseline_carries_it_and_the_comparison(tmp_path, capsys):
     before, after = random.randint(5, 40), random.randint(1, 4)
-    base = census_trace(tmp_path / "b_rank0.json", {"void vllm::rms_norm_kernel<x>": before})
-    cand = census_trace(tmp_path / "c_rank0.json", {"rmsnorm_pair_kernel": after})
+    base = kernel_trace(tmp_path / "b_rank0.json", {"void vllm::rms_norm_kernel<x>": before})
+    cand = kernel_trace(tmp_path / "c_rank0.json", {"rmsnorm_pair_kernel": after})
     code, alone = census_json(capsys, str(base))
     assert code == 0
     code, data = census_json(capsys, str(cand), "--baseline", str(base), "--expect", f"rmsnorm_pair_kernel={after}")
     assert code == data["exit_status"] == 0 and data["ok"] is True and data["command"] == "census", (before, after)
-    assert list(data) == ["command", "ok", "exit_status", "ranks", "total", "baseline", "comparison", "expect"]
+    assert list(data) == CENSUS_BASELINE_KEYS
     # the baseline's own census, as `census --json` says it on the baseline alone
     assert data["baseline"] == census.read_census([base]).to_json()
     assert data["baseline"] == {k: v for k, v in alone.items() if k not in ("command", "ok", "exit_status", "expect")}
@@ -592,11 +586,11 @@ def test_census_json_with_a_baseline_carries_it_and_the_comparison(tmp_path, cap
 def test_census_json_with_a_baseline_that_cannot_compare_fails_and_still_carries_it(tmp_path, capsys):
     (tmp_path / "b").mkdir()
     count = random.randint(1, 20)
-    base = [census_trace(tmp_path / "b" / f"rank{r}.json", {"concat_and_cache_mla_kernel": count}) for r in range(2)]
-    cand = census_trace(tmp_path / "c_rank0.json", {"qk_cache_kernel": count})
+    base = [kernel_trace(tmp_path / "b" / f"rank{r}.json", {"concat_and_cache_mla_kernel": count}) for r in range(2)]
+    cand = kernel_trace(tmp_path / "c_rank0.json", {"qk_cache_kernel": count})
     code, data = census_json(capsys, str(cand), "--baseline", *map(str, base))
     assert code == data["exit_status"] == EXIT_FAILED and data["ok"] is False and data["command"] == "census"
-    assert list(data) == ["command", "ok", "exit_status", "ranks", "total", "baseline", "comparison", "expect"]
+    assert list(data) == CENSUS_BASELINE_KEYS
     assert data["baseline"] == census.read_census(base).to_json() and sorted(data["baseline"]["ranks"]) == ["0", "1"]
     assert data["comparison"]["holds"] is False and data["comparison"]["problems"]
     assert data["expect"] == {"problems": [], "holds": True, "items": []}  # the comparison alone failed it
@@ -604,7 +598,7 @@ def test_census_json_with_a_baseline_that_cannot_compare_fails_and_still_carries
 
 @pytest.mark.parametrize("json_wanted", [False, True])
 def test_an_unknown_census_argument_is_the_census_usage_error(json_wanted, tmp_path, capsys):
-    trace = census_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": 1})
+    trace = kernel_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": 1})
     with pytest.raises(SystemExit) as exited:
         cli.main(["census", str(trace), "--bogus", *(["--json"] if json_wanted else [])])
     assert exited.value.code == 2

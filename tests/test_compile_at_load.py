@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+from drawn_seconds import seconds_between
 
 from k3_amd_overlay import kernel_failures
 from k3_amd_overlay.evidence import Evidence
@@ -68,9 +69,7 @@ def load(monkeypatch, tmp_path):
     def precompile(kernel, device, dtype, heads, fmt, block_size=1):
         if kernel in where.fails:
             raise RuntimeError(f"PassManager::run failed\nno {kernel} on this GPU")
-        # a tenth plus 0.03, so that the clock difference (a float subtraction) and the
-        # recorded value print the same at one decimal: x.x5 would round either way
-        seconds = round(random.randint(5, 300) / 10 + 0.03, 3)
+        seconds = seconds_between(0.5, 30.0)
         clock["now"] += seconds
         where.compiled.append((kernel, device, dtype, heads, fmt, block_size))
         where.seconds.append(seconds)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from drawn_seconds import seconds_between
 
 from k3_amd_overlay import k3, mxfp4
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ
@@ -120,9 +121,8 @@ def test_the_ahead_of_time_compile_runs_once_per_kernel_device_dtype_heads_forma
 
 def test_the_ahead_of_time_compile_says_how_long_it_took(precompiled, monkeypatch, caplog):
     import logging
-    import random
 
-    took = round(random.randint(10, 900) / 10 + 0.03, 2)  # never x.x5: it prints the same at one decimal
+    took = seconds_between(1.0, 90.0)
     ticks = iter([50.0, 50.0 + took])
     monkeypatch.setattr(probe, "perf_counter", lambda: next(ticks))
     args = ("triton", names.ABSORB_QK_CACHE_KERNEL, torch.device("cuda", 0), torch.bfloat16, 12, E4M3FNUZ, 16)
