@@ -680,8 +680,11 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
     from k3_amd_overlay.ops import rmsnorm_pair
     from k3_amd_overlay.targets import vllm_env
 
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs vLLM installed (the doctor looks at it)")
+    real = importlib.util.find_spec
+    # vLLM present as far as the doctor asks (every vLLM-facing section is a stand-in below), so the
+    # test runs where vLLM is not installed too
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (real("json") if name == "vllm"
+                                                                        else real(name, *a)))
     tag = random.randrange(10**6)
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -750,7 +753,6 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
     assert report["switch"] == {"error": report["verdict"].removeprefix("not ready: ")}
     assert report["switch"]["error"].startswith("K3_AMD_OVERLAY='fast' is not valid")
 
-    real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     report, healthy = doctor.run_doctor(switch="1")
     assert report["vllm shape"] == {"recognised": None, "note": "vLLM is not installed here"}
