@@ -7,5 +7,5 @@ import random
 
 
 def seconds_between(low: float, high: float) -> float:
-    """A random time in [low, high] of the form x.x3: tenths plus 0.03."""
+    """A random time of the form x.x3: a tenth from ``low`` to ``high`` (both included), plus 0.03."""
     return round(random.randint(round(low * 10), round(high * 10)) / 10 + 0.03, 3)
