@@ -29,4 +29,4 @@ PROVIDERS: dict[str, tuple[str, ...]] = {f: (*fused, REFERENCE) for f, fused in 
 # Decode batches up to this many tokens take the absorbed path (W_UK folded into the fused launch)
 # when absorb_qk_cache is on: on an H200 it beat bmm + qk_cache by 1.25-1.86x there and by
 # 0.99-1.46x above (docs/benchmarks.md), so larger batches take the qk_cache path.
-ABSORB_MAX_TOKENS = 64
+ABSORB_MAX_TOKENS = 256

@@ -11,6 +11,7 @@ from parity import POISON_A, absorb_problems, make_qk_case
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
+from k3_amd_overlay.kernels import absorb_qk_cache, launch
 from k3_amd_overlay.ops import fused_absorb_qk_cache
 
 pytestmark = pytest.mark.kernels  # scripts/gpu_check.sh runs these on the GPU
@@ -66,6 +67,32 @@ def test_planted_faults_are_caught(fault):
         return cache, q_out
 
     assert any(p.startswith("q_out") for p in problems(case, q_nope, w, mutated))
+
+
+@pytest.mark.parametrize("kv_rows", [4, 16])
+@pytest.mark.parametrize("tokens", [7, 33])
+def test_kv_programs_of_several_rows_write_each_valid_row_once(kv_rows, tokens):
+    """KV programs of KV_ROWS tokens each (the many-token configs): a last program only partly
+    filled, padding slots among the rows, each valid row written with the reference's bytes and
+    nothing else."""
+    case, q_nope, w = absorb_case(tokens, 2, E4M3FN, seed=11)
+    with launch.forced({"BLOCK_N": 128, "BLOCK_T": 16, "KV_ROWS": kv_rows, "num_warps": 4}):
+        assert problems(case, q_nope, w) == []
+
+
+def test_a_kv_program_left_out_is_caught(monkeypatch):
+    """Planted fault for the test above: the grid one KV program short, so the last KV_ROWS tokens'
+    rows are never written."""
+    case, q_nope, w = absorb_case(33, 2, E4M3FN, seed=11)
+    real = absorb_qk_cache.absorb_launch
+
+    def short(*args, **kwargs):
+        (programs,), config = real(*args, **kwargs)
+        return (programs - 1,), config
+
+    monkeypatch.setattr(absorb_qk_cache, "absorb_launch", short)
+    with launch.forced({"BLOCK_N": 128, "BLOCK_T": 16, "KV_ROWS": 16, "num_warps": 4}):
+        assert "cache: written bytes are not exactly the valid slots' rows" in problems(case, q_nope, w)
 
 
 def test_fp8_bmm_weights_are_refused_with_a_reason():

@@ -15,7 +15,7 @@ from test_installer import _installer, _layer, here  # noqa: F401  (the fixture)
 from k3_amd_overlay import measured
 from k3_amd_overlay.fusions.qk_cache import BatchFacts, DecodePath
 from k3_amd_overlay.kernels import launch
-from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM, __version__
+from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, QK_CACHE, QKV_NORM, __version__
 from k3_amd_overlay.settings import KERNEL_CONFIGS
 
 ARCH, DEVICE = "sm90", "NVIDIA H200"
@@ -56,7 +56,8 @@ def test_a_bucket_measured_slower_runs_stock_and_the_marker_says_why(tmp_path, h
     plan = site.plan
     assert [plan.path_for(batch(t)) for t in (1, 64, 65, 256, 257)] == [
         DecodePath.ABSORB, DecodePath.ABSORB, None, None, None]
-    assert plan.choose(batch(100)) == (None, f"qk_cache: {SLOWER}")
+    assert plan.choose(batch(100)) == (None, "absorb_qk_cache: stock above 64 tokens: not measured on this GPU; "
+                                             f"qk_cache: {SLOWER}")
     entry = inst.evidence.record.measurement
     assert entry["state"] == "used" and entry["file"] == str(gpu_here) and entry["shape"] == "8 heads, bf16 W_UK"
     assert entry["stock"][QK_CACHE] == [SLOWER, "stock above 256 tokens: not measured on this GPU"]
@@ -79,7 +80,8 @@ def test_a_malformed_file_is_one_error_and_every_fused_path_runs_as_without_it(t
     inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference")
     with caplog.at_level(logging.ERROR, logger="vllm.k3_amd_overlay"):
         site = inst.install_qk_cache(_layer(), upstream_fuses=False)
-    assert site.plan.measured is None and site.plan.path_for(batch(200)) is DecodePath.QK_CACHE
+    assert site.plan.measured is None
+    assert site.plan.path_for(batch(ABSORB_MAX_TOKENS + 1)) is DecodePath.QK_CACHE
     entry = inst.evidence.record.measurement
     assert entry["state"] == "ignored" and "results[4]: field 'ratio' is 2.0" in entry["error"]
     assert [r.levelname for r in caplog.records] == ["ERROR"]

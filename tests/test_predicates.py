@@ -19,6 +19,7 @@ from k3_amd_overlay.fusions import qk_cache as qk
 from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.ops.reference import quantize_fp8
+from k3_amd_overlay.package import ABSORB_MAX_TOKENS
 from k3_amd_overlay.settings import load_settings
 from k3_amd_overlay.targets import installer as installer_module
 from k3_amd_overlay.targets import vllm_env
@@ -377,7 +378,7 @@ def test_every_decode_decision_word_for_word():
         FusionState.FORCED_STOCK, None, "stock mode: the absorption is its own launch")
     assert qk.decide_absorb(layer, qk_decision, "auto", {"triton": None}) == qk.LayerDecision(
         FusionState.APPLIED, "triton",
-        "triton: first available fused provider; decode batches of <= 64 tokens, 16 heads, fp4 W_UK")
+        f"triton: first available fused provider; decode batches of <= {ABSORB_MAX_TOKENS} tokens, 16 heads, fp4 W_UK")
     upstream = qk.LayerDecision(FusionState.UPSTREAM, "aiter", "")
     assert qk.decide_absorb(layer, upstream, "auto", {"triton": None}) == qk.LayerDecision(
         FusionState.DISABLED, None,
@@ -494,7 +495,8 @@ def test_the_measured_gate_sends_a_slower_bucket_and_counts_above_the_largest_to
         qk.DecodePath.QK_CACHE, qk.DecodePath.QK_CACHE,  # refused there, qk_cache's launch measured faster
         qk.DecodePath.QK_CACHE, qk.DecodePath.QK_CACHE,
         None, None, None]
-    assert plan.choose(_decode(200)) == (None, f"qk_cache: {SLOWER}")
+    assert plan.choose(_decode(200)) == (None, f"absorb_qk_cache: stock above 64 tokens: not measured on this GPU; "
+                                               f"qk_cache: {SLOWER}")
     assert plan.choose(_decode(1000)) == (None, f"qk_cache: {ABOVE}")
     assert plan.choose(_decode(9)) == (qk.DecodePath.QK_CACHE, None)
     # qk_cache off: the absorbed launch's own refusal is the reason
@@ -514,6 +516,6 @@ def test_the_measured_gate_sends_a_slower_bucket_and_counts_above_the_largest_to
 
 def test_without_a_measurement_every_batch_is_decided_as_before():
     plan = _gated_plan()
-    assert [plan.path_for(_decode(t)) for t in (1, 64, 65, 4096)] == [
+    assert [plan.path_for(_decode(t)) for t in (1, ABSORB_MAX_TOKENS, ABSORB_MAX_TOKENS + 1, 4096)] == [
         qk.DecodePath.ABSORB, qk.DecodePath.ABSORB, qk.DecodePath.QK_CACHE, qk.DecodePath.QK_CACHE]
     assert plan.choose(_decode(4096)) == (qk.DecodePath.QK_CACHE, None)

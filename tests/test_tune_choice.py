@@ -204,6 +204,8 @@ def test_the_candidate_grid_of_each_kernel():
         full = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in plain for n in (16, 32, 64, 128)
                 for w in ((1, 2, 4, 8) if amd else (2, 4, 8))]
         full += [{**c, "matrix_instr_nonkdim": 16} for c in full if c["BLOCK_T"] >= 16] if amd else []
+        full += [{**c, "KV_ROWS": 16} for c in full] if tokens >= 128 else []
+        assert {c.get("KV_ROWS", 1) for c in found} == ({1, 16} if tokens >= 128 else {1})
         fitting = {tuple(sorted(c.items())) for c in full if launch_configs.dot_warps_fit(arch, kernel, c)}
         assert {tuple(sorted(c.items())) for c in found} == fitting
         assert len(fitting) < len(full) if amd and 16 in plain else len(fitting) == len(full)
@@ -216,6 +218,8 @@ def test_the_candidate_grid_of_each_kernel():
     assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 31, True) == ({16}, {16})
     assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 32, True) == ({16, 32}, {16, 32})
     assert tiles(names.ABSORB_QK_CACHE_KERNEL, 64, False) == ({16, 32, 64}, set())
+    assert tiles(names.ABSORB_MXFP4_QK_CACHE_KERNEL, 127, False) == ({16, 32, 64}, set())
+    assert tiles(names.ABSORB_MXFP4_QK_CACHE_KERNEL, 128, False) == ({16, 32, 64}, set())
     assert tiles(names.ABSORB_QK_CACHE_KERNEL, 1024, True) == ({16, 32, 64}, {16, 32, 64})
 
 

@@ -29,12 +29,16 @@ from k3_amd_overlay.kernels import launch_configs, names
 TUNED_KERNELS = (names.RMSNORM_PAIR_KERNEL, names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL,
                  names.ABSORB_FP8_QK_CACHE_KERNEL, names.ABSORB_MXFP4_QK_CACHE_KERNEL)
 MIN_GAIN = 0.02  # a candidate replaces the shipped config only if faster by more than this
+# From this many tokens the absorb kernels are also tried with KV programs of KV_ROWS_TRIED rows (on the
+# H200, 16 rows a program beat one at 256 and 512 tokens and tied at 64-128: docs/benchmarks.md).
+KV_ROWS_FROM_TOKENS, KV_ROWS_TRIED = 128, 16
 MISMATCH_ALLOWANCE = 1e-3  # extra share of query codes a candidate may have one step off the reference
 
 
 def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> list[dict[str, int]]:
-    """The configs tried for ``kernel`` at ``tokens`` tokens (AMD adds the 16-wide MFMA option), less
-    those the loader refuses on ``arch`` (default gfx942 or sm90): more warps than matrix tiles."""
+    """The configs tried for ``kernel`` at ``tokens`` tokens (AMD adds the 16-wide MFMA option; many
+    tokens add multi-row KV programs), less those the loader refuses on ``arch`` (default gfx942 or
+    sm90): more warps than matrix tiles."""
     warps = (1, 2, 4, 8) if amd else (2, 4, 8)
     if kernel == names.RMSNORM_PAIR_KERNEL:
         return [{"ROWS_Q": q, "ROWS_KV": kv, "num_warps": w} for q in (1, 2) for kv in (1, 2, 4, 8)
@@ -47,6 +51,8 @@ def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> 
     found = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in tiles for n in (16, 32, 64, 128) for w in warps]
     if amd:
         found += [{**c, "matrix_instr_nonkdim": 16} for c in found if c["BLOCK_T"] >= 16]
+    if tokens >= KV_ROWS_FROM_TOKENS:
+        found += [{**c, "KV_ROWS": KV_ROWS_TRIED} for c in found]
     arch = arch or ("gfx942" if amd else "sm90")
     return [c for c in found if launch_configs.dot_warps_fit(arch, kernel, c)]
 

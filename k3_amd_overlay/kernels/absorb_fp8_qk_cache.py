@@ -13,10 +13,16 @@ import triton.language as tl
 
 from k3_amd_overlay.fp8 import Fp8Format, format_of
 from k3_amd_overlay.kernels import target
-from k3_amd_overlay.kernels.absorb_qk_cache import absorb_launch, load_rope, query_operands, store_query
+from k3_amd_overlay.kernels.absorb_qk_cache import (
+    absorb_launch,
+    load_rope,
+    query_operands,
+    store_query,
+    write_kv_program,
+)
 from k3_amd_overlay.kernels.launch import launch
 from k3_amd_overlay.kernels.names import ABSORB_FP8_QK_CACHE_KERNEL
-from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row
+from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
 
 GROUP = 128  # vLLM quantises q_nope in groups of 128 (``triton_fp8_bmm(..., group_size=128)``)
@@ -30,8 +36,8 @@ def absorb_fp8_qk_cache_kernel(
     s_qo_t, s_qo_h,
     num_tokens, num_heads, block_size, fmax,
     P: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    W_FMAX: tl.constexpr, FP8_MODE: tl.constexpr, W_FP8_MODE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    KV_ROWS: tl.constexpr, W_FMAX: tl.constexpr, FP8_MODE: tl.constexpr, W_FP8_MODE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     token_blocks = tl.cdiv(num_tokens, BLOCK_T)
@@ -63,8 +69,9 @@ def absorb_fp8_qk_cache_kernel(
         inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
         store_query(ql, inv, pe, rope, head, t64, live, offs_n, q_out_ptr, s_qo_t, s_qo_h, fmax, L, R, FP8_MODE)
     else:
-        write_kv_row((pid - num_heads * token_blocks * column_blocks).to(tl.int64), kv_c_ptr, k_pe_ptr, cache_ptr,
-                     slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, L, R, FP8_MODE)
+        write_kv_program(pid - num_heads * token_blocks * column_blocks, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr,
+                         slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, KV_ROWS,
+                         FP8_MODE)
 
 
 def absorb_fp8_qk_cache(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torch.Tensor, q_pe: torch.Tensor,

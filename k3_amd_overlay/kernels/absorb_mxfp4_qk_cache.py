@@ -20,10 +20,10 @@ import triton.language as tl
 from k3_amd_overlay import mxfp4
 from k3_amd_overlay.fp8 import Fp8Format
 from k3_amd_overlay.kernels import target
-from k3_amd_overlay.kernels.absorb_qk_cache import absorb_launch, load_rope, query_rows, store_query
+from k3_amd_overlay.kernels.absorb_qk_cache import absorb_launch, load_rope, query_rows, store_query, write_kv_program
 from k3_amd_overlay.kernels.launch import launch
 from k3_amd_overlay.kernels.names import ABSORB_MXFP4_QK_CACHE_KERNEL
-from k3_amd_overlay.kernels.qk_cache import fp8_mode, write_kv_row
+from k3_amd_overlay.kernels.qk_cache import fp8_mode
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
 
 
@@ -73,7 +73,7 @@ def absorb_mxfp4_qk_cache_kernel(
     s_c_row, s_qo_t, s_qo_h,
     num_tokens, num_heads, block_size, fmax,
     P: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP: tl.constexpr, AMAX_ROUND_BITS: tl.constexpr, EXPONENT_OFFSET: tl.constexpr,
+    KV_ROWS: tl.constexpr, GROUP: tl.constexpr, AMAX_ROUND_BITS: tl.constexpr, EXPONENT_OFFSET: tl.constexpr,
     E2M1_MAX: tl.constexpr, FP8_MODE: tl.constexpr, DOT_IN_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -108,8 +108,9 @@ def absorb_mxfp4_qk_cache_kernel(
         ql = to_dtype_rne(ql * inv, q_nope_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
         store_query(ql, inv, pe, rope, head, t64, live, offs_n, q_out_ptr, s_qo_t, s_qo_h, fmax, L, R, FP8_MODE)
     else:
-        write_kv_row((pid - num_heads * token_blocks * column_blocks).to(tl.int64), kv_c_ptr, k_pe_ptr, cache_ptr,
-                     slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, L, R, FP8_MODE)
+        write_kv_program(pid - num_heads * token_blocks * column_blocks, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr,
+                         slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, KV_ROWS,
+                         FP8_MODE)
 
 
 def absorb_mxfp4_qk_cache(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torch.Tensor, q_pe: torch.Tensor,

@@ -6,8 +6,8 @@ KV-cache write. ql_nope never goes to memory.
 Query programs take one head, BLOCK_T tokens and BLOCK_N of the L output columns: the W_UK_T slice
 they need (P x BLOCK_N) is read by that program only, so the weight read is spread over many
 programs (one program streaming a head's whole W_UK_T was bound by a single SM's bandwidth); one
-bf16 ``tl.dot``, then the quant and the store. KV programs (one per token) are those of
-``kernels/qk_cache.py``."""
+bf16 ``tl.dot``, then the quant and the store. KV programs write KV_ROWS tokens' latent rows each
+(``write_kv_row`` of ``kernels/qk_cache.py`` for one, ``write_kv_rows`` for more)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 
 from k3_amd_overlay.fp8 import Fp8Format
-from k3_amd_overlay.kernels import target
+from k3_amd_overlay.kernels import launch_configs, target
 from k3_amd_overlay.kernels.launch import config_for, launch
 from k3_amd_overlay.kernels.names import ABSORB_QK_CACHE_KERNEL
-from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row
+from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row, write_kv_rows
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
 
 
@@ -28,14 +28,16 @@ def absorb_launch(kernel_name: str, q_nope: torch.Tensor, lora: int, block_n: in
     """Grid and launch options of an absorb kernel: the arch's config for this batch and head count
     (``launch_configs``; tl.dot takes at least 16 tokens a program, larger batches more so that each
     weight slice is re-read fewer times), any of BLOCK_N, num_warps, BLOCK_T overridden (benchmark
-    sweeps), BLOCK_N at most L. Query programs (head, token block, column block), then one per token."""
+    sweeps), BLOCK_N at most L. Query programs (head, token block, column block), then the KV
+    programs, KV_ROWS tokens each."""
     num_tokens, num_heads, _ = q_nope.shape
-    config = config_for(kernel_name, q_nope.device, num_tokens, num_heads)
+    config = {**launch_configs.OPTIONAL_PARAMETERS[kernel_name],
+              **config_for(kernel_name, q_nope.device, num_tokens, num_heads)}
     config["BLOCK_N"] = min(block_n or config["BLOCK_N"], lora)
     config["num_warps"] = num_warps or config["num_warps"]
     config["BLOCK_T"] = block_tokens or config["BLOCK_T"]
     query_programs = num_heads * triton.cdiv(num_tokens, config["BLOCK_T"]) * (lora // config["BLOCK_N"])
-    return (query_programs + num_tokens,), config
+    return (query_programs + triton.cdiv(num_tokens, config["KV_ROWS"]),), config
 
 
 @triton.jit
@@ -88,6 +90,21 @@ def store_query(ql, inv, pe, rope, head, t64, live, offs_n, q_out_ptr, s_qo_t, s
 
 
 @triton.jit
+def write_kv_program(kv_pid, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t,
+                     s_c_blk, s_c_row, block_size, fmax, L: tl.constexpr, R: tl.constexpr, KV_ROWS: tl.constexpr,
+                     FP8_MODE: tl.constexpr):
+    """KV program ``kv_pid``'s share of the cache write: its KV_ROWS tokens' latent rows. One row a
+    program keeps the few-token launch as it was; at hundreds of tokens, programs of 16 rows beat one
+    program a row (each sized like a query program) on the H200 (docs/benchmarks.md)."""
+    if KV_ROWS == 1:
+        write_kv_row(kv_pid.to(tl.int64), kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t,
+                     s_c_blk, s_c_row, block_size, fmax, L, R, L, R, FP8_MODE)
+    else:
+        write_kv_rows(kv_pid.to(tl.int64) * KV_ROWS, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr,
+                      k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, KV_ROWS, FP8_MODE)
+
+
+@triton.jit
 def absorb_qk_cache_kernel(
     q_nope_ptr, w_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_scale_ptr,
     q_out_ptr,
@@ -95,10 +112,10 @@ def absorb_qk_cache_kernel(
     s_qo_t, s_qo_h,
     num_tokens, num_heads, block_size, fmax,
     P: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_MODE: tl.constexpr, DOT_IN_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    KV_ROWS: tl.constexpr, FP8_MODE: tl.constexpr, DOT_IN_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     # Query programs: (head, token block, column block of ql_nope); the column-block-0 program also
-    # writes the rope lanes. Then one KV program per token.
+    # writes the rope lanes. Then the KV programs, KV_ROWS tokens each.
     pid = tl.program_id(0)
     token_blocks = tl.cdiv(num_tokens, BLOCK_T)
     column_blocks: tl.constexpr = L // BLOCK_N
@@ -118,8 +135,9 @@ def absorb_qk_cache_kernel(
         ql = to_dtype_rne(ql, q_nope_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
         store_query(ql, inv, pe, rope, head, t64, live, offs_n, q_out_ptr, s_qo_t, s_qo_h, fmax, L, R, FP8_MODE)
     else:
-        write_kv_row((pid - num_heads * token_blocks * column_blocks).to(tl.int64), kv_c_ptr, k_pe_ptr, cache_ptr,
-                     slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, L, R, FP8_MODE)
+        write_kv_program(pid - num_heads * token_blocks * column_blocks, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr,
+                         slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, KV_ROWS,
+                         FP8_MODE)
 
 
 def absorb_qk_cache(q_nope: torch.Tensor, w_uk_t: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,

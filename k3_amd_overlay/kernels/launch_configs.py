@@ -61,6 +61,12 @@ KERNEL_PARAMETERS: dict[str, tuple[str, ...]] = {
 # tl.dot needs 16 rows: the absorb kernels take one token a program (no dot) or at least 16
 DOT_TILE_KERNELS = (names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL,
                     names.ABSORB_MXFP4_QK_CACHE_KERNEL)
+# The constexprs a config may leave out, with the value a launch then takes (a power of two each):
+# KV_ROWS, the tokens an absorb kernel's KV program writes (1: one program a token, as before it existed).
+OPTIONAL_PARAMETERS: dict[str, dict[str, int]] = {
+    **{kernel: {} for kernel in KERNEL_PARAMETERS},
+    **{kernel: {"KV_ROWS": 1} for kernel in DOT_TILE_KERNELS},
+}
 # The part of the dot's result (rows x columns) one warp's matrix instruction computes. AMD (gfx*):
 # MFMA v_mfma_f32_<M>x<N>x<K>_<type>, M = N = 16 or 32 for every dtype of these kernels on CDNA3 and
 # CDNA4 (AMD's CDNA3/CDNA4 ISA guides; the instruction the compile report reads from each code object,
@@ -167,7 +173,7 @@ def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tupl
     if not isinstance(config, dict):
         raise LaunchConfigError(f"{where}: config must be an object, got {config!r}")
     required = (*KERNEL_PARAMETERS[kernel], "num_warps")
-    allowed = (*KERNEL_PARAMETERS[kernel], *LAUNCH_OPTIONS)
+    allowed = (*KERNEL_PARAMETERS[kernel], *OPTIONAL_PARAMETERS[kernel], *LAUNCH_OPTIONS)
     missing = [k for k in required if k not in config]
     unknown = [k for k in config if k not in allowed]
     if missing or unknown:
@@ -179,7 +185,7 @@ def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tupl
     if values.get("matrix_instr_nonkdim", 0) not in (0, *AMD_MATRIX_SIZES):
         raise LaunchConfigError(f"{where}: matrix_instr_nonkdim = {values['matrix_instr_nonkdim']}: 0 (Triton's "
                                 f"choice) or one of {', '.join(map(str, AMD_MATRIX_SIZES))}")
-    for key in (*KERNEL_PARAMETERS[kernel], "num_warps"):
+    for key in (*KERNEL_PARAMETERS[kernel], *(k for k in OPTIONAL_PARAMETERS[kernel] if k in values), "num_warps"):
         if values[key] & (values[key] - 1):
             raise LaunchConfigError(f"{where}: {key} = {values[key]} is not a power of two")
     if kernel in DOT_TILE_KERNELS and 1 < values["BLOCK_T"] < 16:

@@ -92,6 +92,28 @@ def write_kv_row(t, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t
 
 
 @triton.jit
+def write_kv_rows(first, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t,
+                  s_c_blk, s_c_row, block_size, fmax, L: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
+                  FP8_MODE: tl.constexpr):
+    """Tokens first .. first + ROWS - 1 (those < num_tokens) as one [ROWS, L | R] tile: each row into
+    the cache at its slot when the slot is >= 0, as ``write_kv_row`` does one. L and R powers of two."""
+    t = first + tl.arange(0, ROWS).to(tl.int64)
+    live = t < num_tokens
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+    slot = tl.load(slot_ptr + t, mask=live, other=-1)
+    scale = tl.load(k_scale_ptr)
+    kv = tl.load(kv_c_ptr + t[:, None] * s_kv_t + offs_l[None, :], mask=live[:, None], other=0.0)
+    kpe = tl.load(k_pe_ptr + t[:, None] * s_kpe_t + offs_r[None, :], mask=live[:, None], other=0.0)
+    inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
+    write = (slot >= 0)[:, None]
+    slot = tl.maximum(slot, 0)
+    row = (cache_ptr + (slot // block_size) * s_c_blk + (slot % block_size) * s_c_row)[:, None]
+    tl.store(row + offs_l[None, :], _fp8_bits(kv.to(tl.float32), inv, fmax, FP8_MODE), mask=write)
+    tl.store(row + L + offs_r[None, :], _fp8_bits(kpe.to(tl.float32), inv, fmax, FP8_MODE), mask=write)
+
+
+@triton.jit
 def qk_cache_kernel(
     ql_nope_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_scale_ptr,
     q_out_ptr,
