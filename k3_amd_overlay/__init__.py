@@ -7,7 +7,7 @@
 What it does: in every vLLM process, patches only the K3 AMD vendor code
 (``vllm/models/kimi_k3/amd/``) so that the q_a/kv_a RMSNorms run as one launch (qkv_norm) and,
 on decode-only batches, the fp8 KV-cache write, the query concat and its fp8 quant run as one
-launch (qk_cache), with the W_UK absorption folded in for batches of up to 64 tokens
+launch (qk_cache), with the W_UK absorption folded in for batches of up to 256 tokens
 (absorb_qk_cache). It records what is in effect per process and where each fused path ran
 (``k3-amd-overlay check``).
 

@@ -27,6 +27,9 @@ FUSED_PROVIDERS: dict[str, tuple[str, ...]] = {
 }
 PROVIDERS: dict[str, tuple[str, ...]] = {f: (*fused, REFERENCE) for f, fused in FUSED_PROVIDERS.items()}
 # Decode batches up to this many tokens take the absorbed path (W_UK folded into the fused launch)
-# when absorb_qk_cache is on: on an H200 it beat bmm + qk_cache by 1.25-1.86x there and by
-# 0.99-1.46x above (docs/benchmarks.md), so larger batches take the qk_cache path.
+# when absorb_qk_cache is on, larger ones the qk_cache path. On an H200 (docs/benchmarks.md) the
+# absorbed launch beat the W_UK GEMM + qk_cache at every batch measured up to 256 tokens: bf16 W_UK
+# 1.2-1.3x at 128-256 tokens once its KV programs took 16 rows each (2026-12-03), fp8 W_K 1.4-1.6x,
+# MXFP4 1.1-1.4x; beyond 256 it is unmeasured for fp8 and MXFP4. Where a self-measurement exists
+# (``k3-amd-overlay measure``), a bucket it measured slower runs stock whatever this limit says.
 ABSORB_MAX_TOKENS = 256
