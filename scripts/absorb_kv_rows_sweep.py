@@ -5,7 +5,9 @@ byte for byte against the table config's (q_out poisoned, the cache rows to be w
 token in seven a padding slot), each timed under CUDA-graph replay (median). Prints the fastest exact
 candidate beside the table's; writes every row to OUT.json.
 
-    PYTHONPATH=$PWD python scripts/absorb_kv_rows_sweep.py OUT.json      (a GPU, torch, Triton)
+    PYTHONPATH=$PWD python scripts/absorb_kv_rows_sweep.py OUT.json [KERNEL ...]   (a GPU, torch, Triton)
+
+KERNEL: the kernels to sweep (default all three), by their names in ``kernels/names.py``.
 
 Results (H200) in docs/benchmarks.md."""
 import json
@@ -41,6 +43,8 @@ RUN = {names.ABSORB_QK_CACHE_KERNEL: absorb_qk_cache, names.ABSORB_FP8_QK_CACHE_
 def main() -> None:
     rows = []
     for kernel, fn in RUN.items():
+        if sys.argv[2:] and kernel not in sys.argv[2:]:
+            continue
         for heads in (12, 16):
             w = weights(kernel, heads)
             for tokens in (64, 128, 256, 512):
