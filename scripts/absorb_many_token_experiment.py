@@ -1,10 +1,10 @@
 """Experiment (issue 28): a many-token path for the absorbed bf16 launch. Each query program keeps its
 W_UK_T slice (P x BLOCK_N) and walks BLOCKS token blocks of BLOCK_T (the weight read once per program,
 the loop software-pipelined with ``num_stages``); KV programs write KV_ROWS latent rows each as one 2-D
-tile (the shipped launch has one KV program per token, each sized like a query program). Every variant's
-output bytes are compared with the shipped kernel's (q_out and the cache), each variant timed under
-CUDA-graph replay (median) beside the shipped kernel and the two-launch baseline (``torch.bmm`` +
-``qk_cache``). Prints the fastest exact config per heads and batch; writes every row to OUT.json.
+tile (``write_kv_rows``, which shipped from this experiment; before it, one KV program per token, each
+sized like a query program). Every variant's output bytes are compared with the shipped kernel's
+(q_out and the cache), each variant timed under CUDA-graph replay (median) beside the shipped kernel
+and the two-launch baseline (``torch.bmm`` + ``qk_cache``). Prints the fastest exact config per heads and batch; writes every row to OUT.json.
 
     PYTHONPATH=$PWD python scripts/absorb_many_token_experiment.py OUT.json      (a GPU, torch, Triton)
 
@@ -22,28 +22,8 @@ from k3_amd_overlay.commands.bench.kernels import decode_step_inputs
 from k3_amd_overlay.commands.bench.timing import graph_us
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
-from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, qk_cache
+from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, qk_cache, write_kv_rows
 from k3_amd_overlay.kernels.rounding import to_dtype_rne
-
-
-@triton.jit
-def kv_rows(first, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk,
-            s_c_row, block_size, fmax, L: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
-            FP8_MODE: tl.constexpr):
-    t = first + tl.arange(0, ROWS).to(tl.int64)
-    live = t < num_tokens
-    offs_l = tl.arange(0, L)
-    offs_r = tl.arange(0, R)
-    slot = tl.load(slot_ptr + t, mask=live, other=-1)
-    scale = tl.load(k_scale_ptr)
-    kv = tl.load(kv_c_ptr + t[:, None] * s_kv_t + offs_l[None, :], mask=live[:, None], other=0.0)
-    kpe = tl.load(k_pe_ptr + t[:, None] * s_kpe_t + offs_r[None, :], mask=live[:, None], other=0.0)
-    inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
-    write = (slot >= 0)[:, None]
-    slot = tl.maximum(slot, 0)
-    row = (cache_ptr + (slot // block_size) * s_c_blk + (slot % block_size) * s_c_row)[:, None]
-    tl.store(row + offs_l[None, :], _fp8_bits(kv.to(tl.float32), inv, fmax, FP8_MODE), mask=write)
-    tl.store(row + L + offs_r[None, :], _fp8_bits(kpe.to(tl.float32), inv, fmax, FP8_MODE), mask=write)
 
 
 @triton.jit
@@ -82,8 +62,8 @@ def loop_kernel(q_nope_ptr, w_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, slot
             tl.store(out + offs_n[None, :], _fp8_bits(ql, inv, fmax, FP8_MODE), mask=live)
             tl.store(out + L + offs_r[None, :], _fp8_bits(pe.to(tl.float32), inv, fmax, FP8_MODE), mask=rope)
     else:
-        kv_rows((pid - query_programs).to(tl.int64) * KV_ROWS, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr,
-                k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, KV_ROWS, FP8_MODE)
+        write_kv_rows((pid - query_programs).to(tl.int64) * KV_ROWS, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr,
+                      k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, KV_ROWS, FP8_MODE)
 
 
 def looped(q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt, bn, bt, blocks, kv,
