@@ -256,3 +256,13 @@ def test_doctor_names_a_bad_tuned_file_for_this_gpu_in_one_line(amd_gpu, tmp_pat
     assert found["error"] == (f"{path}: named for gfx942 on AMD Instinct MI300X, its header says gfx942 on "
                               "AMD Instinct MI325X; this GPU's kernels take the shipped gfx942 launch configs instead")
     assert found["kernels"][names.QK_CACHE_KERNEL]["file"].endswith("configs/gfx942.json")
+
+
+def test_the_config_column_names_an_optional_key_only_where_it_is_not_its_default():
+    name = names.ABSORB_FP8_QK_CACHE_KERNEL
+    (key, default), = launch_configs.OPTIONAL_PARAMETERS[name].items()
+    plain = {"BLOCK_N": 64, "BLOCK_T": 16, "num_warps": 4}
+    assert compile_report.describe(_compiled(AMDGCN_950, ""), name, {**plain, key: default}, "gfx950",
+                                   "bfloat16").config == plain
+    assert compile_report.describe(_compiled(AMDGCN_950, ""), name, {**plain, key: default * 4}, "gfx950",
+                                   "bfloat16").config == {**plain, key: default * 4}

@@ -165,7 +165,9 @@ def describe(compiled: Any, kernel: str, options: dict[str, Any], arch: str, dty
     amdgcn = compiled.asm.get("amdgcn", "")
     facts = isa_facts(amdgcn)
     keys = (*launch_configs.KERNEL_PARAMETERS[kernel], *launch_configs.LAUNCH_OPTIONS)
-    config = {k: v for k, v in options.items() if k in keys}
+    optional = launch_configs.OPTIONAL_PARAMETERS[kernel]
+    # an optional key shows where it is not its default, as a config file leaves it out then
+    config = {k: v for k, v in options.items() if k in keys or (k in optional and v != optional[k])}
     entry = Entry(kernel=kernel, config=config, compiled=True, dtype=dtype,
                   target=facts["target"],
                   # a count the metadata lacks stays None and fails the row (problems), never read as 0
