@@ -37,7 +37,8 @@ passed=0; failed=0; skipped=0
 # most of its time goes to starting engine processes one after another (imports on one core), so
 # beside a release's tests it costs far less than alone after them (its timeouts guard against
 # hangs, with room for a shared machine). The release-independent tests are those
-# tests/conftest.py names (its --release-independent option); tests marked `vllm` run on every release.
+# tests/conftest.py names (its --release-independent option); tests marked `vllm` run on every release,
+# those also marked `any_release` (a vLLM needed, but any one) once, in the first venv.
 # K3OVL_ENGINE_ALONE=1: the engine tier last, alone, once every other job has ended (the old layout).
 engine_alone=${K3OVL_ENGINE_ALONE:-0}
 job_kinds=(independent)

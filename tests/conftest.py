@@ -43,13 +43,17 @@ RELEASE_CHOICES = ("all", "only", "skip")
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--release-independent", choices=RELEASE_CHOICES, default="all",
                      help="the tests that do not depend on the vLLM release (the kernel tests and "
-                          "RELEASE_INDEPENDENT_MODULES, less those marked vllm): run them with the rest "
-                          "(all, the default), alone (only) or not at all (skip); scripts/run_tests.sh runs "
-                          "them once (only) and each release's venv with skip")
+                          "RELEASE_INDEPENDENT_MODULES, less those marked vllm; and those marked any_release): "
+                          "run them with the rest (all, the default), alone (only) or not at all (skip); "
+                          "scripts/run_tests.sh runs them once (only) and each release's venv with skip")
 
 
 def release_independent(item: pytest.Item) -> bool:
-    """Whether ``item`` runs the same whichever vLLM release is installed."""
+    """Whether ``item`` runs the same whichever vLLM release is installed: marked ``any_release``
+    (it needs a vLLM, any one), or a kernel test or in RELEASE_INDEPENDENT_MODULES and not marked
+    ``vllm``."""
+    if item.get_closest_marker("any_release") is not None:
+        return True
     if item.get_closest_marker("vllm") is not None:
         return False
     return item.get_closest_marker("kernels") is not None or item.path.name in RELEASE_INDEPENDENT_MODULES

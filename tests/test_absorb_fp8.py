@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from machine import DEVICE, HAS_GPU
-from parity import POISON_A, absorb_problems, make_qk_case
+from parity import POISON_A, absorb_problems, make_qk_case, skip_under_interpreter
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
@@ -56,8 +56,7 @@ def problems(case, q_nope, w_k, w_k_scale, provider="triton", want=None, max_dif
 @pytest.mark.parametrize("heads", [1, 3, 12, 16])
 @pytest.mark.parametrize("tokens", [0, 1, 7, 64, 256])
 def test_fp8_absorb_matches_reference(fmt, heads, tokens):
-    if not HAS_GPU and tokens * heads > 48:
-        pytest.skip("too slow under the Triton interpreter; the GPU run (scripts/gpu_check.sh) covers it")
+    skip_under_interpreter(tokens, heads, fmt)
     if HAS_GPU and fmt is E4M3FNUZ and torch.version.hip is None:
         pytest.skip("e4m3fnuz weights (MI300's fp8) take an AMD GPU for the fp8 dot; checked on CPU")
     # under the interpreter the sums are fp32 in the reference's own order: bit-identical there; on a

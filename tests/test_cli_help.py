@@ -2,7 +2,7 @@
 description ending in a full stop, help for every option with its default said once, the exit
 codes referenced, parents listing their sub-subcommands; ``--json`` is a flag everywhere meaning
 one JSON object on stdout, usage errors included (exit 2, the command's own usage on stderr);
-'no GPU' is a health failure (1), not a usage error; doctor's JSON keys are identifiers."""
+'no GPU' is a health failure (1), not a usage error. (Doctor's JSON keys: ``test_vllm_plugin.py``.)"""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ COMMANDS = [[], ["check"], ["census"], ["doctor"], ["ab-serve"], ["ab-serve", "r
             ["bench", "plot"], ["kernels"], ["tune"], ["measure"]]
 JSON_COMMANDS = [c for c in COMMANDS if c]
 INVOCATION = re.compile(r"^  (?=\S)(.*?)(?:\s{2,}(\S.*))?$")
-IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 def test_every_command_is_checked_here():
@@ -112,39 +111,6 @@ def test_bench_json_is_a_flag_and_the_old_file_form_still_writes_the_file(capsys
     assert kernels.legacy_argv(["--json", str(tmp_path / "b.json"), "--quick"]) == [
         "--json-out", str(tmp_path / "b.json"), "--quick"]
     assert kernels.legacy_argv(["--json", "--quick"]) == ["--json", "--quick"]
-
-
-DOCTOR_TOP = {"versions", "gpu", "vllm_shape", "switch", "qk_cache_by_tp", "providers_here", "launch_configs",
-              "self_test", "fusions", "ab_baseline", "verdict", "healthy"}
-
-
-@pytest.mark.vllm  # the keys of the vLLM sections (shape, qk_cache by TP) are among those checked
-def test_doctor_json_keys_are_stable_identifiers(capsys, monkeypatch):
-    from k3_amd_overlay import activation
-
-    monkeypatch.setenv("K3_AMD_OVERLAY", "1")
-    try:
-        code, out, _ = run(["doctor", "--json"], capsys)
-    finally:
-        activation.deactivate()  # the doctor activated the overlay in this process: no later test may see it
-    data = json.loads(out)
-    assert DOCTOR_TOP <= set(data) and code in (0, 1), sorted(data)
-    assert set(data["providers_here"]) == {"qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_qk_cache_fp8",
-                                           "absorb_qk_cache_mxfp4"}
-    assert set(data["qk_cache_by_tp"][0]) <= {"tp", "heads_per_rank", "kv_lora_rank_heads", "overlay",
-                                              "upstream_fuses"}
-    assert {"recognised", "releases", "fuses_by_itself", "known_defects"} <= set(data["vllm_shape"])
-
-    def keys(value, path=""):
-        if isinstance(value, dict):
-            for k, v in value.items():
-                assert IDENTIFIER.match(k) and len(k) <= 32, f"{path}/{k}"
-                keys(v, f"{path}/{k}")
-        elif isinstance(value, list):
-            for v in value:
-                keys(v, path)
-
-    keys(data)
 
 
 def _git(cwd: Path, *argv: str) -> str:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+from cli_process import cli_command
 from machine import HAS_VLLM
 from vllm_support import run_vllm_process, shape_name
 
@@ -261,41 +263,67 @@ def test_live_check_follows_the_process(tmp_path):
     assert gone.returncode == 1 and "stale, ignored" in gone.stdout
 
 
-def run_doctor_process(tmp_path, *args, **env_extra):
+def run_doctor_process(tmp_path, *args, self_test: bool = True, **env_extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
     env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1", K3_AMD_OVERLAY_MARKER_DIR=str(tmp_path / "markers"),
                **env_extra)
-    return subprocess.run([sys.executable, "-m", "k3_amd_overlay", "doctor", *args], env=env, capture_output=True,
+    return subprocess.run(cli_command("doctor", *args, self_test=self_test), env=env, capture_output=True,
                           text=True, timeout=600)
 
 
+DOCTOR_TOP = {"versions", "gpu", "vllm_shape", "switch", "qk_cache_by_tp", "providers_here", "launch_configs",
+              "self_test", "fusions", "ab_baseline", "verdict", "healthy", "patched", "evidence"}
+IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def keys_not_identifiers(value: object, path: str = "") -> list[str]:
+    """Every key, at any depth, that is not a snake_case identifier of at most 32 characters."""
+    if isinstance(value, dict):
+        return [bad for k, v in value.items()
+                for bad in ([f"{path}/{k}"] if not (IDENTIFIER.match(k) and len(k) <= 32) else [])
+                + keys_not_identifiers(v, f"{path}/{k}")]
+    if isinstance(value, list):
+        return [bad for v in value for bad in keys_not_identifiers(v, path)]
+    return []
+
+
 def test_doctor_main_job_is_healthy(tmp_path):
-    """README's first command: the doctor with the overlay on, on CPU with this vLLM: healthy, its
-    JSON in snake_case with a verdict, and no marker left behind (the doctor is no vLLM process)."""
+    """README's first command: the doctor with the overlay on, on CPU with this vLLM, its self-test
+    run for real: healthy, with a verdict; its JSON keys, the vLLM sections' and the self-test rows'
+    among them, stable identifiers; no marker left behind (the doctor is no vLLM process)."""
     proc = run_doctor_process(tmp_path, "--json", K3_AMD_OVERLAY="1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert report["healthy"] is True and report["verdict"].startswith("ready: ")
     assert "layer_check" not in report  # a layer is proved by `check` against real processes
     assert {p["key"] for p in report["patched"]} and "qkv_norm=pending" in report["evidence"]
-    assert all(r["pass"] for r in report["self_test"] if r.get("ran"))
-    assert set(report) >= {"versions", "gpu", "switch", "vllm_shape", "providers_here", "self_test", "fusions"}
-    assert all(k == k.lower() and " " not in k for k in report["vllm_shape"])
+    assert report["self_test"] and all(r["pass"] for r in report["self_test"] if r.get("ran"))
+    assert DOCTOR_TOP <= set(report), sorted(report)
+    assert set(report["providers_here"]) == {"qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_qk_cache_fp8",
+                                             "absorb_qk_cache_mxfp4"}
+    assert set(report["qk_cache_by_tp"][0]) <= {"tp", "heads_per_rank", "kv_lora_rank_heads", "overlay",
+                                                "upstream_fuses"}
+    assert {"recognised", "releases", "fuses_by_itself", "known_defects"} <= set(report["vllm_shape"])
+    assert keys_not_identifiers(report) == []
     assert not list((tmp_path / "markers").glob("*.json"))
 
 
 def test_doctor_for_people_ends_with_its_verdict(tmp_path):
+    """The text form: tables and sentences ending in the verdict line, for a fusion that cannot run
+    here (the self-test run, its rows among the tables), stock, off and a mistyped switch (those
+    three with the self-test left out: their verdict lines are what is asked)."""
     proc = run_doctor_process(tmp_path, K3_AMD_OVERLAY="1", K3_AMD_OVERLAY_QK_CACHE_PROVIDER="aiter")
     lines = proc.stdout.rstrip().splitlines()
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert lines[-1].startswith("not ready: qk_cache cannot fuse here: no provider can run here (aiter: ")
+    assert "== self-test" in proc.stdout and "pass (identical" in proc.stdout
     assert "{" not in proc.stdout and "None" not in proc.stdout  # tables and sentences, no dict reprs
-    stock = run_doctor_process(tmp_path, K3_AMD_OVERLAY="stock")
+    stock = run_doctor_process(tmp_path, K3_AMD_OVERLAY="stock", self_test=False)
     assert stock.returncode == 0 and stock.stdout.rstrip().splitlines()[-1].startswith("ready (stock): ")
-    off = run_doctor_process(tmp_path)
+    off = run_doctor_process(tmp_path, self_test=False)
     assert off.returncode == 0 and off.stdout.rstrip().splitlines()[-1] == (
         "off: K3_AMD_OVERLAY is unset or 0, nothing is patched (vLLM runs as it is)")
-    bad = run_doctor_process(tmp_path, K3_AMD_OVERLAY="fast")
+    bad = run_doctor_process(tmp_path, K3_AMD_OVERLAY="fast", self_test=False)
     assert bad.returncode == 1 and bad.stdout.rstrip().splitlines()[-1].startswith(
         "not ready: K3_AMD_OVERLAY='fast' is not valid") and "Traceback" not in bad.stderr
 
