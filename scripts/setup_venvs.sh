@@ -66,7 +66,9 @@ build() {  # VERSION: build its venv (a background job: its output goes to a log
   rm -rf "$venv"
   if [ -n "$uv" ]; then
     "$uv" venv -q --seed --python "$python" "$venv"  # --seed: pip too, which the other scripts call
-    pip=("$uv" pip install -q --python "$venv/bin/python" "${uv_sources[@]}")
+    # --compile-bytecode: as pip does; where PYTHONDONTWRITEBYTECODE is set nothing else ever writes them,
+    # and every process would compile vLLM and torch from source
+    pip=("$uv" pip install -q --compile-bytecode --python "$venv/bin/python" "${uv_sources[@]}")
   else
     "$python" -m venv "$venv"
     pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
