@@ -11,7 +11,8 @@
 # The installs go through uv (pinned below, installed with pip into <venv root>/uv) from the package
 # sources pip is configured with (its config files and PIP_* variables: index, extra indexes, find-links,
 # constraints; across indexes the best match, as pip takes it): six venvs in 406 s from nothing on a
-# 2-core machine where pip took 524 s, most of it compiling bytecode. Where uv cannot be installed, or with K3OVL_INSTALLER=pip, pip builds them as before.
+# 2-core machine where pip took 524 s, most of it compiling bytecode. Where uv cannot be installed, or
+# with K3OVL_INSTALLER=pip, pip builds them as before.
 #
 # Environment: K3OVL_VENV_ROOT (default: <repo>/.venvs), K3OVL_WHEEL_CACHE (default:
 # ~/.cache/k3-amd-overlay/wheels), PYTHON (default: python3.11, else python3), K3OVL_INSTALLER
@@ -35,8 +36,9 @@ if [ "${K3OVL_INSTALLER:-uv}" = uv ]; then
   fi
   if [ -x "$venv_root/uv/bin/uv" ]; then uv="$venv_root/uv/bin/uv"; else echo "[setup] uv unavailable: pip builds the venvs"; fi
 fi
-# pip's package sources as uv options: one option and its value per line
-mapfile -t uv_sources < <("$python" -m pip config list 2>/dev/null | "$python" -c '
+# pip's package sources as uv options: one option and its value per line (read only where uv installs)
+uv_sources=()
+[ -z "$uv" ] || mapfile -t uv_sources < <("$python" -m pip config list 2>/dev/null | "$python" -c '
 import shlex, sys
 options = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
            "constraint": "--constraint"}

@@ -137,14 +137,13 @@ def test_static_off_holds_on_the_plugins_off_record():
 
 
 # The arm the switch does not give fails alike on every release (the probe's record and doctor's
-# verdict are those of the matching case, which runs on each): those two run once.
-ANY_RELEASE = pytest.mark.any_release
+# verdict are those of the matching case, which runs on each): those two run once (any_release).
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("switch,expect,code", [
-    ("1", "fused", 0), pytest.param("1", "stock", 1, marks=ANY_RELEASE), ("stock", "stock", 0),
-    pytest.param("stock", "fused", 1, marks=ANY_RELEASE), ("0", "stock", 1),
+    ("1", "fused", 0), pytest.param("1", "stock", 1, marks=pytest.mark.any_release), ("stock", "stock", 0),
+    pytest.param("stock", "fused", 1, marks=pytest.mark.any_release), ("0", "stock", 1),
 ])
 def test_static_check(switch, expect, code):
     proc = run_check("--expect", expect, K3_AMD_OVERLAY=switch)

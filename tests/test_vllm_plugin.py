@@ -64,10 +64,9 @@ def shape():
 
 # A second spelling of off, a misspelt variable, non-strict live drift: the setting's handling is the
 # same on every release, whose own behaviour the first case of each runs: they run once (any_release).
-ONCE = pytest.mark.any_release
 
 
-@pytest.mark.parametrize("switch", [None, pytest.param("0", marks=ONCE)])
+@pytest.mark.parametrize("switch", [None, pytest.param("0", marks=pytest.mark.any_release)])
 def test_off_installs_nothing_and_leaves_stock_objects_and_an_off_record(switch, tmp_path):
     variables = {} if switch is None else {"K3_AMD_OVERLAY": switch}
     proc, res = run_vllm_process(SNAPSHOT + """
@@ -149,7 +148,7 @@ import vllm.models.kimi_k3.amd.mtp
 @pytest.mark.parametrize("variables,message", [
     ({"K3_AMD_OVERLAY": "yes"}, "K3_AMD_OVERLAY='yes' is not valid"),
     pytest.param({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_STRCT": "0"},
-                 "unknown overlay variable(s) K3_AMD_OVERLAY_STRCT", marks=ONCE),
+                 "unknown overlay variable(s) K3_AMD_OVERLAY_STRCT", marks=pytest.mark.any_release),
 ])
 def test_bad_values_stop_vllm_startup(variables, message, tmp_path):
     proc, res = run_vllm_process("""
@@ -233,7 +232,7 @@ OOT_REFUSAL = ("vllm.models.kimi_k3.amd.linear:MultiHeadLatentAttentionWrapper: 
                "patch reverted")
 
 
-@pytest.mark.parametrize("strict", ["1", pytest.param("0", marks=ONCE)])
+@pytest.mark.parametrize("strict", ["1", pytest.param("0", marks=pytest.mark.any_release)])
 def test_live_drift_reverts_everything(strict, tmp_path):
     proc, res = run_vllm_process(LIVE_DRIFT, tmp_path, K3_AMD_OVERLAY="1", K3_AMD_OVERLAY_STRICT=strict)
     assert res is not None, proc.stderr[-3000:]
