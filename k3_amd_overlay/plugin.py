@@ -6,8 +6,9 @@ imported. With the switch off it installs nothing and leaves only a small "off" 
 requested fusion this vLLM cannot take in strict mode, raises here so vLLM startup stops: vLLM
 only logs plugins that fail to *import*, so the failure must come from this function.
 
-A ``vllm`` CLI client (``vllm bench serve``, ``vllm --version``, ``vllm collect-env``, ...) builds no
-model: it is left alone and leaves no evidence, not even an off record."""
+A ``vllm`` CLI client (``vllm bench serve``, ``vllm --version``, ``vllm collect-env``, ...) and vLLM's
+model-inspection child (the registry reading a model class's facts) build no model: they are left
+alone (nothing patched) and leave no evidence, not even an off record."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ logger = logging.getLogger("vllm.k3_amd_overlay")
 
 
 def register() -> None:
-    from k3_amd_overlay.process_identity import is_cli_client
+    from k3_amd_overlay.process_identity import is_cli_client, is_model_inspection
 
-    if is_cli_client():
+    if is_cli_client() or is_model_inspection():
         return
     settings = load_settings()
     if not settings.enabled:

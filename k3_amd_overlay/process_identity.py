@@ -1,6 +1,7 @@
-"""Which kind of process this is (engine core, worker, API server, a ``vllm`` CLI client, or an
-offline engine's main process), read from ``sys.argv`` and the multiprocessing process name. Cheap
-and import-free of vLLM: the plugin reads it before deciding anything."""
+"""Which kind of process this is (engine core, worker, API server, a ``vllm`` CLI client, vLLM's
+model-inspection child, or an offline engine's main process), read from ``sys.argv`` and the
+multiprocessing process name. Cheap and import-free of vLLM: the plugin reads it before deciding
+anything."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ RAY_WORKER_SCRIPT = os.path.join("ray", "_private", "workers", "default_worker.p
 # leave no evidence (a client would otherwise be counted by `check` as a vLLM process).
 CLI_CLIENT_COMMANDS = (("bench", "serve"), ("chat",), ("complete",), ("collect-env",), ("--version",),
                        ("-v",), ("--help",), ("-h",))
+# vLLM's model registry reads a model class's facts in a child it starts as `python -m
+# vllm.model_executor.models.registry` (``_run_in_subprocess``, vLLM 0.29-0.33): the child loads the
+# general plugins, reads the facts and exits; it builds no model. Its evidence would only ever be a
+# stale marker beside a server's (one on each start with an empty model-info cache).
+MODEL_INSPECTION_MODULE_FILE = os.path.join("vllm", "model_executor", "models", "registry.py")
 PROCESS_NAME_ROLES = (("EngineCore", "engine-core"), ("Worker", "worker"), ("ApiServer", "api-server"),
                       ("APIServer", "api-server"))
 
@@ -28,6 +34,12 @@ def _vllm_command(argv: list[str]) -> list[str] | None:
 def is_cli_client(argv: list[str] | None = None) -> bool:
     command = _vllm_command(sys.argv if argv is None else argv)
     return command is not None and any(tuple(command[:len(c)]) == c for c in CLI_CLIENT_COMMANDS)
+
+
+def is_model_inspection(argv: list[str] | None = None) -> bool:
+    """Whether this process is vLLM's model-inspection child (run as a module: argv[0] is its file)."""
+    argv = sys.argv if argv is None else argv
+    return bool(argv) and argv[0].endswith(MODEL_INSPECTION_MODULE_FILE)
 
 
 def process_role(argv: list[str] | None = None, name: str | None = None) -> str:

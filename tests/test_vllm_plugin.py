@@ -132,6 +132,27 @@ result(before_import=before_import, first=first, second=second, unchanged=unchan
     assert f"k3-amd-overlay {k3_amd_overlay.__version__}: pid=" in proc.stderr + proc.stdout
 
 
+@pytest.mark.any_release  # the child's command, `python -m vllm.model_executor.models.registry`, is 0.29-0.33's
+def test_vllm_model_inspection_child_patches_nothing_and_leaves_no_marker(tmp_path):
+    """vLLM's registry reads a model class's facts in a child (``_run_in_subprocess``) that loads the
+    general plugins and exits: with the overlay on, the plugin runs there, patches nothing and writes
+    no marker (it would be a stale file beside a server's live ones); the parent's marker stays."""
+    proc, res = run_vllm_process("""
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.model_executor.models.registry import _run_in_subprocess
+def child_facts():
+    import os, sys
+    return os.getpid(), sorted(m for m in sys.modules if m.startswith("k3_amd_overlay"))
+child, loaded = _run_in_subprocess(child_facts)
+result(pid=os.getpid(), child=child, loaded=loaded, markers=sorted(os.listdir(os.environ["K3_AMD_OVERLAY_MARKER_DIR"])))
+""", tmp_path, K3_AMD_OVERLAY="1")
+    assert res is not None, proc.stderr[-3000:]
+    assert res["child"] != res["pid"] and "k3_amd_overlay.plugin" in res["loaded"], res  # vLLM ran the plugin there
+    assert "k3_amd_overlay.activation" not in res["loaded"], res
+    assert res["markers"] == [f"{res['pid']}.json"], res
+
+
 def test_stock_mode_disables_only_what_this_vllm_fuses_itself(shape, tmp_path):
     proc, res = run_vllm_process("""
 from vllm.plugins import load_general_plugins

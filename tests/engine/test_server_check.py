@@ -20,8 +20,9 @@ def lines(proc: subprocess.CompletedProcess[str]) -> str:
     return proc.stdout + proc.stderr
 
 
-def test_switch_on_proves_fused_only_after_served_traffic(serve, vllm_bin):
-    server = serve("1")
+def test_switch_on_proves_fused_only_after_served_traffic(serve, vllm_bin, tmp_path):
+    # an empty vLLM cache: this start runs vLLM's model-inspection child too, which must leave no marker
+    server = serve("1", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
     before = server.check("--expect", "fused")
     assert before.returncode == 1, lines(before)
     # the CPU worker runs no warm-up batch through the layers (eager, a fixed KV-cache size): nothing
