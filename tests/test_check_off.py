@@ -75,7 +75,7 @@ def test_the_plugin_off_leaves_an_off_record_and_patches_nothing(tmp_path, switc
 @pytest.mark.parametrize("argv", [["vllm", "bench", "serve", "--model", "m"],
                                   ["/venv/lib/python3.11/site-packages/vllm/model_executor/models/registry.py"]],
                          ids=["cli-client", "model-inspection"])
-def test_a_vllm_cli_client_leaves_no_record_where_a_server_leaves_one(tmp_path, argv):
+def test_a_process_building_no_model_leaves_no_record_where_a_server_leaves_one(tmp_path, argv):
     register(tmp_path, argv, marker_dir=tmp_path / "client")
     register(tmp_path, ["vllm", "serve", "m"], marker_dir=tmp_path / "server")
     assert not (tmp_path / "client").exists() or not list((tmp_path / "client").glob("*.json"))
