@@ -279,7 +279,7 @@ def test_events_that_are_kernels_and_kernels_claimed_together(tmp_path):
     path = tmp_path / "t_rank0.json"
     path.write_text(json.dumps({"traceEvents": [
         {"ph": "X", "cat": "Kernel", "name": "qk_cache_kernel", "dur": 2.0},  # the category in any case
-        {"ph": "X", "cat": "gpu_op", "name": "qk_cache_kernel"},  # no duration: 0
+        {"ph": "X", "cat": "gpu_op", "name": "qk_cache_kernel", "dur": 0},  # a launch, 0 µs
         {"ph": "X", "cat": "cpu_op", "name": "qk_cache_kernel", "dur": 9.0},
         {"ph": "B", "cat": "kernel", "name": "qk_cache_kernel", "dur": 9.0},
         {"ph": "X", "cat": "kernel", "name": "void vllm::concat_and_cache_mla_kernel<a>", "dur": 1.0},

@@ -2,16 +2,19 @@
 replaced it, and a fusion only where its own launch ran in the candidate; each ``--expect`` is
 judged on its own; ``--json`` carries the comparison; and no ratio comes from empty, partial or
 foreign evidence (one arm with a region's ranges and one without, nested ranges, different rank
-sets, an empty trace, a baseline that ran the fused launch). On the committed H200 traces in
-tests/data and on small Kineto-shaped traces built here."""
+sets, two traces of one rank, fewer ranks than the world size, arms on different GPUs, an empty
+trace, a baseline that ran the fused launch). On the committed H200 traces in tests/data and on
+small Kineto-shaped traces built here."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import shutil
 from pathlib import Path
 
 import pytest
-from kineto_traces import ranged_events
+from kineto_traces import kernel_trace, ranged_events
 
 from k3_amd_overlay.commands import census
 from k3_amd_overlay.commands.cli import main
@@ -258,3 +261,92 @@ def test_kernels_without_durations_give_no_ratio(tmp_path):
             in census.render_comparison(base, _read(path), steps=None, layers=2))
     comparison = census.compare(base, _read(path), steps=None, layers=2)
     assert comparison.sections[0].ratio is None and comparison.to_json()["sections"][0]["ratio"] is None
+
+
+ONE_SESSION = "keep one profiler session per directory, one trace per rank"
+
+
+def _verdict_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(("expect ", "FAIL "))]
+
+
+def test_two_traces_of_one_rank_are_refused(tmp_path, capsys):
+    """Two profiler sessions in one directory, an older fused one and the newest stock: summed, rank 0
+    "ran" qk_cache_kernel 12 times where the newest ran it 0 times. Refused, both files named, as
+    the candidate of ``--expect`` and as either arm of a comparison."""
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    older, newest = (sessions / f"host_1.rank0.{stamp}.pt.trace.json.gz" for stamp in (1733000000, 1733999999))
+    shutil.copy(GRAPH_FUSED, older)
+    shutil.copy(GRAPH_BASE, newest)
+    assert main(["census", str(newest), "--expect", "qk_cache_kernel=12"]) == 1
+    capsys.readouterr()
+    assert main(["census", str(sessions), "--expect", "qk_cache_kernel=12"]) == 1
+    two = f"rank 0: 2 traces ({older}, {newest}) would be summed as one; {ONE_SESSION}"
+    assert _verdict_lines(capsys.readouterr().out) == [
+        "expect qk_cache_kernel=12 per rank: FAILED (rank 0: 12)", f"FAIL {two}"]
+    assert main(["census", str(sessions), "--baseline", str(GRAPH_BASE)]) == 1
+    out = capsys.readouterr().out
+    assert f"NO COMPARISON: the candidate's {two}" in out and "region:" not in out
+    assert census.compare(_read(sessions), _read(GRAPH_FUSED), steps=None, layers=1).problems == [
+        f"the baseline's {two}"]
+    assert census.compare(_read(GRAPH_BASE), _read(GRAPH_FUSED), steps=None, layers=1).holds  # one session a side
+    assert main(["census", str(sessions)]) == 0  # a table, no verdict: it says what it summed
+    assert capsys.readouterr().err == f"warning: {two}\n"
+
+
+def _rank_trace(path: Path, kernels: dict[str, int], rank: int, world_size: object) -> Path:
+    return kernel_trace(path, kernels, distributedInfo={"backend": "nccl", "rank": rank, "world_size": world_size})
+
+
+def test_fewer_ranks_than_the_world_size_are_refused(tmp_path, capsys):
+    """One trace of rank 0 of 8 does not pass "every rank"; all 8 do. Both arms missing a rank give no
+    ratio, each named."""
+    every = [_rank_trace(tmp_path / f"c_rank{r}.json", {"qk_cache_kernel": 12}, r, 8) for r in range(8)]
+    assert main(["census", str(every[0]), "--expect", "qk_cache_kernel=12"]) == 1
+    assert _verdict_lines(capsys.readouterr().out) == [
+        "expect qk_cache_kernel=12 per rank: FAILED (rank 0: 12)",
+        "FAIL ranks 1, 2, 3, 4, 5, 6, 7: no trace, though distributedInfo gives world size 8: a verdict would rest "
+        "on 1 of its 8 ranks; profile every rank, one trace per rank"]
+    assert main(["census", *map(str, every), "--expect", "qk_cache_kernel=12"]) == 0
+    base = _rank_trace(tmp_path / "b_rank0.json", {"concat_and_cache_mla_kernel": 4}, 0, 2)
+    cand = _rank_trace(tmp_path / "f_rank0.json", {"qk_cache_kernel": 4}, 0, 2)
+    missing = ("rank 1: no trace, though distributedInfo gives world size 2: a verdict would rest on 1 of its 2 "
+               "ranks; profile every rank, one trace per rank")
+    assert census.compare(_read(base), _read(cand), steps=None, layers=1).problems == [
+        f"the baseline's {missing}", f"the candidate's {missing}"]
+    assert main(["census", str(cand), "--baseline", str(base)]) == 1
+    assert "region:" not in capsys.readouterr().out
+
+
+def test_traces_disagreeing_on_the_world_size_or_without_a_valid_one(tmp_path, capsys):
+    """Ranks of two deployments (world sizes 2 and 4) are refused; a world size that is no number of
+    ranks is a clear error naming the file and the value."""
+    mixed = [_rank_trace(tmp_path / f"rank{r}.json", {"qk_cache_kernel": 1}, r, 2 * (r + 1)) for r in range(2)]
+    assert census.check_expectations(_read(*mixed), [("qk_cache_kernel", 1)]) == [
+        f"traces disagree on the world size (distributedInfo): 2 in {mixed[0]}, 4 in {mixed[1]}; {ONE_SESSION}"]
+    for bad in ("8", 0, True):
+        trace = _rank_trace(tmp_path / "bad_rank0.json", {"qk_cache_kernel": 1}, 0, bad)
+        assert main(["census", str(trace)]) == 2
+        err = capsys.readouterr().err
+        assert (f"{trace}: distributedInfo world_size {bad!r} is not a number of ranks (a whole number, 1 or more)"
+                in err and "Traceback" not in err)
+
+
+def test_arms_on_different_gpus_give_no_ratio(tmp_path, capsys):
+    """The committed H200 region traces with the baseline's GPU named an MI300X: no 1.93x; the same
+    baseline without deviceProperties still compares (the check holds only where both arms name one)."""
+    data = json.loads(gzip.decompress(REGION_STOCK.read_bytes()))
+    data["deviceProperties"] = [{**data["deviceProperties"][0], "name": "AMD Instinct MI300X"}]
+    mi300x = tmp_path / "mi300x_rank0.json"
+    mi300x.write_text(json.dumps(data))
+    assert main(["census", str(REGION_FUSED), "--baseline", str(mi300x), "--steps", "3", "--layers", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "absorb_qk_cache region:" not in out and "kernel launches per rank" not in out
+    assert census.compare(_read(mi300x), _read(REGION_FUSED), steps=3, layers=4).problems == [
+        "the baseline ran on AMD Instinct MI300X, the candidate on NVIDIA H200 (deviceProperties): kernel times of "
+        "different GPUs say nothing of a fusion; profile both arms on the same GPU"]
+    del data["deviceProperties"]
+    unnamed = tmp_path / "unnamed_rank0.json"
+    unnamed.write_text(json.dumps(data))
+    assert census.compare(_read(unnamed), _read(REGION_FUSED), steps=3, layers=4).holds

@@ -2,8 +2,10 @@
 expectation and of an empty comparison (every key, values rounded to a thousandth from durations
 with more digits); every message word for word; which kernel a range gets at its boundaries
 (launched exactly at a range's start or end, ranges touching, a zero-length range, events without
-``ts``/``dur``/``cat``/``name``); a kernel without a launch that must not stop the ones after it;
-every GEMM pattern as profilers name it; one region's problem leaving the other regions judged."""
+``cat``/``name``); an event whose ``ts``, ``dur`` or ``correlation`` the census reads and cannot
+(missing, null, text, not finite, a negative duration) refused by name, on the CLI too; a kernel
+without a launch that must not stop the ones after it; every GEMM pattern as profilers name it; one
+region's problem leaving the other regions judged."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from kineto_traces import ranged_events
 
 from k3_amd_overlay.commands import census
+from k3_amd_overlay.commands.cli import main
 from k3_amd_overlay.commands.verdict import DOES_THE_WORK_OF
 
 DECODE, NORM = "k3_amd_overlay::mla_decode", "k3_amd_overlay::qkv_norm"
@@ -236,21 +239,21 @@ def _range(name: str, ts: float | None, dur: float | None, tid: int, cat: str = 
 
 
 def test_which_range_a_kernel_belongs_to_at_the_boundaries(tmp_path):
-    """Ranges are closed intervals; the innermost (latest opened) wins where two touch; a range without
-    ``ts`` opens at 0 and one without ``dur`` is zero-long; a launch without ``ts`` is at 0; a kernel
-    without ``dur`` ran 0 µs; a kernel without a launch (a graph replay) is skipped and the kernels
-    after it still counted; only the overlay's ``user_annotation`` ranges are ranges; ranges opened at
-    one instant on one thread nest, touching ones do not."""
+    """Ranges are closed intervals; the innermost (latest opened) wins where two touch; a range at 0
+    and a zero-long one hold the kernels launched at their instant; a kernel of 0 µs counts; a kernel
+    without a launch (a graph replay) is skipped and the kernels after it still counted; only the
+    overlay's ``user_annotation`` ranges are ranges; ranges opened at one instant on one thread nest,
+    touching ones do not."""
     events = [
         _kernel(None, "graph_replayed_kernel"),  # no launch: skipped, the ones after it still attributed
         _range(DECODE, 10.0, 10.0, tid=1), _range(NORM, 20.0, 5.0, tid=1),  # touching at 20
         _launch(1, 10.0, 1), _kernel(1, "at_the_start"), _launch(2, 20.0, 1), _kernel(2, "where_they_touch", 2.625),
         _launch(3, 25.0, 1), _kernel(3, "at_the_end", 3.875), _launch(4, 25.5, 1), _kernel(4, "after_both"),
         _range(DECODE, 100.0, 10.0, tid=2), _range(NORM, 100.0, 5.0, tid=2),  # opened at one instant: nested
-        _range(DECODE, None, 5.0, tid=3), _launch(5, 0.0, 3), _kernel(5, "at_0_without_dur", None),
-        _range(NORM, 50.0, None, tid=4), _launch(6, 50.0, 4), _kernel(6, "in_a_zero_long_range"),
+        _range(DECODE, 0.0, 5.0, tid=3), _launch(5, 0.0, 3), _kernel(5, "at_0_of_0_us", 0.0),
+        _range(NORM, 50.0, 0.0, tid=4), _launch(6, 50.0, 4), _kernel(6, "in_a_zero_long_range"),
         _launch(7, 50.5, 4), _kernel(7, "past_a_zero_long_range"),
-        _range(DECODE, 0.5, 9.5, tid=5), _launch(8, None, 5), _kernel(8, "launched_without_ts"),
+        _range(DECODE, 0.5, 9.5, tid=5), _launch(8, 0.25, 5), _kernel(8, "launched_before_the_range"),
         _range("vllm::execute_model", 200.0, 10.0, tid=6), _launch(9, 205.0, 6), _kernel(9, "in_a_foreign_range"),
         _range(DECODE, 300.0, 10.0, tid=6, cat="cpu_op"), _launch(10, 305.0, 6), _kernel(10, "in_a_cpu_op"),
         {k: v for k, v in _launch(11, 12.0, 1).items() if k != "cat"}, _kernel(11, "launched_by_an_event_without_cat"),
@@ -262,12 +265,85 @@ def test_which_range_a_kernel_belongs_to_at_the_boundaries(tmp_path):
         (DECODE, [(10.0, "at_the_start", 1.375), (12.0, "launched_by_an_event_without_cat", 1.375)]),
         (NORM, [(20.0, "where_they_touch", 2.625), (25.0, "at_the_end", 3.875)]),
         (DECODE, []), (NORM, []),
-        (DECODE, [(0.0, "at_0_without_dur", 0.0)]),
+        (DECODE, [(0.0, "at_0_of_0_us", 0.0)]),
         (NORM, [(50.0, "in_a_zero_long_range", 1.375)]),
         (DECODE, [])]}
     assert read.nested == {"0": [(DECODE, NORM), (NORM, DECODE)]}
-    assert read.launches() == 12 and read.ranks["0"]["at_0_without_dur"].total_us == 0.0
+    assert read.launches() == 12 and read.ranks["0"]["at_0_of_0_us"].total_us == 0.0
 
+
+
+MISSING = object()
+ROLES = {"range": 0, "launch": 1, "kernel": 2}
+NUMBER, DURATION, THREAD = "expected a number", "expected a number, 0 or more", (
+    "expected a process or thread id (a number or a name)")
+RANGE, LAUNCH, KERNEL = (f"user_annotation event {DECODE!r}", "cuda_runtime event 'hipLaunchKernel'",
+                         "kernel event 'qk_cache_kernel'")
+
+
+def _one_bad_field(role: str, key: str, value: Any) -> list[dict[str, Any]]:
+    """A decode range, a launch in it and its kernel, with ``key`` of one of them set to ``value``
+    (removed where MISSING; ``correlation`` is the event's ``args``')."""
+    events = [_range(DECODE, 10.0, 10.0, tid=1), _launch(1, 12.0, 1), _kernel(1, "qk_cache_kernel")]
+    fields = events[ROLES[role]]["args"] if key == "correlation" else events[ROLES[role]]
+    if value is MISSING:
+        del fields[key]
+    else:
+        fields[key] = value
+    return events
+
+
+@pytest.mark.parametrize("role,key,value,message", [
+    ("kernel", "dur", None, f"{KERNEL} has dur=None, {DURATION}"),
+    ("kernel", "dur", "abc", f"{KERNEL} has dur='abc', {DURATION}"),
+    ("kernel", "dur", MISSING, f"{KERNEL} has no dur, {DURATION}"),  # a kernel's time unknown: not 0 µs
+    ("kernel", "dur", float("nan"), f"{KERNEL} has dur=nan, {DURATION}"),
+    ("kernel", "dur", -1.5, f"{KERNEL} has dur=-1.5, {DURATION}"),
+    ("kernel", "dur", True, f"{KERNEL} has dur=True, {DURATION}"),
+    ("kernel", "correlation", [1], f"{KERNEL} has correlation=[1], {NUMBER}"),
+    ("range", "ts", None, f"{RANGE} has ts=None, {NUMBER}"),
+    ("range", "ts", MISSING, f"{RANGE} has no ts, {NUMBER}"),
+    ("range", "ts", float("inf"), f"{RANGE} has ts=inf, {NUMBER}"),
+    ("range", "dur", MISSING, f"{RANGE} has no dur, {DURATION}"),
+    ("range", "pid", [1], f"{RANGE} has pid=[1], {THREAD}"),
+    ("launch", "ts", None, f"{LAUNCH} has ts=None, {NUMBER}"),
+    ("launch", "ts", "12", f"{LAUNCH} has ts='12', {NUMBER}"),
+    ("launch", "ts", MISSING, f"{LAUNCH} has no ts, {NUMBER}"),
+    ("launch", "correlation", None, f"{LAUNCH} has correlation=None, {NUMBER}"),
+    ("launch", "tid", {"t": 1}, f"{LAUNCH} has tid={{'t': 1}}, {THREAD}"),
+])
+def test_a_number_the_census_reads_and_cannot_is_refused_by_name(tmp_path, role, key, value, message):
+    """Every ``ts``, ``dur``, ``correlation``, ``pid`` and ``tid`` the census reads, read one way: a
+    TraceError naming the file, the event and the value, never a TypeError or a guessed 0."""
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"traceEvents": _one_bad_field(role, key, value)}))
+    with pytest.raises(census.TraceError) as raised:
+        census.read_census([path])
+    assert str(raised.value) == f"{path}: {message}"
+
+
+def test_a_bad_number_is_a_usage_error_on_the_cli_and_unread_events_stay_lenient(tmp_path, capsys):
+    """rc 2 with the message (one JSON object on stdout with --json), no traceback; a kernel's bad
+    ``dur`` is refused in a trace without ranges too. Events whose numbers the census never reads (a
+    CPU op, another tool's range, launches in a trace without overlay ranges) may carry anything."""
+    bad = tmp_path / "bad" / "rank0.json"
+    bad.parent.mkdir()
+    bad.write_text(json.dumps({"traceEvents": [_kernel(1, "qk_cache_kernel", 2.0), {**_kernel(2, "qk_cache_kernel"),
+                                                                                     "dur": None}]}))
+    message = f"{bad}: {KERNEL} has dur=None, {DURATION}"
+    assert main(["census", str(bad), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"command": "census", "ok": False, "exit_status": 2, "usage_error": message,
+                               "error": message}
+    assert err.endswith(f"error: {message}\n") and "Traceback" not in err
+    unread = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": None, "dur": "abc"},
+              _range("vllm::execute_model", None, None, tid=1), {**_launch(1, None, 1), "pid": [1]},
+              _kernel(1, "qk_cache_kernel", 2.0)]
+    ok = tmp_path / "ok_rank0.json"
+    ok.write_text(json.dumps({"traceEvents": unread}))
+    assert census.read_census([ok]).ranks == {"0": {"qk_cache_kernel": census.KernelStats(1, 2.0)}}
+    assert main(["census", str(ok), "--baseline", str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {message}\n")
 
 def test_the_work_a_launch_shares_is_a_symmetric_relation():
     """``_work_shared`` pairs the absorbed launch with qk_cache's both ways and a fusion never with itself."""

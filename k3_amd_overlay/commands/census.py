@@ -7,6 +7,10 @@ The traces are read directly: a Kineto trace is a JSON object whose ``traceEvent
 complete event (``ph: X``) per GPU kernel with ``cat`` "kernel" (CUDA and ROCm alike, graph
 replays included). Maintained analysers (HolisticTraceAnalysis, AMD TraceLens) do much more but
 pull in pandas and friends that a stock serving image lacks, for what is a group-by over names.
+Each number read from an event (a kernel's ``dur``, an overlay range's ``ts`` and ``dur``, a
+launch's ``ts``, a ``correlation`` id) must be a finite number, a duration 0 or more: anything else,
+or none, is a ``TraceError`` naming the file, the event and the value, never a guessed 0; events
+whose numbers the census never reads may carry anything.
 
 Names alone cannot tell a fusion's kernels apart from the model's others (hipBLASLt names every GEMM
 ``Cijk_...``; every RMSNorm matches ``rms_norm_kernel``). Where the overlay is on (stock mode
@@ -21,15 +25,18 @@ Each kernel counts in one section, that of the launch that replaced it, and a fu
 only where its own launch ran in the candidate: the absorbed launch also does qk_cache's work
 (``verdict.DOES_THE_WORK_OF``), so where only it ran the kernels it removed are its own, and where
 both launches ran they share one section (the baseline cannot say which stock kernel each replaced).
-No ratio comes from evidence that cannot carry one: an empty trace, different rank sets, nested
-overlay ranges, one arm (or some ranks) with a region's ranges and the other without, a baseline
-that ran the fused launch or none of the kernels it replaces; the comparison names the reason and
-does not hold. Each ``--expect`` is judged on its own, and an empty trace satisfies none."""
+No ratio comes from evidence that cannot carry one: an empty trace, two traces of one rank (profiler
+sessions summed as one), fewer ranks than the traces' ``distributedInfo`` world size, different rank
+sets, arms on different GPUs (``deviceProperties``), nested overlay ranges, one arm (or some ranks)
+with a region's ranges and the other without, a baseline that ran the fused launch or none of the
+kernels it replaces; the comparison names the reason and does not hold. Each ``--expect`` is judged
+on its own, and an empty trace, two traces of one rank or missing ranks satisfy none."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -97,12 +104,17 @@ class KernelStats:
 @dataclass
 class Census:
     """Kernel statistics per rank (rank -> kernel name -> stats), the kernels launched inside each
-    of the overlay's profiler ranges (rank -> [(range name, [(launch time, kernel, µs)])]), and the
-    overlay ranges opened inside another one (rank -> [(outer, inner)])."""
+    of the overlay's profiler ranges (rank -> [(range name, [(launch time, kernel, µs)])]), the
+    overlay ranges opened inside another one (rank -> [(outer, inner)]), the files read for each
+    rank, the world size each file's ``distributedInfo`` gives and the GPU names its
+    ``deviceProperties`` give."""
 
     ranks: dict[str, dict[str, KernelStats]] = field(default_factory=dict)
     regions: dict[str, list[tuple[str, list[tuple[float, str, float]]]]] = field(default_factory=dict)
     nested: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # rank -> [(outer, inner) range]
+    files: dict[str, list[Path]] = field(default_factory=dict)
+    world_sizes: dict[Path, int] = field(default_factory=dict)
+    gpus: set[str] = field(default_factory=set)
 
     def total(self) -> dict[str, KernelStats]:
         summed: dict[str, KernelStats] = defaultdict(KernelStats)
@@ -179,30 +191,84 @@ def rank_of(path: Path, data: dict[str, Any], index: int) -> str:
     return match.group(1) if match else str(index)
 
 
+def world_size_of(path: Path, data: dict[str, Any]) -> int | None:
+    """The world size the trace's ``distributedInfo`` gives (None: it gives none)."""
+    info = data.get("distributedInfo")
+    if not isinstance(info, dict) or "world_size" not in info:
+        return None
+    size = info["world_size"]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise TraceError(f"{path}: distributedInfo world_size {size!r} is not a number of ranks (a whole number, "
+                         "1 or more)")
+    return size
+
+
+def gpu_names(data: dict[str, Any]) -> set[str]:
+    """The GPU names the trace's ``deviceProperties`` give (none where it gives none)."""
+    devices = data.get("deviceProperties")
+    if not isinstance(devices, list):
+        return set()
+    return {str(d["name"]) for d in devices if isinstance(d, dict) and d.get("name")}
+
+
 def read_census(paths: Iterable[str | Path]) -> Census:
     census = Census()
     for index, path in enumerate(trace_files(paths)):
         data = load_trace(path)
         rank = rank_of(path, data, index)
+        census.files.setdefault(rank, []).append(path)
+        size = world_size_of(path, data)
+        if size is not None:
+            census.world_sizes[path] = size
+        census.gpus |= gpu_names(data)
         kernels = census.ranks.setdefault(rank, {})
         events = [e for e in data["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
         gpu = [e for e in events if str(e.get("cat", "")).lower() in KERNEL_CATEGORIES]
         for event in gpu:
             stats = kernels.setdefault(str(event.get("name")), KernelStats())
             stats.count += 1
-            stats.total_us += float(event.get("dur", 0.0))
-        found, nested = _region_kernels(events, gpu)
+            stats.total_us += _number(path, event, "dur", least=0.0)
+        found, nested = _region_kernels(path, events, gpu)
         census.regions.setdefault(rank, []).extend(found)
         census.nested.setdefault(rank, []).extend(nested)
     return census
 
 
-def _correlation(event: dict[str, Any]) -> Any:
+def _bad(path: Path, event: dict[str, Any], key: str, fields: dict[str, Any], expected: str) -> TraceError:
+    cat = str(event.get("cat", ""))
+    has = f"has {key}={fields[key]!r}" if key in fields else f"has no {key}"
+    return TraceError(f"{path}: {cat + ' ' if cat else ''}event {event.get('name')!r} {has}, expected {expected}")
+
+
+def _number(path: Path, event: dict[str, Any], key: str, least: float | None = None,
+            fields: dict[str, Any] | None = None) -> float:
+    """A number the census reads from an event (from ``fields``, the event's own by default): missing,
+    not a finite number or below ``least``, the file cannot be counted or attributed."""
+    fields = event if fields is None else fields
+    value = fields.get(key)
+    if (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            and (least is None or value >= least)):
+        return float(value)
+    raise _bad(path, event, key, fields, "a number" + ("" if least is None else f", {least:g} or more"))
+
+
+def _thread(path: Path, event: dict[str, Any]) -> tuple[Any, Any]:
+    """The (pid, tid) of a range or launch: kept as given (Kineto writes numbers and names), never a list."""
+    for key in ("pid", "tid"):
+        if isinstance(event.get(key), list | dict):
+            raise _bad(path, event, key, event, "a process or thread id (a number or a name)")
+    return event.get("pid"), event.get("tid")
+
+
+def _correlation(path: Path, event: dict[str, Any]) -> float | None:
+    """The id linking a kernel to its launch (None: the event has none, as a graph replay's kernel)."""
     args = event.get("args")
-    return args.get("correlation") if isinstance(args, dict) else None
+    if not isinstance(args, dict) or "correlation" not in args:
+        return None
+    return _number(path, event, "correlation", fields=args)
 
 
-def _region_kernels(events: list[dict[str, Any]], gpu: list[dict[str, Any]]
+def _region_kernels(path: Path, events: list[dict[str, Any]], gpu: list[dict[str, Any]]
                     ) -> tuple[list[tuple[str, list[Any]]], list[tuple[str, str]]]:
     """Each overlay range of one trace with the kernels launched inside it (innermost range wins),
     and each (outer, inner) pair of overlay ranges where one opened inside another on one thread:
@@ -212,9 +278,8 @@ def _region_kernels(events: list[dict[str, Any]], gpu: list[dict[str, Any]]
     for event in events:
         name = str(event.get("name", ""))
         if str(event.get("cat", "")).lower() in RANGE_CATEGORIES and name.startswith(REGION_PREFIX):
-            start = float(event.get("ts", 0.0))
-            ranges[(event.get("pid"), event.get("tid"))].append((start, start + float(event.get("dur", 0.0)),
-                                                                 len(found)))
+            start = _number(path, event, "ts")
+            ranges[_thread(path, event)].append((start, start + _number(path, event, "dur", least=0.0), len(found)))
             found.append((name, []))
     if not found:
         return [], []
@@ -222,17 +287,18 @@ def _region_kernels(events: list[dict[str, Any]], gpu: list[dict[str, Any]]
               for other, _, j in spans if j != i and start <= other < end]
     launches = {}
     for event in events:
-        corr = _correlation(event)
-        if corr is not None and str(event.get("cat", "")).lower() not in KERNEL_CATEGORIES:
-            launches[corr] = (event.get("pid"), event.get("tid"), float(event.get("ts", 0.0)))
+        if str(event.get("cat", "")).lower() not in KERNEL_CATEGORIES:
+            corr = _correlation(path, event)
+            if corr is not None:
+                launches[corr] = (_thread(path, event), _number(path, event, "ts"))
     for kernel in gpu:
-        launch = launches.get(_correlation(kernel))
+        launch = launches.get(_correlation(path, kernel))
         if launch is None:
             continue
-        pid, tid, at = launch
-        inside = [(start, i) for start, end, i in ranges.get((pid, tid), []) if start <= at <= end]
+        thread, at = launch
+        inside = [(start, i) for start, end, i in ranges.get(thread, []) if start <= at <= end]
         if inside:
-            found[max(inside)[1]][1].append((at, str(kernel.get("name")), float(kernel.get("dur", 0.0))))
+            found[max(inside)[1]][1].append((at, str(kernel.get("name")), _number(path, kernel, "dur", least=0.0)))
     for _, kernels in found:
         kernels.sort()
     return found, nested
@@ -263,6 +329,29 @@ def empty_ranks(census: Census) -> list[str]:
 
 EMPTY = ("rank {rank}: the trace has no GPU kernel at all, so it proves nothing (profiled without the CUDA/ROCm "
          "activity, or a window where nothing ran)")
+ONE_SESSION = "keep one profiler session per directory, one trace per rank"
+
+
+def rank_problems(census: Census) -> list[str]:
+    """Why the traces are not one trace per rank of a whole deployment: a rank with several traces
+    (their kernels would be summed as one session's), traces that disagree on the world size, or
+    ranks of the world size their ``distributedInfo`` gives without a trace."""
+    problems = [f"rank {rank}: {len(files)} traces ({', '.join(map(str, files))}) would be summed as one; "
+                f"{ONE_SESSION}" for rank, files in sorted(census.files.items()) if len(files) > 1]
+    first: dict[int, Path] = {}  # world size -> the first file read that gives it
+    for path, size in census.world_sizes.items():
+        first.setdefault(size, path)
+    if len(first) > 1:
+        problems.append("traces disagree on the world size (distributedInfo): " + ", ".join(
+            f"{size} in {path}" for size, path in sorted(first.items())) + f"; {ONE_SESSION}")
+    elif first:
+        (size,) = first
+        missing = [str(rank) for rank in range(size) if str(rank) not in census.ranks]
+        if missing:
+            problems.append(f"rank{'s' if len(missing) > 1 else ''} {', '.join(missing)}: no trace, though "
+                            f"distributedInfo gives world size {size}: a verdict would rest on {len(census.ranks)} of "
+                            f"its {size} ranks; profile every rank, one trace per rank")
+    return problems
 
 
 @dataclass
@@ -292,10 +381,10 @@ def judge_expectations(census: Census, expectations: list[tuple[str, int]]) -> l
     """Each NAME must have run exactly COUNT times on every rank, each rank's trace holding GPU
     kernels (an empty trace never satisfies a count, not even 0)."""
     judged = []
-    empty = empty_ranks(census)
+    empty, ranks = empty_ranks(census), rank_problems(census)
     for name, count in expectations:
         per_rank = {rank: census.counted_as(name, rank) for rank in sorted(census.ranks)}
-        problems = [EMPTY.format(rank=rank) for rank in empty]
+        problems = ranks + [EMPTY.format(rank=rank) for rank in empty]
         problems += [f"rank {rank}: kernels matching {name!r} ran {sum(found.values())} times, expected {count}"
                      for rank, found in per_rank.items() if rank not in empty and sum(found.values()) != count]
         if not census.ranks:
@@ -507,12 +596,17 @@ def _evidence_problems(baseline: Census, candidate: Census) -> list[str]:
     for side, census in (("baseline", baseline), ("candidate", candidate)):
         if not census.ranks:
             problems.append(f"the {side} has no trace")
+        problems += [f"the {side}'s " + problem for problem in rank_problems(census)]
         problems += [f"the {side}'s " + EMPTY.format(rank=rank) for rank in empty_ranks(census)]
     if baseline.ranks and candidate.ranks and sorted(baseline.ranks) != sorted(candidate.ranks):
         base, cand = ", ".join(sorted(baseline.ranks)), ", ".join(sorted(candidate.ranks))
         problems.append(f"the baseline has {len(baseline.ranks)} rank trace(s) (ranks {base}), the candidate "
                         f"{len(candidate.ranks)} (ranks {cand}): different deployments; profile both arms with the "
                         "same parallelism, one trace per rank")
+    if baseline.gpus and candidate.gpus and baseline.gpus != candidate.gpus:
+        problems.append(f"the baseline ran on {', '.join(sorted(baseline.gpus))}, the candidate on "
+                        f"{', '.join(sorted(candidate.gpus))} (deviceProperties): kernel times of different GPUs "
+                        "say nothing of a fusion; profile both arms on the same GPU")
     return problems
 
 
@@ -596,8 +690,8 @@ def compare(baseline: Census, candidate: Census, steps: int | None, layers: int)
     """The before/after of each region a fusion replaces. A fusion gets a section only where its own
     launch ran in the candidate; each kernel counts in one section (the absorbed launch does
     qk_cache's work: where it ran, the kernels it removed are its own). Nothing is compared from
-    empty traces, different rank sets, nested ranges, one arm with a region's ranges and one
-    without, or a baseline that ran the fused launch."""
+    empty traces, two traces of one rank, missing ranks, different rank sets or GPUs, nested ranges,
+    one arm with a region's ranges and one without, or a baseline that ran the fused launch."""
     comparison = Comparison(steps=steps, problems=_evidence_problems(baseline, candidate))
     if comparison.problems:
         return comparison
