@@ -104,7 +104,8 @@ def test_a_configuration_whose_tiles_are_not_read_falls_short(amdgcn, ttgir, con
 
 def test_the_table_shows_each_configurations_tile_copies():
     entry = dataclasses.asdict(_verdict(AMDGCN_950, GFX950_FP8_16X64_8_WARPS, BAD))
-    row = compile_report.table({"arch": "gfx950", "triton": "3.9.0", "fp8_format": "e4m3fn", "kernels": [entry]})
+    row = compile_report.table({"arch": "gfx950", "triton": "3.9.0", "fp8_format": "e4m3fn", "device": None,
+                                "sources": {}, "kernels": [entry]})
     assert "| v_mfma_f32_16x16x128_f8f6f4 | 8 | the dot's tile computed 8 times over by its warps |" in row
 
 

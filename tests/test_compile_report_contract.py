@@ -18,6 +18,7 @@ import pytest
 
 from k3_amd_overlay.commands import compile_report
 from k3_amd_overlay.kernels import launch_configs, names
+from k3_amd_overlay.settings import KERNEL_CONFIGS
 
 FIELDS = ["kernel", "config", "compiled", "error", "target", "vgpr", "agpr", "sgpr", "lds_bytes", "vgpr_spill",
           "sgpr_spill", "scratch_bytes", "waves_per_simd", "dtype", "shapes", "mfma", "tile_copies", "tile_error",
@@ -229,8 +230,8 @@ def test_an_unread_tile_is_no_count_in_the_json_and_a_question_mark_in_the_table
     assert exact([entry.tile_copies, entry.tile_error]) == exact([None, why])
     entry.problems = compile_report.problems(entry, "gfx942")
     assert entry.problems == [f"tile copies not known: {why}"]
-    row = compile_report.table({"arch": "gfx942", "triton": "3.5.1", "fp8_format": "e4m3fnuz",
-                                "kernels": [dataclasses.asdict(entry)]}).splitlines()[-1]
+    row = compile_report.table({"arch": "gfx942", "triton": "3.5.1", "fp8_format": "e4m3fnuz", "device": None,
+                                "sources": {}, "kernels": [dataclasses.asdict(entry)]}).splitlines()[-1]
     assert row == (f"| {names.ABSORB_QK_CACHE_KERNEL} | bfloat16 | BLOCK_N=32 BLOCK_T=16 num_warps=2 |  | 60 | 4 | 26 "
                    f"| 0 | 0/0 | 0 | 8 | v_mfma_f32_16x16x16_bf16 | ? | tile copies not known: {why} |")
 
@@ -285,9 +286,10 @@ def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> dict:
 
     from k3_amd_overlay.kernels import probe, target
 
-    seen: dict = {"launches": [], "drivers": []}
+    seen: dict = {"launches": [], "drivers": [], "devices": set()}
 
     def reachable(kernel: str, arch: str, heads: tuple[int, ...] = probe.HEADS, device_name: str | None = None):
+        seen["devices"].add(device_name)
         if kernel == names.RMSNORM_PAIR_KERNEL:
             return [((("ROWS_KV", 2), ("ROWS_Q", 4), ("num_warps", 4)), [(3, 1), (17, 1)], ["T<=8", "T>8"])]
         if kernel in (names.QK_CACHE_KERNEL, names.STATIC_QUANT_KERNEL):
@@ -312,6 +314,7 @@ def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> dict:
     monkeypatch.setattr(probe, "launch_at", launch_at)
     monkeypatch.setattr(driver, "set_active", lambda active: seen["drivers"].append(active))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv(KERNEL_CONFIGS, raising=False)
     return seen
 
 
@@ -324,8 +327,13 @@ def test_compile_arch_reports_each_reachable_config_in_order(monkeypatch, arch, 
 
     seen = _stand_ins(monkeypatch)
     report = compile_report.compile_arch(arch)
-    assert list(report) == ["arch", "triton", "fp8_format", "kernels"]
+    assert list(report) == ["arch", "triton", "fp8_format", "device", "sources", "unchecked", "kernels"]
     assert (report["arch"], report["triton"], report["fp8_format"]) == (arch, triton.__version__, fmt)
+    assert (report["device"], report["unchecked"], seen["devices"]) == (None, [], {None})
+    shipped = {"file": str(launch_configs.CONFIG_DIR / f"{arch}.json"), "arch": arch, "tuned_on": None,
+               "tuned_here": False}
+    built = [k for k in compile_report.KERNEL_ORDER if compile_report.query_dtypes(k, arch)]
+    assert report["sources"] == {k: shipped for k in built}
     qk = {"HEADS": 8, "num_warps": 2}
     waves = compile_report.waves_per_simd(36, 0, 3072, 4, arch)
     compiled = {"kernel": names.RMSNORM_PAIR_KERNEL, "compiled": True, "target": arch, "vgpr": 36, "agpr": 0,
@@ -349,6 +357,72 @@ def test_compile_arch_reports_each_reachable_config_in_order(monkeypatch, arch, 
         (names.QK_CACHE_KERNEL, "cpu", torch.float16, 5, 16, fmt, on, None),
         (names.STATIC_QUANT_KERNEL, "cpu", torch.bfloat16, 5, 16, fmt, on, None)]
     assert [type(d) for d in seen["drivers"]] == [compile_report.AotDriver] and seen["drivers"][0].target.arch == arch
+
+
+MI300X = "AMD Instinct MI300X"
+TUNED_ABSORB = {"BLOCK_N": 128, "BLOCK_T": 128, "num_warps": 4}
+
+
+def _tuned_dir(tmp_path, monkeypatch: pytest.MonkeyPatch, header_device: str = MI300X):
+    """A K3_AMD_OVERLAY_KERNEL_CONFIGS directory with gfx942's tuned file for the MI300X (its absorb
+    rule one the shipped file does not have) and a self-measurement result file beside it."""
+    path = tmp_path / launch_configs.tuned_name("gfx942", MI300X)
+    path.write_text(json.dumps({"schema": 1, "arch": "gfx942", "tuned_on": {"device": header_device},
+                                "kernels": {names.ABSORB_QK_CACHE_KERNEL: [{"config": TUNED_ABSORB}]}}))
+    (tmp_path / "gfx942-AMD_Instinct_MI300X.measured.json").write_text("{}")
+    monkeypatch.setenv(KERNEL_CONFIGS, str(tmp_path))
+    return path
+
+
+def _config_launches(monkeypatch: pytest.MonkeyPatch) -> list:
+    """probe.launch_at as the kernels' launchers take their config (launch.config_for), compiling nothing
+    real; the configs the launches took, per kernel."""
+    from triton.runtime import driver
+
+    from k3_amd_overlay.kernels import launch, probe, target
+
+    taken = []
+
+    def launch_at(kernel, device, dtype, tokens, heads, fmt, block_size=1) -> None:
+        config = launch.config_for(kernel, device, tokens, heads)
+        taken.append((kernel, config))
+        target.compile_session().compiled.append((kernel, config, _compiled(_isa("gfx942", 40, sgpr=20), "", 0)))
+
+    monkeypatch.setattr(probe, "launch_at", launch_at)
+    monkeypatch.setattr(driver, "set_active", lambda active: None)
+    return taken
+
+
+def test_compile_arch_builds_the_tuned_configs_a_named_gpus_server_uses(tmp_path, monkeypatch):
+    path = _tuned_dir(tmp_path, monkeypatch)
+    taken = _config_launches(monkeypatch)
+    report = compile_report.compile_arch("gfx942", MI300X)
+    assert [config for kernel, config in taken if kernel == names.ABSORB_QK_CACHE_KERNEL] == [TUNED_ABSORB] * 2
+    assert [e["config"] for e in report["kernels"] if e["kernel"] == names.ABSORB_QK_CACHE_KERNEL] == [TUNED_ABSORB] * 2
+    assert (report["device"], report["unchecked"]) == (MI300X, [])
+    assert report["sources"][names.ABSORB_QK_CACHE_KERNEL] == {"file": str(path), "arch": "gfx942",
+                                                              "tuned_on": MI300X, "tuned_here": True}
+    assert report["sources"][names.QK_CACHE_KERNEL]["file"] == str(launch_configs.CONFIG_DIR / "gfx942.json")
+
+
+def test_compile_arch_with_no_gpu_named_names_the_tuned_files_it_leaves_unchecked(tmp_path, monkeypatch):
+    _tuned_dir(tmp_path, monkeypatch)
+    (tmp_path / "gfx950-AMD_Instinct_MI355X.json").write_text("{}")  # another arch's: not this report's
+    taken = _config_launches(monkeypatch)
+    report = compile_report.compile_arch("gfx942")
+    assert TUNED_ABSORB not in [config for _, config in taken]
+    assert report["unchecked"] == [
+        f"{KERNEL_CONFIGS}={tmp_path}: gfx942-AMD_Instinct_MI300X.json not checked: no GPU name known (no AMD GPU of "
+        "gfx942 here); pass --device NAME to check the configs that GPU's server uses"]
+
+
+def test_compile_arch_names_the_tuned_file_of_the_named_gpu_it_cannot_use(tmp_path, monkeypatch):
+    path = _tuned_dir(tmp_path, monkeypatch, header_device="AMD Instinct MI325X")
+    _config_launches(monkeypatch)
+    report = compile_report.compile_arch("gfx942", MI300X)
+    assert report["unchecked"] == [f"{path}: named for gfx942 on {MI300X}, its header says gfx942 on AMD Instinct "
+                                   "MI325X; this GPU's kernels take the shipped gfx942 launch configs instead"]
+    assert report["sources"][names.ABSORB_QK_CACHE_KERNEL]["file"] == str(launch_configs.CONFIG_DIR / "gfx942.json")
 
 
 def test_the_compile_only_driver_answers_as_an_amd_gpu_0_that_runs_nothing():
@@ -383,6 +457,9 @@ def test_the_worker_runs_this_module_for_the_arch_with_the_interpreter_off(monke
     assert args == ([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--worker", "gfx950"],)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     assert capture is True and kwargs == {"text": True, "env": env} and env["K3_CONTRACT_PROBE"] == "kept-7291"
+    compile_report.run_worker("gfx942", MI300X)
+    assert calls[-1][0] == ([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--worker", "gfx942",
+                             "--device", MI300X],)
 
 
 @pytest.mark.parametrize("code", [1, 3])
@@ -408,7 +485,12 @@ def test_an_arch_without_a_report_is_refused_before_any_worker(monkeypatch):
 
 # ---- the table and the command ------------------------------------------------------------------
 
-REPORT = {"arch": "gfx942", "triton": "3.5.1", "fp8_format": "e4m3fnuz", "kernels": [
+SOURCES = {names.QK_CACHE_KERNEL: {"file": str(launch_configs.CONFIG_DIR / "gfx942.json"), "arch": "gfx942",
+                                   "tuned_on": None, "tuned_here": False},
+           names.ABSORB_QK_CACHE_KERNEL: {"file": "/cfg/gfx942-AMD_Instinct_MI300X.json", "arch": "gfx942",
+                                          "tuned_on": MI300X, "tuned_here": True}}
+REPORT = {"arch": "gfx942", "triton": "3.5.1", "fp8_format": "e4m3fnuz", "device": MI300X, "sources": SOURCES,
+          "unchecked": [], "kernels": [
     _entry(kernel=names.QK_CACHE_KERNEL, config={"HEADS": 8, "num_warps": 2}, dtype="float16", shapes=["H>4", "T>8"],
            error="RuntimeError: out of resource", problems=["compile error"]),
     _entry(kernel=names.ABSORB_FP8_QK_CACHE_KERNEL, config={"BLOCK_N": 64, "BLOCK_T": 16, "num_warps": 8},
@@ -421,6 +503,10 @@ REPORT = {"arch": "gfx942", "triton": "3.5.1", "fp8_format": "e4m3fnuz", "kernel
            waves_per_simd=8)]}
 TABLE = "\n".join([
     "## gfx942 (Triton 3.5.1, fp8 e4m3fnuz)",
+    "",
+    "Launch configs for AMD Instinct MI300X:",
+    f"- {names.QK_CACHE_KERNEL}: shipped gfx942.json",
+    f"- {names.ABSORB_QK_CACHE_KERNEL}: /cfg/gfx942-AMD_Instinct_MI300X.json (tuned on AMD Instinct MI300X)",
     "",
     "| kernel | dtype | config | serves | VGPR | AGPR | SGPR | LDS B | spill V/S | scratch B | waves | MFMA "
     "| tile copies | verdict |",
@@ -435,11 +521,13 @@ TABLE = "\n".join([
 
 def test_the_table_row_by_row():
     assert compile_report.table(REPORT) == TABLE
+    assert compile_report.table({**REPORT, "device": None}).splitlines()[2] == "Launch configs for no GPU named:"
 
 
-def _report_from(monkeypatch: pytest.MonkeyPatch, report: dict) -> list[str]:
+def _report_from(monkeypatch: pytest.MonkeyPatch, report: dict) -> list[tuple[str, str | None]]:
     asked = []
-    monkeypatch.setattr(compile_report, "run_worker", lambda arch: asked.append(arch) or json.loads(json.dumps(report)))
+    monkeypatch.setattr(compile_report, "run_worker", lambda arch, device_name=None: asked.append(
+        (arch, device_name)) or json.loads(json.dumps(report)))
     return asked
 
 
@@ -447,7 +535,7 @@ def test_the_command_prints_the_table_and_fails_on_a_shortfall(monkeypatch, caps
     asked = _report_from(monkeypatch, REPORT)
     assert compile_report.main(["--arch", "gfx942"]) == 1
     out, err = capsys.readouterr()
-    assert (out, err, asked) == (TABLE + "\n", "\n2 of 3 configurations fall short on gfx942\n", ["gfx942"])
+    assert (out, err, asked) == (TABLE + "\n", "\n2 of 3 configurations fall short on gfx942\n", [("gfx942", None)])
     good = {**REPORT, "kernels": REPORT["kernels"][2:]}
     _report_from(monkeypatch, good)
     assert compile_report.main(["--arch", "gfx950"]) == 0
@@ -466,7 +554,7 @@ def test_the_command_with_json_prints_the_report_and_nothing_else(monkeypatch, c
 
 @pytest.mark.parametrize("wants_json", [False, True])
 def test_a_failed_compile_is_one_line_on_stderr_and_with_json_one_object(monkeypatch, capsys, wants_json):
-    def fail(arch: str) -> dict:
+    def fail(arch: str, device_name: str | None = None) -> dict:
         raise RuntimeError(f"compiling for {arch} failed (exit 3):\nboom")
 
     monkeypatch.setattr(compile_report, "run_worker", fail)
@@ -478,13 +566,51 @@ def test_a_failed_compile_is_one_line_on_stderr_and_with_json_one_object(monkeyp
                                                         if wants_json else "")
 
 
+UNCHECKED = (f"{KERNEL_CONFIGS}=/cfg: gfx942-AMD_Instinct_MI300X.json not checked: no GPU name known (no AMD GPU of "
+             "gfx942 here); pass --device NAME to check the configs that GPU's server uses")
+
+
+@pytest.mark.parametrize("wants_json", [False, True])
+def test_a_tuned_file_left_unchecked_fails_the_command_and_is_named(monkeypatch, capsys, wants_json):
+    report = {**REPORT, "device": None, "unchecked": [UNCHECKED], "kernels": REPORT["kernels"][2:]}
+    _report_from(monkeypatch, report)
+    assert compile_report.main(["--arch", "gfx942"] + ["--json"] * wants_json) == 1
+    out, err = capsys.readouterr()
+    if wants_json:
+        assert err == "" and json.loads(out) == {"command": "kernels", "ok": False, "exit_status": 1, **report}
+    else:
+        assert (out, err) == (compile_report.table(report) + "\n", f"\n{UNCHECKED}\n")
+
+
+def test_the_command_checks_the_gpu_named_by_device_else_this_machines_of_that_arch(gpus, monkeypatch, capsys):
+    asked = _report_from(monkeypatch, {**REPORT, "kernels": []})
+    gpus("gfx942")
+    assert compile_report.main(["--arch", "gfx942", "--device", "AMD Instinct MI325X"]) == 0
+    assert compile_report.main([]) == 0
+    assert compile_report.main(["--arch", "gfx950"]) == 0  # this GPU is not of that arch: no name known
+    assert asked == [("gfx942", "AMD Instinct MI325X"), ("gfx942", MI300X), ("gfx950", None)]
+
+
+@pytest.mark.parametrize("name", ["", " ", "-/-"])
+def test_a_device_name_with_no_letter_or_digit_is_a_usage_error(monkeypatch, capsys, name):
+    asked = _report_from(monkeypatch, REPORT)
+    assert compile_report.main(["--arch", "gfx942", f"--device={name}", "--json"]) == 2
+    out, err = capsys.readouterr()
+    message = f"--device {name!r}: a GPU name as k3-amd-overlay tune records it is needed, e.g. 'AMD Instinct MI300X'"
+    assert asked == [] and err.endswith(f"k3-amd-overlay kernels: error: {message}\n") and "Traceback" not in err
+    assert json.loads(out)["usage_error"] == message
+
+
 def test_the_worker_prints_its_report_as_json_or_a_bad_config_files_one_line(monkeypatch, capsys):
     made = {"arch": "gfx950", "triton": "3.5.1", "fp8_format": "e4m3fn", "kernels": [{"kernel": "k"}]}
-    monkeypatch.setattr(compile_report, "compile_arch", lambda arch: {**made, "arch": arch})
+    monkeypatch.setattr(compile_report, "compile_arch",
+                        lambda arch, device_name=None: {**made, "arch": arch, "device": device_name})
     assert compile_report.main(["--worker", "gfx942"]) == 0
-    assert capsys.readouterr() == (json.dumps({**made, "arch": "gfx942"}), "")
+    assert capsys.readouterr() == (json.dumps({**made, "arch": "gfx942", "device": None}), "")
+    assert compile_report.main(["--worker", "gfx942", "--device", MI300X]) == 0
+    assert capsys.readouterr() == (json.dumps({**made, "arch": "gfx942", "device": MI300X}), "")
 
-    def bad(arch: str) -> dict:
+    def bad(arch: str, device_name: str | None = None) -> dict:
         raise launch_configs.LaunchConfigError("gfx942.json: BLOCK_T = 3 is not a power of two")
 
     monkeypatch.setattr(compile_report, "compile_arch", bad)
@@ -494,23 +620,29 @@ def test_the_worker_prints_its_report_as_json_or_a_bad_config_files_one_line(mon
 
 @pytest.fixture
 def gpus(monkeypatch):
-    """torch answering as a ROCm build whose GPU 0 and GPU 1 are of the archs given (none is touched)."""
+    """torch answering as a ROCm build whose GPU 0 and GPU 1 are of the archs given, each named an
+    AMD Instinct MI300X (none is touched)."""
     import torch
+
+    from k3_amd_overlay.kernels import launch
 
     def on(*archs: str) -> None:
         monkeypatch.setattr(torch.version, "hip", "6.4.0")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda index: types.SimpleNamespace(gcnArchName=f"{archs[index]}:sramecc+:xnack-"))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: MI300X)
+        launch._device_name.cache_clear()
 
-    return on
+    yield on
+    launch._device_name.cache_clear()
 
 
 def test_the_command_builds_for_gpu_0s_arch_without_its_feature_flags(gpus, monkeypatch, capsys):
     gpus("gfx950", "gfx942")
     asked = _report_from(monkeypatch, {**REPORT, "kernels": []})
     assert compile_report.main([]) == 0
-    assert asked == ["gfx950"]
+    assert asked == [("gfx950", MI300X)]
     assert compile_report.local_arch() == "gfx950"
 
 
@@ -546,8 +678,11 @@ def test_the_module_runs_as_the_kernels_command():
                           env={k: v for k, v in os.environ.items() if k != "COLUMNS"})
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
-    assert text.startswith("usage: k3-amd-overlay kernels [-h] [--arch {gfx942,gfx950}] [--json] ")
+    assert text.startswith("usage: k3-amd-overlay kernels [-h] [--arch {gfx942,gfx950}] [--device NAME] [--json] ")
     assert "--arch {gfx942,gfx950} the AMD arch to build for (default: this machine's GPU)" in text
+    assert ("--device NAME the GPU whose launch configs to check, named as k3-amd-overlay tune records it, e.g. "
+            "'AMD Instinct MI300X' (its tuned <arch>-<device>.json in K3_AMD_OVERLAY_KERNEL_CONFIGS over the shipped "
+            "file; default: this machine's GPU of that arch)") in text
     assert "--json one JSON object on stdout on every path (the report)" in text
     assert "--worker" not in text
 

@@ -8,6 +8,7 @@ raised) is reached on CPU in seconds."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import random
 import sys
@@ -108,10 +109,11 @@ def test_launch_configs_here_adds_the_compile_report_only_on_an_amd_gpu(monkeypa
                {"kernel": "qkv_norm", "config": "8x1", "problems": []},
                {"kernel": "absorb", "config": "32x2", "problems": ["over LDS"]}]
 
-    def run_worker(arch):
-        workers.append(arch)
-        return {"kernels": entries}
+    def run_worker(arch, device_name=None):
+        workers.append((arch, device_name))
+        return {"kernels": entries, "unchecked": ["tuned file t.json: unusable here"]}
 
+    real_run_worker = compile_report.run_worker
     monkeypatch.setattr(compile_report, "run_worker", run_worker)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(torch.version, "hip", None)
@@ -120,14 +122,15 @@ def test_launch_configs_here_adds_the_compile_report_only_on_an_amd_gpu(monkeypa
     assert doctor.launch_configs_here(cpu) == found  # a ROCm torch without a GPU
     assert workers == []
     assert doctor.launch_configs_here(cuda) == {**found, "compile report": {"configurations": 3, "falling short": [
-        "qk_cache 64x4: spills 12 registers; 2 waves", "absorb 32x2: over LDS"]}}
-    assert workers == ["gfx942"]
+        "qk_cache 64x4: spills 12 registers; 2 waves", "absorb 32x2: over LDS", "tuned file t.json: unusable here"]}}
+    assert workers == [("gfx942", "AMD Instinct MI300X")]  # the configs this GPU's server would use
+    assert list(inspect.signature(run_worker).parameters) == list(inspect.signature(real_run_worker).parameters)
     for failure in (RuntimeError("the worker died: 139"), KeyError("kernels")):
-        def failing(arch, failure=failure):
+        def failing(arch, device_name=None, failure=failure):
             raise failure
         monkeypatch.setattr(compile_report, "run_worker", failing)
         assert doctor.launch_configs_here(cuda) == {**found, "compile report": {"error": str(failure)}}
-    monkeypatch.setattr(compile_report, "run_worker", lambda arch: {"no kernels": []})
+    monkeypatch.setattr(compile_report, "run_worker", lambda arch, device_name=None: {"no kernels": []})
     assert doctor.launch_configs_here(cuda) == {**found, "compile report": {"error": "'kernels'"}}
 
     def bad(device):

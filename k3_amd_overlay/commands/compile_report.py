@@ -4,13 +4,18 @@ for vLLM's decode batches, with no AMD GPU needed, and report what the code obje
 registers, LDS, spills, scratch, waves per SIMD, the matrix instruction, and whether the dot's
 warps each compute the same tile.
 
-    k3-amd-overlay kernels [--arch gfx942|gfx950] [--json]
+    k3-amd-overlay kernels [--arch gfx942|gfx950] [--device NAME] [--json]
 
-Each arch compiles in its own process (Triton keeps one JIT cache per device id; a second arch in
-the same process could reuse the first's target), launched through the kernels' own launchers with
-Triton's driver answering the AMD target and nothing run. Exit status 1 when a configuration vLLM
-reaches fails to compile, spills, uses scratch, holds fewer than ``MIN_WAVES`` waves per SIMD or
-repeats its tile across warps."""
+The configurations are those a server on a GPU of that arch and name would use
+(``launch_configs.resolve``: a tuned file from K3_AMD_OVERLAY_KERNEL_CONFIGS over the shipped one),
+the GPU named by ``--device`` or else this machine's GPU of that arch; the report names each
+kernel's config file. Each arch compiles in its own process (Triton keeps one JIT cache per device
+id; a second arch in the same process could reuse the first's target), launched through the
+kernels' own launchers at each config, with Triton's driver answering the AMD target and nothing
+run. Exit status 1 when a configuration vLLM reaches fails to compile, spills, uses scratch, holds
+fewer than ``MIN_WAVES`` waves per SIMD or repeats its tile across warps, and when a tuned file for
+the arch goes unchecked (a directory of them with no GPU named, or the file that GPU would read
+unusable)."""
 
 from __future__ import annotations
 
@@ -21,11 +26,13 @@ import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from k3_amd_overlay.commands import usage
 from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, json_result
 from k3_amd_overlay.kernels import launch_configs, names
+from k3_amd_overlay.settings import KERNEL_CONFIGS
 
 AMD_ARCHS = ("gfx942", "gfx950")
 MIN_WAVES = 4
@@ -250,24 +257,44 @@ class AotDriver:
         return True
 
 
-def compile_arch(arch: str) -> dict[str, Any]:
-    """Compile everything for ``arch`` in this process (its Triton driver is replaced)."""
+def unchecked(arch: str, device_name: str | None) -> list[str]:
+    """Each tuned file for ``arch`` this report cannot check, in a line that names it and why: with
+    no GPU named, the <arch>-<device>.json files of a K3_AMD_OVERLAY_KERNEL_CONFIGS directory (a
+    server reads the one of its own GPU); the tuned file the GPU would read where it is unusable."""
+    setting = os.environ.get(KERNEL_CONFIGS, "")
+    found = []
+    if setting and device_name is None and Path(setting).is_dir():
+        files = sorted(p.name for p in Path(setting).glob(f"{arch}-*.json")
+                       if launch_configs.TUNED_NAME.fullmatch(p.name))
+        if files:
+            found.append(f"{KERNEL_CONFIGS}={setting}: {', '.join(files)} not checked: no GPU name known (no AMD GPU "
+                         f"of {arch} here); pass --device NAME to check the configs that GPU's server uses")
+    error = launch_configs.startup_error(arch, device_name)
+    if error:
+        found.append(error)
+    return found
+
+
+def compile_arch(arch: str, device_name: str | None = None) -> dict[str, Any]:
+    """Compile everything for ``arch``, at the configs a GPU named ``device_name`` uses, in this
+    process (its Triton driver is replaced)."""
     os.environ.pop("TRITON_INTERPRET", None)
     import torch
     import triton
     from triton.runtime import driver
 
     from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ
-    from k3_amd_overlay.kernels import probe, target
+    from k3_amd_overlay.kernels import launch, probe, target
 
     driver.set_active(AotDriver(arch))
     fmt = E4M3FNUZ if FP8_FORMAT[arch] == "e4m3fnuz" else E4M3FN
     entries = []
     for kernel in KERNEL_ORDER:
         for dtype in query_dtypes(kernel, arch):
-            for config, samples, labels in probe.reachable(kernel, arch):
+            for config, samples, labels in probe.reachable(kernel, arch, device_name=device_name):
                 tokens, heads = samples[0]
-                with target.compile_only(arch) as session:
+                # forced: a launch for a named arch resolves no GPU name, so it would take the shipped config
+                with target.compile_only(arch) as session, launch.forced(dict(config)):
                     try:
                         probe.launch_at(kernel, torch.device("cpu"), getattr(torch, dtype), tokens, heads, fmt)
                         error = None
@@ -282,22 +309,42 @@ def compile_arch(arch: str) -> dict[str, Any]:
                 entry.shapes = labels
                 entry.problems = problems(entry, arch)
                 entries.append(asdict(entry))
-    return {"arch": arch, "triton": triton.__version__, "fp8_format": FP8_FORMAT[arch], "kernels": entries}
+    sources = launch_configs.sources(arch, device_name)
+    return {"arch": arch, "triton": triton.__version__, "fp8_format": FP8_FORMAT[arch], "device": device_name,
+            "sources": {kernel: sources[kernel] for kernel in KERNEL_ORDER if query_dtypes(kernel, arch)},
+            "unchecked": unchecked(arch, device_name), "kernels": entries}
 
 
 # ---- the command -------------------------------------------------------------------------------
 
-def local_arch() -> str:
+def local_gpu() -> tuple[str, str] | None:
+    """This machine's AMD GPU 0: its arch without feature flags and its name as ``tune`` records it;
+    None without torch, a ROCm build or a GPU."""
     try:
         import torch
     except ImportError:
-        torch = None
-    if torch is None or torch.version.hip is None or not torch.cuda.is_available():
-        raise UsageError("no AMD GPU here: pass --arch " + " or ".join(AMD_ARCHS))
+        return None
+    if torch.version.hip is None or not torch.cuda.is_available():
+        return None
+    from k3_amd_overlay.kernels.launch import device_name
+
     arch = str(torch.cuda.get_device_properties(0).gcnArchName).split(":")[0]
-    if arch not in AMD_ARCHS:
-        raise UsageError(f"{unreported(arch)}; pass --arch " + " or ".join(AMD_ARCHS) + " to build for one of them")
-    return arch
+    return arch, str(device_name(torch.device("cuda", 0)))
+
+
+def local_arch() -> str:
+    here = local_gpu()
+    if here is None:
+        raise UsageError("no AMD GPU here: pass --arch " + " or ".join(AMD_ARCHS))
+    if here[0] not in AMD_ARCHS:
+        raise UsageError(f"{unreported(here[0])}; pass --arch " + " or ".join(AMD_ARCHS) + " to build for one of them")
+    return here[0]
+
+
+def local_device(arch: str) -> str | None:
+    """The name of this machine's GPU where it is of ``arch`` (None: no such GPU here)."""
+    here = local_gpu()
+    return here[1] if here is not None and here[0] == arch else None
 
 
 def unreported(arch: str) -> str:
@@ -306,19 +353,30 @@ def unreported(arch: str) -> str:
     return f"this GPU is {arch}: the compile report covers {', '.join(AMD_ARCHS)} only" + (f" ({note})" if note else "")
 
 
-def run_worker(arch: str) -> dict[str, Any]:
+def run_worker(arch: str, device_name: str | None = None) -> dict[str, Any]:
     if arch not in AMD_ARCHS:
         raise RuntimeError(unreported(arch))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--worker", arch],
+    device = ["--device", device_name] if device_name else []
+    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--worker", arch, *device],
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"compiling for {arch} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout)
 
 
+def source_text(source: dict[str, Any]) -> str:
+    """Where a kernel's configs come from, as the report says it: the shipped file, or the tuned file's path."""
+    path = Path(source["file"])
+    if path.parent == launch_configs.CONFIG_DIR:
+        return f"shipped {path.name}"
+    return str(path) + (f" (tuned on {source['tuned_on']})" if source.get("tuned_on") else "")
+
+
 def table(report: dict[str, Any]) -> str:
     lines = [f"## {report['arch']} (Triton {report['triton']}, fp8 {report['fp8_format']})", "",
+             f"Launch configs for {report['device'] or 'no GPU named'}:",
+             *(f"- {kernel}: {source_text(source)}" for kernel, source in report["sources"].items()), "",
              "| kernel | dtype | config | serves | VGPR | AGPR | SGPR | LDS B | spill V/S | scratch B | waves | "
              "MFMA | tile copies | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in report["kernels"]:
@@ -338,6 +396,10 @@ def table(report: dict[str, Any]) -> str:
 def parser() -> Parser:
     p = Parser(prog="k3-amd-overlay kernels", description=usage.describe(__doc__))
     p.add_argument("--arch", choices=AMD_ARCHS, help="the AMD arch to build for (default: this machine's GPU)")
+    p.add_argument("--device", metavar="NAME",
+                   help="the GPU whose launch configs to check, named as k3-amd-overlay tune records it, e.g. "
+                        "'AMD Instinct MI300X' (its tuned <arch>-<device>.json in K3_AMD_OVERLAY_KERNEL_CONFIGS "
+                        "over the shipped file; default: this machine's GPU of that arch)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout on every path (the report)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
@@ -348,27 +410,34 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         try:
-            json.dump(compile_arch(args.worker), sys.stdout)
+            json.dump(compile_arch(args.worker, args.device), sys.stdout)
         except launch_configs.LaunchConfigError as exc:  # a bad launch-config file: its one-line reason
             print(exc, file=sys.stderr)
             return 1
         return 0
     try:
+        if args.device is not None and not launch_configs.device_slug(args.device):
+            raise UsageError(f"--device {args.device!r}: a GPU name as k3-amd-overlay tune records it is needed, "
+                             "e.g. 'AMD Instinct MI300X'")
         arch = args.arch or local_arch()
-    except UsageError as exc:  # no AMD GPU of a covered arch to take it from: --arch is needed here
+    except UsageError as exc:  # a nameless --device, or no AMD GPU of a covered arch to take the arch from
         return p.usage_error(exc)
     try:
-        report = run_worker(arch)
+        report = run_worker(arch, args.device or local_device(arch))
     except RuntimeError as exc:  # a failed compile
         if args.json:
             print(json_result("kernels", False, error=str(exc)))
         print(f"k3-amd-overlay kernels: {exc}", file=sys.stderr)
         return EXIT_FAILED
     failing = [e for e in report["kernels"] if e["problems"]]
-    print(json_result("kernels", not failing, **report) if args.json else table(report))
-    if failing and not args.json:
-        print(f"\n{len(failing)} of {len(report['kernels'])} configurations fall short on {arch}", file=sys.stderr)
-    return 1 if failing else 0
+    ok = not failing and not report["unchecked"]
+    print(json_result("kernels", ok, **report) if args.json else table(report))
+    if not args.json:
+        for line in report["unchecked"]:
+            print(f"\n{line}", file=sys.stderr)
+        if failing:
+            print(f"\n{len(failing)} of {len(report['kernels'])} configurations fall short on {arch}", file=sys.stderr)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -69,13 +69,15 @@ def launch_configs_here(device: torch.device) -> dict[str, Any]:
         from k3_amd_overlay.commands import compile_report
 
         try:
-            entries = compile_report.run_worker(found["arch"])["kernels"]
+            report = compile_report.run_worker(found["arch"], found.get("device"))
+            entries = report["kernels"]
         except (RuntimeError, KeyError) as exc:
             found["compile report"] = {"error": str(exc)}
-        else:
+        else:  # the configs this GPU's server would use, its tuned file's among them
             found["compile report"] = {"configurations": len(entries),
                                        "falling short": [f"{e['kernel']} {e['config']}: {'; '.join(e['problems'])}"
-                                                         for e in entries if e["problems"]]}
+                                                         for e in entries if e["problems"]]
+                                       + list(report.get("unchecked", []))}
     return found
 
 
