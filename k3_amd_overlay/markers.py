@@ -67,14 +67,27 @@ def write_marker(directory: Path, pid: int, record: dict[str, Any]) -> Path:
     return target
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of a process in clock ticks since boot (Linux), to tell pid reuse apart."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (Linux), or None."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
+            return handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
         return None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (Linux), to tell pid reuse apart."""
+    fields = _proc_stat(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+# A zombie (exited, not yet reaped: under a PID 1 that never reaps, for ever) or a dead task still
+# answers ``kill(pid, 0)`` and keeps its start time, but runs nothing.
+DEAD_STATES = ("Z", "X", "x")
 
 
 def is_alive(pid: int, start_ticks: int | None) -> bool:
@@ -84,6 +97,9 @@ def is_alive(pid: int, start_ticks: int | None) -> bool:
         return False
     except PermissionError:
         pass
+    fields = _proc_stat(pid)
+    if fields and fields[0] in DEAD_STATES:
+        return False
     if start_ticks is None:
         return True
     return process_start_ticks(pid) == start_ticks

@@ -85,7 +85,7 @@ class FusionEntry:
                 runs={**_no_runs(), **{Phase(p): int(n) for p, n in (data.get("runs") or {}).items()}},
                 captured_sizes=[int(n) for n in data.get("captured_sizes", [])],
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RecordError(f"fusion entry {data!r}: {exc}") from None
 
 
@@ -136,15 +136,29 @@ class MarkerRecord:
         if data.get("schema", SCHEMA) != SCHEMA:
             raise RecordError(f"marker schema {data['schema']!r}; this k3-amd-overlay reads schema {SCHEMA} "
                               "(another version of the overlay wrote it)")
+        for name, kinds in _FIELD_KINDS.items():
+            if name in data and not isinstance(data[name], kinds):
+                raise RecordError(f"marker field {name!r} is {data[name]!r}, expected "
+                                  + " or ".join(_KIND_WORDS[k] for k in kinds))
         try:
             values = {k: v for k, v in data.items() if k in known}
             values["pid"] = int(data["pid"])
             values["mode"] = Mode(data["mode"])
             values["fusions"] = {str(n): FusionEntry.from_json(e) for n, e in (data.get("fusions") or {}).items()}
-            if not isinstance(data.get("measurement", {}), dict):
-                raise RecordError(f"marker field 'measurement' is {data['measurement']!r}, expected an object")
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, RecordError):
                 raise
             raise RecordError(f"marker field {exc}") from None
         return cls(**values)
+
+
+# The JSON kind of each record field read as it is (bool is an int in Python: strict is checked
+# as a bool, and no count field takes one).
+_FIELD_KINDS: dict[str, tuple[type, ...]] = {
+    "start_ticks": (int, type(None)), "role": (str,), "process_name": (str,), "host": (str,),
+    "overlay_version": (str,), "vllm_version": (str, type(None)), "switch": (str,), "strict": (bool,),
+    "vllm_shape": (str, type(None)), "patches": (list,), "upstream_defects": (list,), "coverage": (dict,),
+    "launch_configs": (dict,), "measurement": (dict,), "updated": (int, float), "fusions": (dict, type(None)),
+}
+_KIND_WORDS = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "an object",
+               float: "a number", type(None): "null"}

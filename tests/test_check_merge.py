@@ -7,6 +7,7 @@ do. Every line names ``host H pid N``: the same pid on two nodes is told apart."
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ def node(tmp_path: Path, host: str, *records: dict[str, Any], expect: str = "fus
     path = tmp_path / (file or f"{host}.json")
     data = {"expect": expect, "holds": holds, "lines": [], "notes": [], "host": host,
             "marker_dir": "/run/user/1000/k3-amd-overlay", "records": [{**r, "host": host} for r in records],
-            **fields}
+            "checked_at": time.time(), **fields}
     path.write_text(json.dumps(data))
     return str(path)
 
@@ -141,13 +142,66 @@ def test_the_json_of_a_failed_merge_names_the_node(tmp_path, capsys):
 
 
 def test_a_record_without_a_host_is_its_node_files(tmp_path, capsys):
-    """A node file written by an older overlay: its records carry no host; they are that node's."""
+    """A record carrying no host (a marker an older overlay wrote, read by this one's check): it is
+    that node's."""
     a = tmp_path / "old.json"
     a.write_text(json.dumps({"expect": "fused", "holds": True, "lines": [], "notes": [], "host": "node-a",
-                             "marker_dir": "/tmp/m", "records": [process(pid=11)]}))
+                             "marker_dir": "/tmp/m", "records": [process(pid=11)], "checked_at": time.time()}))
     b = node(tmp_path, "node-b", process(pid=11))
     code, out = merge(capsys, "fused", str(a), b)
     assert code == 0 and "ok   host node-a pid 11 (worker" in out, out
+
+
+HOW_B = ("run `k3-amd-overlay check --expect fused --json > FILE` on host node-b while its vLLM serves, and merge "
+         "that FILE")
+
+
+def test_a_node_file_from_an_earlier_run_or_an_older_overlay_fails_the_deployment(tmp_path, capsys):
+    """A node file proves that node as it was when its check ran: one written before --max-age (an
+    earlier run, another deployment's), or one that says not when (an older overlay wrote it), fails."""
+    a = node(tmp_path, "node-a", process(pid=11))
+    old = node(tmp_path, "node-b", process(pid=12), checked_at=time.time() - 3600)
+    code, out = merge(capsys, "fused", a, old)
+    assert code == 1 and "DOES NOT HOLD" in out, out
+    assert f"FAIL node host node-b ({old}): checked 3600 s ago, more than --max-age 900 s: it proves" in out, out
+    assert code == 1 and HOW_B + " (or pass a larger --max-age to judge an archived run)" in out
+    assert main(["check", "--expect", "fused", "--merge", a, old, "--max-age", "7200"]) == 0
+    undated = node(tmp_path, "node-c", process(pid=13), checked_at=None)
+    code, out = merge(capsys, "fused", a, undated)
+    assert code == 1 and f"FAIL node host node-c ({undated}): says not when it was checked (an older " in out, out
+
+
+def test_nodes_running_other_overlay_or_vllm_versions_are_not_one_deployment(tmp_path, capsys):
+    a = node(tmp_path, "node-a", process(pid=11, overlay_version="0.3.0"))
+    b = node(tmp_path, "node-b", process(pid=12, overlay_version="0.1.0", vllm_version="0.29.0"))
+    code, out = merge(capsys, "fused", a, b)
+    assert code == 1, out
+    assert "FAIL not one deployment: overlay versions differ: 0.3.0 on node-a; 0.1.0 on node-b" in out
+    assert "FAIL not one deployment: vllm versions differ: 0.33.0 on node-a; 0.29.0 on node-b" in out
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--max-age", "0"], "--max-age 0: seconds, more than 0"),
+    (["--max-age", "-5"], "--max-age -5: seconds, more than 0"),
+])
+def test_max_age_must_be_positive(tmp_path, capsys, args, said):
+    a = node(tmp_path, "node-a", process(pid=11))
+    assert main(["check", "--expect", "fused", "--merge", a, *args]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_max_age_without_merge_is_a_usage_error(capsys):
+    assert main(["check", "--expect", "fused", "--max-age", "60"]) == 2
+    assert "--max-age applies to --merge only" in capsys.readouterr().err
+
+
+def test_a_check_json_says_when_it_ran_and_which_overlay_ran_it(tmp_path, capsys):
+    from k3_amd_overlay.package import __version__
+
+    before = time.time()
+    main(["check", "--expect", "fused", "--marker-dir", str(tmp_path), "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert before <= data["checked_at"] <= time.time() and data["overlay_version"] == __version__
 
 
 def test_a_node_file_can_come_on_standard_input(tmp_path, capsys, monkeypatch):

@@ -12,6 +12,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -164,9 +165,9 @@ def test_merged_records_reads_each_node_and_notes_its_count_and_host(tmp_path):
 
 
 @pytest.mark.parametrize("data,detail", [
-    ({"host": "h"}, "it has no 'records'"),
-    ([1, 2], "'list' object has no attribute 'get'"),
-    ({"records": 5}, "'int' object is not iterable"),
+    ({"host": "h"}, "its records are None, not a list"),
+    ([1, 2], "a JSON list holding no list of records"),
+    ({"records": 5}, "its records are 5, not a list"),
     ({"records": [{"mode": "auto"}]}, "marker field 'pid'"),
 ])
 def test_merged_records_refuses_a_file_that_is_not_a_check_output_naming_it(tmp_path, data, detail):
@@ -240,7 +241,8 @@ def test_each_way_the_static_probe_ends_is_one_line(monkeypatch, fake, reason):
 def test_fusions_are_split_trimmed_and_checked():
     assert cli._fusions(None) is None and cli._fusions("") is None
     assert cli._fusions(" qk_cache, ,qkv_norm ") == ["qk_cache", "qkv_norm"]
-    assert cli._fusions(",") == []
+    with pytest.raises(UsageError, match="--fusions ',' names no fusion; allowed: qkv_norm, qk_cache, absorb_qk_cache"):
+        cli._fusions(",")  # an empty list judged nothing: it must not pass as "every fusion asked held"
 
 
 def test_the_check_json_usage_error_has_checks_keys():
@@ -346,7 +348,7 @@ def test_census_counts_below_one_are_usage_errors(tmp_path, capsys, argv, said):
 
 
 CHECK_KEYS = ["command", "ok", "exit_status", "expect", "holds", "lines", "notes", "host", "source", "marker_dir",
-              "records"]
+              "checked_at", "overlay_version", "records"]
 
 
 def test_check_json_has_exactly_its_keys_in_order_one_space_indented(tmp_path, capsys, monkeypatch):
@@ -410,7 +412,7 @@ def test_static_when_the_probe_does_not_complete_says_why(monkeypatch, capsys):
 
 def test_merge_json_says_its_source_and_no_marker_dir(tmp_path, capsys):
     path = node_file(tmp_path, "a.json", {"host": "node-a", "expect": "off", "holds": True, "marker_dir": "/m",
-                                          "records": [off_process(pid=3)]})
+                                          "records": [off_process(pid=3)], "checked_at": time.time()})
     code = cli.main(["check", "--expect", "off", "--merge", path, "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["source"] == "merge" and data["marker_dir"] is None

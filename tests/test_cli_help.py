@@ -147,7 +147,7 @@ def test_check_names_a_file_as_a_file_and_a_missing_key_in_words(capsys, tmp_pat
     merged = tmp_path / "node.json"
     merged.write_text(json.dumps({"host": "n1", "holds": True}))
     code, _, err = run(["check", "--expect", "fused", "--merge", str(merged)], capsys)
-    assert code == 2 and "has no 'records'" in err and ": 'records'" not in err, err
+    assert code == 2 and "its records are None, not a list" in err and ": 'records'" not in err, err
 
 
 STANDINS = Path(__file__).parent / "standins"
@@ -181,3 +181,42 @@ def test_the_ab_tools_json_is_their_summary_alone_on_stdout(tmp_path):
     assert proc.returncode == 0 and data["ok"] is True, proc.stderr[-2000:]
     assert data["arms"]["A"]["accuracy"] == 0.9 and data["arms"]["B"]["questions"] == 40
     assert (data["paired"]["only_a"], data["paired"]["only_b"]) == (1, 0) and "| A | 0 | 0.9000 | 40 |" in proc.stderr
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["check", "--expcet", "fused"], "the following arguments are required: --expect; and unrecognized: --expcet"),
+    (["check", "--expcet=fused", "--jsn"], "required: --expect; and unrecognized: --expcet --jsn"),
+    (["census", "x.json", "--expet", "k=1", "--layers"], "expected one argument"),  # not a missing required one
+])
+def test_a_misspelt_option_is_named_beside_the_required_one_it_hides(argv, said, capsys):
+    code, _, err = run(argv, capsys)
+    assert code == 2 and said in err, err
+
+
+def test_doctor_refuses_a_bad_switch_or_unsplittable_serve_args_before_any_work(capsys, monkeypatch):
+    """A usage error (2) naming the option, not a 'not ready' verdict (1) about the environment, nor a
+    traceback after the doctor's half minute of work."""
+    from k3_amd_overlay.commands import doctor
+
+    monkeypatch.setattr(doctor, "run_doctor", lambda **kwargs: pytest.fail("the doctor ran"))
+    code, _, err = run(["doctor", "--switch", "yes"], capsys)
+    assert code == 2 and "error: --switch: K3_AMD_OVERLAY='yes' is not valid (unknown: 'yes'); allowed:" in err, err
+    code, out, err = run(["doctor", "--serve-args", '"unbalanced', "--json"], capsys)
+    assert code == 2 and "error: --serve-args '\"unbalanced': No closing quotation" in err, err
+    assert json.loads(out)["usage_error"].startswith("--serve-args")
+
+
+def test_with_json_vllms_log_lines_go_to_stderr(capsys, monkeypatch):
+    """vLLM logs to stdout by default; imported by doctor or the static probe its lines came before the
+    one JSON object (seen with vLLM 0.29's doctor --json)."""
+    import os
+
+    from k3_amd_overlay.commands import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_fusions", lambda value: seen.append(os.environ.get("VLLM_LOGGING_STREAM")))
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stdout")
+    run(["check", "--expect", "off", "--marker-dir", "/nonexistent", "--json"], capsys)
+    run(["check", "--expect", "off", "--marker-dir", "/nonexistent"], capsys)
+    assert seen == ["ext://sys.stderr", "ext://sys.stdout"]  # with --json only, and for that command only
+    assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stdout"

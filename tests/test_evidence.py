@@ -23,7 +23,7 @@ from k3_amd_overlay import log_lines, marker_writes, markers, phases, process_ho
 from k3_amd_overlay.evidence import Evidence, process_role
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.record import LayerTally, MarkerRecord
-from k3_amd_overlay.settings import load_settings
+from k3_amd_overlay.settings import Mode, load_settings
 
 HOST = socket.gethostname()  # a record without a host is this machine's; check's lines name host and pid
 
@@ -634,6 +634,28 @@ def test_start_ticks_and_liveness_of_a_process_named_with_a_parenthesis():
     assert markers.process_start_ticks(child.pid) is None
 
 
+def test_an_exited_unreaped_child_is_not_alive(tmp_path):
+    """A worker that exited but was never reaped (a zombie: a PID 1 that does not reap keeps it so)
+    still answers kill(pid, 0) with its start time, yet runs nothing: its marker is stale and proves
+    nothing in ``check``."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    ticks = markers.process_start_ticks(child.pid)
+    try:
+        deadline = time.time() + 30
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # exited, unreaped
+            assert time.time() < deadline, "the child never exited"
+            time.sleep(0.05)
+        assert markers.process_start_ticks(child.pid) == ticks
+        assert not markers.is_alive(child.pid, ticks)
+        marker_dir = tmp_path / "m"
+        marker_dir.mkdir(mode=0o700)
+        record = {"pid": child.pid, "mode": Mode.AUTO.value, "start_ticks": ticks, "fusions": {}}
+        (marker_dir / f"{child.pid}.json").write_text(json.dumps(record))
+        assert [m.live for m in markers.read_markers(marker_dir)] == [False]
+    finally:
+        child.wait()
+
+
 def test_unreadable_markers_are_listed_with_the_readable_ones(tmp_path):
     import dataclasses
 
@@ -647,6 +669,25 @@ def test_unreadable_markers_are_listed_with_the_readable_ones(tmp_path):
     assert (good.path.name, good.error, good.live) == ("2.json", None, True) and good.record.pid == os.getpid()
     with pytest.raises(dataclasses.FrozenInstanceError):
         good.live = False
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("launch_configs", "gfx942", "marker field 'launch_configs' is 'gfx942', expected an object"),
+    ("measurement", ["used"], "marker field 'measurement' is ['used'], expected an object"),
+    ("patches", "k3_wrapper.init", "marker field 'patches' is 'k3_wrapper.init', expected a list"),
+    ("strict", "yes", "marker field 'strict' is 'yes', expected true or false"),
+    ("host", 7, "marker field 'host' is 7, expected a string"),
+    ("fusions", {"qk_cache": {"state": "applied", "runs": [3]}}, "fusion entry "),
+])
+def test_a_marker_field_of_the_wrong_kind_is_an_unreadable_marker_not_a_crash(tmp_path, field, value, said):
+    """A marker written by hand or another tool: ``check`` sets it aside with the field named, and the
+    other processes are still judged (a crash here stopped the verdict on every process)."""
+    good = MarkerRecord(pid=os.getpid(), mode=load_settings({}).mode, fusions={}).to_json()
+    markers.write_marker(tmp_path, 1, {**good, "pid": 1, field: value})
+    markers.write_marker(tmp_path, 2, good)
+    bad, read = markers.read_markers(tmp_path)
+    assert bad.record is None and bad.error.startswith(f"unreadable marker: {said}"), bad.error
+    assert read.error is None and read.live
 
 
 def _forked_worker(evidence: Evidence, layer: str) -> None:
@@ -708,7 +749,7 @@ def test_check_merges_the_json_of_several_nodes_into_one_verdict(tmp_path, capsy
     def node(name, *records):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({"expect": "fused", "holds": True, "lines": [], "notes": [], "host": name,
-                                    "marker_dir": "/m", "source": "markers",
+                                    "marker_dir": "/m", "source": "markers", "checked_at": time.time(),
                                     "records": [{**MarkerRecord.from_json(r).to_json(), "host": name}
                                                 for r in records]}))
         return str(path)

@@ -15,6 +15,7 @@ from k3_amd_overlay.commands.verdict import NodeEvidence, Verdict, judge, judge_
 from k3_amd_overlay.package import FUSIONS
 from k3_amd_overlay.record import MarkerRecord
 
+NOW = 1_796_000_000.0  # when the merge runs, and each node's check just before it
 TUNED = "/opt/tuned/gfx950-AMD_Instinct_MI355X.json"
 LAUNCH_CONFIGS = {"arch": "gfx950", "device": "AMD Instinct MI355X", "kernels": {
     "qk_cache_kernel": {"file": TUNED, "arch": "gfx950", "tuned_on": "AMD Instinct MI355X", "tuned_here": True},
@@ -85,22 +86,26 @@ def test_merge_judges_every_node_after_one_it_turns_away_each_line_word_for_word
     process, another host's record, its own check failed) is followed by a node that must still be
     judged; a CLI client's record is no process of its node."""
     nodes = [
-        NodeEvidence("/srv/ev/nameless.json", None, "fused", True, True, [record("", pid=3301)]),
+        NodeEvidence("/srv/ev/nameless.json", None, "fused", True, True, [record("", pid=3301)], checked_at=NOW),
         NodeEvidence("/srv/ev/a.json", "gpu-a", "fused", True, True,
-                     [record("gpu-a", pid=3302, served=5), record("gpu-a", pid=3303, served=9, role="engine-core")]),
-        NodeEvidence("/srv/ev/a-again.json", "gpu-a", "fused", True, True, [record("gpu-a", pid=3302)]),
-        NodeEvidence("/srv/ev/b.json", "gpu-b", "fused", True, False, [record("gpu-b", pid=3304)]),
-        NodeEvidence("/srv/ev/c.json", "gpu-c", "stock", True, True, [record("gpu-c", pid=3305)]),
-        NodeEvidence("/srv/ev/d.json", "gpu-d", "fused", False, True, [record("gpu-d", pid=3306, role="cli-client")]),
+                     [record("gpu-a", pid=3302, served=5), record("gpu-a", pid=3303, served=9, role="engine-core")],
+                     checked_at=NOW),
+        NodeEvidence("/srv/ev/a-again.json", "gpu-a", "fused", True, True, [record("gpu-a", pid=3302)], checked_at=NOW),
+        NodeEvidence("/srv/ev/b.json", "gpu-b", "fused", True, False, [record("gpu-b", pid=3304)], checked_at=NOW),
+        NodeEvidence("/srv/ev/c.json", "gpu-c", "stock", True, True, [record("gpu-c", pid=3305)], checked_at=NOW),
+        NodeEvidence("/srv/ev/d.json", "gpu-d", "fused", False, True, [record("gpu-d", pid=3306, role="cli-client")],
+                     checked_at=NOW),
         NodeEvidence("/srv/ev/e.json", "gpu-e", "fused", True, True,
-                     [record("gpu-e", pid=3307, served=7), record("gpu-e", pid=3308, role="cli-client")]),
+                     [record("gpu-e", pid=3307, served=7), record("gpu-e", pid=3308, role="cli-client")],
+                     checked_at=NOW),
         NodeEvidence("/srv/ev/f.json", "gpu-f", "fused", True, True,
-                     [record("gpu-f", pid=3309, served=11), record("gpu-g", pid=3310, served=13)]),
+                     [record("gpu-f", pid=3309, served=11), record("gpu-g", pid=3310, served=13)],
+                     checked_at=NOW),
         NodeEvidence("/srv/ev/h.json", "gpu-h", "fused", False, True, [record("gpu-h", pid=3311, served=17)],
                      ["ok   qkv_norm: it held", f"FAIL {NOT_RUN}", "FAIL qk_cache: its fused path ran",
-                      f"FAIL {NOT_RUN}"]),
+                      f"FAIL {NOT_RUN}"], checked_at=NOW),
     ]
-    merged = judge_merge(nodes, "fused", None, True)
+    merged = judge_merge(nodes, "fused", None, True, now=NOW)
     applied = "=applied provider=triton on 2 layers (r)"
     judged = [("gpu-a", 3302, "worker"), ("gpu-a", 3303, "engine-core"), ("gpu-e", 3307, "worker"),
               ("gpu-f", 3309, "worker"), ("gpu-h", 3311, "worker")]
@@ -147,14 +152,15 @@ def test_merge_fails_closed_on_mixed_layers_by_default_and_judges_only_the_fusio
     mixed = "qk_cache=applied provider=triton on 4 layers (r); mixed across layers: applied on 3/4 (fits), " \
             "refused on 1/4 (too wide)"
     who = "host gpu-m pid 6201 (worker, vLLM 0.33.0)"
-    nodes = [NodeEvidence("/srv/ev/m.json", "gpu-m", "fused", True, True, [mixed_record("gpu-m", 6201)])]
-    default = judge_merge(nodes, "fused", ["qk_cache"], True)
+    nodes = [NodeEvidence("/srv/ev/m.json", "gpu-m", "fused", True, True, [mixed_record("gpu-m", 6201)],
+                          checked_at=NOW)]
+    default = judge_merge(nodes, "fused", ["qk_cache"], True, now=NOW)
     refusal = f"{who}: {mixed} (pass --allow-mixed to accept a partly fused process)"
     assert not default.holds and default.lines == [
         f"FAIL node host gpu-m (/srv/ev/m.json): its own processes do not prove fused: {refusal}",
         f"FAIL {refusal}",
         "ok   qk_cache: served traffic took the fused path: 23 eager batches after startup (host gpu-m pid 6201: 23)"]
-    allowed = judge_merge(nodes, "fused", ["qk_cache"], True, allow_mixed=True)
+    allowed = judge_merge(nodes, "fused", ["qk_cache"], True, allow_mixed=True, now=NOW)
     assert allowed.holds and allowed.lines == [
         "ok   node host gpu-m (/srv/ev/m.json): 1 live process prove fused there",
         f"ok   {who}: {mixed}",
@@ -195,3 +201,47 @@ def test_doctor_holds_each_arm_on_its_own_verdict_and_names_what_is_missing():
     del report["fusions"]["qk_cache"]
     assert doctor_lines(report, "fused", ["qk_cache"]) == (
         False, ["FAIL doctor on this machine: qk_cache would not fuse here (not in its report)"])
+
+
+def stock_record(role: str, layers: int, patches: list[str], version: str = "0.33.0") -> MarkerRecord:
+    return record("gpu-a", mode="stock", state="forced-stock", pid=6100, role=role, layers=layers, patches=patches,
+                  vllm_version=version)
+
+
+NO_LAYER = ("FAIL no live process has built a K3 MLA layer (is the model loaded in a process that shares this "
+            "marker directory?)")
+
+
+def test_stock_needs_a_process_that_built_layers_not_an_api_server_alone():
+    """Workers that left no marker (another marker directory, another node, the plugin not loaded there)
+    may have run anything, vLLM's own fusions included: the API server's stock record alone is no stock arm."""
+    patched = ["k3_wrapper.init", "linear.report_layers"]
+    for role, patches, version in (("api-server", patched, "0.33.0"), ("api-server", [], "0.29.0"),
+                                   ("engine-core", patched, "0.33.0")):
+        alone = judge([stock_record(role, 0, patches, version)], "stock", None, require_effective=True)
+        assert not alone.holds and alone.lines[-1] == NO_LAYER, (role, alone.lines)
+    built = judge([stock_record("api-server", 0, patched), stock_record("worker", 2, patched)], "stock", None,
+                  require_effective=True)
+    assert built.holds, built.lines
+
+
+def test_stock_on_a_vllm_whose_k3_code_stock_mode_leaves_unpatched_takes_a_live_model_building_process():
+    """vLLM 0.29: stock mode patches nothing, so no layer is counted; a live engine core or worker in
+    stock mode is the evidence, its line saying why."""
+    for role in verdict.MODEL_BUILDING_ROLES:
+        held = judge([stock_record("api-server", 0, [], "0.29.0"), stock_record(role, 0, [], "0.29.0")], "stock",
+                     None, require_effective=True)
+        assert held.holds and held.lines[-1] == (
+            f"ok   host gpu-a pid 6100 ({role}, vLLM 0.29.0): builds the model in stock mode; the overlay patches "
+            "nothing of vLLM 0.29.0's K3 code in stock mode, so its layers are not counted"), held.lines
+
+
+def test_unreadable_informational_parts_of_a_record_do_not_stop_the_verdict():
+    broken = record("gpu-a", pid=6200, served=6, launch_configs={"arch": "gfx942", "kernels": {"k": "gfx942"}},
+                    measurement={"state": "used", "stock": ["x"]})
+    judged = judge([broken], "fused", ["qk_cache"], require_effective=True)
+    assert judged.holds
+    infos = [line for line in judged.lines if line.startswith("info ")]
+    assert infos[0].startswith("info host gpu-a pid 6200 (worker, vLLM 0.33.0): unreadable launch configs in its "
+                               "record (AttributeError: "), infos
+    assert len(infos) == 2 and "measurement" in infos[1], infos

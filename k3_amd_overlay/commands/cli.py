@@ -13,14 +13,33 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from k3_amd_overlay import k3, markers
-from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, json_usage_error, wants_json
-from k3_amd_overlay.commands.verdict import NodeEvidence, Verdict, judge, judge_doctor, judge_merge
+from k3_amd_overlay.commands.usage import (
+    EXIT_FAILED,
+    Parser,
+    UsageError,
+    check_command_lines,
+    check_switches,
+    json_usage_error,
+    wants_json,
+)
+from k3_amd_overlay.commands.verdict import (
+    MERGE_MAX_AGE_S,
+    NodeEvidence,
+    Verdict,
+    judge,
+    judge_doctor,
+    judge_merge,
+)
 from k3_amd_overlay.package import FUSIONS, __version__
 from k3_amd_overlay.record import MarkerRecord, RecordError
 from k3_amd_overlay.settings import MARKER_DIR
+
+# Where vLLM sends its log lines (vllm/envs.py, 0.29-0.33; stdout unless set).
+VLLM_LOGGING_STREAM = "VLLM_LOGGING_STREAM"
 
 STATIC_PROBE = """
 import json, sys
@@ -39,6 +58,8 @@ def _fusions(value: str | None) -> list[str] | None:
     if not value:
         return None
     names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise UsageError(f"--fusions {value!r} names no fusion; allowed: {', '.join(FUSIONS)} (comma separated)")
     bad = [n for n in names if n not in FUSIONS]
     if bad:
         raise UsageError(f"--fusions: unknown {', '.join(bad)}; allowed: {', '.join(FUSIONS)}")
@@ -84,15 +105,22 @@ def merged_records(paths: list[str]) -> tuple[list[NodeEvidence], list[str]]:
             else:
                 with open(path) as handle:
                     data = json.load(handle)
+            if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+                raise ValueError(f"a JSON {type(data).__name__} holding no list of records"
+                                 if not isinstance(data, dict) else f"its records are {data.get('records')!r}, "
+                                 "not a list")
             host = data.get("host")
             records = []
             for raw in data["records"]:
                 record = MarkerRecord.from_json(raw)
                 record.host = raw.get("host") or host or ""
                 records.append(record)
+            checked_at = data.get("checked_at")
+            if checked_at is not None and (isinstance(checked_at, bool) or not isinstance(checked_at, (int, float))):
+                raise ValueError(f"its checked_at is {checked_at!r}, not a time")
             node = NodeEvidence(path, host, data.get("expect"), data.get("holds"),
                                 data.get("marker_dir") is not None and data.get("source", "markers") == "markers",
-                                records, [str(line) for line in data.get("lines", [])])
+                                records, [str(line) for line in data.get("lines", [])], checked_at)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecordError) as exc:
             detail = f"it has no {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
             raise UsageError(f"--merge: {path} is not the output of `k3-amd-overlay check --json`: {detail}") from None
@@ -146,8 +174,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.merge:
         nodes, notes = merged_records(args.merge)
         records = [r for node in nodes for r in node.records]
+    if args.max_age is not None and not args.merge:
+        raise UsageError("--max-age applies to --merge only (a live check reads markers as they are now)")
     if args.merge:
-        verdict = judge_merge(nodes, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed)
+        max_age = MERGE_MAX_AGE_S if args.max_age is None else args.max_age
+        if max_age <= 0:
+            raise UsageError(f"--max-age {max_age:g}: seconds, more than 0")
+        verdict = judge_merge(nodes, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed,
+                              max_age_s=max_age, now=time.time())
     elif args.static:
         verdict = Verdict()
         try:
@@ -179,6 +213,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(json.dumps({"command": "check", "ok": verdict.holds, "exit_status": 0 if verdict.holds else EXIT_FAILED,
                           "expect": args.expect, "holds": verdict.holds, "lines": verdict.lines, "notes": notes,
                           "host": socket.gethostname(), "source": source, "marker_dir": marker_dir,
+                          "checked_at": time.time(), "overlay_version": __version__,
                           "records": [r.to_json() for r in records]}, indent=1))
     else:
         for line in notes + verdict.lines:
@@ -191,6 +226,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from k3_amd_overlay.commands.doctor import json_report, render, run_doctor
 
+    if args.switch is not None:
+        check_switches([("--switch", args.switch)])
+    if args.serve_args is not None:
+        check_command_lines([("--serve-args", args.serve_args)])
     report, healthy = run_doctor(switch=args.switch, serve_args=args.serve_args)
     if args.json:
         print(json.dumps({"command": "doctor", "ok": healthy, "exit_status": 0 if healthy else EXIT_FAILED,
@@ -212,6 +251,9 @@ def cmd_census(args: argparse.Namespace) -> int:
         baseline = census.read_census(args.baseline) if args.baseline else None
     except (census.TraceError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    if not expectations and baseline is None:  # a table, no verdict: say what it sums all the same
+        for problem in census.rank_problems(candidate):
+            print(f"warning: {problem}", file=sys.stderr)
     judged = census.judge_expectations(candidate, expectations)
     comparison = census.compare(baseline, candidate, args.steps, args.layers) if baseline is not None else None
     holds = all(j.holds for j in judged) and (comparison is None or comparison.holds)
@@ -306,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--merge", nargs="+", metavar="FILE",
                        help="judge the processes of several nodes as one deployment: each FILE is one node's "
                             "`check --json` output (- for standard input); this node's markers are not read")
+    check.add_argument("--max-age", type=float, metavar="SECONDS",
+                       help=f"with --merge: each node's file must have been written by `check` at most this long "
+                            f"ago (default {MERGE_MAX_AGE_S}; larger to judge an archived run)")
     check.add_argument("--prune", action="store_true",
                        help="remove the markers of processes that are gone (stale files pile up otherwise)")
     check.add_argument("--json", action="store_true", help="one JSON object on stdout on every path")
@@ -386,6 +431,21 @@ def main(argv: list[str] | None = None) -> int:
     command needs them; 2: a usage error (argparse's code). The table: docs/cli.md. With --json one
     JSON object on stdout on every path; never a traceback for a missing torch or triton."""
     argv = sys.argv[1:] if argv is None else argv
+    if not wants_json(argv):
+        return _main(argv)
+    # vLLM, imported by doctor or the static probe, would put its log lines before the one JSON object.
+    before = os.environ.get(VLLM_LOGGING_STREAM)
+    os.environ[VLLM_LOGGING_STREAM] = "ext://sys.stderr"
+    try:
+        return _main(argv)
+    finally:  # main() is also called in-process (tests, scripts): the setting is this command's only
+        if before is None:
+            os.environ.pop(VLLM_LOGGING_STREAM, None)
+        else:
+            os.environ[VLLM_LOGGING_STREAM] = before
+
+
+def _main(argv: list[str]) -> int:
     command = argv[0] if argv and not argv[0].startswith("-") else ""
     try:
         if command in TOOLS:

@@ -5,8 +5,9 @@ Every line names the process as ``host H pid N``: pids repeat across nodes."""
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +141,19 @@ def _judge_off(records: list[MarkerRecord]) -> Verdict:
     return verdict
 
 
+def _readable(what: str, entry: dict[str, Any], lines: Callable[[dict[str, Any]], list[str]]) -> list[str]:
+    """The lines an informational part of a record gives, or one line saying it is unreadable: a
+    marker written by hand or by another tool must not stop the verdict on every process."""
+    try:
+        return lines(entry)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        return [f"unreadable {what} in its record ({type(exc).__name__}: {exc}): {json.dumps(entry)[:200]}"]
+
+
+# The processes that build the model (an API server never does): where the overlay patches nothing
+# in stock mode (vLLM 0.29), such a process's own stock record is the evidence that layers ran stock.
+MODEL_BUILDING_ROLES = ("engine-core", "worker")
+
 NOT_RECORDED = FusionEntry(FusionState.DISABLED, reason="not in this process's record")
 
 
@@ -152,7 +166,9 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
     alone, and runs or replays in vLLM's own warm-up batches (profile run, warm-up, dummy batches),
     prove nothing about served traffic.
     ``stock`` holds only where every process runs the overlay in stock mode, each fusion forced
-    stock and its fused path never run. A process with the overlay off proves neither.
+    stock and its fused path never run, and some process built K3 MLA layers (where stock mode
+    patches nothing to count them, vLLM 0.29: a live engine core or worker in stock mode): an API
+    server alone proves nothing about the workers. A process with the overlay off proves neither.
     ``off`` holds only where some live process left an off record and none runs the overlay.
     A process whose layers split (some fused, some not) is not a fused arm unless ``allow_mixed``.
     ``fusions`` None: each process's requested ones (those not ``disabled``). ``static``: the
@@ -187,11 +203,12 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
                 verdict.fail(f"{name}: overlay in {mode.value} mode")
             continue
         if record.launch_configs and expect == "fused":
-            verdict.info(f"{name}: launch configs {launch_configs_summary(record.launch_configs)}")
-            for note in launch_config_notes(record.launch_configs):
-                verdict.info(f"{name}: {note}")
+            for line in _readable("launch configs", record.launch_configs, lambda c: [
+                    f"launch configs {launch_configs_summary(c)}", *launch_config_notes(c)]):
+                verdict.info(f"{name}: {line}")
         if record.measurement and expect == "fused":
-            verdict.info(f"{name}: {measured.summary(record.measurement)}")
+            for line in _readable("measurement", record.measurement, lambda m: [measured.summary(m)]):
+                verdict.info(f"{name}: {line}")
         for fusion in wanted:
             entry = entries.get(fusion, NOT_RECORDED)
             proof = proofs.setdefault(fusion, _Proof())
@@ -215,9 +232,15 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
                 if entry.ran:
                     described += "; its fused path ran"
             (verdict.ok if good else verdict.fail)(described)
-    if expect == "fused" and not any_layers and not static:
-        verdict.fail("no live process has built a K3 MLA layer (is the model loaded in a process that "
-                     "shares this marker directory?)")
+    if expect in ("fused", "stock") and not any_layers and not static:
+        uncounted = [r for r in records if expect == "stock" and r.mode is Mode.STOCK and not r.patches
+                     and r.role in MODEL_BUILDING_ROLES]
+        if uncounted:
+            verdict.ok(f"{who(uncounted[0])}: builds the model in stock mode; the overlay patches nothing of "
+                       f"vLLM {uncounted[0].vllm_version}'s K3 code in stock mode, so its layers are not counted")
+        else:
+            verdict.fail("no live process has built a K3 MLA layer (is the model loaded in a process that "
+                         "shares this marker directory?)")
     if expect == "fused" and require_effective:
         for fusion, proof in proofs.items():
             proved = proof.describe()
@@ -247,13 +270,21 @@ class NodeEvidence:
     live: bool  # read from that node's live markers (not a --static or --merge output)
     records: list[MarkerRecord]
     lines: list[str] = field(default_factory=list)  # its own verdict's lines
+    checked_at: float | None = None  # when that node's check ran (seconds since the epoch; older overlays: none)
+
+
+# How long after a node's ``check --json`` its file still proves that node's deployment in a merge:
+# a file from an earlier run (or another deployment's) must not prove this one.
+MERGE_MAX_AGE_S = 900
 
 
 def judge_merge(nodes: list[NodeEvidence], expect: str, fusions: Iterable[str] | None, require_effective: bool,
-                allow_mixed: bool = False) -> Verdict:
+                allow_mixed: bool = False, max_age_s: float = MERGE_MAX_AGE_S, now: float | None = None) -> Verdict:
     """A deployment across nodes holds only where every node file contributes live evidence that
     holds on its own under this expectation (a node that served stock, or nothing, fails it), each
-    host comes once, and the processes of all nodes together hold as one deployment."""
+    host comes once, each file was written by ``check`` within ``max_age_s`` of ``now``, all
+    processes run one overlay version and one vLLM version, and the processes of all nodes together
+    hold as one deployment."""
     verdict = Verdict()
     fusions = list(fusions) if fusions is not None else None
     hosts: dict[str, str] = {}
@@ -275,6 +306,15 @@ def judge_merge(nodes: list[NodeEvidence], expect: str, fusions: Iterable[str] |
         if node.expect != expect:
             verdict.fail(f"{name}: judged there against --expect {node.expect}, not {expect}: {how}")
             continue
+        if node.checked_at is None:
+            verdict.fail(f"{name}: says not when it was checked (an older k3-amd-overlay wrote it), so it may be "
+                         f"another run's: {how}")
+            continue
+        if now is not None and abs(now - node.checked_at) > max_age_s:
+            verdict.fail(f"{name}: checked {_age(now - node.checked_at)}, more than --max-age {max_age_s:g} s: it "
+                         f"proves that node as it was then, not this deployment: {how} (or pass a larger --max-age "
+                         "to judge an archived run)")
+            continue
         for record in node.records:
             if record.host != node.host:
                 verdict.fail(f"{name}: holds {who(record)}, another host's process: that node's file proves "
@@ -293,10 +333,21 @@ def judge_merge(nodes: list[NodeEvidence], expect: str, fusions: Iterable[str] |
             verdict.fail(f"{name}: its own processes do not prove {expect}: " + "; ".join(dict.fromkeys(failed)))
         else:
             verdict.ok(f"{name}: {len(own)} live process{'es' if len(own) != 1 else ''} prove {expect} there")
+    for what in ("overlay_version", "vllm_version"):
+        seen: dict[str, list[str]] = {}
+        for record in judged:
+            seen.setdefault(str(getattr(record, what) or "unknown"), []).append(record.host)
+        if len(seen) > 1:
+            verdict.fail(f"not one deployment: {what.replace('_', ' ')}s differ: " + "; ".join(
+                f"{version} on {', '.join(sorted(set(hosts)))}" for version, hosts in seen.items()))
     merged = judge(judged, expect, fusions, require_effective, allow_mixed=allow_mixed)
     verdict.lines += merged.lines
     verdict.holds = verdict.holds and merged.holds and bool(nodes)
     return verdict
+
+
+def _age(seconds: float) -> str:
+    return f"{seconds:.0f} s ago" if seconds >= 0 else f"{-seconds:.0f} s in the future (clocks apart?)"
 
 
 # What ``doctor``'s verdict line starts with where a fresh process here would be each arm.
