@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,3 +25,18 @@ def test_bench_plot_says_what_is_wrong_with_its_input(tmp_path):
     bad.write_text("{}")
     proc = subprocess.run([str(CLI), "bench", "plot", str(bad)], capture_output=True, text=True)
     assert proc.returncode == 2 and "bad.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_plot_writes_exactly_the_png_it_reports(tmp_path):
+    """A suffixless --out is written as named (matplotlib would append .png); a directory gets BENCH.png."""
+    named = tmp_path / "noext"
+    proc = subprocess.run([str(CLI), "bench", "plot", str(BENCH_JSON), "--out", str(named), "--json"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["png"] == str(named) and named.read_bytes().startswith(b"\x89PNG")
+    proc = subprocess.run([str(CLI), "bench", "plot", str(BENCH_JSON), "--out", str(tmp_path)], capture_output=True,
+                          text=True)
+    inside = tmp_path / BENCH_JSON.with_suffix(".png").name
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"{inside}: 5 panels\n" and inside.read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["noext", inside.name])

@@ -1,17 +1,25 @@
 """``k3-amd-overlay bench plot BENCH.json``: the kernel benchmark as a picture, one panel per op:
 time per launch (CUDA/HIP-graph replay, medians) against the batch, for the fused launch, the
 unfused baseline and AMD's AITER kernels where the run measured them. Needs matplotlib (the
-``plot`` extra), not torch or a GPU."""
+``plot`` extra), not torch or a GPU.
+
+``MATPLOTLIB_MISSING``: what a plotting command says to install where matplotlib is missing."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
+from k3_amd_overlay.package import DISTRIBUTION, __version__
+
+# The package is on no index: `pip install k3-amd-overlay[plot]` would fetch whatever one has under that name.
+MATPLOTLIB_MISSING = (f"matplotlib is not installed (pip install matplotlib, or the overlay's wheel with its plot "
+                      f"extra: pip install '{DISTRIBUTION.replace('-', '_')}-{__version__}-py3-none-any.whl[plot]')")
 
 # (result key, legend) of the series drawn, where a result has them
 SERIES = (("fused_us", "fused (overlay)"), ("baseline_us", "unfused baseline"), ("aiter_fused_us", "AITER fused"),
@@ -37,15 +45,52 @@ def panels(results: list[dict[str, Any]], mode: str = "graph") -> dict[str, dict
     return out
 
 
-def plot(data: dict[str, Any], path: Path, mode: str = "graph") -> int:
+def matplotlib_missing() -> str | None:
+    """MATPLOTLIB_MISSING where matplotlib cannot be imported, else None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return MATPLOTLIB_MISSING
+    return None
+
+
+def read_panels(bench_json: Path, mode: str) -> tuple[dict[str, Any], dict[str, dict[str, list[tuple[int, float]]]]]:
+    """The benchmark ``bench_json`` holds and its panels for ``mode``; a UsageError naming the file
+    where it is no benchmark's, or has nothing to draw."""
+    try:
+        data = json.loads(bench_json.read_text())
+        drawn = panels(data["results"], mode)
+    except KeyError as exc:
+        raise UsageError(f"{bench_json}: no {exc.args[0]!r} in it (not what bench --json-out writes)") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{bench_json}: {exc}") from None
+    except (TypeError, AttributeError) as exc:
+        raise UsageError(f"{bench_json}: not what bench --json-out writes ({exc})") from None
+    if not drawn:
+        raise UsageError(f"{bench_json}: no {mode} results to plot")
+    return data, drawn
+
+
+def png_path(bench_json: Path, out: Path | None) -> Path:
+    """Where the PNG goes: ``out``, ``<input stem>.png`` inside it where it is a directory, or beside
+    the input; a UsageError naming --out where that directory is missing or not writable."""
+    png = bench_json.with_suffix(".png")
+    path = png if out is None else out / png.name if out.is_dir() else out
+    named = f"--out {out}" if out is not None else f"{path} (the default; choose another with --out)"
+    if not path.parent.is_dir():
+        raise UsageError(f"{named}: no directory {path.parent}")
+    if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{named}: {path} cannot be written")
+    return path
+
+
+def plot(data: dict[str, Any], drawn: dict[str, dict[str, list[tuple[int, float]]]], path: Path, mode: str) -> int:
+    """``drawn`` (``panels``) as one PNG at exactly ``path``; the panels drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    drawn = panels(data["results"], mode)
-    if not drawn:
-        raise ValueError(f"no {mode} results to plot")
     figure, axes = plt.subplots(1, len(drawn), figsize=(4.5 * len(drawn), 4), squeeze=False)
     for axis, (op, series) in zip(axes[0], sorted(drawn.items()), strict=True):
         for label, points in series.items():
@@ -58,7 +103,7 @@ def plot(data: dict[str, Any], path: Path, mode: str = "graph") -> int:
         axis.legend(fontsize=7)
     figure.suptitle(f"{data.get('device', '?')}, triton {data.get('triton', '?')}, {mode}", fontsize=10)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, format="png")  # a format: else a path without a suffix gets ".png" appended
     plt.close(figure)
     return len(drawn)
 
@@ -67,7 +112,8 @@ def parser() -> Parser:
     p = Parser(prog="k3-amd-overlay bench plot", description=describe(__doc__))
     p.add_argument("bench_json", type=Path, metavar="BENCH.json",
                    help="what `k3-amd-overlay bench --json-out` wrote")
-    p.add_argument("--out", type=Path, help="the PNG (default: beside the JSON)")
+    p.add_argument("--out", type=Path,
+                   help="the PNG, or a directory to write BENCH.png in (default: BENCH.png beside the JSON)")
     p.add_argument("--mode", choices=("graph", "eager"), default="graph",
                    help="the timings drawn: CUDA/HIP-graph replay or eager launches")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout on every path (the PNG drawn)")
@@ -85,15 +131,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
 
     try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return failed("matplotlib is not installed (pip install 'k3-amd-overlay[plot]')")
+        data, drawn = read_panels(args.bench_json, args.mode)
+        out = png_path(args.bench_json, args.out)
+    except UsageError as exc:
+        return p.usage_error(exc)
+    missing = matplotlib_missing()
+    if missing:
+        return failed(missing)
     try:
-        data = json.loads(args.bench_json.read_text())
-        out = args.out or args.bench_json.with_suffix(".png")
-        count = plot(data, out, args.mode)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        detail = f"no {exc.args[0]!r} in it (not what bench --json-out writes)" if isinstance(exc, KeyError) else exc
-        return p.usage_error(UsageError(f"{args.bench_json}: {detail}"))  # the input is not a benchmark's
+        count = plot(data, drawn, out, args.mode)
+    except OSError as exc:
+        return failed(f"{out} not written: {exc}")
     print(json_result("bench plot", True, png=str(out), panels=count) if args.json else f"{out}: {count} panels")
     return 0

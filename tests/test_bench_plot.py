@@ -1,0 +1,107 @@
+"""`k3-amd-overlay bench plot` without matplotlib (a recording stand-in where a test draws): where
+the PNG goes and that the path said is the path written, --out's usage errors before any plotting,
+the input checked before matplotlib, and the install hint. Real matplotlib draws in
+tests/engine/test_tools_extra.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k3_amd_overlay.commands.bench import plot
+from k3_amd_overlay.package import __version__
+
+BENCH = {"device": "stand-in", "triton": "3.0", "results": [
+    {"op": "rope_quant", "mode": "graph", "tokens": t, "fused_us": 2.0 * t, "baseline_us": 3.0 * t} for t in (1, 8)]}
+
+
+class FakeMatplotlib:
+    """matplotlib as plot() uses it: savefig writes its bytes at exactly the path it is given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.matplotlib = types.ModuleType("matplotlib")
+        self.matplotlib.use = lambda backend: self.calls.append(("use", backend))
+        self.pyplot = types.ModuleType("matplotlib.pyplot")
+        self.pyplot.subplots = self.subplots
+        self.pyplot.close = lambda figure: self.calls.append(("close",))
+        self.matplotlib.pyplot = self.pyplot
+
+    def record(self, name: str) -> Any:
+        return lambda *args, **kwargs: self.calls.append((name, *args))
+
+    def subplots(self, nrows: int, ncols: int, **kwargs: Any) -> tuple[Any, list[list[Any]]]:
+        self.calls.append(("subplots", nrows, ncols))
+        figure = types.SimpleNamespace(suptitle=self.record("suptitle"), tight_layout=self.record("tight_layout"),
+                                       savefig=lambda path, **kw: Path(path).write_bytes(b"png"))
+        names = ("plot", "set_xscale", "set_yscale", "set_xlabel", "set_ylabel", "set_title", "legend")
+        return figure, [[types.SimpleNamespace(**{n: self.record(n) for n in names}) for _ in range(ncols)]]
+
+
+@pytest.fixture
+def bench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """plots/b.json under a fresh working directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plots").mkdir()
+    path = Path("plots") / "b.json"
+    path.write_text(json.dumps(BENCH))
+    return path
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeMatplotlib:
+    fake = FakeMatplotlib()
+    monkeypatch.setitem(sys.modules, "matplotlib", fake.matplotlib)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", fake.pyplot)
+    return fake
+
+
+@pytest.fixture
+def no_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+
+
+def test_out_naming_a_directory_writes_the_input_stem_png_inside_it(bench, fake, tmp_path, capsys):
+    assert plot.main([str(bench), "--out", "plots"]) == 0
+    assert capsys.readouterr().out == f"{Path('plots') / 'b.png'}: 1 panels\n"
+    assert (tmp_path / "plots" / "b.png").read_bytes() == b"png" and not (tmp_path / "plots.png").exists()
+
+
+def test_out_in_a_missing_directory_is_a_usage_error_naming_out_before_any_plotting(bench, fake, tmp_path, capsys):
+    missing = tmp_path / "nope" / "x.png"
+    assert plot.main([str(bench), "--out", str(missing), "--json"]) == 2
+    printed = capsys.readouterr()
+    message = f"--out {missing}: no directory {missing.parent}"
+    assert json.loads(printed.out)["usage_error"] == message
+    assert printed.err.splitlines()[-1] == f"k3-amd-overlay bench plot: error: {message}"
+    assert fake.calls == []
+
+
+def test_out_under_a_file_is_a_usage_error_naming_out(bench, fake, capsys):
+    assert plot.main([str(bench), "--out", str(bench / "x.png")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"k3-amd-overlay bench plot: error: --out {bench / 'x.png'}: no directory {bench}")
+    assert fake.calls == []
+
+
+@pytest.mark.usefixtures("no_matplotlib")
+def test_a_missing_input_is_named_before_matplotlib_is_looked_for(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert plot.main(["nope.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("k3-amd-overlay bench plot: error: nope.json: ") and "matplotlib" not in err
+
+
+@pytest.mark.usefixtures("no_matplotlib")
+def test_without_matplotlib_the_hint_installs_matplotlib_or_the_wheels_extra(bench, capsys):
+    assert plot.main([str(bench), "--json"]) == 1
+    printed = capsys.readouterr()
+    hint = ("matplotlib is not installed (pip install matplotlib, or the overlay's wheel with its plot extra: "
+            f"pip install 'k3_amd_overlay-{__version__}-py3-none-any.whl[plot]')")
+    assert printed.err == f"k3-amd-overlay bench plot: {hint}\n"
+    assert json.loads(printed.out)["error"] == hint
