@@ -1,6 +1,6 @@
 """k3-amd-overlay: the Kimi-K3 MLA fusions for a stock vLLM ROCm image, behind one switch.
 
-    pip install k3-amd-overlay          # next to vLLM; touches no vllm, torch or triton
+    pip install k3_amd_overlay-*.whl    # the built wheel, next to vLLM; touches no vllm, torch or triton
     export K3_AMD_OVERLAY=1             # 0/unset: off; stock: force unfused; qkv_norm,qk_cache
     vllm serve <Kimi-K3 checkpoint> ... # every vLLM process loads the plugin
 

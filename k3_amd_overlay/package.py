@@ -23,7 +23,7 @@ AUTO = "auto"  # a provider setting: the first fused provider that can run here
 FUSED_PROVIDERS: dict[str, tuple[str, ...]] = {
     QKV_NORM: ("aiter", "triton", "vllm"),
     QK_CACHE: ("aiter", "triton"),
-    ABSORB_QK_CACHE: ("triton", "aiter"),  # aiter: vLLM's fp8 W_UK absorption only
+    ABSORB_QK_CACHE: ("triton", "aiter"),  # aiter: vLLM's fp8 and MXFP4 W_K absorptions only
 }
 PROVIDERS: dict[str, tuple[str, ...]] = {f: (*fused, REFERENCE) for f, fused in FUSED_PROVIDERS.items()}
 # Decode batches up to this many tokens take the absorbed path (W_UK folded into the fused launch)

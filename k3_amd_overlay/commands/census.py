@@ -13,8 +13,9 @@ or none, is a ``TraceError`` naming the file, the event and the value, never a g
 whose numbers the census never reads may carry anything.
 
 Names alone cannot tell a fusion's kernels apart from the model's others (hipBLASLt names every GEMM
-``Cijk_...``; every RMSNorm matches ``rms_norm_kernel``). Where the overlay is on (stock mode
-included) it opens profiler ranges around the regions its fusions replace (regions.py), and each
+``Cijk_...``; every RMSNorm matches ``rms_norm_kernel``). Where the overlay installs a site (stock
+mode too, on the releases regions.py names) it opens profiler ranges around the regions its fusions
+replace, and each
 kernel is attributed to the range its launch was made in (the kernel's ``correlation`` id leads to
 its launch on a CPU thread): the comparison then counts only kernels inside those ranges, and inside
 a decode range a GEMM only where the region's own work follows it (the W_UK absorption precedes the

@@ -1,8 +1,9 @@
 """``k3-amd-overlay``: ``doctor`` (what this machine and vLLM give, what the overlay would do and
 why, each reachable provider against its reference), ``check`` (whether the live vLLM processes,
-or a fresh one with ``--static``, are fused or stock as an A/B arm expects), ``census`` (kernel
-launches in profiler traces, before and after a fusion), and the tools ``ab-serve``, ``gsm8k-ab``,
-``bench``, ``kernels`` (the AMD compile report) and ``tune`` (launch configs for this GPU)."""
+or a fresh one with ``--static``, or several nodes' with ``--merge``, are fused, stock or off as an
+A/B arm expects), ``census`` (kernel launches in profiler traces, before and after a fusion), and the
+tools ``ab-serve``, ``gsm8k-ab``, ``bench``, ``kernels`` (the AMD compile report), ``tune`` (launch
+configs for this GPU) and ``measure`` (each fusion against stock per batch bucket on this GPU)."""
 
 from __future__ import annotations
 
