@@ -1,6 +1,7 @@
 """This GPU's self-measurement (``k3-amd-overlay measure``, self_measure.py) as a file: its name, its
 schema, loading it, each bucket's verdict, the gates the server's sites take from it ("never slower"),
-and the lines the marker, ``check`` and ``doctor`` show of it. Pure Python: no torch, no vLLM.
+and the lines the marker, ``check`` and ``doctor`` show of it. No vLLM; torch and Triton are imported
+only for their versions, when a file is checked.
 
 One file per GPU, ``<arch>-<device>.measured.json`` (the device named as in a tuned launch-config
 file's name), beside the tuned launch configs: in the directory ``K3_AMD_OVERLAY_KERNEL_CONFIGS``
@@ -13,12 +14,21 @@ A row is one fusion at one bucket: a bucket of ``tokens`` covers the token count
 before it (0 for the first) up to ``tokens``. A fusion runs in a bucket only where its outputs were
 exact against the stock sequence's and it measured at least as fast (stock µs / fused µs >=
 ``MIN_RATIO``); elsewhere, above the largest bucket, and at a shape (heads, W_UK absorption) the file
-does not hold, stock runs, with the reason in the marker. A file that cannot be used (malformed, of
-another GPU, of another overlay version) is ignored with an ERROR naming the file and the field: the
-behaviour without it, and the marker says why."""
+does not hold, stock runs, with the reason in the marker.
+
+The file records what decides the fused kernels' speed and bytes (``CONDITIONS``): a sha256 of the
+launch configs this GPU's kernels resolved to, the torch and Triton versions, the KV-cache dtype and
+the fp8 format. A file that cannot be used (malformed, of another GPU, of another overlay version,
+measured under other conditions than this process's, or written before they were recorded) is
+ignored with an ERROR naming the file and the field: the behaviour without it, and the marker says
+why. Where this process cannot tell a condition of its own (torch not importable, launch configs that
+do not resolve), the file is not used either."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -26,8 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay.fp8 import format_for_gcn_arch
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.fusions.states import BucketGate
+from k3_amd_overlay.kernels import launch_configs
 from k3_amd_overlay.kernels.launch_configs import device_slug
 from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, __version__
 from k3_amd_overlay.settings import KERNEL_CONFIGS
@@ -40,6 +52,9 @@ USER_DIRECTORY = "k3-amd-overlay"  # under $XDG_CACHE_HOME, or ~/.cache
 VARIANTS = (AbsorbVariant.BF16.value, AbsorbVariant.FP8.value)  # the W_UK absorptions measured
 DECODE_FUSIONS = (QK_CACHE, ABSORB_QK_CACHE)
 COMMAND = "k3-amd-overlay measure"
+KV_CACHE_DTYPE = "fp8"  # the cache the fused decode writes, and the one `measure` times it with
+# The fields that decide the fused kernels' speed and bytes: a file measured under others is not used.
+CONDITIONS = ("launch_configs", "torch", "triton", "kv_cache_dtype", "fp8_format")
 
 
 class MeasuredError(ValueError):
@@ -132,6 +147,7 @@ class Measurement:
     device: str
     date: str
     overlay_version: str
+    launch_configs: str  # configs_fingerprint's ("" read from a file written before it was recorded)
     torch: str
     triton: str
     kv_cache_dtype: str
@@ -140,11 +156,15 @@ class Measurement:
     seed: int
     rows: tuple[Row, ...]
 
+    def conditions(self) -> dict[str, str]:
+        """What it was measured under (``CONDITIONS``; "": not recorded)."""
+        return {name: getattr(self, name) for name in CONDITIONS}
+
     def to_json(self) -> dict[str, Any]:
         heads = sorted({r.heads for r in self.rows if r.heads is not None})
         return {"schema": SCHEMA, "arch": self.arch, "device": self.device, "date": self.date,
                 "overlay_version": self.overlay_version, "torch": self.torch, "triton": self.triton,
-                "stock": self.stock, "seed": self.seed,
+                "launch_configs": self.launch_configs, "stock": self.stock, "seed": self.seed,
                 "shapes": {"heads": heads, "variants": sorted({r.variant for r in self.rows if r.variant}),
                            "buckets": sorted({r.tokens for r in self.rows}), "kv_cache_dtype": self.kv_cache_dtype,
                            "fp8_format": self.fp8_format},
@@ -211,17 +231,67 @@ def parse(data: Any, path: str) -> Measurement:
     return Measurement(path=path, **text, torch=str(data.get("torch", "")), triton=str(data.get("triton", "")),
                        kv_cache_dtype=str(shapes.get("kv_cache_dtype", "")),
                        fp8_format=str(shapes.get("fp8_format", "")),
-                       stock=str(data.get("stock", "")), seed=int(data.get("seed") or 0), rows=rows)
+                       stock=str(data.get("stock", "")), seed=int(data.get("seed") or 0), rows=rows,
+                       launch_configs=str(data.get("launch_configs", "")))
 
 
 def load(path: str | Path) -> Measurement:
-    import json
-
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise MeasuredError(f"cannot read the self-measurement {path}: {exc}") from None
     return parse(data, str(path))
+
+
+def configs_fingerprint(arch: str, device: str | None) -> str | None:
+    """A sha256 of the launch configs this process's kernels resolve to on ``arch`` and ``device``
+    (every kernel's rules in order, their bounds and configs: what picks each launch's config), or
+    None where they do not resolve (a bad shipped file: the fused Triton kernels are refused)."""
+    try:
+        resolved = launch_configs.resolve(arch, device)
+    except launch_configs.LaunchConfigError:
+        return None
+    rules = {kernel: [[r.tokens, r.heads, dict(r.config)] for r in found] for kernel, (found, _) in resolved.items()}
+    return hashlib.sha256(json.dumps(rules, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _version(module: str) -> str | None:
+    try:
+        return str(importlib.import_module(module).__version__)
+    except Exception:  # not importable here (or broken): this process cannot tell, so no file is trusted
+        return None
+
+
+def conditions(arch: str, device: str | None) -> dict[str, str | None]:
+    """This process's ``CONDITIONS`` on ``arch`` and ``device`` (None: it cannot tell). The KV-cache
+    dtype is the fused decode's own: it runs only on a plain fp8 cache (fusions/qk_cache.py), so the
+    buckets it is gated in were measured right only on that one. The fp8 format is the one vLLM's
+    platform and the fused paths use, e4m3fnuz exactly on gfx94x (format_for_gcn_arch, NVIDIA too)."""
+    return {"launch_configs": configs_fingerprint(arch, device), "torch": _version("torch"),
+            "triton": _version("triton"), "kv_cache_dtype": KV_CACHE_DTYPE,
+            "fp8_format": format_for_gcn_arch(arch).name}
+
+
+def _stale(path: Path, found: list[tuple[str, str, str]]) -> str:
+    """Why a file measured under other conditions is not used: each (field, its value, this
+    process's, in words)."""
+    absent = "absent (a file of an older k3-amd-overlay)"
+    fields = "; ".join(f"field {name!r} is {repr(value) if value else absent}, {here}" for name, value, here in found)
+    return f"{path}: {fields}: its kernels were not the ones measured; run `{COMMAND}` again"
+
+
+def differences(measurement: Measurement, here: Mapping[str, str | None]) -> list[tuple[str, str, str]]:
+    """Each condition ``measurement`` was not measured under ``here``: (field, its value, the words
+    for ``here``'s), in ``CONDITIONS`` order; a value not recorded, or one ``here`` cannot tell (None
+    or ""), differs."""
+    found = []
+    for name, value in measurement.conditions().items():
+        wanted = here.get(name)
+        if not wanted:
+            found.append((name, value, "this process cannot tell its own"))
+        elif value != wanted:
+            found.append((name, value, f"this process's is {wanted!r}"))
+    return found
 
 
 @dataclass(frozen=True)
@@ -237,8 +307,9 @@ class Loaded:
 def load_here(arch: str, device: str | None, environ: Mapping[str, str] | None = None,
               version: str = __version__) -> Loaded:
     """The result file for this GPU, checked: of this arch and device, written by this overlay
-    version (its kernels are what was measured). Never raises: a file that cannot be used comes
-    back as ``error`` (the caller logs it and goes on without the file)."""
+    version and measured under this process's ``conditions`` (its kernels are what was measured).
+    Never raises: a file that cannot be used comes back as ``error`` (the caller logs it and goes on
+    without the file)."""
     if device is None:
         return Loaded(None)
     path = result_path(arch, device, os.environ if environ is None else environ)
@@ -252,9 +323,11 @@ def load_here(arch: str, device: str | None, environ: Mapping[str, str] | None =
         return Loaded(str(path), error=f"{path}: fields 'arch', 'device' are {found.arch!r}, {found.device!r}; "
                                        f"this GPU is {arch!r}, {device!r}")
     if found.overlay_version != version:
-        return Loaded(str(path), error=f"{path}: field 'overlay_version' is {found.overlay_version!r}, this is "
-                                       f"k3-amd-overlay {version}: its kernels were not the ones measured; run "
-                                       f"`{COMMAND}` again")
+        return Loaded(str(path), error=_stale(path, [("overlay_version", found.overlay_version,
+                                                      f"this is k3-amd-overlay {version}")]))
+    stale = differences(found, conditions(arch, device))
+    if stale:
+        return Loaded(str(path), error=_stale(path, stale))
     return Loaded(str(path), found)
 
 
@@ -328,7 +401,8 @@ def marker_entry(loaded: Loaded, gates: Mapping[str, BucketGate | None] | None =
 
 
 def summary(entry: Mapping[str, Any]) -> str:
-    """One line on a process's measurement (``check`` prints it): used, ignored, or none."""
+    """One line on a process's measurement (``check`` prints it): used, ignored, or none; never
+    raises (a marker written by hand or by another tool gets a line saying it is unreadable)."""
     state = entry.get("state")
     if state == "ignored":
         return (f"self-measurement ignored ({entry.get('error')}): every fused path runs at every batch size, "
@@ -337,9 +411,15 @@ def summary(entry: Mapping[str, Any]) -> str:
         where = f" ({entry['file']})" if entry.get("file") else ""
         return (f"no self-measurement for this GPU{where}: every fused path runs at every batch size; `{COMMAND}` "
                 "measures them against stock")
+    stock, fused = entry.get("stock", {}), entry.get("fused_buckets", {})
+    if not (isinstance(stock, Mapping) and isinstance(fused, Mapping)
+            and all(isinstance(r, list) and all(isinstance(w, str) for w in r) for r in stock.values())
+            and all(isinstance(b, list) for b in fused.values())):
+        return (f"unreadable measurement entry ({entry.get('file')}): 'stock' must map each fusion to its reasons "
+                f"and 'fused_buckets' each fusion to its buckets; got {json.dumps(dict(entry), default=str)[:200]}")
     parts = []
-    for fusion, reasons in entry.get("stock", {}).items():
-        buckets = entry.get("fused_buckets", {}).get(fusion, [])
+    for fusion, reasons in stock.items():
+        buckets = fused.get(fusion, [])
         parts.append(f"{fusion} fused in {len(buckets)} bucket{'s' if len(buckets) != 1 else ''}"
                      + (f", {'; '.join(reasons)}" if reasons else ""))
     shape = f", {entry['shape']}" if entry.get("shape") else ""

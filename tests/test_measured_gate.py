@@ -1,24 +1,41 @@
 """The self-measurement's result file and its gate (k3_amd_overlay/measured.py): each bucket's verdict
 and the reason words the marker shows; a file that is foreign or malformed is refused with a message
 naming the file and the field, and at run time only ignored (never raised); the marker's record of it
-round-trips; ``check`` prints it."""
+round-trips; ``check`` prints it. A file measured under other conditions than this process's (launch
+configs, torch, Triton, KV-cache dtype, fp8 format), or one that does not record them, is not used;
+a malformed marker entry is one line, never an exception."""
 
 from __future__ import annotations
 
 import json
 import random
+import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from k3_amd_overlay import measured
 from k3_amd_overlay.commands.verdict import judge
 from k3_amd_overlay.fusions.states import BucketGate
+from k3_amd_overlay.kernels import launch_configs
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM, __version__
 from k3_amd_overlay.record import MarkerRecord, RecordError
 from k3_amd_overlay.settings import KERNEL_CONFIGS, Mode
 
 ARCH, DEVICE = "gfx942", "AMD Instinct MI300X"
 NAME = "gfx942-AMD_Instinct_MI300X.measured.json"
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    """Launch configs resolved afresh (as in a new process), from the shipped files unless a test says."""
+    monkeypatch.delenv(KERNEL_CONFIGS, raising=False)
+    launch_configs._resolve.cache_clear()
+    launch_configs._tuned.cache_clear()
+    yield
+    launch_configs._resolve.cache_clear()
+    launch_configs._tuned.cache_clear()
 
 
 def row(fusion: str, tokens: int, stock: float, fused: float, heads: int | None = 12, variant: str | None = "bf16",
@@ -32,8 +49,8 @@ def row(fusion: str, tokens: int, stock: float, fused: float, heads: int | None 
 
 def measurement(rows: list[measured.Row], version: str = __version__) -> measured.Measurement:
     return measured.Measurement(path="", arch=ARCH, device=DEVICE, date="2026-12-02T11:00:00+00:00",
-                                overlay_version=version, torch="2.9", triton="3.5", kv_cache_dtype="fp8",
-                                fp8_format="e4m3fnuz", stock="words", seed=5, rows=tuple(rows))
+                                overlay_version=version, stock="words", seed=5, rows=tuple(rows),
+                                **measured.conditions(ARCH, DEVICE))
 
 
 def planted() -> measured.Measurement:
@@ -106,6 +123,7 @@ def test_the_file_round_trips_and_is_found_beside_the_tuned_configs(tmp_path):
     back = measured.load(path)
     assert back.rows == m.rows and (back.arch, back.device, back.seed) == (ARCH, DEVICE, 5)
     data = json.loads((tmp_path / NAME).read_text())
+    assert data["launch_configs"] == measured.configs_fingerprint(ARCH, DEVICE) and len(data["launch_configs"]) == 64
     assert data["shapes"] == {"heads": [12], "variants": ["bf16"], "buckets": [8, 16, 64, 128, 256, 512],
                               "kv_cache_dtype": "fp8", "fp8_format": "e4m3fnuz"}
     assert data["results"][3] == {"fusion": QK_CACHE, "tokens": 256, "heads": 12, "variant": "bf16", "stock_us": 9.3,
@@ -156,6 +174,100 @@ def test_not_json_a_foreign_gpu_and_another_overlay_version_are_ignored_with_the
     assert measured.load_here(ARCH, DEVICE, environ).error == (
         f"{path}: field 'overlay_version' is '0.0.1', this is k3-amd-overlay {__version__}: its kernels were not the "
         "ones measured; run `k3-amd-overlay measure` again")
+
+
+def here_is(name: str) -> str:
+    return repr(measured.conditions(ARCH, DEVICE)[name])
+
+
+def drop(name: str) -> Callable[[dict[str, Any]], object]:
+    return lambda d: (d["shapes"] if name in ("kv_cache_dtype", "fp8_format") else d).pop(name)
+
+
+def set_shape(name: str, value: str) -> Callable[[dict[str, Any]], object]:
+    return lambda d: d["shapes"].update({name: value})
+
+
+@pytest.mark.parametrize("change,field,found", [
+    pytest.param(lambda d: d.update(torch="2.8.0+rocm6.3"), "torch", "'2.8.0+rocm6.3'", id="torch"),
+    pytest.param(lambda d: d.update(triton="3.3.0"), "triton", "'3.3.0'", id="triton"),
+    pytest.param(lambda d: d.update(launch_configs="0" * 64), "launch_configs", f"'{'0' * 64}'", id="launch_configs"),
+    pytest.param(set_shape("kv_cache_dtype", "auto"), "kv_cache_dtype", "'auto'", id="kv_cache_dtype"),
+    pytest.param(set_shape("fp8_format", "e5m2"), "fp8_format", "'e5m2'", id="fp8_format"),
+    *(pytest.param(drop(name), name, "absent (a file of an older k3-amd-overlay)", id=f"no {name}")
+      for name in measured.CONDITIONS),
+])
+def test_a_file_measured_under_other_conditions_is_not_used_naming_the_field(tmp_path, change, field, found):
+    data = planted().to_json()
+    change(data)
+    path = write(tmp_path, data)
+    loaded = measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})
+    assert loaded.measurement is None and loaded.error == (
+        f"{path}: field {field!r} is {found}, this process's is {here_is(field)}: its kernels were not the ones "
+        "measured; run `k3-amd-overlay measure` again")
+    assert measured.marker_entry(loaded)["state"] == "ignored"
+    assert measured.doctor_section(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})["error"] == loaded.error
+
+
+def test_every_field_that_differs_is_named(tmp_path):
+    data = planted().to_json()
+    data.update(torch="2.8.0", triton="3.3.0")
+    path = write(tmp_path, data)
+    assert measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)}).error == (
+        f"{path}: field 'torch' is '2.8.0', this process's is {here_is('torch')}; field 'triton' is '3.3.0', this "
+        f"process's is {here_is('triton')}: its kernels were not the ones measured; run `k3-amd-overlay measure` again")
+
+
+def test_a_newly_tuned_launch_config_file_beside_the_measurement_makes_it_unused(tmp_path, monkeypatch):
+    """The audit's case: `tune` writes <arch>-<device>.json into the directory the measurement sits
+    in; the server started after it runs those configs, which were never measured."""
+    monkeypatch.setenv(KERNEL_CONFIGS, str(tmp_path))
+    environ = {KERNEL_CONFIGS: str(tmp_path)}
+    path = write(tmp_path, planted().to_json())
+    before = measured.load_here(ARCH, DEVICE, environ)
+    assert before.error is None and before.measurement is not None
+    tuned = json.loads((launch_configs.CONFIG_DIR / f"{ARCH}.json").read_text())
+    tuned["tuned_on"] = {"device": DEVICE}
+    last = tuned["kernels"]["rmsnorm_pair_kernel"][-1]["config"]
+    last["num_warps"] = 16 if last["num_warps"] != 16 else 8
+    (tmp_path / launch_configs.tuned_name(ARCH, DEVICE)).write_text(json.dumps(tuned))
+    launch_configs._resolve.cache_clear()  # a server started after `tune` wrote it
+    launch_configs._tuned.cache_clear()
+    after = measured.load_here(ARCH, DEVICE, environ)
+    assert measured.configs_fingerprint(ARCH, DEVICE) != before.measurement.launch_configs
+    assert after.measurement is None and after.error == (
+        f"{path}: field 'launch_configs' is {before.measurement.launch_configs!r}, this process's is "
+        f"{here_is('launch_configs')}: its kernels were not the ones measured; run `k3-amd-overlay measure` again")
+
+
+@pytest.mark.parametrize("field", ["torch", "launch_configs"])
+def test_a_condition_this_process_cannot_tell_fails_closed(tmp_path, monkeypatch, field):
+    written = planted()
+    path = write(tmp_path, written.to_json())
+    if field == "torch":
+        monkeypatch.setitem(sys.modules, "torch", None)  # a pure-Python process: torch not importable
+    else:
+        def unresolvable(arch, device=None):
+            raise launch_configs.LaunchConfigError("the shipped file is bad")
+
+        monkeypatch.setattr(launch_configs, "resolve", unresolvable)
+    assert measured.conditions(ARCH, DEVICE)[field] is None
+    assert measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)}).error == (
+        f"{path}: field {field!r} is {written.conditions()[field]!r}, this process cannot tell its own: its kernels "
+        "were not the ones measured; run `k3-amd-overlay measure` again")
+
+
+@pytest.mark.parametrize("entry", [
+    {"state": "used", "stock": ["x"]},
+    {"state": "used", "file": "/f.json", "stock": {QK_CACHE: "slower"}},
+    {"state": "used", "stock": {QK_CACHE: [3]}},
+    {"state": "used", "stock": {QK_CACHE: []}, "fused_buckets": {QK_CACHE: 8}},
+    {"state": "used", "stock": {}, "fused_buckets": [8]},
+])
+def test_a_malformed_marker_entry_is_one_line_never_an_exception(entry):
+    line = measured.summary(entry)
+    assert line.startswith(f"unreadable measurement entry ({entry.get('file')}): 'stock' must map each fusion")
+    assert json.dumps(entry)[:50] in line
 
 
 def test_the_marker_records_the_gate_and_check_prints_it(tmp_path):
