@@ -1,7 +1,9 @@
 """The self-measurement wired into a served layer (targets/installer.py, targets/norm.py): the installer
 reads this GPU's result file at the first layer; the decode plan and the norm site take its gates, so
-a bucket measured slower runs stock and the marker says why; a malformed file is one ERROR line and
-the marker's error, every fused path then running as without a file; without a file, as before."""
+a bucket measured slower runs stock and the marker says why; a malformed file, or one measured under
+other conditions than the server's (a launch-config file tuned since, another torch), is one ERROR
+line and the marker's error, every fused path then running as without a file; without a file, as
+before."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from test_installer import _installer, _layer, here  # noqa: F401  (the fixture)
 
 from k3_amd_overlay import measured
 from k3_amd_overlay.fusions.qk_cache import BatchFacts, DecodePath
-from k3_amd_overlay.kernels import launch
+from k3_amd_overlay.kernels import launch, launch_configs
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, QK_CACHE, QKV_NORM, __version__
 from k3_amd_overlay.settings import KERNEL_CONFIGS
 
@@ -29,8 +31,8 @@ def planted(heads: int) -> dict:
             measured.Row(QK_CACHE, 64, heads, "bf16", True, 10.0, 6.0),
             measured.Row(QK_CACHE, 256, heads, "bf16", True, 10.0, 12.5)]
     return measured.Measurement(path="", arch=ARCH, device=DEVICE, date="2026-12-02T11:00:00+00:00",
-                                overlay_version=__version__, torch="t", triton="t", kv_cache_dtype="fp8",
-                                fp8_format="e4m3fn", stock="s", seed=1, rows=tuple(rows)).to_json()
+                                overlay_version=__version__, stock="s", seed=1, rows=tuple(rows),
+                                **measured.conditions(ARCH, DEVICE)).to_json()
 
 
 @pytest.fixture
@@ -87,6 +89,35 @@ def test_a_malformed_file_is_one_error_and_every_fused_path_runs_as_without_it(t
     assert [r.levelname for r in caplog.records] == ["ERROR"]
     assert caplog.records[0].getMessage().endswith("the self-measurement is ignored: every fused path runs at every "
                                                    "batch size")
+
+
+@pytest.mark.parametrize("change", ["tuned since", "another torch"])
+def test_a_file_measured_under_other_conditions_is_one_error_at_server_start(tmp_path, here, gpu_here, caplog,  # noqa: F811
+                                                                            change):
+    data = planted(heads=8)  # measured with the shipped launch configs and this torch
+    if change == "tuned since":  # `tune` then wrote this GPU's file beside it
+        tuned = json.loads((launch_configs.CONFIG_DIR / f"{ARCH}.json").read_text())
+        config = tuned["kernels"]["rmsnorm_pair_kernel"][-1]["config"]
+        config["num_warps"] = 8 if config["num_warps"] != 8 else 4
+        (gpu_here.parent / launch_configs.tuned_name(ARCH, DEVICE)).write_text(json.dumps({**tuned, "tuned_on": {
+            "device": DEVICE}}))
+        launch_configs._resolve.cache_clear()  # the server starts after it
+        launch_configs._tuned.cache_clear()
+        field, now = "launch_configs", measured.configs_fingerprint(ARCH, DEVICE)
+        assert now != data["launch_configs"]
+    else:
+        data["torch"] = "2.8.0+rocm6.3"
+        field, now = "torch", str(torch.__version__)
+    gpu_here.write_text(json.dumps(data))
+    inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference")
+    with caplog.at_level(logging.ERROR, logger="vllm.k3_amd_overlay"):
+        site = inst.install_qk_cache(_layer(), upstream_fuses=False)
+    assert site.plan.measured is None and site.plan.path_for(batch(4096)) is DecodePath.QK_CACHE
+    entry = inst.evidence.record.measurement
+    assert entry == {"file": str(gpu_here), "state": "ignored", "error": (
+        f"{gpu_here}: field {field!r} is {data[field]!r}, this process's is {now!r}: its kernels were not the ones "
+        "measured; run `k3-amd-overlay measure` again")}
+    assert [r.levelname for r in caplog.records] == ["ERROR"] and entry["error"] in caplog.records[0].getMessage()
 
 
 def test_without_a_file_every_batch_is_fused_as_before_and_the_marker_says_none(tmp_path, here, gpu_here):  # noqa: F811

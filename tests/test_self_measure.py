@@ -2,24 +2,31 @@
 fake timer (the real one is a CUDA-graph replay median on the GPU), the real fused paths' parity
 against the stock sequence under the Triton interpreter, the table and the result file from a
 planted timing where one bucket is slower (that bucket's verdict: stock, with the reason the marker
-shows), a bucket whose parity fails (never timed, stock), and the command's usage errors."""
+shows), a bucket whose parity fails (never timed, stock), rows of an earlier file kept only where it
+was measured under the same conditions, the command's usage errors (values as given; --heads checked
+against --tensor-parallel-size), and its --json object's ``error`` on every failing path."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import triton
 from machine import DEVICE
 
-from k3_amd_overlay import measured
+from k3_amd_overlay import fp8, measured
 from k3_amd_overlay.commands import self_measure
-from k3_amd_overlay.commands.bench import layer_step
+from k3_amd_overlay.commands.bench import aiter_peers, layer_step
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.fusions import qk_cache as qk
+from k3_amd_overlay.kernels import launch, target
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import KERNEL_CONFIGS
 
@@ -84,10 +91,11 @@ def test_a_bucket_whose_parity_fails_is_never_timed_and_runs_stock():
                                "slots' rows)")
 
 
-def self_measure_file(rows: list[measured.Row]) -> measured.Measurement:
+def self_measure_file(rows: list[measured.Row], **conditions: str) -> measured.Measurement:
+    """A file of this process's conditions (``conditions``: those that differ)."""
     return measured.Measurement(path="", arch="sm90", device="NVIDIA H200", date="2026-12-02T11:00:00+00:00",
-                                overlay_version=measured.__version__, torch="2.11", triton="3.6", kv_cache_dtype="fp8",
-                                fp8_format="e4m3fn", stock=self_measure.STOCK_WORDS, seed=3, rows=tuple(rows))
+                                overlay_version=measured.__version__, stock=self_measure.STOCK_WORDS, seed=3,
+                                rows=tuple(rows), **{**measured.conditions("sm90", "NVIDIA H200"), **conditions})
 
 
 def real_names(fn: Callable[[], None]) -> str:
@@ -163,18 +171,64 @@ def test_writing_keeps_the_rows_of_other_shapes_and_replaces_those_measured_agai
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("field,old", [("torch", "2.8.0"), ("triton", "3.3.0"), ("launch_configs", "0" * 64),
+                                       ("fp8_format", "e4m3fnuz"), ("kv_cache_dtype", "auto")],
+                         ids=["torch", "triton", "launch_configs", "fp8_format", "kv_cache_dtype"])
+def test_rows_measured_under_other_conditions_are_dropped_saying_so(tmp_path, field, old):
+    first = [measured.Row(QK_CACHE, 8, 12, "fp8", True, 6.0, 4.0),
+             measured.Row(QK_CACHE, 16, 12, "fp8", True, 6.0, 4.0),
+             measured.Row(QK_CACHE, 8, 12, "bf16", True, 5.0, 4.0)]
+    self_measure.write(self_measure_file(first, **{field: old}), tmp_path)
+    lines: list[str] = []
+    path = self_measure.write(self_measure_file([measured.Row(QK_CACHE, 8, 12, "bf16", True, 4.0, 5.0)]), tmp_path,
+                              out=lines.append)
+    written = measured.load(path)
+    assert [r.key for r in written.rows] == [(QK_CACHE, 12, "bf16", 8)]
+    now = measured.conditions("sm90", "NVIDIA H200")[field]
+    assert lines == [f"dropped 2 rows of {path} (other shapes or buckets) measured under other conditions ({field} "
+                     f"{old!r}, this process's is {now!r}): measure those again"]
+    assert measured.load_here("sm90", "NVIDIA H200", {KERNEL_CONFIGS: str(tmp_path)}).measurement == \
+        measured.Measurement(**{**written.__dict__, "path": str(path)})
+
+
+def test_rows_of_a_file_that_does_not_record_the_conditions_are_dropped(tmp_path):
+    """A file an older overlay wrote: no launch-config fingerprint."""
+    data = self_measure_file([measured.Row(QK_CACHE, 8, 12, "fp8", True, 6.0, 4.0)]).to_json()
+    del data["launch_configs"]
+    path = tmp_path / measured.result_name("sm90", "NVIDIA H200")
+    path.write_text(json.dumps(data))
+    lines: list[str] = []
+    self_measure.write(self_measure_file([measured.Row(QK_CACHE, 8, 12, "bf16", True, 4.0, 5.0)]), tmp_path,
+                       out=lines.append)
+    assert [r.key for r in measured.load(path).rows] == [(QK_CACHE, 12, "bf16", 8)]
+    assert lines[0].startswith(f"dropped 1 row of {path} (other shapes or buckets) measured under other conditions "
+                               "(launch_configs absent, this process's is '")
+
+
+def test_the_result_records_the_conditions_it_measured_under():
+    got = self_measure.result([], "gfx942", "AMD Instinct MI300X", "e4m3fnuz", seed=9)
+    assert got.conditions() == measured.conditions("gfx942", "AMD Instinct MI300X")
+    assert got.conditions() == {"launch_configs": measured.configs_fingerprint("gfx942", "AMD Instinct MI300X"),
+                                "torch": torch.__version__, "triton": triton.__version__,
+                                "kv_cache_dtype": "fp8", "fp8_format": "e4m3fnuz"}
+
+
+def flags(**given) -> list[str]:
+    return [f for k, v in given.items() for f in (f"--{k.replace('_', '-')}", *map(str, v if isinstance(v, list)
+                                                                                  else [v]))]
+
+
 def args(**given) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     self_measure.add_arguments(parser)
-    flags = [f for k, v in given.items() for f in (f"--{k.replace('_', '-')}", *map(str, v if isinstance(v, list)
-                                                                                     else [v]))]
-    return parser.parse_args(flags)
+    return parser.parse_args(flags(**given))
 
 
 @pytest.mark.parametrize("given,message", [
     ({"heads": 12, "variant": "fp4"}, "--variant fp4: allowed bf16, fp8 (fp4: its stock absorption is AITER's MXFP4"),
-    ({"heads": 0}, "--heads [0]: every value must be a positive integer"),
-    ({"heads": 12, "buckets": [8, -1]}, "--buckets [-1, 8]: every value must be a positive integer"),
+    ({"heads": 0}, "--heads 0: every value must be a positive integer"),
+    ({"heads": 12, "buckets": [8, -1]}, "--buckets 8 -1: every value must be a positive integer"),
+    ({"heads": 12, "rounds": -1}, "--rounds -1: a positive integer"),
     ({"model": "/nonexistent/k3"}, "--model /nonexistent/k3: cannot read /nonexistent/k3"),
 ])
 def test_usage_errors_name_the_value_and_what_is_allowed(given, message, capsys):
@@ -191,10 +245,112 @@ def test_heads_per_rank_come_from_the_models_config_and_the_tensor_parallel_size
     assert "--tensor-parallel-size 7: does not divide the model's 96 attention heads" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given,message", [
+    ({"heads": 96, "tensor_parallel_size": 8}, "--heads 96 with --tensor-parallel-size 8: --heads is heads per rank, "
+     "and K3's 96 heads at that size are 12 per rank; give --heads 12, or --heads alone (another model's heads per "
+     "rank)"),
+    ({"heads": [3, 12], "tensor_parallel_size": 8}, "--heads 3 12 with --tensor-parallel-size 8: --heads is heads "
+     "per rank"),
+    ({"heads": 12, "tensor_parallel_size": 1}, "--heads 12 with --tensor-parallel-size 1: --heads is heads per "
+     "rank, and K3's 96 heads at that size are 96 per rank; give --heads 96"),
+    ({"heads": 12, "tensor_parallel_size": 5}, "--tensor-parallel-size 5: does not divide K3's 96 attention heads"),
+])
+def test_heads_given_with_a_tensor_parallel_size_must_be_k3s_heads_per_rank_there(given, message, capsys):
+    assert self_measure._checked(args(heads=12, tensor_parallel_size=8))[0] == [12]  # they agree
+    assert self_measure.main(flags(**given)) == 2
+    err = capsys.readouterr().err
+    assert f"k3-amd-overlay measure: error: {message}" in err and "Traceback" not in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures on a GPU there")
 def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path, capsys):
     assert self_measure.run(args(heads=12, out=str(tmp_path))) == 1
     assert "no GPU here" in capsys.readouterr().err and not list(Path(tmp_path).iterdir())
+
+
+def json_run(argv: list[str], capsys) -> tuple[int, dict, str]:
+    code = self_measure.main([*argv, "--json"])
+    out, err = capsys.readouterr()
+    return code, json.loads(out), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measures on a GPU there")
+def test_json_without_a_gpu_carries_the_error(tmp_path, capsys):
+    code, data, err = json_run(["--heads", "12", "--out", str(tmp_path)], capsys)
+    assert code == 1 and data == {"command": "measure", "ok": False, "exit_status": 1, "file": None,
+                                  "error": "no GPU here: it measures the GPU the server runs on"}
+    assert f"k3-amd-overlay measure: {data['error']}" in err
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A GPU as run() sees it (an H200), its pairs two fake ones at qk_cache buckets 8 and 16 (set
+    ``problems`` for 16's parity) timed by a FakeTimer: no kernel runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(target, "of", lambda device: types.SimpleNamespace(arch="sm90"))
+    monkeypatch.setattr(launch, "device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(fp8, "device_format", lambda device: E4M3FN)
+    planted = types.SimpleNamespace(problems=[])
+    monkeypatch.setattr(self_measure, "pairs", lambda *given: [fake_pair(QK_CACHE, 8),
+                                                               fake_pair(QK_CACHE, 16, planted.problems)])
+    times = {f"qk_cache{t}-{name}": [5.0 if name == "fused" else 8.0] for t in (8, 16)
+             for name in ("stock-a", "stock-b", "fused")}
+    monkeypatch.setattr(self_measure, "graph_timer", lambda: FakeTimer(times))
+    return planted
+
+
+def test_json_of_a_bucket_not_exact_names_the_file_and_says_why(tmp_path, capsys, fake_gpu):
+    code, data, _ = json_run(["--heads", "12", "--out", str(tmp_path)], capsys)
+    path = tmp_path / "sm90-NVIDIA_H200.measured.json"
+    assert code == 0 and data == {"command": "measure", "ok": True, "exit_status": 0, "file": str(path)}
+    fake_gpu.problems.append("cache: 3 bytes written outside the valid slots' rows")
+    code, data, err = json_run(["--heads", "12", "--out", str(tmp_path)], capsys)
+    assert code == 1 and data == {"command": "measure", "ok": False, "exit_status": 1, "file": str(path), "error": (
+        f"1 of 2 buckets not exact (qk_cache; the table says why): they run stock ({path} is written)")}
+    assert f"k3-amd-overlay measure: {data['error']}" in err and "FAILED: cache: 3 bytes" in err
+
+
+@pytest.mark.parametrize("failure", ["out is a file", "no AITER for fp8"])
+def test_json_of_every_other_failing_path_carries_the_error(tmp_path, capsys, fake_gpu, monkeypatch, failure):
+    out, variant = tmp_path, "bf16"
+    if failure == "out is a file":
+        out = tmp_path / "file"
+        out.write_text("")
+        why = f"cannot write the result file into {out}: [Errno 17] File exists"
+    else:
+        monkeypatch.setattr(aiter_peers, "enable", lambda: "AITER's Triton kernels are not importable")
+        variant = "fp8"
+        why = ("--variant fp8: stock's fp8 absorption is AITER's Triton fp8 BMM: AITER's Triton kernels are not "
+               "importable")
+    code, data, err = json_run(["--heads", "12", "--variant", variant, "--out", str(out)], capsys)
+    assert code == 1 and data["file"] is None and data["error"].startswith(why)
+    assert f"k3-amd-overlay measure: {data['error']}" in err
+
+
+def test_json_of_an_unexpected_failure_carries_the_error_and_the_traceback_stays(tmp_path, capsys, fake_gpu,
+                                                                                monkeypatch):
+    def lost(*given):
+        raise RuntimeError("HIP error: the device was lost\nCompile with TORCH_USE_HIP_DSA for device-side asserts")
+
+    monkeypatch.setattr(self_measure, "pairs", lost)
+    with pytest.raises(RuntimeError, match="the device was lost"):  # the traceback on stderr: not hidden
+        self_measure.main(["--heads", "12", "--out", str(tmp_path), "--json"])
+    assert json.loads(capsys.readouterr().out) == {
+        "command": "measure", "ok": False, "exit_status": 1, "file": None, "error": (
+            "RuntimeError: HIP error: the device was lost Compile with TORCH_USE_HIP_DSA for device-side asserts (the "
+            "traceback is on stderr)")}
+
+
+def test_run_as_a_module_without_torch_says_so_in_its_json(tmp_path):
+    hide_torch = ("import runpy, sys; sys.modules['torch'] = None; "
+                  "runpy.run_module('k3_amd_overlay.commands.self_measure', run_name='__main__', alter_sys=True)")
+    proc = subprocess.run([sys.executable, "-c", hide_torch, "--heads", "12", "--json", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    data = json.loads(proc.stdout)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert data["command"] == "measure" and data["missing"] == "torch" and data["ok"] is False
+    assert data["error"].startswith("k3-amd-overlay measure: needs torch, which this Python")
 
 
 def test_the_default_buckets_are_vllms_capture_sizes():

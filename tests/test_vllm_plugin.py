@@ -278,7 +278,10 @@ def test_live_check_follows_the_process(tmp_path):
         lines = iter(server.stdout.readline, "")
         assert any(line.strip() == "up" for line in lines)  # vLLM may log to stdout first
         check = [sys.executable, "-m", "k3_amd_overlay.commands.cli", "check", "--marker-dir", str(markers), "--expect"]
-        assert subprocess.run([*check, "stock"], capture_output=True, text=True).returncode == 0
+        live = subprocess.run([*check, "stock"], capture_output=True, text=True)
+        assert ": 1 live, 0 stale, 0 unreadable" in live.stdout, live.stdout
+        # live, but it built no model: no stock arm on its own (a worker may have run anything)
+        assert live.returncode == 1 and "FAIL no live process has built a K3 MLA layer" in live.stdout, live.stdout
         fused = subprocess.run([*check, "fused"], capture_output=True, text=True)
         assert fused.returncode == 1 and "overlay in stock mode" in fused.stdout
     finally:
@@ -286,7 +289,7 @@ def test_live_check_follows_the_process(tmp_path):
         server.wait()
     time.sleep(0.1)
     gone = subprocess.run([*check, "stock"], capture_output=True, text=True)
-    assert gone.returncode == 1 and "stale, ignored" in gone.stdout
+    assert gone.returncode == 1 and "stale, ignored" in gone.stdout and ": 0 live, 1 stale" in gone.stdout
 
 
 def run_doctor_process(tmp_path, *args, self_test: bool = True, **env_extra):

@@ -2,12 +2,13 @@
 deployment's shapes, per batch bucket; the result file the server gates its fusions by ("never
 slower", measured.py).
 
-    k3-amd-overlay measure (--heads H ... | --model DIR [--tensor-parallel-size N])
-                           [--variant bf16 fp8] [--buckets T ...] [--out DIR] [--rounds N] [--seed N]
+    k3-amd-overlay measure (--heads H ... | --model DIR) [--tensor-parallel-size N]
+                           [--variant bf16 fp8] [--buckets T ...] [--out DIR] [--rounds N] [--seed N] [--json]
 
 Buckets: vLLM's default CUDA-graph capture sizes (vLLM 0.33, ``vllm/config/vllm.py``: [1, 2, 4], then
 8 to 248 in steps of 8, then 256 up to ``max_cudagraph_capture_size`` in steps of 16, which
-``vllm/config/compilation.py`` caps at 512 by default), or ``--buckets``. Heads per rank: ``--heads``,
+``vllm/config/compilation.py`` caps at 512 by default), or ``--buckets``. Heads per rank: ``--heads``
+(given with ``--tensor-parallel-size``, it must be K3's heads over that size: a usage error otherwise),
 or ``num_attention_heads`` of the model's ``config.json`` over the tensor-parallel size. KV cache: fp8
 (the one the fused decode writes), in this GPU's fp8 format. W_UK absorption (``--variant``): bf16
 (vLLM's ``torch.bmm``) or fp8 (AITER's Triton fp8 BMM, which must be importable: it is stock's).
@@ -25,12 +26,14 @@ CUDA/HIP-graph replay, ``--rounds`` rounds in turn, medians:
 
 It prints the table, writes ``<arch>-<device>.measured.json`` into ``--out`` (default: see measured.py:
 beside the tuned launch configs, else a per-user directory), keeping the rows of other shapes a file
-for this GPU and overlay version holds, and exits 1 where a bucket was not exact (the file is still
-written: that bucket runs stock). It imports no vLLM, touches no server state (no marker, no
-variable) and replaces the result file atomically; its tensors take a few MB of GPU memory beside
-its process's own CUDA/HIP context, so it can run in a live container beside the server, whose load
-then shows in the times (measure an idle GPU for numbers to keep). On an H200, 51 buckets at 12
-heads took 43 s (docs/benchmarks.md)."""
+for this GPU and overlay version holds where they were measured under the same conditions (launch
+configs, torch, Triton, KV-cache dtype, fp8 format: ``measured.CONDITIONS``; otherwise it drops them
+and says so), and exits 1 where a bucket was not exact (the file is still written: that bucket runs
+stock); with ``--json`` a failed run's object says why in ``error``. It imports no vLLM, touches no
+server state (no marker, no variable) and replaces the result file atomically; its tensors take a few
+MB of GPU memory beside its process's own CUDA/HIP context, so it can run in a live container beside
+the server, whose load then shows in the times (measure an idle GPU for numbers to keep). On an H200,
+51 buckets at 12 heads took 43 s (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -47,8 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay import measured
-from k3_amd_overlay.commands.usage import Parser, UsageError, describe, json_result
+from k3_amd_overlay import k3, measured
+from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, __version__
 from k3_amd_overlay.settings import KERNEL_CONFIGS
@@ -146,26 +149,35 @@ def gate_lines(measurement: measured.Measurement) -> list[str]:
     return lines
 
 
-def merged(new: measured.Measurement, path: Path) -> measured.Measurement:
+def merged(new: measured.Measurement, path: Path, out: Callable[[str], None] = print) -> measured.Measurement:
     """``new`` with the rows of the file already at ``path`` that it did not measure again, where that
-    file is for the same GPU and overlay version (otherwise ``new`` alone)."""
+    file is for the same GPU and overlay version and was measured under the same conditions
+    (``measured.CONDITIONS``); otherwise ``new`` alone, saying which rows were dropped and why."""
     try:
         before = measured.load(path) if path.is_file() else None
     except measured.MeasuredError:
         before = None
-    if before is None or (before.arch, before.device, before.overlay_version) != (new.arch, new.device,
-                                                                                  new.overlay_version):
+    if before is None or (before.arch, before.device) != (new.arch, new.device):
         return new
     keys = {r.key for r in new.rows}
     kept = tuple(r for r in before.rows if r.key not in keys)
+    stale = measured.differences(before, new.conditions())
+    if before.overlay_version != new.overlay_version:
+        stale.insert(0, ("overlay_version", before.overlay_version, f"this is k3-amd-overlay {new.overlay_version}"))
+    if stale:
+        if kept:
+            why = "; ".join(f"{name} {repr(value) if value else 'absent'}, {here}" for name, value, here in stale)
+            out(f"dropped {len(kept)} row{'s' if len(kept) != 1 else ''} of {path} (other shapes or buckets) measured "
+                f"under other conditions ({why}): measure those again")
+        return new
     return measured.Measurement(**{**new.__dict__, "rows": kept + new.rows})
 
 
-def write(measurement: measured.Measurement, directory: Path) -> Path:
+def write(measurement: measured.Measurement, directory: Path, out: Callable[[str], None] = print) -> Path:
     """Write the result file atomically (a server starting meanwhile reads the old file or the new,
     never half of one), after checking that the server will read back what is written."""
     path = directory / measured.result_name(measurement.arch, measurement.device)
-    measurement = merged(measurement, path)
+    measurement = merged(measurement, path, out)
     data = measurement.to_json()
     measured.parse(json.loads(json.dumps(data)), str(path))
     directory.mkdir(parents=True, exist_ok=True)
@@ -246,6 +258,13 @@ def measure(all_pairs: Iterable[Pair], timer: Timer, rounds: int = ROUNDS,
 
 # --- the command ---
 
+def per_rank(heads: int, tp: int, whose: str) -> int:
+    """``heads`` attention heads over tensor-parallel size ``tp``, which must divide them."""
+    if heads % tp:
+        raise UsageError(f"--tensor-parallel-size {tp}: does not divide {whose} {heads} attention heads")
+    return heads // tp
+
+
 def heads_from_model(model: str, tp: int) -> int:
     """Heads per rank: ``num_attention_heads`` of the model's config.json (top level or its text
     config) over the tensor-parallel size, which must divide it."""
@@ -260,9 +279,7 @@ def heads_from_model(model: str, tp: int) -> int:
     heads = config.get("num_attention_heads", text.get("num_attention_heads"))
     if not isinstance(heads, int) or heads < 1:
         raise UsageError(f"--model {model}: {config_file} has no positive num_attention_heads ({heads!r})")
-    if heads % tp:
-        raise UsageError(f"--tensor-parallel-size {tp}: does not divide the model's {heads} attention heads")
-    return heads // tp
+    return per_rank(heads, tp, "the model's")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -270,7 +287,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--heads", type=int, nargs="+", help="query heads per rank (K3: 96 / tensor-parallel size)")
     which.add_argument("--model", help="the served model's directory or its config.json: heads per rank from "
                                        "num_attention_heads and --tensor-parallel-size")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="with --model (default 1)")
+    parser.add_argument("--tensor-parallel-size", type=int,
+                        help=f"with --model: its heads over this (default 1); with --heads: checked against K3's "
+                             f"{k3.NUM_HEADS} heads over this")
     parser.add_argument("--variant", nargs="+", default=[measured.VARIANTS[0]],
                         help=f"W_UK absorptions: {', '.join(measured.VARIANTS)} (default {measured.VARIANTS[0]}; fp8: "
                              "vLLM's fp8 W_K, VLLM_ROCM_USE_AITER_FP8BMM, needs AITER's Triton fp8 BMM)")
@@ -285,19 +304,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _checked(args: argparse.Namespace) -> tuple[list[int], list[str], list[int]]:
-    if args.tensor_parallel_size < 1:
-        raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size}: a positive integer")
-    heads = sorted(set(args.heads)) if args.heads else [heads_from_model(args.model, args.tensor_parallel_size)]
+    tp = args.tensor_parallel_size
+    if tp is not None and tp < 1:
+        raise UsageError(f"--tensor-parallel-size {tp}: a positive integer")
+    for name, values in (("--heads", args.heads or []), ("--buckets", args.buckets or [])):
+        if any(v < 1 for v in values):
+            raise UsageError(f"{name} {' '.join(map(str, values))}: every value must be a positive integer")
+    if args.rounds < 1:
+        raise UsageError(f"--rounds {args.rounds}: a positive integer")
+    if args.heads and tp is not None:
+        expected = per_rank(k3.NUM_HEADS, tp, "K3's")
+        if set(args.heads) != {expected}:
+            raise UsageError(f"--heads {' '.join(map(str, args.heads))} with --tensor-parallel-size {tp}: --heads "
+                             f"is heads per rank, and K3's {k3.NUM_HEADS} heads at that size are {expected} per "
+                             f"rank; give --heads {expected}, or --heads alone (another model's heads per rank)")
+    heads = sorted(set(args.heads)) if args.heads else [heads_from_model(args.model, tp or 1)]
     bad = [v for v in args.variant if v not in measured.VARIANTS]
     if bad:
         fp4 = (" (fp4: its stock absorption is AITER's MXFP4 GEMM, which this version does not measure: an fp4 layer "
                "runs stock where a measurement exists)" if "fp4" in bad else "")
         raise UsageError(f"--variant {' '.join(bad)}: allowed {', '.join(measured.VARIANTS)}{fp4}")
-    buckets = sorted(set(args.buckets or VLLM_CAPTURE_SIZES))
-    for name, values in (("--heads", heads), ("--buckets", buckets), ("--rounds", [args.rounds])):
-        if any(v < 1 for v in values):
-            raise UsageError(f"{name} {values}: every value must be a positive integer")
-    return heads, list(dict.fromkeys(args.variant)), buckets
+    return heads, list(dict.fromkeys(args.variant)), sorted(set(args.buckets or VLLM_CAPTURE_SIZES))
 
 
 def graph_timer() -> Timer:
@@ -311,20 +338,27 @@ def graph_timer() -> Timer:
 
 def result(rows: Sequence[measured.Row], arch: str, device_name: str, fp8_format: str,
            seed: int) -> measured.Measurement:
-    """The measurement of ``rows`` on this machine, now (with this torch, Triton and overlay)."""
-    import torch
-    import triton
-
+    """The measurement of ``rows`` on this machine, now (with this overlay and the conditions it
+    measured under: this process's launch configs, torch and Triton, the fp8 KV cache in
+    ``fp8_format``)."""
+    here = {**measured.conditions(arch, device_name), "fp8_format": fp8_format}
     return measured.Measurement(
         path="", arch=arch, device=device_name,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        overlay_version=__version__, torch=torch.__version__, triton=triton.__version__, kv_cache_dtype="fp8",
-        fp8_format=fp8_format, stock=STOCK_WORDS, seed=seed, rows=tuple(rows))
+        overlay_version=__version__, stock=STOCK_WORDS, seed=seed, rows=tuple(rows),
+        **{name: here[name] or "" for name in measured.CONDITIONS})
+
+
+def _failed(args: argparse.Namespace, message: str) -> int:
+    """A failed run: ``message`` on stderr and in ``args.error`` (the --json object's ``error``); 1."""
+    args.error = message
+    print(f"{COMMAND_NAME}: {message}", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def run(args: argparse.Namespace, timer: Timer | None = None) -> int:
-    """0: measured, every bucket exact; 1: some bucket not exact (written: stock runs there) or no
-    GPU; 2: a usage error."""
+    """0: measured, every bucket exact; 1: some bucket not exact (written: stock runs there), no
+    GPU, or another failure (``args.error`` says why); 2: a usage error."""
     try:
         heads, variants, buckets = _checked(args)
     except UsageError as exc:
@@ -339,12 +373,9 @@ def run(args: argparse.Namespace, timer: Timer | None = None) -> int:
     from k3_amd_overlay.kernels.launch import device_name
 
     if not torch.cuda.is_available():
-        print(f"{COMMAND_NAME}: no GPU here: it measures the GPU the server runs on", file=sys.stderr)
-        return 1
+        return _failed(args, "no GPU here: it measures the GPU the server runs on")
     if AbsorbVariant.FP8.value in variants and (why := aiter_peers.enable()):
-        print(f"{COMMAND_NAME}: --variant fp8: stock's fp8 absorption is AITER's Triton fp8 BMM: {why}",
-              file=sys.stderr)
-        return 1
+        return _failed(args, f"--variant fp8: stock's fp8 absorption is AITER's Triton fp8 BMM: {why}")
     device = torch.device("cuda", torch.cuda.current_device())
     arch, name, fmt = target.of(device).arch, device_name(device), device_format(device)
     assert name is not None
@@ -358,15 +389,18 @@ def run(args: argparse.Namespace, timer: Timer | None = None) -> int:
     try:
         path = write(result(rows, arch, name, fmt.name, seed), directory)
     except OSError as exc:
-        print(f"{COMMAND_NAME}: cannot write the result file into {directory}: {exc}; --out names another "
-              "directory", file=sys.stderr)
-        return 1
+        return _failed(args, f"cannot write the result file into {directory}: {exc}; --out names another directory")
     args.written = str(path)
     for line in gate_lines(measured.load(path)):
         print(line)
     print(f"wrote {path}; the server reads it at startup from {measured.result_dir(os.environ)} (the directory of "
           f"{KERNEL_CONFIGS}, else the per-user one): run the server with the environment this ran with")
-    return 0 if all(r.exact for r in rows) else 1
+    not_exact = [r for r in rows if not r.exact]
+    if not_exact:
+        fusions = ", ".join(dict.fromkeys(r.fusion for r in not_exact))
+        return _failed(args, f"{len(not_exact)} of {len(rows)} buckets not exact ({fusions}; the table says why): "
+                             f"they run stock ({path} is written)")
+    return 0
 
 
 COMMAND_NAME = measured.COMMAND
@@ -388,12 +422,23 @@ def main(argv: list[str] | None = None) -> int:
         return p.usage_error(exc)
     if not getattr(args, "json", False):
         return run(args)
-    args.written = None
-    with contextlib.redirect_stdout(sys.stderr):  # the table to stderr; stdout: the one object
-        code = run(args)
-    print(json_result("measure", code == 0, file=args.written))
+    args.written = args.error = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the table to stderr; stdout: the one object
+            code = run(args)
+    except Exception as exc:
+        from k3_amd_overlay.commands.cli import _missing_module
+
+        if not (isinstance(exc, ModuleNotFoundError) and _missing_module(exc)):  # torch or triton: the CLI says so
+            print(json_result("measure", False, file=args.written,
+                              error=f"{type(exc).__name__}: {' '.join(str(exc).split())} (the traceback is on "
+                                    "stderr)"))
+        raise
+    print(json_result("measure", code == 0, file=args.written, **({} if code == 0 else {"error": args.error})))
     return code
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as `k3-amd-overlay measure`: a missing torch or triton said, never a traceback
+    from k3_amd_overlay.commands import cli
+
+    sys.exit(cli.main(["measure", *sys.argv[1:]]))
