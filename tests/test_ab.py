@@ -156,6 +156,7 @@ def test_ab_serve_end_to_end(tmp_path):
                                                                        "repeat1-armA", "repeat1-armB"]
     assert "HOLDS: expect fused" in (tmp_path / "repeat0-armB" / "check.txt").read_text()
     assert "HOLDS: expect off" in (tmp_path / "repeat0-armA" / "check.txt").read_text()
+    assert "HOLDS: expect fused" in (tmp_path / "repeat1-armB" / "check-after.txt").read_text()
     assert (tmp_path / "repeat1-armA" / "bench-c8.json").exists()
     (tmp_path / "summary.md").unlink()
     again = subprocess.run([sys.executable, "-m", "k3_amd_overlay", "ab-serve", "report", str(tmp_path)],
@@ -202,6 +203,39 @@ def test_ab_serve_aborts_when_arm_b_is_really_stock(tmp_path):
     assert "forced-stock" in proc.stderr and str(tmp_path / "repeat0-armB") in proc.stderr
     assert not (tmp_path / "repeat0-armB" / "bench-c1.json").exists()
     assert json.loads((tmp_path / "summary.json").read_text())["aborted"].startswith("arm B (K3_AMD_OVERLAY=1)")
+
+
+def test_ab_serve_proves_each_arm_again_after_its_benches(tmp_path):
+    """A fused kernel fails when the bench first reaches arm B's server: the overlay refuses every
+    fusion and the rest of the run is stock. Proved fused before its bench, the arm is proved again
+    after it: the run aborts with that check's reason and B's TPOT is credited to nothing."""
+    proc = serve_standin(tmp_path, "--concurrency", "1", "--repeats", "1", env={"STANDIN_KERNEL_FAILS": "1"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    folder = tmp_path / "repeat0-armB"
+    assert "[2/2] arm B proved fused" in proc.stdout
+    assert "ABORTED: arm B (K3_AMD_OVERLAY=1) is no longer fused after its measurement" in proc.stderr
+    assert "its kernel failed on this GPU" in proc.stderr and str(folder) in proc.stderr
+    assert "HOLDS: expect fused" in (folder / "check.txt").read_text()
+    after = (folder / "check-after.txt").read_text()
+    assert "DOES NOT HOLD: expect fused" in after and "refused" in after and "its kernel failed on this GPU" in after
+    assert "HOLDS: expect off" in (tmp_path / "repeat0-armA" / "check-after.txt").read_text()
+    assert (folder / "bench-c1.json").exists()  # kept, but not compared
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["aborted"].startswith("arm B (K3_AMD_OVERLAY=1) is no longer fused after its measurement")
+    assert summary["rows"] == {"B_vs_A": []} and "| 1 | TPOT p50 (ms) |" not in proc.stdout
+    assert "not compared: repeat0-armB" in (tmp_path / "summary.md").read_text()
+
+
+def test_gsm8k_ab_proves_each_arm_again_after_lm_eval(tmp_path):
+    proc = run_script("gsm8k_ab.py", "--model", "k3", "--out", str(tmp_path), "--port", str(free_port()),
+                      "--health-timeout", "60", "--serve-cmd", f"{sys.executable} {STANDINS / 'fake_serve.py'}",
+                      "--lm-eval-cmd", f"{sys.executable} {STANDINS / 'fake_lm_eval.py'}", "--json",
+                      env={"STANDIN_KERNEL_FAILS": "1"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "ABORTED: arm B (K3_AMD_OVERLAY=1) is no longer fused after its measurement" in proc.stderr
+    assert "its kernel failed on this GPU" in (tmp_path / "armB" / "check-after.txt").read_text()
+    assert "HOLDS: expect fused" in (tmp_path / "armB" / "check.txt").read_text()
+    assert json.loads(proc.stdout)["ok"] is False and not (tmp_path / "summary.json").exists()
 
 
 def test_gsm8k_ab_end_to_end(tmp_path):

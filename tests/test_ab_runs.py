@@ -94,11 +94,19 @@ def test_load_results_reads_only_its_own_run(tmp_path):
     from k3_amd_overlay.commands import ab_run
 
     run_id = ab_run.claim(tmp_path / "out", "ab-serve")
-    ab_run.stamp(tmp_path / "out" / "repeat0-armA", run_id)
-    (tmp_path / "out" / "repeat0-armA" / "bench-c1.json").write_text(json.dumps({"median_tpot_ms": 1.0}))
-    assert ab_serve.load_results(tmp_path / "out", run_id) == {"A": {1: [{"median_tpot_ms": 1.0}]}}
-    (tmp_path / "out" / "repeat0-armB").mkdir()
-    with pytest.raises(ab_run.ForeignResults, match="repeat0-armB \\(no run id\\)"):
+    for label in "AB":
+        ab_run.stamp(tmp_path / "out" / f"repeat0-arm{label}", run_id)
+        (tmp_path / "out" / f"repeat0-arm{label}" / "bench-c1.json").write_text(json.dumps({"median_tpot_ms": 1.0}))
+    ab_run.mark_measured(tmp_path / "out" / "repeat0-armA", run_id)
+    # B's benches saved a result but the arm was never marked measured (its proof lapsed, or it never finished)
+    assert ab_serve.load_results(tmp_path / "out", run_id) == ({"A": {1: [{"median_tpot_ms": 1.0}]}}, ["repeat0-armB"])
+    (tmp_path / "out" / "repeat0-armB" / ab_run.MEASURED_FILE).write_text("0123abcd\n")  # another run's mark
+    assert ab_serve.load_results(tmp_path / "out", run_id)[1] == ["repeat0-armB"]
+    ab_run.mark_measured(tmp_path / "out" / "repeat0-armB", run_id)
+    assert ab_serve.load_results(tmp_path / "out", run_id) == (
+        {label: {1: [{"median_tpot_ms": 1.0}]} for label in "AB"}, [])
+    (tmp_path / "out" / "repeat1-armB").mkdir()
+    with pytest.raises(ab_run.ForeignResults, match="repeat1-armB \\(no run id\\)"):
         ab_serve.load_results(tmp_path / "out", run_id)
     with pytest.raises(Exception, match="not empty"):
         ab_run.claim(tmp_path / "out", "ab-serve")  # a claimed directory is used

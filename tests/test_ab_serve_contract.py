@@ -25,6 +25,7 @@ from test_ab import STANDINS
 from k3_amd_overlay import markers
 from k3_amd_overlay.commands import ab_run, ab_serve, arms
 from k3_amd_overlay.commands import ab_stats as stats
+from k3_amd_overlay.commands.bench.plot import MATPLOTLIB_MISSING
 from k3_amd_overlay.commands.usage import EPILOG, describe
 from k3_amd_overlay.package import __version__
 from k3_amd_overlay.record import MarkerRecord
@@ -36,7 +37,7 @@ BENCH_ARGS = ("--backend openai-chat --endpoint /v1/chat/completions --dataset-n
 NOTE = ("Paired over the ABBA repeats: the ratio is the median of the per-repeat ratios; 95% CI: percentile "
         "bootstrap (10,000 resamples) of the mean paired log-ratio; p: exact two-sided sign-flip test; "
         "verdict at p < 0.05.")
-NO_PLOT = "plot skipped: matplotlib is not installed (pip install 'k3-amd-overlay[plot]')"
+NO_PLOT = "plot skipped: " + MATPLOTLIB_MISSING
 GPU_COMMANDS = (["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], ["amd-smi", "static", "--asic", "--csv"],
                 ["rocm-smi", "--showproductname"])
 DATE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00")
@@ -107,6 +108,7 @@ class Lab:
         self.baselines: list[tuple] = []
         self.hazards: list[str] = []
         self.fail: set[str] = set()  # arm folders whose proof fails
+        self.fail_after: set[str] = set()  # arm folders whose proof no longer holds after their benches
         self.gpu: dict[str, str] = {}
         self.gpu_calls: list[list[str]] = []
         self.snapshots: list[tuple[str, str, str]] = []
@@ -148,6 +150,9 @@ class Lab:
             markers.write_marker(workdir / "markers", pid, record.to_json())
         self.loopback.switch = arm.switch
         yield arms.Server(["serve"], arm, workdir, self.loopback.port)
+        if workdir.name in self.fail_after:
+            raise arms.ArmFailed(f"arm {arm.label} ({SWITCH}={arm.switch}) is no longer {arm.expect} after its "
+                                 f"measurement (its results are not used):\nREFUSED\nlogs: {workdir}")
 
     def check_baselines(self, named, serve_args: str, accept: bool) -> list[str]:
         self.baselines.append((list(named), serve_args, accept))
@@ -167,11 +172,14 @@ class Lab:
                 "--result-dir", str(self.out / folder), "--result-filename", f"bench-c{concurrency}.json"]
 
     def results(self) -> dict[str, dict[int, list[dict]]]:
-        """What the benches saved, read here: by arm, concurrency, in repeat order."""
+        """What the benches of the arms marked measured saved, read here: by arm, concurrency, in
+        repeat order."""
         found: dict[str, dict[int, list[dict]]] = {}
         folders = sorted((int(m.group(1)), m.group(2), d) for d in self.out.iterdir()
                          if (m := re.fullmatch(r"repeat(\d+)-arm([ABC])", d.name)))
         for _, label, folder in folders:
+            if not ab_run.measured(folder, run_id_of(self.out)):
+                continue
             for path in sorted(folder.glob("bench-c*.json"), key=lambda p: int(p.stem[7:])):
                 found.setdefault(label, {}).setdefault(int(path.stem[7:]), []).append(json.loads(path.read_text()))
         return found
@@ -189,7 +197,7 @@ def title(label: str, switch: str, switch_a: str) -> str:
 
 
 def expected_text(results: dict, candidates: list[tuple[str, str]], switch_a: str, aborted: str | None = None,
-                  hazards: tuple[str, ...] = ()) -> tuple[str, dict]:
+                  hazards: tuple[str, ...] = (), left_out: tuple[str, ...] = ()) -> tuple[str, dict]:
     """summary.md's text and summary.json's rows, restated here."""
     sections, rows = [], {}
     for label, switch in candidates:
@@ -198,6 +206,9 @@ def expected_text(results: dict, candidates: list[tuple[str, str]], switch_a: st
         sections.append(f"{title(label, switch, switch_a)}\n\n{table}")
         rows[f"{label}_vs_A"] = [r.to_json() for r in found]
     text = "\n\n".join(sections) + "\n\n" + NOTE
+    if left_out:
+        text = (f"not compared: {', '.join(left_out)} (the arm did not finish its benches with its check still "
+                f"holding)\n\n{text}")
     if aborted:
         text = f"ABORTED ({aborted}); the table covers the repeats both arms completed\n\n{text}"
     for hazard in hazards:
@@ -296,12 +307,31 @@ def settings_error(value: str) -> str:
     (["--serve-cmd", "no-such-serve --x"],
      "--serve-cmd 'no-such-serve --x': no-such-serve is not an executable on PATH"),
     (["--bench-cmd", "no-such-bench"], "--bench-cmd 'no-such-bench': no-such-bench is not an executable on PATH"),
+    (["--port", "99999"], "--port 99999: must be 1-65535"),
+    (["--port", "0"], "--port 0: must be 1-65535"),
+    (["--profile-window", "-1"], "--profile-window -1.0: must be positive"),
+    (["--profile-window", "0"], "--profile-window 0.0: must be positive"),
+    (["--bench-args", '--foo "x'], """--bench-args '--foo "x': No closing quotation (quote it as a shell would)"""),
+    (["--serve-args", "--foo 'x"], """--serve-args "--foo 'x": No closing quotation (quote it as a shell would)"""),
 ])
 def test_each_usage_error_word_for_word_before_any_server_starts(lab, capsys, args, message):
     assert lab.main(*args) == 2
     printed = capsys.readouterr()
     assert printed.err.splitlines()[-1] == f"k3-amd-overlay ab-serve: error: {message}"
     assert printed.out == "" and not lab.out.exists() and lab.serves == []
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_out_that_cannot_be_created_is_a_usage_error_before_anything_starts(lab, tmp_path, capsys, as_json):
+    (tmp_path / "a-file").write_text("")
+    lab.out = tmp_path / "a-file" / "out"
+    assert lab.main("--repeats", "1", *(["--json"] if as_json else [])) == 2
+    printed = capsys.readouterr()
+    message = f"--out {lab.out} cannot be created: Not a directory"
+    assert printed.err.splitlines()[-1] == f"k3-amd-overlay ab-serve: error: {message}"
+    assert "warning" not in printed.err and lab.serves == [] and lab.benches() == []
+    assert printed.out == (json.dumps({"command": "ab-serve", "ok": False, "exit_status": 2, "usage_error": message,
+                                       "error": message}, indent=1) + "\n" if as_json else "")
 
 
 # --- a whole run --------------------------------------------------------------------------------------
@@ -349,7 +379,7 @@ def test_a_run_prints_benches_and_summarises_exactly_this(lab, capsys):
     assert (lab.out / "summary.md").read_text() == text + "\n"
     assert ab_serve.main(["report", str(lab.out), "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
-    assert again == {"command": "ab-serve report", "ok": True, "exit_status": 0, **summary}
+    assert again == {"command": "ab-serve report", "ok": True, "exit_status": 0, **summary, "error": None}
 
 
 def test_served_name_tokenizer_prompts_bench_args_the_stock_arm_and_an_accepted_hazard(lab, capsys):
@@ -412,7 +442,7 @@ def test_an_arm_that_fails_ends_the_run_and_the_summary_says_so(lab, capsys):
     printed = capsys.readouterr()
     folder = lab.out / "repeat0-armB"
     aborted = "arm B (K3_AMD_OVERLAY=1) is not fused:"
-    text, rows = expected_text(lab.results(), [("B", "1")], "0", aborted=aborted)
+    text, rows = expected_text(lab.results(), [("B", "1")], "0", aborted=aborted, left_out=("repeat0-armB",))
     assert rows == {"B_vs_A": []} and "nothing to compare" in text
     assert printed.out == ("[1/4] repeat 0, arm A (K3_AMD_OVERLAY=0): starting\n[1/4] arm A proved off\n"
                            "[1/4] arm A: bench at concurrency 1\n[2/4] repeat 0, arm B (K3_AMD_OVERLAY=1): starting\n"
@@ -420,7 +450,27 @@ def test_an_arm_that_fails_ends_the_run_and_the_summary_says_so(lab, capsys):
     assert printed.err.endswith(f"ABORTED: {aborted}\nNOT HOLDING\nlogs: {folder}\n")
     summary = json.loads((lab.out / "summary.json").read_text())
     assert (summary["aborted"], summary["rows"]) == (aborted, rows) and len(lab.serves) == 2
-    assert ab_serve.main(["report", str(lab.out)]) == 0
+    assert ab_serve.main(["report", str(lab.out)]) == 1
+    assert capsys.readouterr().out == text + "\n\n" + NO_PLOT + "\n"
+
+
+def test_an_arm_whose_proof_lapses_during_its_benches_is_not_compared(lab, capsys):
+    """Its benches ran and saved results, but its check no longer held after them: the run aborts
+    with the after-check's reason, the results stay on disk and are left out of the table."""
+    lab.fail_after = {"repeat0-armB"}
+    assert lab.main("--repeats", "1", "--concurrency", "1") == 1
+    printed = capsys.readouterr()
+    folder = lab.out / "repeat0-armB"
+    aborted = "arm B (K3_AMD_OVERLAY=1) is no longer fused after its measurement (its results are not used):"
+    assert printed.err.endswith(f"ABORTED: {aborted}\nREFUSED\nlogs: {folder}\n")
+    assert (folder / "bench-c1.json").is_file() and not (folder / ab_run.MEASURED_FILE).exists()
+    assert ab_run.measured(lab.out / "repeat0-armA", run_id_of(lab.out))
+    text, rows = expected_text({"A": lab.results()["A"]}, [("B", "1")], "0", aborted=aborted,
+                               left_out=("repeat0-armB",))
+    assert rows == {"B_vs_A": []} and printed.out.endswith(f"\n{text}\n\n{NO_PLOT}\n")
+    summary = json.loads((lab.out / "summary.json").read_text())
+    assert (summary["aborted"], summary["rows"]) == (aborted, rows)
+    assert ab_serve.main(["report", str(lab.out)]) == 1
     assert capsys.readouterr().out == text + "\n\n" + NO_PLOT + "\n"
 
 
@@ -556,6 +606,72 @@ def test_report_refuses_a_summary_that_is_missing_or_another_runs(lab, capsys):
                                        "usage_error": message, "error": message}
 
 
+def test_report_refuses_a_summary_it_cannot_read(lab, capsys):
+    assert lab.main("--repeats", "1", "--concurrency", "1") == 0
+    capsys.readouterr()
+    run_id, summary = run_id_of(lab.out), lab.out / "summary.json"
+    for text, why in (
+            ("{broken", "is unreadable (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+            ("[]", "is no ab-serve summary: []"),
+            (json.dumps({"run_id": run_id, "environment": {"arms": {"A": {"switch": "0"}}}}),
+             "is no ab-serve summary: its arms are unreadable (KeyError('expect'))")):
+        summary.write_text(text)
+        for flags in ([], ["--json"]):
+            assert ab_serve.main(["report", str(lab.out), *flags]) == 2
+            printed = capsys.readouterr()
+            message = f"{summary} {why}"
+            assert printed.err.splitlines()[-1] == f"k3-amd-overlay ab-serve report: error: {message}"
+            assert printed.out == (json.dumps({"command": "ab-serve report", "ok": False, "exit_status": 2,
+                                               "usage_error": message, "error": message}, indent=1) + "\n"
+                                   if flags else "")
+
+
+def test_the_report_of_an_aborted_run_fails_as_the_run_did(lab, capsys):
+    lab.fail = {"repeat0-armB"}
+    assert lab.main("--repeats", "1", "--concurrency", "1") == 1
+    capsys.readouterr()
+    assert ab_serve.main(["report", str(lab.out), "--json"]) == 1
+    summary = json.loads((lab.out / "summary.json").read_text())
+    assert json.loads(capsys.readouterr().out) == {"command": "ab-serve report", "ok": False, "exit_status": 1,
+                                                   **summary, "error": "arm B (K3_AMD_OVERLAY=1) is not fused:"}
+
+
+def test_a_run_whose_benches_gave_nothing_to_compare_fails_and_so_does_its_report(lab, tmp_path, capsys):
+    """Every arm ran, held its proof and saved a bench result, but no result has a metric: no row."""
+    empty = tmp_path / "empty_bench.py"
+    empty.write_text("import sys\nfrom pathlib import Path\n\na = sys.argv\n"
+                     "Path(a[a.index('--result-dir') + 1], a[a.index('--result-filename') + 1]).write_text('{}')\n")
+    assert lab.main("--json", "--repeats", "1", "--concurrency", "1", "--bench-cmd", f"{sys.executable} {empty}") == 1
+    printed = capsys.readouterr()
+    summary = json.loads((lab.out / "summary.json").read_text())
+    assert (summary["aborted"], summary["rows"]) == (None, {"B_vs_A": []})
+    error = "no repeat completed by both arms: nothing to compare (B_vs_A)"
+    assert json.loads(printed.out) == {"command": "ab-serve", "ok": False, "exit_status": 1, **summary, "error": error}
+    assert ab_serve.main(["report", str(lab.out), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out) == {"command": "ab-serve report", "ok": False, "exit_status": 1,
+                                                   **summary, "error": error}
+    assert ab_serve.main(["report", str(lab.out)]) == 1
+
+
+def test_a_bench_result_that_is_not_json_aborts_the_run_and_fails_the_report(lab, tmp_path, capsys):
+    broken = tmp_path / "broken_bench.py"
+    broken.write_text("import sys\nfrom pathlib import Path\n\na = sys.argv\n"
+                      "Path(a[a.index('--result-dir') + 1], a[a.index('--result-filename') + 1]).write_text('{no')\n")
+    assert lab.main("--repeats", "1", "--concurrency", "1", "--bench-cmd", f"{sys.executable} {broken}") == 1
+    result = lab.out / "repeat0-armA" / "bench-c1.json"
+    assert (f"arm A: bench at concurrency 1 wrote {result}, which is not JSON (Expecting property name enclosed in "
+            f"double quotes: line 1 column 2 (char 1)); log: {result.with_suffix('.log')}") in capsys.readouterr().out
+    capsys.readouterr()
+    assert lab.main("--repeats", "1", "--concurrency", "1", "--out", str(tmp_path / "again")) == 0
+    capsys.readouterr()
+    saved = tmp_path / "again" / "repeat0-armB" / "bench-c1.json"
+    saved.write_text("{no")
+    assert ab_serve.main(["report", str(tmp_path / "again")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"k3-amd-overlay ab-serve report: error: {saved} is unreadable (Expecting property name enclosed in double "
+        "quotes: line 1 column 2 (char 1))")
+
+
 # --- the plot -----------------------------------------------------------------------------------------
 
 class FakePyplot:
@@ -605,6 +721,7 @@ def test_the_plot_draws_each_arms_median_with_the_repeats_range(lab, monkeypatch
     for repeat, by_arm in saved.items():
         for label, by_c in by_arm.items():
             ab_run.stamp(lab.out / f"repeat{repeat}-arm{label}", run_id)
+            ab_run.mark_measured(lab.out / f"repeat{repeat}-arm{label}", run_id)
             for c, result in by_c.items():
                 (lab.out / f"repeat{repeat}-arm{label}" / f"bench-c{c}.json").write_text(json.dumps(result))
     arm_list = [arms.Arm("A", "stock", "stock"), arms.Arm("B", "qk_cache", "fused")]

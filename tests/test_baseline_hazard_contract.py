@@ -12,6 +12,7 @@ import random
 import pytest
 
 from k3_amd_overlay.commands.baseline_hazard import VllmFacts, baseline_hazard, facts_of, ruled_out
+from k3_amd_overlay.commands.usage import UsageError
 
 HAZARD_ENV = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1", "VLLM_ROCM_USE_AITER": "1"}
 K3_ARGS = ["--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8", "--trust-remote-code"]
@@ -86,6 +87,13 @@ def test_a_bad_switch_is_no_hazard_here():
     """A switch the settings refuse is reported as such elsewhere (before any server starts), not as a hazard."""
     assert baseline_hazard(VllmFacts("0.33.0", True), HAZARD_ENV, K3_ARGS, "qk_cach") is None
     assert baseline_hazard(VllmFacts("0.33.0", True), HAZARD_ENV, K3_ARGS, "qkv_norm")  # a valid neighbour is
+
+
+def test_serve_arguments_that_do_not_split_are_a_usage_error_naming_the_option():
+    with pytest.raises(UsageError) as refused:
+        baseline_hazard(VllmFacts("0.33.0", True), HAZARD_ENV, '--kv-cache-dtype "fp8', "0")
+    assert str(refused.value) == ("""--serve-args '--kv-cache-dtype "fp8': No closing quotation (quote it as a shell """
+                                  "would)")
 
 
 def test_the_facts_are_an_immutable_value(tmp_path):

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from k3_amd_overlay.commands import ab_stats, arms, baseline_hazard, gsm8k_ab
+from k3_amd_overlay.commands.usage import UsageError
 from k3_amd_overlay.settings import SettingsError, load_settings
 
 K3_ARGS = "--tensor-parallel-size 8 --kv-cache-dtype fp8 --trust-remote-code"
@@ -284,6 +285,15 @@ def switch_error(value: str) -> str:
                                             "PATH"),
     (["--lm-eval-cmd", "no-such-lm-eval --x"], "--lm-eval-cmd 'no-such-lm-eval --x': no-such-lm-eval is not an "
                                                "executable on PATH"),
+    *((["--metric", metric], f"--metric {metric!r}: lm-eval names each result METRIC,FILTER, e.g. "
+                             "exact_match,strict-match (acc,none where the task has no filter)")
+      for metric in ("exact_match", "exact_match,strict-match,x", "exact_match, strict-match", ",strict-match", "")),
+    (["--num-fewshot", "-1"], "--num-fewshot -1: at least 0"),
+    (["--num-concurrent", "0"], "--num-concurrent 0: at least 1"),
+    (["--port", "99999"], "--port 99999: must be 1-65535"),
+    (["--port", "0"], "--port 0: must be 1-65535"),
+    (["--health-timeout", "0"], "--health-timeout 0.0: must be positive"),
+    (["--serve-args", '--foo "x'], """--serve-args '--foo "x': No closing quotation (quote it as a shell would)"""),
 ])
 @pytest.mark.parametrize("as_json", [False, True])
 def test_each_usage_error_word_for_word_before_anything_starts(harness, capsys, extra, message, as_json):
@@ -301,6 +311,19 @@ def test_each_usage_error_word_for_word_before_anything_starts(harness, capsys, 
     else:
         assert printed.out == ""
     assert not harness.out.exists() and harness.servers == [] and harness.calls() == []
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_out_that_cannot_be_created_is_a_usage_error_before_anything_starts(harness, capsys, as_json):
+    (harness.tmp / "a-file").write_text("")
+    harness.out = harness.tmp / "a-file" / "out"
+    assert gsm8k_ab.main(harness.argv("--limit", "1", *(["--json"] if as_json else []))) == 2
+    printed = capsys.readouterr()
+    message = f"--out {harness.out} cannot be created: Not a directory"
+    assert printed.err.splitlines()[-1] == f"k3-amd-overlay gsm8k-ab: error: {message}"
+    assert "warning" not in printed.err and harness.servers == [] and harness.calls() == []
+    assert printed.out == (json.dumps({"command": "gsm8k-ab", "ok": False, "exit_status": 2, "usage_error": message,
+                                       "error": message}, indent=1) + "\n" if as_json else "")
 
 
 def test_a_hazardous_baseline_is_refused_word_for_word(harness, monkeypatch, capsys):
@@ -445,6 +468,58 @@ def test_an_arm_without_its_samples_aborts_word_for_word(harness, capsys):
     assert not (harness.out / "summary.json").exists() and len(harness.servers) == 1
 
 
+def test_a_metric_lm_eval_did_not_give_aborts_after_arm_a_naming_those_it_did(harness, capsys):
+    e = planned(harness)
+    code = gsm8k_ab.main(harness.argv("--metric", "exact_match,strict", "--json"))
+    printed = capsys.readouterr()
+    assert code == 1 and e
+    newest = harness.out / "armA" / "lm_eval" / "model" / "results_2026-12-01T11-00-00.json"
+    assert printed.err.splitlines()[-1] == (
+        "ABORTED: lm-eval gave task 'gsm8k' no metric 'exact_match,strict' (--metric); it gave: "
+        f"'exact_match,flexible-extract', 'exact_match,strict-match' (in {newest})")
+    assert json.loads(printed.out) == {"command": "gsm8k-ab", "ok": False, "exit_status": 1,
+                                       "error": "aborted (see stderr)"}
+    assert len(harness.servers) == 1 and not (harness.out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("case", ["results not JSON", "no such task", "samples line not JSON",
+                                  "samples without the metric", "no question in common"])
+def test_lm_eval_files_that_cannot_be_read_abort_the_arm_word_for_word(harness, capsys, case):
+    """Whatever lm-eval left that cannot give the comparison: an ABORTED line naming the file and
+    what is wrong, exit 1, the --json object; never a traceback."""
+    e = planned(harness)
+    plans = json.loads(harness.plan_file.read_text())
+    results, samples = "model/results_2026-12-01T11-00-00.json", "model/samples_gsm8k_2026-12-01T11-00-00.jsonl"
+    folder = harness.out / "armB" / "lm_eval"
+    if case == "results not JSON":
+        plans["armB"]["files"][results] = '{"results": '
+        why = f"{folder / results} is not JSON: Expecting value: line 1 column 13 (char 12)"
+    elif case == "no such task":
+        plans["armB"]["files"][results] = json.dumps({"results": {"other": {"exact_match,strict-match": 1.0}}})
+        why = f"{folder / results} holds no results of task 'gsm8k'"
+    elif case == "samples line not JSON":
+        plans["armB"]["files"][samples] += "{oops\n"
+        why = (f"{folder / samples} line {2 * e['n'] + 1} gives no 'exact_match,strict-match' outcome of a question "
+               "(JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1))")
+    elif case == "samples without the metric":
+        plans["armB"]["files"][samples] = json.dumps({"doc_id": 0, "filter": "strict-match", "acc": 1.0}) + "\n"
+        why = (f"{folder / samples} line 1 gives no 'exact_match,strict-match' outcome of a question "
+               "(KeyError: 'exact_match')")
+    else:
+        plans["armB"]["files"][samples] = json.dumps({"doc_id": 10 ** 6, "filter": "strict-match",
+                                                      "exact_match": 1.0}) + "\n"
+        why = (f"the arms answered no question in common: nothing to pair (arm A: {e['n']} questions, arm B: 1; see "
+               f"each arm's lm_eval folder under {harness.out})")
+    harness.plan(plans)
+    code = gsm8k_ab.main(harness.argv("--json"))
+    printed = capsys.readouterr()
+    assert code == 1 and "Traceback" not in printed.err
+    assert printed.err.splitlines()[-1] == f"ABORTED: {why}"
+    assert json.loads(printed.out) == {"command": "gsm8k-ab", "ok": False, "exit_status": 1,
+                                       "error": "aborted (see stderr)"}
+    assert not (harness.out / "summary.json").exists()
+
+
 # ---------------------------------------------------------------- --data-file: the local task
 
 
@@ -494,27 +569,29 @@ def test_local_task_writes_lm_eval_s_own_task_over_the_file(tmp_path, monkeypatc
 
 
 def test_local_task_failures_word_for_word(tmp_path, monkeypatch):
+    """Usage errors: validate asks the same before --out is claimed."""
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # not importable
     needs = "--data-file needs lm-eval importable by this Python (pip install 'lm-eval[api]')"
-    with pytest.raises(arms.ArmFailed) as failed:
+    with pytest.raises(UsageError) as failed:
         gsm8k_ab.local_task("gsm8k", data, tmp_path / "tasks")
     assert str(failed.value) == needs
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "lm_eval.py").write_text("")  # a module, not the package
     monkeypatch.delitem(sys.modules, "lm_eval")
     monkeypatch.syspath_prepend(str(tmp_path / "plain"))
-    with pytest.raises(arms.ArmFailed) as failed:
+    with pytest.raises(UsageError) as failed:
         gsm8k_ab.local_task("gsm8k", data, tmp_path / "tasks")
     assert str(failed.value) == needs
     monkeypatch.delitem(sys.modules, "lm_eval", raising=False)
     package = fake_lm_eval_package(tmp_path / "pkg", monkeypatch)
     (package / "tasks" / "nosuch").mkdir()
     (package / "tasks" / "nosuch" / "other.yaml").write_text("")
-    with pytest.raises(arms.ArmFailed) as failed:
+    with pytest.raises(UsageError) as failed:
         gsm8k_ab.local_task("nosuch", data, tmp_path / "tasks")
-    assert str(failed.value) == f"--data-file: lm-eval has no task file {package / 'tasks' / 'nosuch' / 'nosuch.yaml'}"
+    assert str(failed.value) == ("--task 'nosuch' with --data-file: lm-eval has no task file "
+                                 f"{package / 'tasks' / 'nosuch' / 'nosuch.yaml'}")
     assert not (tmp_path / "tasks").exists()
 
 
@@ -536,20 +613,25 @@ def test_a_data_file_run_points_lm_eval_at_the_local_task(harness, monkeypatch, 
     assert printed.out.splitlines()[1] == "arm A proved off; running gsm8k_local"
 
 
-def test_a_data_file_run_without_the_task_aborts_before_any_arm(harness, monkeypatch, capsys):
-    package = fake_lm_eval_package(harness.tmp, monkeypatch)
+@pytest.mark.parametrize("missing", ["lm-eval", "the task"])
+def test_a_data_file_run_without_lm_eval_or_the_task_is_a_usage_error_before_out_is_claimed(harness, monkeypatch,
+                                                                                            capsys, missing):
     data = harness.tmp / "gsm8k-test.jsonl"
     data.write_text("{}\n")
-    err_stream = Tracked()
-    monkeypatch.setattr(sys, "stderr", err_stream)
+    if missing == "lm-eval":
+        monkeypatch.setitem(sys.modules, "lm_eval", None)  # not importable
+        message = "--data-file needs lm-eval importable by this Python (pip install 'lm-eval[api]')"
+    else:
+        package = fake_lm_eval_package(harness.tmp, monkeypatch)
+        message = (f"--task 'nosuch' with --data-file: lm-eval has no task file "
+                   f"{package / 'tasks' / 'nosuch' / 'nosuch.yaml'}")
     code = gsm8k_ab.main(harness.argv("--data-file", str(data), "--task", "nosuch", "--json"))
-    assert code == 1
-    assert err_stream.getvalue() == (
-        f"ABORTED: --data-file: lm-eval has no task file {package / 'tasks' / 'nosuch' / 'nosuch.yaml'}\n")
-    assert err_stream.unflushed() == ""
-    assert capsys.readouterr().out == json.dumps({"command": "gsm8k-ab", "ok": False, "exit_status": 1,
-                                                  "error": "aborted (see stderr)"}, indent=1) + "\n"
-    assert harness.servers == [] and harness.calls() == []
+    printed = capsys.readouterr()
+    assert code == 2
+    assert printed.err.splitlines()[-1] == f"k3-amd-overlay gsm8k-ab: error: {message}"
+    assert json.loads(printed.out) == {"command": "gsm8k-ab", "ok": False, "exit_status": 2, "usage_error": message,
+                                       "error": message}
+    assert not harness.out.exists() and harness.servers == [] and harness.calls() == []
 
 
 # ---------------------------------------------------------------- reading lm-eval's files
@@ -577,6 +659,16 @@ def test_accuracy_reads_the_newest_results_and_the_questions_it_scored(tmp_path)
     assert gsm8k_ab.accuracy(tmp_path, "gsm8k", "exact_match,strict-match") == (0.25, 0)
     write(tmp_path / "m" / "results_2026-12-01T14.json", json.dumps({"results": {"gsm8k": {"acc": 0.75}}}))
     assert gsm8k_ab.accuracy(tmp_path, "gsm8k", "acc") == (0.75, 0)
+    odd = write(tmp_path / "m" / "results_2026-12-01T15.json", json.dumps({
+        "results": {"gsm8k": {"acc,none": 0.5, "alias": "gsm8k"}}, "n-samples": {"gsm8k": {"effective": "many"}}}))
+    with pytest.raises(arms.ArmFailed) as failed:
+        gsm8k_ab.accuracy(tmp_path, "gsm8k", "acc,none")
+    assert str(failed.value) == (f"{odd}: n-samples of task 'gsm8k' is no question count (invalid literal for int() "
+                                 "with base 10: 'many')")
+    with pytest.raises(arms.ArmFailed) as failed:
+        gsm8k_ab.accuracy(tmp_path, "gsm8k", "alias")
+    assert str(failed.value) == ("lm-eval gave task 'gsm8k' no metric 'alias' (--metric); it gave: 'acc,none' "
+                                 f"(in {odd})")
     with pytest.raises(arms.ArmFailed) as failed:
         gsm8k_ab.accuracy(tmp_path / "empty", "gsm8k", "acc")
     assert str(failed.value) == f"no lm-eval results*.json under {tmp_path / 'empty'}"

@@ -1,14 +1,15 @@
 """``k3-amd-overlay ab-serve``: a serving A/B that cannot A/B against itself. For each repeat, in
 ABBA order, start the server for one arm (identical arguments, only K3_AMD_OVERLAY differs), wait
 for health, send one request, prove the arm with ``k3-amd-overlay check`` (abort if it does not
-hold), run ``vllm bench serve`` at each concurrency, stop the server. Every raw result stays under
+hold), run ``vllm bench serve`` at each concurrency, prove the arm again (where it no longer holds,
+the run aborts and that repeat is not compared), stop the server. Every raw result stays under
 --out, which must be new or empty: the run claims it with a run id and reads back only the folders
-stamped with that id (ab_run.py), so no earlier run is ever mixed in. An arm vLLM itself gets wrong
-(baseline_hazard.py) is refused before any server starts. The table (ab_stats.py) gives per
-concurrency and metric each arm's median, the paired ratio over the repeats with its 95% bootstrap
-interval, an exact test's p and the verdict ("faster", "slower", "no difference detected at this
-n", or "no verdict possible" where n pairs cannot reach p < 0.05: fewer than 6); summary.json adds
-what ran where, summary.png plots it.
+stamped with that id and marked measured (ab_run.py), so no earlier run, and no arm whose proof
+lapsed, is ever mixed in. An arm vLLM itself gets wrong (baseline_hazard.py) is refused before any
+server starts. The table (ab_stats.py) gives per concurrency and metric each arm's median, the
+paired ratio over the repeats with its 95% bootstrap interval, an exact test's p and the verdict
+("faster", "slower", "no difference detected at this n", or "no verdict possible" where n pairs
+cannot reach p < 0.05: fewer than 6); summary.json adds what ran where, summary.png plots it.
 
     k3-amd-overlay ab-serve --model /models/Kimi-K3 --concurrency 1 8 32 --repeats 6 \\
         --serve-args "--tensor-parallel-size 8 --kv-cache-dtype fp8 --trust-remote-code" --out ab-out
@@ -35,17 +36,21 @@ from typing import Any
 from k3_amd_overlay import markers
 from k3_amd_overlay.commands import ab_run, ab_stats, arms
 from k3_amd_overlay.commands.baseline_hazard import ACCEPT_FLAG
+from k3_amd_overlay.commands.bench.plot import matplotlib_missing
 from k3_amd_overlay.commands.usage import (
     EPILOG,
     EXIT_FAILED,
     Parser,
     UsageError,
     add_arm_server_arguments,
+    check_arm_server_arguments,
     check_baselines,
+    check_command_lines,
     check_executables,
     check_switches,
     describe,
     json_result,
+    split_command,
 )
 from k3_amd_overlay.package import __version__
 
@@ -93,8 +98,10 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--concurrency {args.concurrency}: each at least 1")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UsageError(f"--num-prompts {args.num_prompts}: at least 1")
-    if args.health_timeout <= 0:
-        raise UsageError(f"--health-timeout {args.health_timeout}: must be positive")
+    if args.profile_window is not None and args.profile_window <= 0:
+        raise UsageError(f"--profile-window {args.profile_window}: must be positive")
+    check_arm_server_arguments(args)
+    check_command_lines([("--bench-args", args.bench_args)])
     ab_run.check_unused(args.out)
     switches = [("--arm-a", args.arm_a), ("--arm-b", args.arm_b)]
     if args.with_stock:
@@ -111,10 +118,10 @@ def validate(args: argparse.Namespace) -> None:
 def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, result: Path) -> dict:
     prompts = args.num_prompts or PROMPTS_PER_CONCURRENCY * concurrency
     name = args.served_model_name or args.model
-    command = [*arms.split_command(args.bench_cmd), "--model", name, "--tokenizer", args.tokenizer or args.model,
-               "--base-url", server.url, *arms.split_command(args.bench_args), "--num-prompts", str(prompts),
-               "--max-concurrency", str(concurrency), "--save-result", "--result-dir", str(result.parent),
-               "--result-filename", result.name]
+    command = [*split_command("--bench-cmd", args.bench_cmd), "--model", name, "--tokenizer",
+               args.tokenizer or args.model, "--base-url", server.url, *split_command("--bench-args", args.bench_args),
+               "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--save-result",
+               "--result-dir", str(result.parent), "--result-filename", result.name]
     log = result.with_suffix(".log")
     with open(log, "w") as handle:
         if args.profile_window:
@@ -128,20 +135,29 @@ def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, resul
         code = subprocess.run(command, stdout=handle, stderr=handle).returncode
     if code != 0 or not result.exists():
         raise arms.ArmFailed(f"arm {server.arm.label}: bench at concurrency {concurrency} failed; log: {log}")
-    return json.loads(result.read_text())
+    try:
+        return json.loads(result.read_text())
+    except ValueError as exc:
+        raise arms.ArmFailed(f"arm {server.arm.label}: bench at concurrency {concurrency} wrote {result}, which is "
+                             f"not JSON ({exc}); log: {log}") from None
 
 
-def load_results(out: Path, run_id: str) -> dict[str, dict[int, list[dict[str, Any]]]]:
-    """Every bench result run ``run_id`` saved under ``out``, by arm and concurrency, in repeat order;
+def load_results(out: Path, run_id: str) -> tuple[dict[str, dict[int, list[dict[str, Any]]]], list[str]]:
+    """Every bench result run ``run_id`` saved under ``out`` in the folders it marked measured, by
+    arm and concurrency, in repeat order, and the names of its folders left out (not so marked);
     ab_run.ForeignResults where any repeat folder there is not this run's."""
     runs = sorted((int(m.group(1)), m.group(2), d) for d in out.iterdir() if (m := RUN_DIR.fullmatch(d.name)))
     ab_run.check_owned((d for _, _, d in runs), run_id)
     results: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    left_out = []
     for _, label, directory in runs:
+        if not ab_run.measured(directory, run_id):
+            left_out.append(directory.name)
+            continue
         for path in sorted(directory.glob("bench-c*.json")):
             concurrency = int(path.stem.removeprefix("bench-c"))
-            results.setdefault(label, {}).setdefault(concurrency, []).append(json.loads(path.read_text()))
-    return results
+            results.setdefault(label, {}).setdefault(concurrency, []).append(ab_run.read_json(path))
+    return results, left_out
 
 
 def _first_line(command: list[str]) -> str | None:
@@ -194,7 +210,7 @@ def summarise(out: Path, run_id: str, arm_list: list[arms.Arm], env: dict[str, A
     """Write summary.md, summary.json and summary.png from the results run ``run_id`` saved under
     ``out``; return the text (what an abort leaves is summarised too, over the repeats both arms
     completed). ab_run.ForeignResults where ``out`` holds another run's folder."""
-    results = load_results(out, run_id)
+    results, left_out = load_results(out, run_id)
     sections, rows_json = [], {}
     for candidate in [a for a in arm_list if a.label != "A"]:
         rows = ab_stats.serving_rows(results, candidate.label, "A")
@@ -207,6 +223,9 @@ def summarise(out: Path, run_id: str, arm_list: list[arms.Arm], env: dict[str, A
         "Paired over the ABBA repeats: the ratio is the median of the per-repeat ratios; 95% CI: percentile "
         "bootstrap (10,000 resamples) of the mean paired log-ratio; p: exact two-sided sign-flip test; "
         f"verdict at p < {ab_stats.SIGNIFICANCE}.")
+    if left_out:
+        text = (f"not compared: {', '.join(left_out)} (the arm did not finish its benches with its check still "
+                f"holding)\n\n{text}")
     if aborted:
         text = f"ABORTED ({aborted}); the table covers the repeats both arms completed\n\n{text}"
     for hazard in env.get("baseline_hazards") or []:
@@ -219,12 +238,7 @@ def summarise(out: Path, run_id: str, arm_list: list[arms.Arm], env: dict[str, A
     return text + ("\n\nplot: " + str(out / "summary.png") if plotted else f"\n\nplot skipped: {plot_missing()}")
 
 
-def plot_missing() -> str | None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return "matplotlib is not installed (pip install 'k3-amd-overlay[plot]')"
-    return None
+plot_missing = matplotlib_missing  # the one install hint (commands/bench/plot.py)
 
 
 PLOTTED = (("TPOT p50 (ms)", "median_tpot_ms"), ("TTFT p50 (ms)", "median_ttft_ms"), ("out tok/s", "output_throughput"))
@@ -282,20 +296,40 @@ def report(argv: list[str]) -> int:
         run_id = ab_run.run_id_of(args.out, "ab-serve")
         if not summary.is_file():
             raise ab_run.ForeignResults(f"{summary} not found: run {run_id} wrote no summary")
-        previous = json.loads(summary.read_text())
+        previous = ab_run.read_json(summary)
+        if not isinstance(previous, dict):
+            raise ab_run.ForeignResults(f"{summary} is no ab-serve summary: {previous!r}")
         if previous.get("run_id") != run_id:
             raise ab_run.ForeignResults(f"{summary} is run {previous.get('run_id')}'s, {args.out / ab_run.RUN_FILE} "
                                         f"says run {run_id}")
         env = previous.get("environment", {})
-        arm_list = [arms.Arm(label, a["switch"], a["expect"]) for label, a in sorted(env.get("arms", {}).items())]
+        try:
+            arm_list = [arms.Arm(label, a["switch"], a["expect"]) for label, a in sorted(env.get("arms", {}).items())]
+        except (AttributeError, KeyError, TypeError) as exc:
+            raise ab_run.ForeignResults(f"{summary} is no ab-serve summary: its arms are unreadable "
+                                        f"({exc!r})") from None
         text = summarise(args.out, run_id, arm_list, env, previous.get("aborted"))
     except ab_run.ForeignResults as exc:
         return p.usage_error(UsageError(str(exc)))
+    data = json.loads(summary.read_text())
+    error = unanswered(data)
     if args.json:
-        print(json_result("ab-serve report", True, **json.loads(summary.read_text())))
+        print(json_result("ab-serve report", error is None, **data, error=error))
     else:
         print(text)
-    return 0
+    return EXIT_FAILED if error else 0
+
+
+def unanswered(summary: dict[str, Any]) -> str | None:
+    """Why the run a summary records did not measure what it set out to: why it was aborted, or
+    that a comparison has no row; None where it did (its exit status and --json's ``error``)."""
+    if summary.get("aborted"):
+        return str(summary["aborted"])
+    rows = summary.get("rows") or {}
+    empty = [name for name, found in rows.items() if not found]
+    if empty or not rows:
+        return "no repeat completed by both arms: nothing to compare" + (f" ({', '.join(empty)})" if empty else "")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,20 +347,22 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         with contextlib.redirect_stdout(sys.stderr):  # progress and the table to stderr; stdout: the one object
             code = run(args)
-    except UsageError as exc:  # --out claimed by another run meanwhile
+    except UsageError as exc:  # --out cannot be created, or another run claimed it meanwhile
         return p.usage_error(exc)
     summary = args.out / "summary.json"
     if summary.is_file():
         data = json.loads(summary.read_text())
-        print(json_result("ab-serve", code == 0, **data, error=data.get("aborted")))
+        print(json_result("ab-serve", code == 0, **data, error=unanswered(data)))
     else:
         print(json_result("ab-serve", False, error="no summary was written (see stderr)"))
     return code
 
 
 def run(args: argparse.Namespace) -> int:
-    """The run of validated arguments: 0, or 1 where an arm failed or no summary could be written;
-    UsageError where --out was claimed by another run meanwhile."""
+    """The run of validated arguments: 0, or 1 where an arm failed, nothing could be compared or no
+    summary could be written; UsageError where --out cannot be created or another run claimed it
+    meanwhile (before any server starts)."""
+    run_id = ab_run.claim(args.out, "ab-serve")
     for hazard in args.baseline_hazards:
         print(f"k3-amd-overlay ab-serve: warning ({ACCEPT_FLAG}): {hazard}", file=sys.stderr, flush=True)
     no_verdict = ab_stats.no_verdict_reason(args.repeats)
@@ -335,7 +371,6 @@ def run(args: argparse.Namespace) -> int:
     arm_list = list(arms.default_arms(args.arm_a, args.arm_b))
     if args.with_stock:
         arm_list.append(arms.Arm("C", "stock", arms.expectation("stock")))
-    run_id = ab_run.claim(args.out, "ab-serve")
     order = arms.abba(arm_list, args.repeats)
     aborted = None
     for step, (repeat, arm) in enumerate(order, start=1):
@@ -350,6 +385,7 @@ def run(args: argparse.Namespace) -> int:
                 for concurrency in args.concurrency:
                     print(f"[{step}/{len(order)}] arm {arm.label}: bench at concurrency {concurrency}", flush=True)
                     bench(args, server, concurrency, workdir / f"bench-c{concurrency}.json")
+            ab_run.mark_measured(workdir, run_id)
         except arms.ArmFailed as exc:
             print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
             aborted = str(exc).splitlines()[0]
@@ -359,4 +395,4 @@ def run(args: argparse.Namespace) -> int:
     except ab_run.ForeignResults as exc:
         print(f"k3-amd-overlay ab-serve: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    return EXIT_FAILED if aborted else 0
+    return EXIT_FAILED if unanswered(json.loads((args.out / "summary.json").read_text())) else 0

@@ -1,14 +1,14 @@
 """A/B arms for serving and accuracy runs: each arm is a vLLM server started with identical
 arguments except ``K3_AMD_OVERLAY``, proved (``k3-amd-overlay check``) to run the path it claims
-before anything is measured, and stopped cleanly. Shared by ``k3-amd-overlay ab-serve`` and
-``gsm8k-ab`` (their statistics: ab_stats.py)."""
+before anything is measured and again after the measurement, while it still serves (a fused kernel
+that fails mid-run leaves the rest of that process stock: kernel_failures.py), then stopped
+cleanly. Shared by ``k3-amd-overlay ab-serve`` and ``gsm8k-ab`` (their statistics: ab_stats.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -19,7 +19,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3_amd_overlay.commands.usage import split_command
 from k3_amd_overlay.settings import MARKER_DIR, SWITCH, Mode, load_settings
+
+CHECK_FILE = "check.txt"  # in each arm's folder: the check before its measurement
+CHECK_AFTER_FILE = "check-after.txt"  # ... and the check after it, with its server still up
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class Server:
         self.marker_dir = workdir / "markers"
         self.log_path = workdir / "server.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.proved = False  # a proof held already: the next one is the proof after the measurement
 
     @property
     def url(self) -> str:
@@ -110,13 +115,19 @@ class Server:
                             f"{detail}{hint}; log: {self.log_path}") from None
 
     def prove(self) -> str:
-        """Run the check against this server's own markers; raise ArmFailed unless it holds."""
+        """Run the check against this server's own markers; raise ArmFailed unless it holds. The
+        first proof (before the measurement) is kept in CHECK_FILE, a later one (after it) in
+        CHECK_AFTER_FILE."""
+        after = self.proved
         proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay", "check", "--expect", self.arm.expect,
                                "--marker-dir", str(self.marker_dir)], capture_output=True, text=True)
-        (self.workdir / "check.txt").write_text(proc.stdout + proc.stderr)
+        (self.workdir / (CHECK_AFTER_FILE if after else CHECK_FILE)).write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:
-            raise ArmFailed(f"arm {self.arm.label} ({SWITCH}={self.arm.switch}) is not {self.arm.expect}:\n"
+            state = "no longer" if after else "not"
+            when = " after its measurement (its results are not used)" if after else ""
+            raise ArmFailed(f"arm {self.arm.label} ({SWITCH}={self.arm.switch}) is {state} {self.arm.expect}{when}:\n"
                             f"{proc.stdout.strip()}\nlogs: {self.workdir}")
+        self.proved = True
         return proc.stdout
 
     def stop(self, grace: float = 60.0) -> None:
@@ -134,23 +145,22 @@ class Server:
                 continue
 
 
-def split_command(text: str) -> list[str]:
-    return shlex.split(text)
-
-
 @contextlib.contextmanager
 def proved_server(arm: Arm, serve_cmd: str, model: str, serve_args: str, port: int, workdir: Path,
                   health_timeout: float, served_name: str | None = None) -> Iterator[Server]:
     """One arm's whole lifecycle: start ``serve_cmd MODEL --port PORT SERVE_ARGS`` with only this
     arm's switch differing, wait for health, send one request, prove the arm's path with ``check``;
+    once the block (the measurement) ends without an error, prove it again with the server still up;
     the server is stopped however the block ends. ArmFailed says which step failed and where the
-    logs are."""
-    command = [*split_command(serve_cmd), model, "--port", str(port), *split_command(serve_args)]
+    logs are; a measurement counts only where the block is left without one."""
+    command = [*split_command("--serve-cmd", serve_cmd), model, "--port", str(port),
+               *split_command("--serve-args", serve_args)]
     server = Server(command, arm, workdir, port)
     try:
         server.start(health_timeout)
         server.request(served_name or model)
         server.prove()
         yield server
+        server.prove()  # again: a fused kernel that fails during the measurement leaves the arm stock
     finally:
         server.stop()

@@ -23,11 +23,11 @@ fused decode off): ``stock`` is the baseline to use."""
 from __future__ import annotations
 
 import json
-import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3_amd_overlay.commands.usage import split_command
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE
 from k3_amd_overlay.settings import SWITCH, Mode, SettingsError, load_settings
 
@@ -129,7 +129,7 @@ def baseline_hazard(facts: VllmFacts, env: Mapping[str, str], serve_args: Sequen
     """Why an arm started with ``K3_AMD_OVERLAY=switch`` (in ``env``, with ``serve_args``) on this
     vLLM measures a path vLLM itself gets wrong, or None where it does not. Where a fact cannot be
     read (no vLLM here) the hazard is reported, not assumed away."""
-    args = shlex.split(serve_args) if isinstance(serve_args, str) else list(serve_args)
+    args = split_command("--serve-args", serve_args) if isinstance(serve_args, str) else list(serve_args)
     if facts.fused_decode_of_its_own is False or not _keeps_vllm_fused_decode(switch):
         return None
     if ruled_out(env, args):

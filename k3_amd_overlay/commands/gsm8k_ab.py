@@ -1,10 +1,11 @@
 """GSM8K accuracy A/B: for each arm (only K3_AMD_OVERLAY differs) start the server, prove the arm
 with `k3-amd-overlay check`, run lm-eval gsm8k (5-shot, all 1319 questions by default) against it,
-stop it; print each arm's accuracy and, since both arms answer the same questions, the paired
-comparison (lm-eval's --log_samples gives each question's outcome): how many questions only one arm
-got right, McNemar's exact test on them, and the verdict ("no verdict possible" where so few
-questions differ that p < 0.05 cannot be reached). --out must be new or empty: the run claims it
-with a run id and reads back only the arm folders stamped with it (ab_run.py).
+prove the arm again (where it no longer holds, the run aborts), stop it; print each arm's accuracy
+and, since both arms answer the same questions, the paired comparison (lm-eval's --log_samples
+gives each question's outcome): how many questions only one arm got right, McNemar's exact test on
+them, and the verdict ("no verdict possible" where so few questions differ that p < 0.05 cannot be
+reached). --out must be new or empty: the run claims it with a run id and reads back only the arm
+folders stamped with it (ab_run.py).
 
     k3-amd-overlay gsm8k-ab --model /models/Kimi-K3 --serve-args "--tensor-parallel-size 8 ..." --out gsm8k-out
 
@@ -18,9 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from k3_amd_overlay.commands import ab_run, ab_stats, arms
 from k3_amd_overlay.commands.baseline_hazard import ACCEPT_FLAG
@@ -29,12 +32,16 @@ from k3_amd_overlay.commands.usage import (
     Parser,
     UsageError,
     add_arm_server_arguments,
+    check_arm_server_arguments,
     check_baselines,
     check_executables,
     check_switches,
     describe,
     json_result,
+    split_command,
 )
+
+METRIC = re.compile(r"[^,\s]+,[^,\s]+")  # how lm-eval names a result: METRIC,FILTER
 
 
 def parser() -> Parser:
@@ -61,17 +68,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
-def local_task(task: str, data_file: Path, tasks_dir: Path) -> str:
-    """Write an lm-eval task that is lm-eval's own ``task`` (its prompt, filters and metric, read
-    from the installed lm-eval) over a local JSONL; return the new task's name."""
+def task_file(task: str) -> Path:
+    """lm-eval's own file of ``task``, in the lm-eval this Python imports (what --data-file builds
+    on); UsageError where there is none."""
     import importlib.util
 
     spec = importlib.util.find_spec("lm_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise arms.ArmFailed("--data-file needs lm-eval importable by this Python (pip install 'lm-eval[api]')")
+        raise UsageError("--data-file needs lm-eval importable by this Python (pip install 'lm-eval[api]')")
     base = Path(next(iter(spec.submodule_search_locations))) / "tasks" / task / f"{task}.yaml"
     if not base.is_file():
-        raise arms.ArmFailed(f"--data-file: lm-eval has no task file {base}")
+        raise UsageError(f"--task {task!r} with --data-file: lm-eval has no task file {base}")
+    return base
+
+
+def local_task(task: str, data_file: Path, tasks_dir: Path) -> str:
+    """Write an lm-eval task that is lm-eval's own ``task`` (its prompt, filters and metric, read
+    from the installed lm-eval) over a local JSONL; return the new task's name."""
+    base = task_file(task)
     data = str(data_file.resolve())
     name = f"{task}_local"
     tasks_dir.mkdir(parents=True, exist_ok=True)
@@ -82,14 +96,34 @@ def local_task(task: str, data_file: Path, tasks_dir: Path) -> str:
     return name
 
 
+def read_json(path: Path) -> Any:
+    """An lm-eval output file's JSON; ArmFailed where it is not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise arms.ArmFailed(f"{path} is not JSON: {exc}") from None
+
+
 def accuracy(output_dir: Path, task: str, metric: str) -> tuple[float, int]:
+    """``task``'s ``metric`` and the questions it scored, from the newest results file; ArmFailed
+    where lm-eval gave no such number (naming the metrics it did give)."""
     files = sorted(output_dir.rglob("results*.json"))
     if not files:
         raise arms.ArmFailed(f"no lm-eval results*.json under {output_dir}")
-    data = json.loads(files[-1].read_text())
-    value = float(data["results"][task][metric])
-    samples = data.get("n-samples", {}).get(task, {})
-    return value, int(samples.get("effective", samples.get("original", 0)))
+    data = read_json(files[-1])
+    results = data.get("results") if isinstance(data, dict) else None
+    scores = results.get(task) if isinstance(results, dict) else None
+    if not isinstance(scores, dict):
+        raise arms.ArmFailed(f"{files[-1]} holds no results of task {task!r}")
+    if not isinstance(scores.get(metric), (int, float)):
+        given = sorted(repr(k) for k, v in scores.items() if isinstance(v, (int, float)))
+        raise arms.ArmFailed(f"lm-eval gave task {task!r} no metric {metric!r} (--metric); it gave: "
+                             f"{', '.join(given) or 'none'} (in {files[-1]})")
+    try:
+        samples = data.get("n-samples", {}).get(task, {})
+        return float(scores[metric]), int(samples.get("effective", samples.get("original", 0)))
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise arms.ArmFailed(f"{files[-1]}: n-samples of task {task!r} is no question count ({exc})") from None
 
 
 def outcomes(output_dir: Path, task: str, metric: str) -> dict[int, bool]:
@@ -100,10 +134,14 @@ def outcomes(output_dir: Path, task: str, metric: str) -> dict[int, bool]:
     if not files:
         raise arms.ArmFailed(f"no lm-eval samples_{task}_*.jsonl under {output_dir} (was --log_samples passed?)")
     found = {}
-    for line in files[-1].read_text().splitlines():
-        row = json.loads(line)
-        if not filter_key or row.get("filter") == filter_key:
-            found[int(row["doc_id"])] = float(row[name]) > 0
+    for number, line in enumerate(files[-1].read_text().splitlines(), start=1):
+        try:
+            row = json.loads(line)
+            if not filter_key or row.get("filter") == filter_key:
+                found[int(row["doc_id"])] = float(row[name]) > 0
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise arms.ArmFailed(f"{files[-1]} line {number} gives no {metric!r} outcome of a question "
+                                 f"({type(exc).__name__}: {exc})") from None
     if not found:
         raise arms.ArmFailed(f"{files[-1]} has no {metric} outcome")
     return found
@@ -113,9 +151,19 @@ def validate(args: argparse.Namespace) -> None:
     """Every argument checked before the first server starts."""
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit {args.limit}: at least 1")
+    if args.num_fewshot < 0:
+        raise UsageError(f"--num-fewshot {args.num_fewshot}: at least 0")
+    if args.num_concurrent < 1:
+        raise UsageError(f"--num-concurrent {args.num_concurrent}: at least 1")
+    if not METRIC.fullmatch(args.metric):
+        raise UsageError(f"--metric {args.metric!r}: lm-eval names each result METRIC,FILTER, e.g. "
+                         "exact_match,strict-match (acc,none where the task has no filter)")
+    check_arm_server_arguments(args)
     ab_run.check_unused(args.out)
-    if args.data_file is not None and not args.data_file.is_file():
-        raise UsageError(f"--data-file {args.data_file}: no such file")
+    if args.data_file is not None:
+        if not args.data_file.is_file():
+            raise UsageError(f"--data-file {args.data_file}: no such file")
+        task_file(args.task)
     check_switches((("--arm-a", args.arm_a), ("--arm-b", args.arm_b)))
     if args.arm_a == args.arm_b:
         raise UsageError(f"the arms must differ: --arm-a and --arm-b are both {args.arm_a!r}")
@@ -143,25 +191,26 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def aborted(exc: Exception) -> int:
+    print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
+    return EXIT_FAILED
+
+
 def run(args: argparse.Namespace) -> int:
-    """The run of validated arguments: 0, or 1 where an arm failed; UsageError where --out was
-    claimed by another run meanwhile."""
+    """The run of validated arguments: 0, or 1 where an arm failed; UsageError where --out cannot be
+    created or another run claimed it meanwhile (before any server starts)."""
+    run_id = ab_run.claim(args.out, "gsm8k-ab")
     for hazard in args.baseline_hazards:
         print(f"k3-amd-overlay gsm8k-ab: warning ({ACCEPT_FLAG}): {hazard}", file=sys.stderr, flush=True)
     if args.limit is not None and ab_stats.no_verdict_reason(args.limit):
         print(f"k3-amd-overlay gsm8k-ab: warning: --limit {args.limit}: at most {args.limit} questions can differ "
               f"between the arms; {ab_stats.no_verdict_reason(args.limit)}", file=sys.stderr, flush=True)
-    run_id = ab_run.claim(args.out, "gsm8k-ab")
     name = args.served_model_name or args.model
     scores: dict[str, tuple[float, int]] = {}
     per_question: dict[str, dict[int, bool]] = {}
     task, include = args.task, []
     if args.data_file:
-        try:
-            task = local_task(args.task, args.data_file, args.out / "tasks")
-        except arms.ArmFailed as exc:
-            print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
-            return EXIT_FAILED
+        task = local_task(args.task, args.data_file, args.out / "tasks")
         include = ["--include_path", str(args.out / "tasks")]
     for arm in arms.default_arms(args.arm_a, args.arm_b):
         workdir = args.out / f"arm{arm.label}"
@@ -174,8 +223,8 @@ def run(args: argparse.Namespace) -> int:
                 extra = f",{args.extra_model_args}" if args.extra_model_args else ""
                 model_args = (f"model={name},base_url={server.url}/v1/completions,num_concurrent={args.num_concurrent},"
                               f"tokenized_requests=False{extra}")
-                command = [*arms.split_command(args.lm_eval_cmd), "--model", "local-completions", "--model_args",
-                           model_args, "--tasks", task, "--num_fewshot", str(args.num_fewshot),
+                command = [*split_command("--lm-eval-cmd", args.lm_eval_cmd), "--model", "local-completions",
+                           "--model_args", model_args, "--tasks", task, "--num_fewshot", str(args.num_fewshot),
                            "--output_path", str(workdir / "lm_eval"), "--log_samples", *include]
                 if args.limit:
                     command += ["--limit", str(args.limit)]
@@ -186,10 +235,13 @@ def run(args: argparse.Namespace) -> int:
                 scores[arm.label] = accuracy(workdir / "lm_eval", task, args.metric)
                 per_question[arm.label] = outcomes(workdir / "lm_eval", task, args.metric)
         except (arms.ArmFailed, ab_run.ForeignResults) as exc:
-            print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
-            return EXIT_FAILED
+            return aborted(exc)
     (acc_a, n_a), (acc_b, n_b) = scores["A"], scores["B"]
-    paired = ab_stats.PairedAccuracy.from_outcomes(per_question["A"], per_question["B"])
+    try:
+        paired = ab_stats.PairedAccuracy.from_outcomes(per_question["A"], per_question["B"])
+    except ValueError as exc:
+        return aborted(arms.ArmFailed(f"{exc} (arm A: {len(per_question['A'])} questions, arm B: "
+                                      f"{len(per_question['B'])}; see each arm's lm_eval folder under {args.out})"))
     lines = [
         f"| arm | K3_AMD_OVERLAY | {task} {args.metric} | questions |", "|---|---|---|---|",
         f"| A | {args.arm_a} | {acc_a:.4f} | {n_a} |", f"| B | {args.arm_b} | {acc_b:.4f} | {n_b} |",

@@ -94,12 +94,29 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         args = sys.argv[1:] if args is None else list(args)
         self.json_wanted = wants_json(args)
+        self.raw_args = args
         namespace, extras = super().parse_known_args(args, namespace)
         if extras and self.own_extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace, extras
 
+    def unknown_options(self) -> list[str]:
+        """The options given that this parser does not know (nor abbreviate): a misspelt one would
+        otherwise hide behind "the following arguments are required"."""
+        known = self._option_string_actions
+        unknown = []
+        for arg in getattr(self, "raw_args", []):
+            if arg == "--":
+                break
+            name = arg.split("=", 1)[0]
+            if name.startswith("--") and not any(option.startswith(name) for option in known):
+                unknown.append(name)
+        return unknown
+
     def error(self, message: str) -> NoReturn:
+        unknown = self.unknown_options() if message.startswith("the following arguments are required") else []
+        if unknown:
+            message += f"; and unrecognized: {' '.join(unknown)}"
         if self.json_wanted:
             print(json.dumps(self.json_error(message), indent=1))
         self.print_usage(sys.stderr)
@@ -129,10 +146,24 @@ def check_switches(named: Iterable[tuple[str, str]]) -> None:
             raise UsageError(f"{name}: {exc}") from None
 
 
+def split_command(name: str, command: str) -> list[str]:
+    """``command`` split as a shell would (``shlex``); a UsageError naming the option where it cannot be."""
+    try:
+        return shlex.split(command)
+    except ValueError as exc:
+        raise UsageError(f"{name} {command!r}: {exc} (quote it as a shell would)") from None
+
+
+def check_command_lines(named: Iterable[tuple[str, str]]) -> None:
+    """Each (option, command line or arguments) splits as a shell would split it."""
+    for name, command in named:
+        split_command(name, command)
+
+
 def check_executables(named: Iterable[tuple[str, str]]) -> None:
     """Each (option, command line) starts with an executable on PATH."""
     for name, command in named:
-        words = shlex.split(command)
+        words = split_command(name, command)
         if not words or shutil.which(words[0]) is None:
             raise UsageError(f"{name} {command!r}: {words[0] if words else 'nothing'} is not an executable on PATH")
 
@@ -153,6 +184,16 @@ def add_arm_server_arguments(parser: argparse.ArgumentParser, arm_a_help: str) -
     parser.add_argument("--serve-cmd", default="vllm serve", help="the command that starts a server")
     parser.add_argument("--health-timeout", type=float, default=3600.0,
                         help="seconds for a server to become healthy")
+
+
+def check_arm_server_arguments(args: argparse.Namespace) -> None:
+    """The values of add_arm_server_arguments' options a server could not start with (whether
+    --serve-cmd is on PATH: check_executables)."""
+    if not 1 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: must be 1-65535")
+    if args.health_timeout <= 0:
+        raise UsageError(f"--health-timeout {args.health_timeout}: must be positive")
+    check_command_lines([("--serve-args", args.serve_args)])
 
 
 def check_baselines(named: Iterable[tuple[str, str]], serve_args: str, accept: bool) -> list[str]:

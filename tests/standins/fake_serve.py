@@ -2,7 +2,10 @@
 vLLM process with the overlay would (the real Evidence and marker code, from K3_AMD_OVERLAY), and
 answers /health, /v1/completions, /v1/chat/completions and /standin/arm until stopped.
 STANDIN_LIE=stock makes it record stock whatever the switch says (an arm mix-up to be caught);
-STANDIN_SERVED_NAME answers 404 to a completion for any other model name, as vLLM does."""
+STANDIN_SERVED_NAME answers 404 to a completion for any other model name, as vLLM does.
+STANDIN_KERNEL_FAILS=1 makes every fused kernel fail when the bench (or lm-eval) first asks
+/standin/arm: the overlay's own refusal (kernel_failures.refuse) marks each fusion refused and the
+process runs stock from then on, as a server whose kernel fails mid-run does."""
 
 import json
 import os
@@ -10,6 +13,7 @@ import signal
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from k3_amd_overlay import kernel_failures
 from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.settings import Mode, load_settings
@@ -40,6 +44,13 @@ else:  # as the plugin does with the overlay off: one off record, nothing patche
     off_record.leave(settings)
 
 
+def kernels_fail() -> None:
+    """Every requested fusion's kernel fails now: refused for the rest of this process."""
+    for fusion in settings.fusions if evidence else ():
+        failure = kernel_failures.KernelFailed(fusion, RuntimeError("stand-in: the kernel failed to launch"))
+        kernel_failures.refuse(failure, lambda name, why: evidence.set_fusion(name, FusionState.REFUSED, why))
+
+
 class Handler(BaseHTTPRequestHandler):
     def _reply(self, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -53,6 +64,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._reply({})
         elif self.path == "/standin/arm":
+            if os.environ.get("STANDIN_KERNEL_FAILS"):
+                kernels_fail()
             self._reply({"switch": os.environ.get("K3_AMD_OVERLAY", "")})
         else:
             self.send_error(404)
