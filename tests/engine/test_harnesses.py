@@ -55,6 +55,9 @@ def test_ab_serve_against_real_servers(checkpoint, vllm_bin, tmp_path):
         fused = (out / f"repeat{repeat}-armB" / "check.txt").read_text()
         assert "HOLDS: expect off" in off and "(api-server, vLLM 0.32.0): overlay off" in off  # its off record
         assert "HOLDS: expect fused" in fused and "served traffic took the fused path" in fused
+        after = (out / f"repeat{repeat}-armB" / "check-after.txt").read_text()  # proved again, after its bench
+        assert "HOLDS: expect fused" in after and "served traffic took the fused path" in after
+        assert "HOLDS: expect off" in (out / f"repeat{repeat}-armA" / "check-after.txt").read_text()
         for arm in ("A", "B"):
             result = json.loads((out / f"repeat{repeat}-arm{arm}" / "bench-c1.json").read_text())
             assert result["completed"] == 1 and result["total_output_tokens"] == 8, result
@@ -82,4 +85,6 @@ def test_gsm8k_ab_against_real_servers_on_a_local_file(checkpoint, vllm_bin, tmp
     assert "paired over 3 questions" in proc.stdout and "verdict: " in proc.stdout  # lm-eval's --log_samples
     assert "HOLDS: expect fused" in (out / "armB" / "check.txt").read_text()
     assert "HOLDS: expect stock" in (out / "armA" / "check.txt").read_text()
+    assert "HOLDS: expect fused" in (out / "armB" / "check-after.txt").read_text()  # proved again after lm-eval
+    assert "HOLDS: expect stock" in (out / "armA" / "check-after.txt").read_text()
     assert (out / "tasks" / "gsm8k_local.yaml").is_file()
