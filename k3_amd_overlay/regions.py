@@ -1,6 +1,6 @@
 """The profiler ranges the overlay opens around the regions its fusions replace, wherever it installs
-a site (in stock mode: both on vLLM 0.32-0.33, qkv_norm's only on 0.30-0.31, none on 0.29, where
-stock mode patches nothing), so the kernel census can count a fusion's kernels by where they were
+a site (in stock mode: both on vLLM 0.30-0.33, none on 0.29, where stock mode patches nothing), so
+the kernel census can count a fusion's kernels by where they were
 launched instead of by name alone: q_a/kv_a norms, not every RMSNorm; the W_UK GEMM, not every GEMM.
 Opened only while a torch profiler records (one C call to ask), so serving pays nothing. Imports
 no torch: the census reads the names without it."""

@@ -93,6 +93,33 @@ def test_qk_cache_decode_matches_stock(provider, tmp_path, monkeypatch, layer_pa
         assert torch.equal(standin.calls[0]["slot_mapping"], batch.slot_mapping[:n])
 
 
+# The census's profiler ranges stock mode opens per vLLM shape: where the overlay installs a site in
+# stock mode (the qkv_norm seam from 0.30, the decode site on every layer from 0.30); 0.29's shape
+# is patched in auto mode only (stock bytes there are vLLM's untouched objects).
+STOCK_RANGES = {"plain_wrapper": set(), "k3_norm_wrapper": {"qkv_norm", "mla_decode"},
+                "k3_decode_wrapper": {"qkv_norm", "mla_decode"}}
+
+
+def test_stock_mode_opens_the_census_ranges_of_its_shape_and_runs_stocks_bytes(tmp_path, layer_pair):
+    """A census compares a stock baseline with a fused candidate region by region only where both
+    arms have the region's ranges: stock mode opens them around vLLM's own calls, counts its layers,
+    and changes no byte."""
+    from k3_amd_overlay.regions import REGION_PREFIX
+
+    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    stock, layer, activation = layer_pair(spec, {"K3_AMD_OVERLAY": "stock"})
+    batch = harness.decode_batch([stock, layer], SEQ_LENS)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        out = harness.run(layer, batch)
+    opened = {e.name.removeprefix(REGION_PREFIX) for e in profile.events() if e.name.startswith(REGION_PREFIX)}
+    expected = STOCK_RANGES[shape_name()]
+    assert opened == expected
+    assert torch.equal(out, harness.run(stock, batch)) and torch.equal(layer.attn.kv_cache, stock.attn.kv_cache)
+    counted = {f: activation.evidence.fusion(f).layers for f in ("qkv_norm", "qk_cache")}
+    assert counted == ({"qkv_norm": 1, "qk_cache": 1} if expected else {"qkv_norm": 0, "qk_cache": 0}), counted
+    assert {activation.evidence.fusion(f).state for f in counted} == {FusionState.FORCED_STOCK}
+
+
 def test_profile_run_and_bf16_cache_stay_stock(tmp_path, layer_pair):
     spec = harness.LayerSpec(kv_cache_dtype="fp8")
     stock, fused, activation = layer_pair(

@@ -19,5 +19,5 @@ Where each thing is:
                      ``_fused_qk_prep_supported``, ``_fused_decode``; the text model's layer report
     plain_wrapper.py the K3-only wrapper subclass bound in ``amd/linear.py`` (0.27-0.29)
     attend_hook.py   the per-instance MLAAttention class swap that carries the decode site (0.27-0.31;
-                     0.32-0.33 in stock mode, for the census's decode range)
+                     0.30-0.33 in stock mode, for the census's decode range)
 """

@@ -161,12 +161,12 @@ def _build_decode_shape(installer: LayerInstaller, fusions: frozenset[str]) -> l
 
 
 def _build_norm_shape(installer: LayerInstaller, fusions: frozenset[str]) -> list[PatchSpec]:
-    # No upstream fused decode to disable: in stock mode the decode fusions need no patch at all.
-    hooked = fusions if installer.settings.mode is Mode.AUTO else fusions - DECODE_FUSIONS
-    if not hooked:
+    # No upstream fused decode to disable, but in stock mode the decode site still goes on each layer:
+    # it counts the layer (stock) and opens the census's decode range around vLLM's own call.
+    if not fusions:
         return []
-    specs = [_init_spec(installer, hooked, attend_hook=bool(hooked & DECODE_FUSIONS))]
-    if QKV_NORM in hooked:
+    specs = [_init_spec(installer, fusions, attend_hook=bool(fusions & DECODE_FUSIONS))]
+    if QKV_NORM in fusions:
         specs.append(_normalize_spec())
     return specs + _report_spec(installer, specs)
 
