@@ -243,9 +243,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_census(args: argparse.Namespace) -> int:
     from k3_amd_overlay.commands import census
 
-    if args.layers < 1 or (args.steps is not None and args.steps < 1):
-        raise UsageError(f"--layers {args.layers} and --steps {args.steps}: each at least 1 (steps: decode steps "
-                         "in the profiled window)")
+    for option, value in (("--layers", args.layers), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            raise UsageError(f"{option} {value}: at least 1 (--layers: the model's MLA layers; --steps: decode steps "
+                             "in the profiled window)")
     try:
         expectations = census.parse_expectations(args.expect or [])
         candidate = census.read_census(args.traces)
