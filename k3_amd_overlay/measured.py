@@ -308,6 +308,8 @@ def load_here(arch: str, device: str | None, environ: Mapping[str, str] | None =
               version: str = __version__) -> Loaded:
     """The result file for this GPU, checked: of this arch and device, written by this overlay
     version and measured under this process's ``conditions`` (its kernels are what was measured).
+    ``environ`` says only where the file is; the conditions are always this process's own (its
+    launch configs resolve from its own environment, as its kernels' do).
     Never raises: a file that cannot be used comes back as ``error`` (the caller logs it and goes on
     without the file)."""
     if device is None:

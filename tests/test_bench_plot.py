@@ -89,6 +89,21 @@ def test_out_under_a_file_is_a_usage_error_naming_out(bench, fake, capsys):
     assert fake.calls == []
 
 
+def test_out_that_is_not_a_png_or_is_the_input_is_a_usage_error(bench, fake, capsys):
+    """The PNG is written whatever the suffix says: an .svg name would hold PNG bytes, the input's own
+    name would lose the benchmark."""
+    for out, why in ((bench.with_suffix(".svg"), "a PNG is written; name it .png (or give no suffix)"),
+                     (bench, "a PNG is written; name it .png (or give no suffix)")):
+        assert plot.main([str(bench), "--out", str(out)]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"k3-amd-overlay bench plot: error: --out {out}: {why}"
+    bare = bench.with_suffix("")  # an input without a suffix, given as its own --out
+    bare.write_bytes(bench.read_bytes())
+    assert plot.main([str(bare), "--out", str(bare)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"k3-amd-overlay bench plot: error: --out {bare}: that is the input {bare}")
+    assert fake.calls == []
+
+
 @pytest.mark.usefixtures("no_matplotlib")
 def test_a_missing_input_is_named_before_matplotlib_is_looked_for(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

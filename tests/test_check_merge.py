@@ -7,6 +7,7 @@ do. Every line names ``host H pid N``: the same pid on two nodes is told apart."
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -163,7 +164,8 @@ def test_a_node_file_from_an_earlier_run_or_an_older_overlay_fails_the_deploymen
     old = node(tmp_path, "node-b", process(pid=12), checked_at=time.time() - 3600)
     code, out = merge(capsys, "fused", a, old)
     assert code == 1 and "DOES NOT HOLD" in out, out
-    assert f"FAIL node host node-b ({old}): checked 3600 s ago, more than --max-age 900 s: it proves" in out, out
+    assert re.search(rf"FAIL node host node-b \({re.escape(old)}\): checked 36\d\d s ago, more than --max-age 900 s: "
+                     "it proves", out), out  # 3600 s and the seconds a loaded machine took since
     assert code == 1 and HOW_B + " (or pass a larger --max-age to judge an archived run)" in out
     assert main(["check", "--expect", "fused", "--merge", a, old, "--max-age", "7200"]) == 0
     undated = node(tmp_path, "node-c", process(pid=13), checked_at=None)
@@ -181,13 +183,26 @@ def test_nodes_running_other_overlay_or_vllm_versions_are_not_one_deployment(tmp
 
 
 @pytest.mark.parametrize("args,said", [
-    (["--max-age", "0"], "--max-age 0: seconds, more than 0"),
-    (["--max-age", "-5"], "--max-age -5: seconds, more than 0"),
+    (["--max-age", "0"], "--max-age 0: seconds, more than 0 and finite"),
+    (["--max-age", "-5"], "--max-age -5: seconds, more than 0 and finite"),
+    (["--max-age", "nan"], "--max-age nan: seconds, more than 0 and finite"),
+    (["--max-age", "inf"], "--max-age inf: seconds, more than 0 and finite"),
 ])
 def test_max_age_must_be_positive(tmp_path, capsys, args, said):
     a = node(tmp_path, "node-a", process(pid=11))
     assert main(["check", "--expect", "fused", "--merge", a, *args]) == 2
     assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("when", [float("nan"), float("inf"), "yesterday", True])
+def test_a_node_file_whose_check_time_is_no_time_is_refused(tmp_path, capsys, when):
+    """NaN compares false both ways: an age test written as "older than" would let it through."""
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps({"expect": "fused", "holds": True, "lines": [], "notes": [], "host": "node-a",
+                                "marker_dir": "/m", "records": [{**process(pid=11), "host": "node-a"}],
+                                "checked_at": when}))
+    assert main(["check", "--expect", "fused", "--merge", str(path)]) == 2
+    assert f"its checked_at is {when!r}, not a time" in capsys.readouterr().err
 
 
 def test_max_age_without_merge_is_a_usage_error(capsys):

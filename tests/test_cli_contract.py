@@ -22,7 +22,7 @@ from kineto_traces import kernel_trace
 from records import off_process, process
 
 from k3_amd_overlay import k3
-from k3_amd_overlay.commands import census, cli
+from k3_amd_overlay.commands import census, cli, usage
 from k3_amd_overlay.commands.usage import EXIT_FAILED, UsageError
 from k3_amd_overlay.record import MarkerRecord
 from k3_amd_overlay.settings import MARKER_DIR
@@ -320,7 +320,7 @@ def test_another_missing_module_is_not_hidden(fake_tool):
 @pytest.mark.parametrize("name,missing", [("torch", "torch"), ("triton.language", "triton"), ("torchvision", None),
                                           (None, None)])
 def test_only_torch_and_triton_are_the_images_to_name(name, missing):
-    assert cli._missing_module(ModuleNotFoundError("x", name=name)) == missing
+    assert usage.missing_image_module(ModuleNotFoundError("x", name=name)) == missing
 
 
 def test_the_missing_message_without_a_command():

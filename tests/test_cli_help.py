@@ -193,6 +193,16 @@ def test_a_misspelt_option_is_named_beside_the_required_one_it_hides(argv, said,
     assert code == 2 and said in err, err
 
 
+@pytest.mark.parametrize("argv", [
+    ["ab-serve", "--serve-args", "--tensor-parallel-size 8", "--out", "x"],  # an option's value, spaces and all
+    ["ab-serve", "--serve-args=--enforce-eager", "--out", "x"],
+    ["gsm8k-ab", "--lm-eval-cmd", "lm_eval --nonsense", "--out", "x"],
+])
+def test_an_options_value_is_never_named_as_an_unrecognized_option(argv, capsys):
+    code, _, err = run(argv, capsys)
+    assert code == 2 and err.splitlines()[-1].endswith("the following arguments are required: --model"), err
+
+
 def test_doctor_refuses_a_bad_switch_or_unsplittable_serve_args_before_any_work(capsys, monkeypatch):
     """A usage error (2) naming the option, not a 'not ready' verdict (1) about the environment, nor a
     traceback after the doctor's half minute of work."""

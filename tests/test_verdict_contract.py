@@ -166,7 +166,7 @@ def test_merge_fails_closed_on_mixed_layers_by_default_and_judges_only_the_fusio
         f"ok   {who}: {mixed}",
         "ok   qk_cache: served traffic took the fused path: 23 eager batches after startup (host gpu-m pid 6201: 23)"]
     # no fusions named: each one the process requested, and its qkv_norm was refused
-    every = judge_merge(nodes, "fused", None, True, allow_mixed=True)
+    every = judge_merge(nodes, "fused", None, True, allow_mixed=True, now=NOW)
     assert not every.holds and f"FAIL {who}: qkv_norm=refused on 4 layers (no provider)" in every.lines
     assert not judge_merge([], "fused", None, True).holds  # no node at all proves nothing
 

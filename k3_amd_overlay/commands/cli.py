@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from k3_amd_overlay.commands.usage import (
     check_command_lines,
     check_switches,
     json_usage_error,
+    missing_image_module,
     wants_json,
 )
 from k3_amd_overlay.commands.verdict import (
@@ -117,7 +119,8 @@ def merged_records(paths: list[str]) -> tuple[list[NodeEvidence], list[str]]:
                 record.host = raw.get("host") or host or ""
                 records.append(record)
             checked_at = data.get("checked_at")
-            if checked_at is not None and (isinstance(checked_at, bool) or not isinstance(checked_at, (int, float))):
+            if checked_at is not None and (isinstance(checked_at, bool) or not isinstance(checked_at, (int, float))
+                                           or not math.isfinite(checked_at)):
                 raise ValueError(f"its checked_at is {checked_at!r}, not a time")
             node = NodeEvidence(path, host, data.get("expect"), data.get("holds"),
                                 data.get("marker_dir") is not None and data.get("source", "markers") == "markers",
@@ -179,8 +182,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UsageError("--max-age applies to --merge only (a live check reads markers as they are now)")
     if args.merge:
         max_age = MERGE_MAX_AGE_S if args.max_age is None else args.max_age
-        if max_age <= 0:
-            raise UsageError(f"--max-age {max_age:g}: seconds, more than 0")
+        if not (0 < max_age < math.inf):  # not "<= 0": NaN compares false both ways
+            raise UsageError(f"--max-age {max_age:g}: seconds, more than 0 and finite")
         verdict = judge_merge(nodes, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed,
                               max_age_s=max_age, now=time.time())
     elif args.static:
@@ -325,7 +328,8 @@ TOOL_NEEDS: dict[str, tuple[str, ...]] = {"bench": ("torch", "triton"), "kernels
 def _check_json_error(message: str) -> dict[str, object]:
     """check's --json usage error: its own keys, as on every other path, and the common ones."""
     return {**json_usage_error("check", message), "expect": None, "holds": False, "lines": [f"FAIL usage: {message}"],
-            "notes": [], "host": socket.gethostname(), "source": None, "marker_dir": None, "records": []}
+            "notes": [], "host": socket.gethostname(), "source": None, "marker_dir": None, "checked_at": time.time(),
+            "overlay_version": __version__, "records": []}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -386,15 +390,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 # What some commands need from the image and the overlay never installs (it must not move the
 # torch or triton vLLM was built with): without them a command says so and exits 1, never a traceback.
-IMAGE_MODULES = ("torch", "triton")
-
-
-def _missing_module(exc: ModuleNotFoundError) -> str | None:
-    """torch or triton where ``exc`` is their absence (or a part of them missing), else None."""
-    root = (exc.name or "").split(".")[0]
-    return root if root in IMAGE_MODULES else None
-
-
 def _missing_message(command: str, missing: str, exc: ModuleNotFoundError) -> str:
     return (f"k3-amd-overlay{' ' + command if command else ''}: needs {missing}, which this Python "
             f"({sys.executable}) cannot import ({exc}). Run k3-amd-overlay with the Python vLLM is installed in "
@@ -459,7 +454,7 @@ def _main(argv: list[str]) -> int:
         except UsageError as exc:
             return _subcommand_parser(parser, args.command).usage_error(exc, args.json)
     except ModuleNotFoundError as exc:
-        missing = _missing_module(exc)
+        missing = missing_image_module(exc)
         if missing is None:
             raise
         message = _missing_message(command, missing, exc)

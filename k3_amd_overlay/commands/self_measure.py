@@ -427,9 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.redirect_stdout(sys.stderr):  # the table to stderr; stdout: the one object
             code = run(args)
     except Exception as exc:
-        from k3_amd_overlay.commands.cli import _missing_module
+        from k3_amd_overlay.commands.usage import missing_image_module
 
-        if not (isinstance(exc, ModuleNotFoundError) and _missing_module(exc)):  # torch or triton: the CLI says so
+        if not (isinstance(exc, ModuleNotFoundError) and missing_image_module(exc)):  # torch or triton: the CLI says so
             print(json_result("measure", False, file=args.written,
                               error=f"{type(exc).__name__}: {' '.join(str(exc).split())} (the traceback is on "
                                     "stderr)"))

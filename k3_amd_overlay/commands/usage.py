@@ -23,6 +23,15 @@ EPILOG = ("Exit status: 0 ok; 1 a verdict, health check or run failed (no GPU, t
           "included. The table: docs/cli.md.")
 
 
+IMAGE_MODULES = ("torch", "triton")  # what a tool may need that vLLM's image has and a slim Python lacks
+
+
+def missing_image_module(exc: ModuleNotFoundError) -> str | None:
+    """torch or triton where ``exc`` is their absence (or a part of them missing), else None."""
+    root = (exc.name or "").split(".")[0]
+    return root if root in IMAGE_MODULES else None
+
+
 class UsageError(ValueError):
     """A command line that asks for something impossible; the message names the value and why."""
 
@@ -104,13 +113,20 @@ class Parser(argparse.ArgumentParser):
         """The options given that this parser does not know (nor abbreviate): a misspelt one would
         otherwise hide behind "the following arguments are required"."""
         known = self._option_string_actions
-        unknown = []
+        unknown: list[str] = []
+        takes_value = False  # the argument before was an option that takes a value: this one is it
         for arg in getattr(self, "raw_args", []):
             if arg == "--":
                 break
             name = arg.split("=", 1)[0]
-            if name.startswith("--") and not any(option.startswith(name) for option in known):
+            matches = [option for option in known if option.startswith(name)] if name.startswith("-") else []
+            if takes_value or not name.startswith("--") or any(c.isspace() for c in name):
+                takes_value = False
+                continue
+            if not matches:
                 unknown.append(name)
+            action = known.get(name) or (known[matches[0]] if len(matches) == 1 else None)
+            takes_value = "=" not in arg and action is not None and action.nargs != 0
         return unknown
 
     def error(self, message: str) -> NoReturn:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from k3_amd_overlay import measured
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE
 from k3_amd_overlay.phases import Phase
+from k3_amd_overlay.process_identity import MODEL_BUILDING_ROLES
 from k3_amd_overlay.record import FusionEntry, MarkerRecord
 from k3_amd_overlay.settings import SWITCH, Mode
 
@@ -150,10 +152,6 @@ def _readable(what: str, entry: dict[str, Any], lines: Callable[[dict[str, Any]]
         return [f"unreadable {what} in its record ({type(exc).__name__}: {exc}): {json.dumps(entry)[:200]}"]
 
 
-# The processes that build the model (an API server never does): where the overlay patches nothing
-# in stock mode (vLLM 0.29), such a process's own stock record is the evidence that layers ran stock.
-MODEL_BUILDING_ROLES = ("engine-core", "worker")
-
 NOT_RECORDED = FusionEntry(FusionState.DISABLED, reason="not in this process's record")
 
 
@@ -233,6 +231,8 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
                     described += "; its fused path ran"
             (verdict.ok if good else verdict.fail)(described)
     if expect in ("fused", "stock") and not any_layers and not static:
+        # where stock mode patches nothing (vLLM 0.29) no layer is counted: a live model-building
+        # process's own stock record is the evidence there
         uncounted = [r for r in records if expect == "stock" and r.mode is Mode.STOCK and not r.patches
                      and r.role in MODEL_BUILDING_ROLES]
         if uncounted:
@@ -286,6 +286,7 @@ def judge_merge(nodes: list[NodeEvidence], expect: str, fusions: Iterable[str] |
     processes run one overlay version and one vLLM version, and the processes of all nodes together
     hold as one deployment."""
     verdict = Verdict()
+    now = time.time() if now is None else now
     fusions = list(fusions) if fusions is not None else None
     hosts: dict[str, str] = {}
     judged: list[MarkerRecord] = []
@@ -310,7 +311,7 @@ def judge_merge(nodes: list[NodeEvidence], expect: str, fusions: Iterable[str] |
             verdict.fail(f"{name}: says not when it was checked (an older k3-amd-overlay wrote it), so it may be "
                          f"another run's: {how}")
             continue
-        if now is not None and abs(now - node.checked_at) > max_age_s:
+        if not abs(now - node.checked_at) <= max_age_s:  # not ">": a NaN age must fail too
             verdict.fail(f"{name}: checked {_age(now - node.checked_at)}, more than --max-age {max_age_s:g} s: it "
                          f"proves that node as it was then, not this deployment: {how} (or pass a larger --max-age "
                          "to judge an archived run)")

@@ -77,6 +77,10 @@ def png_path(bench_json: Path, out: Path | None) -> Path:
     png = bench_json.with_suffix(".png")
     path = png if out is None else out / png.name if out.is_dir() else out
     named = f"--out {out}" if out is not None else f"{path} (the default; choose another with --out)"
+    if path.suffix not in ("", ".png"):
+        raise UsageError(f"{named}: a PNG is written; name it .png (or give no suffix)")
+    if path.exists() and path.resolve() == bench_json.resolve():
+        raise UsageError(f"{named}: that is the input {bench_json}")
     if not path.parent.is_dir():
         raise UsageError(f"{named}: no directory {path.parent}")
     if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
