@@ -2,6 +2,7 @@
 on the vLLM release (``--release-independent``: scripts/run_tests.sh runs those once), and the
 fixtures shared across test files: the AITER stand-in and the real-vLLM layer session."""
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -82,6 +83,28 @@ def no_exit_flush(monkeypatch: pytest.MonkeyPatch) -> None:
     from k3_amd_overlay import process_hooks
 
     monkeypatch.setattr(process_hooks, "register_exit_flush", lambda function: None)
+
+
+# Variables a test may not leave changed behind it: the rest of the run (the interpreter, the
+# overlay's switch, vLLM's log stream) reads them; a test changes them through monkeypatch only.
+GUARDED_VARIABLES = ("TRITON_INTERPRET", "VLLM_TARGET_DEVICE", "VLLM_LOGGING_STREAM", "K3_AMD_OVERLAY",
+                     "K3_AMD_OVERLAY_KERNEL_CONFIGS", "K3_AMD_OVERLAY_MARKER_DIR")
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found() -> Any:
+    """Fails the test that changed a guarded variable and left it so (a test's compile_arch once
+    dropped TRITON_INTERPRET from the whole run, and every later interpreter test failed)."""
+    before = {name: os.environ.get(name) for name in GUARDED_VARIABLES}
+    yield
+    after = {name: os.environ.get(name) for name in GUARDED_VARIABLES}
+    changed = {name: (before[name], after[name]) for name in GUARDED_VARIABLES if before[name] != after[name]}
+    for name, (value, _) in changed.items():  # put back, so one leak fails one test, not the run
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    assert not changed, f"the test left environment variables changed (before, after): {changed}"
 
 
 TORCH_FACTORIES = ("randn", "empty", "zeros", "randperm", "tensor", "randint")

@@ -390,6 +390,7 @@ def _config_launches(monkeypatch: pytest.MonkeyPatch) -> list:
 
     monkeypatch.setattr(probe, "launch_at", launch_at)
     monkeypatch.setattr(driver, "set_active", lambda active: None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # compile_arch drops it (its worker's own process): restored after
     return taken
 
 
