@@ -76,13 +76,16 @@ def _proc_stat(pid: int) -> list[str] | None:
         return None
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of a process in clock ticks since boot (Linux), to tell pid reuse apart."""
-    fields = _proc_stat(pid)
+def _start_ticks(fields: list[str] | None) -> int | None:
     try:
         return int(fields[19]) if fields else None
     except (IndexError, ValueError):
         return None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (Linux), to tell pid reuse apart."""
+    return _start_ticks(_proc_stat(pid))
 
 
 # A zombie (exited, not yet reaped: under a PID 1 that never reaps, for ever) or a dead task still
@@ -102,7 +105,7 @@ def is_alive(pid: int, start_ticks: int | None) -> bool:
         return False
     if start_ticks is None:
         return True
-    return process_start_ticks(pid) == start_ticks
+    return _start_ticks(fields) == start_ticks  # the same read of /proc: state and start time agree
 
 
 @dataclass(frozen=True)

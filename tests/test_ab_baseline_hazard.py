@@ -116,7 +116,7 @@ def test_ab_serve_records_an_accepted_hazard_in_its_summary(tmp_path, a_hazardou
 
     from k3_amd_overlay.commands import arms
 
-    monkeypatch.setattr(arms.Server, "prove", lambda self: "")
+    monkeypatch.setattr(arms.Server, "prove", lambda self, after=False: "")
     code = ab_serve.main(["--model", "k3", "--out", str(tmp_path / "out"), "--port", str(free_port()),
                           "--serve-cmd", f"{sys.executable} {STANDINS / 'fake_serve.py'}", "--concurrency", "1",
                           "--bench-cmd", f"{sys.executable} {STANDINS / 'fake_bench.py'}", "--repeats", "1",

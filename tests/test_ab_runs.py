@@ -22,7 +22,7 @@ ARMS = ("--arm-a", "stock", "--arm-b", "1")
 @pytest.fixture
 def unproved(monkeypatch):
     """Each arm taken as proved: what is read back is tested here, the proof in test_ab.py."""
-    monkeypatch.setattr(arms.Server, "prove", lambda self: "")
+    monkeypatch.setattr(arms.Server, "prove", lambda self, after=False: "")
 
 
 def serve_in_process(out, *args, serve_cmd=f"{sys.executable} {STANDINS / 'fake_serve.py'}"):

@@ -68,7 +68,6 @@ class Server:
         self.marker_dir = workdir / "markers"
         self.log_path = workdir / "server.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.proved = False  # a proof held already: the next one is the proof after the measurement
 
     @property
     def url(self) -> str:
@@ -114,11 +113,9 @@ class Server:
             raise ArmFailed(f"arm {self.arm.label}: the probe completion for model {model!r} got HTTP {exc.code}: "
                             f"{detail}{hint}; log: {self.log_path}") from None
 
-    def prove(self) -> str:
+    def prove(self, after: bool = False) -> str:
         """Run the check against this server's own markers; raise ArmFailed unless it holds. The
-        first proof (before the measurement) is kept in CHECK_FILE, a later one (after it) in
-        CHECK_AFTER_FILE."""
-        after = self.proved
+        proof before the measurement is kept in CHECK_FILE, the one ``after`` it in CHECK_AFTER_FILE."""
         proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay", "check", "--expect", self.arm.expect,
                                "--marker-dir", str(self.marker_dir)], capture_output=True, text=True)
         (self.workdir / (CHECK_AFTER_FILE if after else CHECK_FILE)).write_text(proc.stdout + proc.stderr)
@@ -127,7 +124,6 @@ class Server:
             when = " after its measurement (its results are not used)" if after else ""
             raise ArmFailed(f"arm {self.arm.label} ({SWITCH}={self.arm.switch}) is {state} {self.arm.expect}{when}:\n"
                             f"{proc.stdout.strip()}\nlogs: {self.workdir}")
-        self.proved = True
         return proc.stdout
 
     def stop(self, grace: float = 60.0) -> None:
@@ -161,6 +157,6 @@ def proved_server(arm: Arm, serve_cmd: str, model: str, serve_args: str, port: i
         server.request(served_name or model)
         server.prove()
         yield server
-        server.prove()  # again: a fused kernel that fails during the measurement leaves the arm stock
+        server.prove(after=True)  # again: a fused kernel that fails during the measurement leaves the arm stock
     finally:
         server.stop()

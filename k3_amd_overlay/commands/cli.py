@@ -175,15 +175,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     wanted = _fusions(args.fusions)  # a UsageError: main() says it (as JSON too with --json)
     if sum(map(bool, (args.merge, args.static))) > 1 or (args.prune and (args.merge or args.static)):
         raise UsageError("--merge, --static and --prune each judge other processes: give at most one")
+    if args.max_age is not None and not args.merge:
+        raise UsageError("--max-age applies to --merge only (a live check reads markers as they are now)")
+    max_age = MERGE_MAX_AGE_S if args.max_age is None else args.max_age
+    if not (0 < max_age < math.inf):  # not "<= 0": NaN compares false both ways
+        raise UsageError(f"--max-age {max_age:g}: seconds, more than 0 and finite")
     if args.merge:
         nodes, notes = merged_records(args.merge)
         records = [r for node in nodes for r in node.records]
-    if args.max_age is not None and not args.merge:
-        raise UsageError("--max-age applies to --merge only (a live check reads markers as they are now)")
-    if args.merge:
-        max_age = MERGE_MAX_AGE_S if args.max_age is None else args.max_age
-        if not (0 < max_age < math.inf):  # not "<= 0": NaN compares false both ways
-            raise UsageError(f"--max-age {max_age:g}: seconds, more than 0 and finite")
         verdict = judge_merge(nodes, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed,
                               max_age_s=max_age, now=time.time())
     elif args.static:
