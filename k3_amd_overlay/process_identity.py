@@ -22,8 +22,6 @@ CLI_CLIENT_COMMANDS = (("bench", "serve"), ("chat",), ("complete",), ("collect-e
 # general plugins, reads the facts and exits; it builds no model. Its evidence would only ever be a
 # stale marker beside a server's (one on each start with an empty model-info cache).
 MODEL_INSPECTION_MODULE_FILE = os.path.join("vllm", "model_executor", "models", "registry.py")
-# The processes that build the model (an API server and a CLI client never do).
-MODEL_BUILDING_ROLES = ("engine-core", "worker")
 PROCESS_NAME_ROLES = (("EngineCore", "engine-core"), ("Worker", "worker"), ("ApiServer", "api-server"),
                       ("APIServer", "api-server"))
 

@@ -1,9 +1,9 @@
 """The profiler ranges the overlay opens around the regions its fusions replace, wherever it installs
-a site (in stock mode: both on vLLM 0.30-0.33, none on 0.29, where stock mode patches nothing), so
-the kernel census can count a fusion's kernels by where they were
-launched instead of by name alone: q_a/kv_a norms, not every RMSNorm; the W_UK GEMM, not every GEMM.
-Opened only while a torch profiler records (one C call to ask), so serving pays nothing. Imports
-no torch: the census reads the names without it."""
+a site (in stock mode too, around vLLM's own calls: both ranges on every release; on 0.29, whose
+shared forward calls the two norms itself, one qkv_norm range per norm call), so the kernel census
+can count a fusion's kernels by where they were launched instead of by name alone: q_a/kv_a norms,
+not every RMSNorm; the W_UK GEMM, not every GEMM. Opened only while a torch profiler records (one C
+call to ask), so serving pays nothing. Imports no torch: the census reads the names without it."""
 
 from __future__ import annotations
 

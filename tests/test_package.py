@@ -58,9 +58,9 @@ def _all_specs() -> list[PatchSpec]:
 def test_every_patch_has_a_register_entry_and_every_entry_a_patch():
     text = (DOCS / "patches.md").read_text()
     entries = dict(re.findall(r"^### `([^`]+)`\n(.*?)(?=^### |\Z)", text, flags=re.S | re.M))
-    from k3_amd_overlay.targets import attend_hook
+    from k3_amd_overlay.targets import attend_hook, norm_hook
 
-    keys = {spec.key for _, spec in _all_specs()} | {attend_hook.REGISTER_KEY}  # the per-instance class swap
+    keys = {spec.key for _, spec in _all_specs()} | {attend_hook.REGISTER_KEY, norm_hook.REGISTER_KEY}  # class swaps
     assert set(entries) == keys
     for key, body in entries.items():
         for field in ("**Target**", "**vLLM**", "**Why**", "**How**", "**Mirrors upstream**", "**Remove when**"):

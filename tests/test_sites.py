@@ -11,7 +11,7 @@ import torch
 
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.ops import rmsnorm_pair
-from k3_amd_overlay.targets import attend_hook
+from k3_amd_overlay.targets import attend_hook, norm_hook
 from k3_amd_overlay.targets.decode import DECODE_SITE
 from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormCallback, QkvNormSite
 
@@ -147,6 +147,41 @@ def test_the_hooked_class_is_made_once_per_base():
     attend_hook.install(second, RecordingSite())
     assert type(first) is type(second) is attend_hook.hooked_class(Attention)
     assert attend_hook.REGISTER_KEY == "mla_attention.class_swap"
+
+
+class StockNorm(torch.nn.Module):
+    def forward(self, x, residual=None):
+        return ("stock", x, residual)
+
+
+def _opened(run) -> tuple[object, list[str]]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        out = run()
+    return out, [e.name for e in profile.events() if e.name.startswith("k3_amd_overlay::")]
+
+
+def test_the_norm_hook_swaps_each_instances_class_and_opens_one_range_per_call_around_the_stock_forward():
+    from k3_amd_overlay.regions import QKV_NORM_REGION
+
+    q_norm, kv_norm, other = StockNorm(), StockNorm(), StockNorm()
+    norm_hook.install(q_norm, None, kv_norm)  # a layer without q-LoRA has no q_a norm
+    norm_hook.install(kv_norm)  # installed twice: still one subclass deep
+    assert type(other) is StockNorm and type(q_norm) is type(kv_norm) is norm_hook.ranged_class(StockNorm)
+    assert type(kv_norm).__mro__[1] is StockNorm and type(kv_norm).__name__ == "K3OverlayStockNorm"
+    assert type(kv_norm).__module__ == "k3_amd_overlay.targets.norm_hook"
+    assert q_norm("x", residual="r") == ("stock", "x", "r")  # not profiling: no range, the stock call
+    out, opened = _opened(lambda: (q_norm("q"), kv_norm("kv"), other("o")))
+    assert out == (("stock", "q", None), ("stock", "kv", None), ("stock", "o", None))
+    assert opened == [QKV_NORM_REGION, QKV_NORM_REGION]
+    assert norm_hook.REGISTER_KEY == "rms_norm.class_swap"
+
+
+def test_under_tracing_the_norm_hook_calls_the_stock_forward_without_a_range(monkeypatch):
+    norm = StockNorm()
+    norm_hook.install(norm)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    out, opened = _opened(lambda: norm("x"))
+    assert out == ("stock", "x", None) and opened == []
 
 
 def test_vllms_own_w_uk_t_failure_is_named_on_the_exception_and_others_pass_untouched():

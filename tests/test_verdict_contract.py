@@ -225,15 +225,19 @@ def test_stock_needs_a_process_that_built_layers_not_an_api_server_alone():
     assert built.holds, built.lines
 
 
-def test_stock_on_a_vllm_whose_k3_code_stock_mode_leaves_unpatched_takes_a_live_model_building_process():
-    """vLLM 0.29: stock mode patches nothing, so no layer is counted; a live engine core or worker in
-    stock mode is the evidence, its line saying why."""
-    for role in verdict.MODEL_BUILDING_ROLES:
-        held = judge([stock_record("api-server", 0, [], "0.29.0"), stock_record(role, 0, [], "0.29.0")], "stock",
-                     None, require_effective=True)
-        assert held.holds and held.lines[-1] == (
-            f"ok   host gpu-a pid 6100 ({role}, vLLM 0.29.0): builds the model in stock mode; the overlay patches "
-            "nothing of vLLM 0.29.0's K3 code in stock mode, so its layers are not counted"), held.lines
+def test_stock_on_vllm_0_29_counts_layers_as_on_every_release():
+    """vLLM 0.29's stock mode installs the overlay's K3 wrapper too (it counts the layers and opens the
+    census's ranges), so a live engine core or worker that built no counted layer is no stock arm there
+    either: nothing stands in for the count."""
+    patched = ["linear.mla_wrapper", "linear.report_layers", "mtp.report_layers"]
+    for role in ("engine-core", "worker"):
+        for patches in (patched, []):
+            alone = judge([stock_record("api-server", 0, patches, "0.29.0"), stock_record(role, 0, patches, "0.29.0")],
+                          "stock", None, require_effective=True)
+            assert not alone.holds and alone.lines[-1] == NO_LAYER, (role, patches, alone.lines)
+        built = judge([stock_record("api-server", 0, patched, "0.29.0"), stock_record(role, 2, patched, "0.29.0")],
+                      "stock", None, require_effective=True)
+        assert built.holds, built.lines
 
 
 def test_unreadable_informational_parts_of_a_record_do_not_stop_the_verdict():

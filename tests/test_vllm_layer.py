@@ -5,6 +5,7 @@ is real and what is replaced, and why)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 from pathlib import Path
 
 import mxfp4_standin
@@ -93,31 +94,85 @@ def test_qk_cache_decode_matches_stock(provider, tmp_path, monkeypatch, layer_pa
         assert torch.equal(standin.calls[0]["slot_mapping"], batch.slot_mapping[:n])
 
 
-# The census's profiler ranges stock mode opens per vLLM shape: where the overlay installs a site in
-# stock mode (the qkv_norm seam from 0.30, the decode site on every layer from 0.30); 0.29's shape
-# is patched in auto mode only (stock bytes there are vLLM's untouched objects).
-STOCK_RANGES = {"plain_wrapper": set(), "k3_norm_wrapper": {"qkv_norm", "mla_decode"},
-                "k3_decode_wrapper": {"qkv_norm", "mla_decode"}}
+def _ranges(profile) -> list[str]:
+    from k3_amd_overlay.regions import REGION_PREFIX
+
+    return [e.name.removeprefix(REGION_PREFIX) for e in profile.events() if e.name.startswith(REGION_PREFIX)]
+
+
+# The census's profiler ranges per layer call in stock mode: the qkv_norm range around both norms
+# (0.30+: vLLM's ``_normalize_q_kv``; 0.29: vLLM's forward calls each norm, each in its own range)
+# and the decode range around vLLM's attention call.
+STOCK_RANGES = {"plain_wrapper": ["qkv_norm", "qkv_norm", "mla_decode"],
+                "k3_norm_wrapper": ["qkv_norm", "mla_decode"], "k3_decode_wrapper": ["qkv_norm", "mla_decode"]}
 
 
 def test_stock_mode_opens_the_census_ranges_of_its_shape_and_runs_stocks_bytes(tmp_path, layer_pair):
     """A census compares a stock baseline with a fused candidate region by region only where both
-    arms have the region's ranges: stock mode opens them around vLLM's own calls, counts its layers,
-    and changes no byte."""
-    from k3_amd_overlay.regions import REGION_PREFIX
-
+    arms have the region's ranges: stock mode opens them around vLLM's own calls on every release,
+    counts its layers, and changes no byte."""
     spec = harness.LayerSpec(kv_cache_dtype="fp8")
     stock, layer, activation = layer_pair(spec, {"K3_AMD_OVERLAY": "stock"})
     batch = harness.decode_batch([stock, layer], SEQ_LENS)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         out = harness.run(layer, batch)
-    opened = {e.name.removeprefix(REGION_PREFIX) for e in profile.events() if e.name.startswith(REGION_PREFIX)}
-    expected = STOCK_RANGES[shape_name()]
-    assert opened == expected
+    assert sorted(_ranges(profile)) == sorted(STOCK_RANGES[shape_name()])
     assert torch.equal(out, harness.run(stock, batch)) and torch.equal(layer.attn.kv_cache, stock.attn.kv_cache)
     counted = {f: activation.evidence.fusion(f).layers for f in ("qkv_norm", "qk_cache")}
-    assert counted == ({"qkv_norm": 1, "qk_cache": 1} if expected else {"qkv_norm": 0, "qk_cache": 0}), counted
+    assert counted == {"qkv_norm": 1, "qk_cache": 1}, counted
     assert {activation.evidence.fusion(f).state for f in counted} == {FusionState.FORCED_STOCK}
+
+
+def test_stock_mode_computes_exactly_what_the_overlay_off_layer_does(tmp_path, layer_pair):
+    """Stock mode is the A/B baseline: whatever it attaches to a layer (on 0.29 the overlay's K3
+    wrapper subclass itself), vLLM's own computation runs, byte for byte: on vLLM's profile run (no
+    attention metadata) and on decode batches, with a profiler recording (its ranges opened) and
+    without."""
+    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    off, layer, _ = layer_pair(spec, {"K3_AMD_OVERLAY": "stock"})
+    if shape_name() == "plain_wrapper":
+        assert type(layer.wrapper).__name__ == "K3OverlayMLAWrapper"
+        assert type(layer.wrapper.kv_a_layernorm).__name__ == "K3OverlayRMSNorm"
+    assert type(off.wrapper).__name__ != "K3OverlayMLAWrapper"
+    hidden = torch.randn(len(SEQ_LENS), spec.hidden, generator=torch.Generator().manual_seed(3)).to(spec.dtype)
+    assert torch.equal(harness.run(layer, None, hidden), harness.run(off, None, hidden))
+    for profiled in (False, True):
+        batch = harness.decode_batch([off, layer], SEQ_LENS, padding=2)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profiled \
+                else contextlib.nullcontext():
+            out = harness.run(layer, batch)
+        n = batch.num_tokens  # the padding rows' output is never written, by either
+        assert torch.equal(out[:n], harness.run(off, batch)[:n]), profiled
+        assert torch.equal(layer.attn.kv_cache, off.attn.kv_cache), profiled
+
+
+# The qkv_norm ranges of one layer call in auto mode, where the overlay's own norm (its front end on
+# 0.29) runs it, and where qkv_norm is refused and vLLM's forward runs the two norms.
+AUTO_NORM_RANGES = {"plain_wrapper": {"applied": 1, "refused": 2}, "k3_norm_wrapper": {"applied": 1, "refused": 1},
+                    "k3_decode_wrapper": {"applied": 1, "refused": 1}}
+
+
+@pytest.mark.parametrize("state", ["applied", "refused"])
+def test_every_layer_with_a_qkv_norm_site_opens_its_range_once_per_norm_work_never_nested(state, monkeypatch,
+                                                                                          layer_pair):
+    """A candidate arm counts the qkv_norm region only inside its ranges, so a layer whose qkv_norm is
+    refused must open them too (its two stock norms would otherwise go uncounted against the
+    baseline's), and ranges must never nest (the census refuses nested ones)."""
+    from vllm.config.compilation import CompilationMode
+
+    if state == "refused":  # refused at build: the whole model is compiled (the layer itself runs eager here)
+        monkeypatch.setattr(harness.vllm_config().compilation_config, "mode", CompilationMode.STOCK_TORCH_COMPILE)
+    spec = harness.LayerSpec(kv_cache_dtype="fp8")
+    stock, layer, activation = layer_pair(spec, {"K3_AMD_OVERLAY": "qkv_norm", "K3_AMD_OVERLAY_QKV_NORM_PROVIDER":
+                                                 "reference"})
+    assert activation.evidence.fusion("qkv_norm").state == state
+    batch = harness.decode_batch([stock, layer], SEQ_LENS)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        harness.run(layer, batch)
+    assert _ranges(profile).count("qkv_norm") == AUTO_NORM_RANGES[shape_name()][state]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in profile.events()
+                   if e.name.startswith("k3_amd_overlay::"))
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans)), spans
 
 
 def test_profile_run_and_bf16_cache_stay_stock(tmp_path, layer_pair):

@@ -27,7 +27,7 @@ EXPECTED_PATCHES = {
                           "mtp.report_layers"],
 }
 STOCK_PATCHES = {
-    "plain_wrapper": [],
+    "plain_wrapper": EXPECTED_PATCHES["plain_wrapper"],
     "k3_norm_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv", "linear.report_layers", "mtp.report_layers"],
     "k3_decode_wrapper": EXPECTED_PATCHES["k3_decode_wrapper"],
 }

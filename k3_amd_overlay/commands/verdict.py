@@ -16,7 +16,6 @@ from k3_amd_overlay import measured
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE
 from k3_amd_overlay.phases import Phase
-from k3_amd_overlay.process_identity import MODEL_BUILDING_ROLES
 from k3_amd_overlay.record import FusionEntry, MarkerRecord
 from k3_amd_overlay.settings import SWITCH, Mode
 
@@ -164,9 +163,8 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
     alone, and runs or replays in vLLM's own warm-up batches (profile run, warm-up, dummy batches),
     prove nothing about served traffic.
     ``stock`` holds only where every process runs the overlay in stock mode, each fusion forced
-    stock and its fused path never run, and some process built K3 MLA layers (where stock mode
-    patches nothing to count them, vLLM 0.29: a live engine core or worker in stock mode): an API
-    server alone proves nothing about the workers. A process with the overlay off proves neither.
+    stock and its fused path never run, and some process built K3 MLA layers: an API server alone
+    proves nothing about the workers. A process with the overlay off proves neither.
     ``off`` holds only where some live process left an off record and none runs the overlay.
     A process whose layers split (some fused, some not) is not a fused arm unless ``allow_mixed``.
     ``fusions`` None: each process's requested ones (those not ``disabled``). ``static``: the
@@ -231,16 +229,8 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
                     described += "; its fused path ran"
             (verdict.ok if good else verdict.fail)(described)
     if expect in ("fused", "stock") and not any_layers and not static:
-        # where stock mode patches nothing (vLLM 0.29) no layer is counted: a live model-building
-        # process's own stock record is the evidence there
-        uncounted = [r for r in records if expect == "stock" and r.mode is Mode.STOCK and not r.patches
-                     and r.role in MODEL_BUILDING_ROLES]
-        if uncounted:
-            verdict.ok(f"{who(uncounted[0])}: builds the model in stock mode; the overlay patches nothing of "
-                       f"vLLM {uncounted[0].vllm_version}'s K3 code in stock mode, so its layers are not counted")
-        else:
-            verdict.fail("no live process has built a K3 MLA layer (is the model loaded in a process that "
-                         "shares this marker directory?)")
+        verdict.fail("no live process has built a K3 MLA layer (is the model loaded in a process that "
+                     "shares this marker directory?)")
     if expect == "fused" and require_effective:
         for fusion, proof in proofs.items():
             proved = proof.describe()

@@ -17,7 +17,9 @@ Where each thing is:
                      absorb_qk_cache (the fused decode step: one launch, then vLLM's MQA and V-up)
     k3_wrapper.py    wrapt wrappers on the K3 wrapper class (0.30+): ``__init__``, ``_normalize_q_kv``,
                      ``_fused_qk_prep_supported``, ``_fused_decode``; the text model's layer report
-    plain_wrapper.py the K3-only wrapper subclass bound in ``amd/linear.py`` (0.27-0.29)
+    plain_wrapper.py the K3-only wrapper subclass bound in ``amd/linear.py`` (0.27-0.29; stock mode too)
     attend_hook.py   the per-instance MLAAttention class swap that carries the decode site (0.27-0.31;
-                     0.30-0.33 in stock mode, for the census's decode range)
+                     every release in stock mode, for the census's decode range)
+    norm_hook.py     the per-instance RMSNorm class swap that opens the census's qkv_norm range where
+                     vLLM's shared forward calls the two norms itself (0.27-0.29; stock mode too)
 """

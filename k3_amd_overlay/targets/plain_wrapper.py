@@ -3,9 +3,11 @@
 ``amd/linear.py`` only: the shared class and every other model keep the stock wrapper.
 
 It gives these vLLMs the seam later releases have (``_normalize_q_kv`` at the kv split) and
-installs the per-layer sites. Its ``forward`` covers the K3 front end only (q-LoRA, no rotary
-embedding, no indexer, no DCP query replication) and hands anything else, and any layer whose
-qkv_norm is not applied, to the stock forward unchanged."""
+installs the per-layer sites, in stock mode too (they count the layer and open the census's ranges).
+Its ``forward`` covers the K3 front end only (q-LoRA, no rotary embedding, no indexer, no DCP query
+replication) and hands anything else, and any layer whose qkv_norm is not applied (every layer in
+stock mode), to the stock forward unchanged; such a layer's two norms then open the qkv_norm range
+themselves (norm_hook.py), as the front end does around its pair."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from k3_amd_overlay.fusions.states import FusionState
+from k3_amd_overlay.targets import norm_hook
 from k3_amd_overlay.targets.installer import LayerInstaller, install_sites
 from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormSite
 
@@ -27,6 +30,8 @@ def k3_wrapper_class(base: type, installer: LayerInstaller, fusions: frozenset[s
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             install_sites(installer, self, fusions, decode_via_attend_hook=True)
+            if QKV_NORM_SITE in self.__dict__ and not self._k3_front_end():
+                norm_hook.install(self.q_a_layernorm, self.kv_a_layernorm)
 
         def _normalize_q_kv(self, q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             site: QkvNormSite = self.__dict__[QKV_NORM_SITE]

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from k3_amd_overlay.engine import PatchSpec
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
-from k3_amd_overlay.settings import Mode
 from k3_amd_overlay.targets import k3_wrapper
 from k3_amd_overlay.targets import sources as src
 from k3_amd_overlay.targets.installer import DECODE_FUSIONS, LayerInstaller
@@ -172,8 +171,9 @@ def _build_norm_shape(installer: LayerInstaller, fusions: frozenset[str]) -> lis
 
 
 def _build_plain_shape(installer: LayerInstaller, fusions: frozenset[str]) -> list[PatchSpec]:
-    # Nothing upstream is fused here: stock mode patches nothing.
-    if installer.settings.mode is not Mode.AUTO or not fusions:
+    # Nothing upstream is fused here, but in stock mode the subclass still goes on each layer: it
+    # counts the layer and opens the census's ranges around vLLM's own forward, which it runs.
+    if not fusions:
         return []
     specs = [PatchSpec(
         key="linear.mla_wrapper", module=LINEAR_MODULE, attribute=SHARED_WRAPPER,
