@@ -1,0 +1,106 @@
+"""The census's evidence checks at their edges: a world size of 1 is a whole deployment, GPU names
+gathered over every rank of an arm (not the last file read), ``deviceProperties`` entries that name
+no GPU, and a number it cannot read on an event that carries no ``cat``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kineto_traces import kernel_trace
+
+from k3_amd_overlay.commands import census
+from k3_amd_overlay.commands.cli import main
+
+DECODE = "k3_amd_overlay::mla_decode"
+MI300X, H200 = "AMD Instinct MI300X", "NVIDIA H200"
+
+
+def _trace(path: Path, kernels: dict[str, int], **fields: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return kernel_trace(path, kernels, **fields)
+
+
+def _on(gpu: str) -> dict[str, Any]:
+    return {"deviceProperties": [{"id": 0, "name": gpu}]}
+
+
+def test_one_rank_of_world_size_one_is_a_whole_deployment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    only = _trace(tmp_path / "rank0.json", {"qk_cache_kernel": 3},
+                  distributedInfo={"backend": "nccl", "rank": 0, "world_size": 1})
+    read = census.read_census([only])
+    assert read.world_sizes == {only: 1} and census.rank_problems(read) == []
+    assert census.check_expectations(read, [("qk_cache_kernel", 3)]) == []
+    assert main(["census", str(only), "--expect", "qk_cache_kernel=3"]) == 0, capsys.readouterr()
+
+
+def test_gpus_are_gathered_over_every_rank_of_an_arm(tmp_path: Path) -> None:
+    """A baseline whose rank 0 ran on an MI300X and rank 1 on an H200 is not the H200 candidate's
+    GPU, though the last file read names an H200."""
+    base = [_trace(tmp_path / "base" / f"rank{r}.json", {"concat_and_cache_mla_kernel": 4}, **_on(gpu))
+            for r, gpu in enumerate((MI300X, H200))]
+    cand = [_trace(tmp_path / "cand" / f"rank{r}.json", {"qk_cache_kernel": 4}, **_on(H200)) for r in range(2)]
+    baseline, candidate = census.read_census(base), census.read_census(cand)
+    assert baseline.gpus == {MI300X, H200} and candidate.gpus == {H200}
+    comparison = census.compare(baseline, candidate, steps=None, layers=1)
+    assert not comparison.holds and comparison.problems == [
+        f"the baseline ran on {MI300X}, {H200}, the candidate on {H200} (deviceProperties): kernel times of "
+        "different GPUs say nothing of a fusion; profile both arms on the same GPU"]
+    assert census.compare(candidate, baseline, steps=None, layers=1).problems[-1].startswith(
+        f"the baseline ran on {H200}, the candidate on {MI300X}, {H200} (deviceProperties)")
+    alike = [_trace(tmp_path / "alike" / f"rank{r}.json", {"concat_and_cache_mla_kernel": 4}, **_on(H200))
+             for r in range(2)]
+    same = census.compare(census.read_census(alike), candidate, steps=None, layers=1)
+    assert same.holds and same.problems == [], same.problems
+
+
+@pytest.mark.parametrize("devices", [[{"id": 0}], [{"id": 0, "name": ""}], ["gfx942"], [None], [[H200]]])
+def test_device_entries_that_name_no_gpu_give_no_gpu_and_no_error(tmp_path: Path, devices: list[Any]) -> None:
+    trace = _trace(tmp_path / "rank0.json", {"qk_cache_kernel": 1}, deviceProperties=devices)
+    assert census.read_census([trace]).gpus == set()
+    named = _trace(tmp_path / "named" / "rank0.json", {"qk_cache_kernel": 1},
+                   deviceProperties=[*devices, {"id": 1, "name": H200}])
+    assert census.read_census([named]).gpus == {H200}
+
+
+def test_a_bad_launch_time_on_an_event_without_a_category_is_named_without_one(tmp_path: Path) -> None:
+    """The census reads the ``ts`` of any non-kernel event that carries a ``correlation`` (a launch),
+    with or without ``cat``: the message then names the event alone."""
+    launch = {"ph": "X", "name": "hipLaunchKernel", "pid": 1, "tid": 1, "ts": None, "args": {"correlation": 1}}
+    events = [{"ph": "X", "cat": "user_annotation", "name": DECODE, "pid": 1, "tid": 1, "ts": 10.0, "dur": 10.0},
+              launch, {"ph": "X", "cat": "kernel", "name": "qk_cache_kernel", "pid": 0, "tid": 7, "ts": 20.0,
+                       "dur": 1.0, "args": {"correlation": 1}}]
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    with pytest.raises(census.TraceError) as raised:
+        census.read_census([path])
+    assert str(raised.value) == f"{path}: event 'hipLaunchKernel' has ts=None, expected a number"
+
+
+def test_a_launch_of_another_process_on_the_same_thread_id_is_outside_the_range(tmp_path: Path) -> None:
+    """Ranges and launches are matched by (pid, tid): thread 1 of process 2 launching during process
+    1's decode range did not launch inside it."""
+    def launch(pid: int, ts: float, corr: int) -> dict[str, Any]:
+        return {"ph": "X", "cat": "cuda_runtime", "name": "hipLaunchKernel", "pid": pid, "tid": 1, "ts": ts,
+                "dur": 0.5, "args": {"correlation": corr}}
+
+    def kernel(name: str, corr: int) -> dict[str, Any]:
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": 30.0 + corr, "dur": 1.0,
+                "args": {"correlation": corr}}
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": DECODE, "pid": 1, "tid": 1, "ts": 10.0, "dur": 10.0},
+              launch(1, 12.0, 1), launch(2, 14.0, 2), kernel("qk_cache_kernel", 1),
+              kernel("concat_and_cache_mla_kernel", 2)]
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert census.read_census([path]).regions == {"0": [(DECODE, [(12.0, "qk_cache_kernel", 1.0)])]}
+
+
+def test_two_missing_ranks_are_named_as_ranks(tmp_path: Path) -> None:
+    only = _trace(tmp_path / "rank0.json", {"qk_cache_kernel": 1},
+                  distributedInfo={"backend": "nccl", "rank": 0, "world_size": 3})
+    assert census.rank_problems(census.read_census([only])) == [
+        "ranks 1, 2: no trace, though distributedInfo gives world size 3: a verdict would rest on 1 of its 3 ranks; "
+        "profile every rank, one trace per rank"]
