@@ -94,6 +94,7 @@ declare -A TESTS=(
   [targets/k3_wrapper.py]="test_sites.py test_vllm_layer.py test_field_faults.py"
   [targets/plain_wrapper.py]="test_sites.py test_field_faults.py test_vllm_layer.py"
   [targets/attend_hook.py]="test_sites.py test_field_faults.py test_vllm_layer.py"
+  [targets/norm_hook.py]="test_sites.py test_vllm_layer.py"
   [targets/shapes.py]="test_shapes.py test_field_faults.py test_vllm_layer.py"
   [targets/sources.py]="test_shapes.py test_field_faults.py test_vllm_layer.py"
   [targets/defects.py]="test_shapes.py test_vllm_layer.py"
@@ -117,6 +118,7 @@ declare -A TESTS=(
 # modules whose code only some releases run: mutated against such a release, not K3OVL_MUTANTS_VLLM
 declare -A VLLM_FOR=(
   [targets/plain_wrapper.py]=0.29.0  # the shared-wrapper subclass: vLLM 0.29 only
+  [targets/norm_hook.py]=0.29.0  # the qkv_norm range around the stock norms: bound on 0.29 only
 )
 if [ $# -gt 0 ]; then modules=("$@"); else mapfile -t modules < <(printf '%s\n' "${!TESTS[@]}" | sort); fi
 

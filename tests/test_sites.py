@@ -184,6 +184,14 @@ def test_under_tracing_the_norm_hook_calls_the_stock_forward_without_a_range(mon
     assert out == ("stock", "x", None) and opened == []
 
 
+def test_the_norm_hooks_class_names_its_base_in_its_docstring_and_adds_only_forward():
+    """The swapped norm's class is what a reader meets in a traceback or ``help()``: its docstring names
+    the base it wraps (as the attention hook's does), and it adds nothing to the base but ``forward``."""
+    ranged = norm_hook.ranged_class(StockNorm)
+    assert ranged.__doc__ == "StockNorm of a Kimi-K3 layer's q/kv front end, inside the census's qkv_norm range."
+    assert set(vars(ranged)) - set(vars(type("Bare", (StockNorm,), {}))) == {"forward"}
+
+
 def test_vllms_own_w_uk_t_failure_is_named_on_the_exception_and_others_pass_untouched():
     from k3_amd_overlay.targets.defects import W_UK_T_BEFORE_LOAD
     from k3_amd_overlay.targets.k3_wrapper import decide_fused_qk_prep
