@@ -95,6 +95,7 @@ declare -A TESTS=(
   [targets/plain_wrapper.py]="test_sites.py test_field_faults.py test_vllm_layer.py"
   [targets/attend_hook.py]="test_sites.py test_field_faults.py test_vllm_layer.py"
   [targets/norm_hook.py]="test_sites.py test_vllm_layer.py"
+  [targets/class_swap.py]="test_sites.py test_vllm_layer.py"
   [targets/shapes.py]="test_shapes.py test_field_faults.py test_vllm_layer.py"
   [targets/sources.py]="test_shapes.py test_field_faults.py test_vllm_layer.py"
   [targets/defects.py]="test_shapes.py test_vllm_layer.py"

@@ -20,6 +20,7 @@ Where each thing is:
     plain_wrapper.py the K3-only wrapper subclass bound in ``amd/linear.py`` (0.27-0.29; stock mode too)
     attend_hook.py   the per-instance MLAAttention class swap that carries the decode site (0.27-0.31;
                      every release in stock mode, for the census's decode range)
+    class_swap.py    the per-instance class swap both hooks use: a K3-only subclass made once per class
     norm_hook.py     the per-instance RMSNorm class swap that opens the census's qkv_norm range where
                      vLLM's shared forward calls the two norms itself (0.27-0.29; stock mode too)
 """

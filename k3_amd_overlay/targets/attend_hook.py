@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from k3_amd_overlay.targets.class_swap import subclass_once
 from k3_amd_overlay.targets.decode import DECODE_SITE, DecodeSite
 
 REGISTER_KEY = "mla_attention.class_swap"  # its entry in docs/patches.md (it is not a PatchSpec)
@@ -17,21 +18,18 @@ _HOOKED: dict[type, type] = {}
 
 def hooked_class(base: type) -> type:
     """A subclass of ``base`` (made once per base) routing ``forward`` through the site."""
-    if base in _HOOKED:
-        return _HOOKED[base]
+    return subclass_once(_HOOKED, base, _routed_forward,
+                         f"{base.__name__} of a Kimi-K3 layer with the overlay's qk_cache decode site.")
 
+
+def _routed_forward(base: type) -> Any:
     def forward(self: Any, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                 output_shape: Any = None, q_dcp_replicated: torch.Tensor | None = None) -> torch.Tensor:
         site: DecodeSite = self.__dict__[DECODE_SITE]
         return site.attend(self, base.forward.__get__(self), q, kv_c_normed, k_pe,
                            output_shape=output_shape, q_dcp_replicated=q_dcp_replicated)
 
-    hooked = type(f"K3Overlay{base.__name__}", (base,), {
-        "forward": forward,
-        "__doc__": f"{base.__name__} of a Kimi-K3 layer with the overlay's qk_cache decode site.",
-    })
-    _HOOKED[base] = hooked
-    return hooked
+    return forward
 
 
 def install(attn: Any, site: DecodeSite) -> None:

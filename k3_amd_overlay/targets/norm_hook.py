@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from k3_amd_overlay.regions import QKV_NORM_REGION, region
+from k3_amd_overlay.targets.class_swap import subclass_once
 
 REGISTER_KEY = "rms_norm.class_swap"  # its entry in docs/patches.md (it is not a PatchSpec)
 _RANGED: dict[type, type] = {}
@@ -18,21 +19,18 @@ _RANGED: dict[type, type] = {}
 
 def ranged_class(base: type) -> type:
     """A subclass of ``base`` (made once per base) whose ``forward`` runs inside the qkv_norm range."""
-    if base in _RANGED:
-        return _RANGED[base]
+    return subclass_once(_RANGED, base, _ranged_forward,
+                         f"{base.__name__} of a Kimi-K3 layer's q/kv front end, inside the census's qkv_norm range.")
 
+
+def _ranged_forward(base: type) -> Any:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # the range is a profiler call: nothing to trace
             return base.forward(self, *args, **kwargs)
         with region(QKV_NORM_REGION):
             return base.forward(self, *args, **kwargs)
 
-    ranged = type(f"K3Overlay{base.__name__}", (base,), {
-        "forward": forward,
-        "__doc__": f"{base.__name__} of a Kimi-K3 layer's q/kv front end, inside the census's qkv_norm range.",
-    })
-    _RANGED[base] = ranged
-    return ranged
+    return forward
 
 
 def install(*norms: Any) -> None:
