@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from k3_amd_overlay import k3
-from k3_amd_overlay.commands.bench.baselines import _empty_kernel
+from k3_amd_overlay.commands.bench.baselines import _empty_kernel, _one_load_kernel
 from k3_amd_overlay.commands.bench.kernels import decode_step_inputs
 from k3_amd_overlay.commands.bench.timing import bandwidth_bytes_per_us, graph_us
 from k3_amd_overlay.fp8 import E4M3FN
@@ -101,16 +101,11 @@ def ablated(variant, q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_
                          **config)
 
 
-@triton.jit
-def one_load_kernel(x_ptr, y_ptr):
-    tl.store(y_ptr + tl.program_id(0), tl.load(x_ptr + tl.program_id(0)) + 1.0)
-
-
 def main(out_path: str) -> None:
     fmt = E4M3FN
     x = torch.randn(1024, device="cuda")
     y = torch.empty_like(x)
-    floors = {"empty": graph_us(lambda: _empty_kernel[(1,)](x)), "one_load": graph_us(lambda: one_load_kernel[(128,)](x, y))}
+    floors = {"empty": graph_us(lambda: _empty_kernel[(1,)](x)), "one_load": graph_us(lambda: _one_load_kernel[(128,)](x, y))}
     bandwidth = bandwidth_bytes_per_us()
     print(json.dumps({k: round(v, 3) for k, v in floors.items()} | {"copy_TB_s": round(bandwidth / 1e6, 2)}),
           flush=True)

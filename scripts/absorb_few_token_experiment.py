@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from k3_amd_overlay import k3
+from k3_amd_overlay.commands.bench.baselines import _one_load_kernel
 from k3_amd_overlay.commands.bench.kernels import decode_step_inputs
 from k3_amd_overlay.commands.bench.timing import graph_us
 from k3_amd_overlay.fp8 import E4M3FN
@@ -77,15 +78,10 @@ def empty_kernel(x):
     pass
 
 
-@triton.jit
-def one_load_kernel(x_ptr, y_ptr):
-    tl.store(y_ptr + tl.program_id(0), tl.load(x_ptr + tl.program_id(0)) + 1.0)
-
-
 fmt = E4M3FN
 x = torch.randn(1024, device="cuda"); y = torch.empty_like(x)
 print("empty launch us", round(graph_us(lambda: empty_kernel[(1,)](x)), 3),
-      "one-load us", round(graph_us(lambda: one_load_kernel[(128,)](x, y)), 3), flush=True)
+      "one-load us", round(graph_us(lambda: _one_load_kernel[(128,)](x, y)), 3), flush=True)
 rows = []
 for H in (12, 16):
     w_uk = torch.randn(k3.KV_LORA_RANK, H, k3.QK_NOPE_HEAD_DIM, dtype=torch.bfloat16, device="cuda") / 8

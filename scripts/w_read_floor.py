@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from k3_amd_overlay import k3
-from k3_amd_overlay.commands.bench.baselines import _empty_kernel
+from k3_amd_overlay.commands.bench.baselines import _empty_kernel, _one_load_kernel
 from k3_amd_overlay.commands.bench.kernels import decode_step_inputs
 from k3_amd_overlay.commands.bench.timing import bandwidth_bytes_per_us, graph_us
 from k3_amd_overlay.fp8 import E4M3FN
@@ -51,11 +51,6 @@ def w_read_kernel(w_ptr, out_ptr, s_w_h, s_w_k, s_w_n, P: tl.constexpr, L: tl.co
     tl.store(out_ptr + pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N), tl.sum(w.to(tl.float32), axis=0))
 
 
-@triton.jit
-def one_load_kernel(x_ptr, y_ptr):
-    tl.store(y_ptr + tl.program_id(0), tl.load(x_ptr + tl.program_id(0)) + 1.0)
-
-
 def taken_in_turn(items: list, launch: Callable) -> Callable[[], None]:
     turn = itertools.count()
     return lambda: launch(items[next(turn) % len(items)])
@@ -70,7 +65,7 @@ def main(out_path: str) -> None:
     x = torch.randn(1024, device="cuda")
     y = torch.empty_like(x)
     floors = {"empty": graph_us(lambda: _empty_kernel[(1,)](x)),
-              "one_load": graph_us(lambda: one_load_kernel[(128,)](x, y)),
+              "one_load": graph_us(lambda: _one_load_kernel[(128,)](x, y)),
               "copy_TB_s": bandwidth_bytes_per_us() / 1e6}
     print(json.dumps(floors), flush=True)
     P, L = k3.QK_NOPE_HEAD_DIM, k3.KV_LORA_RANK

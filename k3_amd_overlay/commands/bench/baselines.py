@@ -18,8 +18,8 @@ def _empty_kernel(x_ptr):
 
 
 @triton.jit
-def _one_load_kernel(x_ptr, y_ptr):
-    tl.store(y_ptr, tl.load(x_ptr) + 1.0)
+def _one_load_kernel(x_ptr, y_ptr):  # each program one element: a grid of N loads N at once
+    tl.store(y_ptr + tl.program_id(0), tl.load(x_ptr + tl.program_id(0)) + 1.0)
 
 
 @triton.jit
