@@ -1,4 +1,5 @@
-"""Experiment (issue 28): where the absorbed bf16 launch's time goes at 1-8 tokens. One kernel built
+"""Experiment (issue 28): where the absorbed bf16 launch's time goes at 1-8 tokens (other batches
+on the command line). One kernel built
 from the shipped kernel's own pieces (``kernels/absorb_qk_cache.py``) with parts switched off by
 constexprs, each timed under CUDA-graph replay (median) at the shipped config of the shape, beside
 the shipped launch and the floors (an empty launch, a one-load launch):
@@ -12,9 +13,10 @@ the shipped launch and the floors (an empty launch, a one-load launch):
 - ``w_read``: the query programs load their W slice and store its column sums, quantised (the W
   read with the program's one reduction, nothing of q); KV programs as shipped.
 
-Also printed: W_UK_T's bytes at the measured copy bandwidth (the least a launch that reads them adds).
+Also printed: W_UK_T's bytes at the measured copy bandwidth (the least a launch that reads them adds),
+and vLLM's bf16 W_UK step alone (``torch.bmm``, cuBLAS here) for the same tokens and heads.
 
-    PYTHONPATH=$PWD python scripts/absorb_chain_ablation.py OUT.json      (a GPU, torch, Triton)
+    PYTHONPATH=$PWD python scripts/absorb_chain_ablation.py OUT.json [B ...]   (a GPU, torch, Triton)
 
 Timings, not bytes, are the point of the variants other than ``full``; results in docs/benchmarks.md."""
 import json
@@ -91,6 +93,7 @@ def ablated(variant, q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_
     T, H, P = q_nope.shape
     L, R = w_uk_t.shape[-1], q_pe.shape[-1]
     (programs,), config = absorb_launch(ABSORB_QK_CACHE_KERNEL, q_nope, L, None, None, None)
+    config.pop("K_STEPS")  # the variants are of the one-dot program (the shipped config at 1-8 tokens)
     kv_programs = triton.cdiv(T, config["KV_ROWS"])
     grid = ((programs if query else kv_programs) - (0 if kv else kv_programs),)
     ablated_kernel[grid](q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out,
@@ -101,7 +104,7 @@ def ablated(variant, q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_
                          **config)
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, batches: tuple[int, ...] = (1, 2, 8)) -> None:
     fmt = E4M3FN
     x = torch.randn(1024, device="cuda")
     y = torch.empty_like(x)
@@ -113,7 +116,7 @@ def main(out_path: str) -> None:
     for H in (12, 16):
         w_uk_t = (torch.randn(k3.KV_LORA_RANK, H, k3.QK_NOPE_HEAD_DIM, dtype=torch.bfloat16, device="cuda") / 8
                   ).permute(1, 2, 0)
-        for B in (1, 2, 8):
+        for B in batches:
             q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(B, H)
             ref_cache, ref_out = cache.clone(), torch.full_like(q_out, 0xAB)
             absorb_qk_cache(q_nope, w_uk_t, q_pe, kv_c, k_pe, ref_cache, slots, k_scale, q_scale, ref_out, fmt)
@@ -122,8 +125,11 @@ def main(out_path: str) -> None:
             torch.cuda.synchronize()
             row = {"H": H, "B": B, "w_bytes_us": round(w_uk_t.numel() * 2 / bandwidth, 3), "full_bytes_identical": torch.equal(got_cache, ref_cache) and torch.equal(got_out, ref_out)}
             args = (q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt)
+            ql_nope = torch.empty(B, H, w_uk_t.shape[-1], dtype=q_nope.dtype, device="cuda")
             for rnd in range(2):  # two rounds in turn, the median of each kept
                 row[f"shipped_{rnd}"] = round(graph_us(lambda: absorb_qk_cache(*args)), 3)
+                row[f"bmm_{rnd}"] = round(graph_us(
+                    lambda: torch.bmm(q_nope.transpose(0, 1), w_uk_t, out=ql_nope.transpose(0, 1))), 3)
                 for variant in VARIANTS:
                     row[f"{variant}_{rnd}"] = round(graph_us(lambda v=variant: ablated(v, *args)), 3)
             rows.append(row)
@@ -133,4 +139,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], tuple(int(b) for b in sys.argv[2:]) or (1, 2, 8))

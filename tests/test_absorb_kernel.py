@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from machine import DEVICE
 from parity import POISON_A, absorb_problems, make_qk_case, skip_under_interpreter
 
@@ -92,6 +94,47 @@ def test_a_kv_program_left_out_is_caught(monkeypatch):
     monkeypatch.setattr(absorb_qk_cache, "absorb_launch", short)
     with launch.forced({"BLOCK_N": 128, "BLOCK_T": 16, "KV_ROWS": 16, "num_warps": 4}):
         assert "cache: written bytes are not exactly the valid slots' rows" in problems(case, q_nope, w)
+
+
+SLICED = {"BLOCK_N": 64, "BLOCK_T": 16, "KV_ROWS": 4, "num_warps": 4}
+
+
+@pytest.mark.parametrize("k_steps", [2, 4, 8])
+def test_the_dot_in_pipelined_slices_gives_the_one_dot_bytes(k_steps):
+    """K_STEPS (the many-token configs): the dot over P in slices writes the reference's bytes, and
+    exactly the bytes of the same launch with one dot."""
+    case, q_nope, w = absorb_case(33, 2, E4M3FN, seed=5)
+    with launch.forced({**SLICED, "K_STEPS": k_steps}):
+        assert problems(case, q_nope, w) == []
+        sliced = run(case, q_nope, w, "triton", POISON_A)
+    with launch.forced(SLICED):
+        one = run(case, q_nope, w, "triton", POISON_A)
+    assert all(torch.equal(a, b) for a, b in zip(sliced, one, strict=True))
+
+
+def test_a_slice_left_out_of_the_dot_is_caught(monkeypatch):
+    """Planted fault for the test above: the last of the K_STEPS slices of P never multiplied."""
+
+    @triton.jit
+    def short(q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, head, t64, live, offs_n, P: tl.constexpr,
+              BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, K_STEPS: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+        BLOCK_K: tl.constexpr = P // K_STEPS
+        offs_k = tl.arange(0, BLOCK_K)
+        q_ptrs = q_nope_ptr + t64 * s_qn_t + head * s_qn_h + offs_k[None, :]
+        w_ptrs = w_ptr + head.to(tl.int64) * s_w_h + offs_k[:, None] * s_w_k + offs_n[None, :] * s_w_n
+        acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        for k in range(K_STEPS - 1):
+            q_nope = tl.load(q_ptrs + k * BLOCK_K, mask=live, other=0.0).to(tl.float32)
+            acc = tl.dot(q_nope, tl.load(w_ptrs + k * BLOCK_K * s_w_k).to(tl.float32), acc, input_precision="ieee")
+        return acc
+
+    monkeypatch.setattr(absorb_qk_cache, "product_in_steps", short)
+    # a new kernel object: a GPU's compiled kernel keeps the helper it was first compiled with
+    fresh = triton.jit(absorb_qk_cache.absorb_qk_cache_kernel.fn)
+    monkeypatch.setattr(absorb_qk_cache, "absorb_qk_cache_kernel", fresh)
+    case, q_nope, w = absorb_case(33, 2, E4M3FN, seed=5)
+    with launch.forced({**SLICED, "K_STEPS": 4}):
+        assert any(p.startswith("q_out") for p in problems(case, q_nope, w))
 
 
 def test_fp8_bmm_weights_are_refused_with_a_reason():

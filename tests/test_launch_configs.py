@@ -4,6 +4,7 @@ and the refusal of a fusion whose kernel fails (``kernel_failures``, the plan an
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -74,6 +75,12 @@ def _file(arch="gfx942", device=None, kernels=None):
      "BLOCK_T = 8: 1 (no dot) or at least 16"),
     ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 1, "num_warps": 4}}]},
      "BLOCK_T = 1: this kernel always takes a tl.dot"),
+    ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 16, "K_STEPS": 16, "num_warps": 4}}]},
+     "K_STEPS = 16: at most 8 (slices of the 128 q_nope lanes of at least 16"),
+    ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 16, "K_STEPS": 3, "num_warps": 4}}]},
+     "K_STEPS = 3 is not a power of two"),
+    ({names.ABSORB_FP8_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 16, "K_STEPS": 2, "num_warps": 4}}]},
+     "unknown keys ['K_STEPS']"),
     ({names.QK_CACHE_KERNEL: [{"tokens": 8, "config": {"HEADS": 4, "num_warps": 4}}]},
      "the last rule must match every launch"),
     ({names.QK_CACHE_KERNEL: []}, "a non-empty list of rules"),
@@ -233,8 +240,8 @@ def test_tune_tries_amd_options_only_on_amd_and_one_token_programs_only_for_one_
 
 
 def test_every_candidate_tune_tries_is_a_config_the_overlay_would_accept():
-    for kernel in tune.TUNED_KERNELS:
-        for config in tune.candidates(kernel, 32, amd=True):
+    for kernel, tokens in itertools.product(tune.TUNED_KERNELS, (32, 256)):
+        for config in tune.candidates(kernel, tokens, amd=True):
             launch_configs.parse(_file(kernels={kernel: [{"config": config}]}), "candidate")
 
 

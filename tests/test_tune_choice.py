@@ -194,16 +194,20 @@ def test_the_candidate_grid_of_each_kernel():
 
     def tiles(kernel, tokens, amd):
         found = tune.candidates(kernel, tokens, amd)
-        assert {c["BLOCK_N"] for c in found} == {16, 32, 64, 128}
+        widths = (16, 32, 64, 128, 256) if tokens >= 128 else (16, 32, 64, 128)
+        assert {c["BLOCK_N"] for c in found} == set(widths)
         assert {c["num_warps"] for c in found} == ({1, 2, 4, 8} if amd else {2, 4, 8})
         assert len(found) == len({tuple(sorted(c.items())) for c in found})
         plain = {c["BLOCK_T"] for c in found if "matrix_instr_nonkdim" not in c}
         wide = {c["BLOCK_T"] for c in found if "matrix_instr_nonkdim" in c}
         assert all(c.get("matrix_instr_nonkdim", 16) == 16 for c in found)
         arch = "gfx942" if amd else "sm90"  # only configs the loader accepts there: one warp per matrix tile on AMD
-        full = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in plain for n in (16, 32, 64, 128)
-                for w in ((1, 2, 4, 8) if amd else (2, 4, 8))]
+        full = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in plain for n in widths
+                for w in ((1, 2, 4, 8) if amd else (2, 4, 8)) if n * t <= 32768]
         full += [{**c, "matrix_instr_nonkdim": 16} for c in full if c["BLOCK_T"] >= 16] if amd else []
+        sliced = tokens >= 128 and kernel == names.ABSORB_QK_CACHE_KERNEL
+        full += [{**c, "K_STEPS": 4} for c in full if c["BLOCK_T"] >= 64 and c["BLOCK_N"] >= 128] if sliced else []
+        assert {c.get("K_STEPS", 1) for c in found} == ({1, 4} if sliced else {1})
         full += [{**c, "KV_ROWS": 16} for c in full] if tokens >= 128 else []
         assert {c.get("KV_ROWS", 1) for c in found} == ({1, 16} if tokens >= 128 else {1})
         fitting = {tuple(sorted(c.items())) for c in full if launch_configs.dot_warps_fit(arch, kernel, c)}
@@ -219,8 +223,8 @@ def test_the_candidate_grid_of_each_kernel():
     assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 32, True) == ({16, 32}, {16, 32})
     assert tiles(names.ABSORB_QK_CACHE_KERNEL, 64, False) == ({16, 32, 64}, set())
     assert tiles(names.ABSORB_MXFP4_QK_CACHE_KERNEL, 127, False) == ({16, 32, 64}, set())
-    assert tiles(names.ABSORB_MXFP4_QK_CACHE_KERNEL, 128, False) == ({16, 32, 64}, set())
-    assert tiles(names.ABSORB_QK_CACHE_KERNEL, 1024, True) == ({16, 32, 64}, {16, 32, 64})
+    assert tiles(names.ABSORB_MXFP4_QK_CACHE_KERNEL, 128, False) == ({16, 32, 64, 128}, set())
+    assert tiles(names.ABSORB_QK_CACHE_KERNEL, 1024, True) == ({16, 32, 64, 128}, {16, 32, 64, 128})
 
 
 def test_the_shapes_tuned_by_default_and_asked_for():

@@ -32,12 +32,19 @@ MIN_GAIN = 0.02  # a candidate replaces the shipped config only if faster by mor
 # From this many tokens the absorb kernels are also tried with KV programs of KV_ROWS_TRIED rows (on the
 # H200, 16 rows a program beat one at 256 and 512 tokens and tied at 64-128: docs/benchmarks.md).
 KV_ROWS_FROM_TOKENS, KV_ROWS_TRIED = 128, 16
+# From this many tokens the absorb kernels are also tried with wider tiles (BLOCK_N 256, BLOCK_T 128) of
+# at most WIDE_TILE_ELEMENTS products a program (on the H200, BLOCK_N 256 beat 128 by 7-15% at 256 tokens,
+# 12 and 16 heads: docs/benchmarks.md).
+WIDE_FROM_TOKENS, WIDE_TILE_ELEMENTS = 128, 32768
+# There the bf16 absorb kernel's tiles of 64 tokens and 128 columns and more are also tried with the
+# dot over P in K_STEPS_TRIED pipelined slices (on the H200, 11% faster at 12 heads and 256 tokens: docs/benchmarks.md).
+K_STEPS_TRIED = 4
 MISMATCH_ALLOWANCE = 1e-3  # extra share of query codes a candidate may have one step off the reference
 
 
 def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> list[dict[str, int]]:
     """The configs tried for ``kernel`` at ``tokens`` tokens (AMD adds the 16-wide MFMA option; many
-    tokens add multi-row KV programs), less those the loader refuses on ``arch`` (default gfx942 or
+    tokens add wider tiles and multi-row KV programs), less those the loader refuses on ``arch`` (default gfx942 or
     sm90): more warps than matrix tiles."""
     warps = (1, 2, 4, 8) if amd else (2, 4, 8)
     if kernel == names.RMSNORM_PAIR_KERNEL:
@@ -45,12 +52,17 @@ def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> 
                 for w in warps if w >= 2]
     if kernel == names.QK_CACHE_KERNEL:
         return [{"HEADS": h, "num_warps": w} for h in (1, 2, 4, 8) for w in warps]
-    tiles = [t for t in (16, 32, 64) if t == 16 or t <= tokens]
+    wide = tokens >= WIDE_FROM_TOKENS
+    tiles = [t for t in (16, 32, 64, 128) if t == 16 or (t <= tokens and (t < 128 or wide))]
     if tokens == 1 and kernel != names.ABSORB_QK_CACHE_KERNEL:
         tiles = [1, *tiles]
-    found = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in tiles for n in (16, 32, 64, 128) for w in warps]
+    widths = (16, 32, 64, 128, 256) if wide else (16, 32, 64, 128)
+    found = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in tiles for n in widths for w in warps
+             if n * t <= WIDE_TILE_ELEMENTS]
     if amd:
         found += [{**c, "matrix_instr_nonkdim": 16} for c in found if c["BLOCK_T"] >= 16]
+    if wide and kernel == names.ABSORB_QK_CACHE_KERNEL:
+        found += [{**c, "K_STEPS": K_STEPS_TRIED} for c in found if c["BLOCK_T"] >= 64 and c["BLOCK_N"] >= 128]
     if tokens >= KV_ROWS_FROM_TOKENS:
         found += [{**c, "KV_ROWS": KV_ROWS_TRIED} for c in found]
     arch = arch or ("gfx942" if amd else "sm90")

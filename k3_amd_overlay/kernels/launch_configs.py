@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay import k3
 from k3_amd_overlay.kernels import names
 from k3_amd_overlay.settings import KERNEL_CONFIGS
 
@@ -62,11 +63,14 @@ KERNEL_PARAMETERS: dict[str, tuple[str, ...]] = {
 DOT_TILE_KERNELS = (names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL,
                     names.ABSORB_MXFP4_QK_CACHE_KERNEL)
 # The constexprs a config may leave out, with the value a launch then takes (a power of two each):
-# KV_ROWS, the tokens an absorb kernel's KV program writes (1: one program a token, as before it existed).
+# KV_ROWS, the tokens an absorb kernel's KV program writes (1: one program a token, as before it existed);
+# K_STEPS, the slices of the bf16 absorb kernel's dot over P (1: one dot; at most P / 16, tl.dot's least K).
 OPTIONAL_PARAMETERS: dict[str, dict[str, int]] = {
     **{kernel: {} for kernel in KERNEL_PARAMETERS},
     **{kernel: {"KV_ROWS": 1} for kernel in DOT_TILE_KERNELS},
+    names.ABSORB_QK_CACHE_KERNEL: {"KV_ROWS": 1, "K_STEPS": 1},
 }
+MAX_K_STEPS = k3.QK_NOPE_HEAD_DIM // 16
 # The part of the dot's result (rows x columns) one warp's matrix instruction computes. AMD (gfx*):
 # MFMA v_mfma_f32_<M>x<N>x<K>_<type>, M = N = 16 or 32 for every dtype of these kernels on CDNA3 and
 # CDNA4 (AMD's CDNA3/CDNA4 ISA guides; the instruction the compile report reads from each code object,
@@ -191,6 +195,9 @@ def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tupl
     if kernel in DOT_TILE_KERNELS and 1 < values["BLOCK_T"] < 16:
         raise LaunchConfigError(f"{where}: BLOCK_T = {values['BLOCK_T']}: 1 (no dot) or at least 16 (tl.dot's "
                                 "smallest tile)")
+    if values.get("K_STEPS", 1) > MAX_K_STEPS:
+        raise LaunchConfigError(f"{where}: K_STEPS = {values['K_STEPS']}: at most {MAX_K_STEPS} (slices of the "
+                                f"{k3.QK_NOPE_HEAD_DIM} q_nope lanes of at least 16, tl.dot's least K)")
     if kernel == names.ABSORB_QK_CACHE_KERNEL and values["BLOCK_T"] == 1:
         raise LaunchConfigError(f"{where}: BLOCK_T = 1: this kernel always takes a tl.dot (at least 16)")
     if not dot_warps_fit(arch, kernel, values):
