@@ -1,8 +1,8 @@
 """Experiment (issue 28): the absorbed bf16 launch at many tokens over tiles beyond those ``tune`` and
 the many-token experiment tried: BLOCK_T up to 128 and BLOCK_N up to 512 (fewer re-reads of W_UK_T
 and of q_nope, fewer programs), 4 or 8 warps, 1-3 pipeline stages, KV programs of 16 rows; first the
-kernel (``absorb_qk_cache_kernel``) with one load of each operand and one ``tl.dot`` over all P, then
-(``--k-loop``) with the dot over P in K_STEPS 1, 2 or 4 pipelined slices (``product_in_steps``; the
+shipped launcher (``absorb_qk_cache``, its config forced) with one load of each operand and one
+``tl.dot`` over all P, then (``--k-loop``) with the dot over P in K_STEPS 1, 2 or 4 pipelined slices (``product_in_steps``; the
 run of 2026-12-04 used this script's own copy of that loop, its stage count set on the loop rather
 than on the launch, before it shipped). Every candidate's q_out and cache bytes are compared with the
 shipped launch's (the cache rows to be written poisoned first), each timed under CUDA-graph replay
@@ -22,27 +22,23 @@ import torch
 from k3_amd_overlay import k3
 from k3_amd_overlay.commands.bench.kernels import decode_step_inputs
 from k3_amd_overlay.commands.bench.timing import graph_us
+from k3_amd_overlay.commands.tune import WIDE_TILE_ELEMENTS
 from k3_amd_overlay.fp8 import E4M3FN
-from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache, absorb_qk_cache_kernel
-from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
+from k3_amd_overlay.kernels import launch
+from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
+from k3_amd_overlay.kernels.qk_cache import qk_cache
 
-TILES = [(bn, bt) for bn, bt in itertools.product((64, 128, 256, 512), (16, 32, 64, 128)) if bn * bt <= 32768]
+TILES = [(bn, bt) for bn, bt in itertools.product((64, 128, 256, 512), (16, 32, 64, 128))
+         if bn * bt <= WIDE_TILE_ELEMENTS]
 K_LOOP_TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (256, 32), (256, 64), (512, 32)]  # the fastest above
 FEW_TOKEN_TILES = [(32, 16), (64, 16), (128, 16)]  # below 64 tokens, as the shipped rules
 
 
-def launch(q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt, bn, bt, warps, stages,
-           k_steps=1, kv=16):
-    T, H, P = q_nope.shape
-    L, R = w_uk_t.shape[-1], q_pe.shape[-1]
-    grid = (H * -(-T // bt) * (L // bn) + -(-T // kv),)
-    absorb_qk_cache_kernel[grid](
-        q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out,
-        q_nope.stride(0), q_nope.stride(1), w_uk_t.stride(0), w_uk_t.stride(1), w_uk_t.stride(2),
-        q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cache.stride(0), cache.stride(1),
-        q_out.stride(0), q_out.stride(1), T, H, cache.shape[1], fmt.fmax,
-        P=P, L=L, R=R, BLOCK_T=bt, BLOCK_N=bn, KV_ROWS=kv, K_STEPS=k_steps, FP8_MODE=fp8_mode(fmt, q_nope.device),
-        DOT_IN_FP32=False, EMULATE_BF16=False, num_warps=warps, num_stages=stages)
+def run_config(args, bn, bt, warps, stages, k_steps=1, kv=16):
+    """The shipped launcher (``absorb_qk_cache``) with this config forced, as ``tune`` times candidates."""
+    with launch.forced({"BLOCK_N": bn, "BLOCK_T": bt, "KV_ROWS": kv, "K_STEPS": k_steps, "num_warps": warps,
+                        "num_stages": stages}):
+        absorb_qk_cache(*args)
 
 
 def main() -> None:
@@ -84,14 +80,14 @@ def main() -> None:
             live = slots[slots >= 0]
             got_cache[live // cache.shape[1], live % cache.shape[1]] = 0x5A  # poison the rows to be written
             try:
-                launch(q_nope, w_uk_t, q_pe, kv_c, k_pe, got_cache, slots, k_scale, q_scale, got_out, fmt, bn, bt,
-                       warps, stages, k_steps, kv)
+                run_config((q_nope, w_uk_t, q_pe, kv_c, k_pe, got_cache, slots, k_scale, q_scale, got_out, fmt), bn,
+                           bt, warps, stages, k_steps, kv)
                 torch.cuda.synchronize()
             except Exception as exc:  # out of shared memory or registers: report, go on
                 print("fail", H, B, bn, bt, warps, stages, k_steps, kv, type(exc).__name__, str(exc)[:160], flush=True)
                 continue
             exact = torch.equal(got_out, ref_out) and torch.equal(got_cache, ref_cache)
-            us = graph_us(lambda: launch(*args, bn, bt, warps, stages, k_steps, kv))
+            us = graph_us(lambda: run_config(args, bn, bt, warps, stages, k_steps, kv))
             row = dict(H=H, B=B, bn=bn, bt=bt, warps=warps, stages=stages, k_steps=k_steps, kv=kv, us=round(us, 3),
                        shipped=round(shipped, 3), bmm_qk_cache=round(base, 3), exact=exact)
             rows.append(row)

@@ -37,15 +37,16 @@ KV_ROWS_FROM_TOKENS, KV_ROWS_TRIED = 128, 16
 # 12 and 16 heads: docs/benchmarks.md).
 WIDE_FROM_TOKENS, WIDE_TILE_ELEMENTS = 128, 32768
 # There the bf16 absorb kernel's tiles of 64 tokens and 128 columns and more are also tried with the
-# dot over P in K_STEPS_TRIED pipelined slices (on the H200, 11% faster at 12 heads and 256 tokens: docs/benchmarks.md).
+# dot over P in K_STEPS_TRIED pipelined slices (on the H200, 11% faster at 12 heads and 256 tokens:
+# docs/benchmarks.md).
 K_STEPS_TRIED = 4
 MISMATCH_ALLOWANCE = 1e-3  # extra share of query codes a candidate may have one step off the reference
 
 
 def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> list[dict[str, int]]:
     """The configs tried for ``kernel`` at ``tokens`` tokens (AMD adds the 16-wide MFMA option; many
-    tokens add wider tiles and multi-row KV programs), less those the loader refuses on ``arch`` (default gfx942 or
-    sm90): more warps than matrix tiles."""
+    tokens add wider tiles and multi-row KV programs), less those the loader refuses on ``arch``
+    (default gfx942 or sm90): more warps than matrix tiles."""
     warps = (1, 2, 4, 8) if amd else (2, 4, 8)
     if kernel == names.RMSNORM_PAIR_KERNEL:
         return [{"ROWS_Q": q, "ROWS_KV": kv, "num_warps": w} for q in (1, 2) for kv in (1, 2, 4, 8)

@@ -67,10 +67,11 @@ DOT_TILE_KERNELS = (names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERN
 # K_STEPS, the slices of the bf16 absorb kernel's dot over P (1: one dot; at most P / 16, tl.dot's least K).
 OPTIONAL_PARAMETERS: dict[str, dict[str, int]] = {
     **{kernel: {} for kernel in KERNEL_PARAMETERS},
-    **{kernel: {"KV_ROWS": 1} for kernel in DOT_TILE_KERNELS},
-    names.ABSORB_QK_CACHE_KERNEL: {"KV_ROWS": 1, "K_STEPS": 1},
+    **{kernel: {"KV_ROWS": 1, **({"K_STEPS": 1} if kernel == names.ABSORB_QK_CACHE_KERNEL else {})}
+       for kernel in DOT_TILE_KERNELS},
 }
-MAX_K_STEPS = k3.QK_NOPE_HEAD_DIM // 16
+DOT_LEAST = 16  # tl.dot's least rows and least K
+MAX_K_STEPS = k3.QK_NOPE_HEAD_DIM // DOT_LEAST
 # The part of the dot's result (rows x columns) one warp's matrix instruction computes. AMD (gfx*):
 # MFMA v_mfma_f32_<M>x<N>x<K>_<type>, M = N = 16 or 32 for every dtype of these kernels on CDNA3 and
 # CDNA4 (AMD's CDNA3/CDNA4 ISA guides; the instruction the compile report reads from each code object,
@@ -192,12 +193,12 @@ def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tupl
     for key in (*KERNEL_PARAMETERS[kernel], *(k for k in OPTIONAL_PARAMETERS[kernel] if k in values), "num_warps"):
         if values[key] & (values[key] - 1):
             raise LaunchConfigError(f"{where}: {key} = {values[key]} is not a power of two")
-    if kernel in DOT_TILE_KERNELS and 1 < values["BLOCK_T"] < 16:
-        raise LaunchConfigError(f"{where}: BLOCK_T = {values['BLOCK_T']}: 1 (no dot) or at least 16 (tl.dot's "
-                                "smallest tile)")
+    if kernel in DOT_TILE_KERNELS and 1 < values["BLOCK_T"] < DOT_LEAST:
+        raise LaunchConfigError(f"{where}: BLOCK_T = {values['BLOCK_T']}: 1 (no dot) or at least {DOT_LEAST} "
+                                "(tl.dot's smallest tile)")
     if values.get("K_STEPS", 1) > MAX_K_STEPS:
         raise LaunchConfigError(f"{where}: K_STEPS = {values['K_STEPS']}: at most {MAX_K_STEPS} (slices of the "
-                                f"{k3.QK_NOPE_HEAD_DIM} q_nope lanes of at least 16, tl.dot's least K)")
+                                f"{k3.QK_NOPE_HEAD_DIM} q_nope lanes of at least {DOT_LEAST}, tl.dot's least K)")
     if kernel == names.ABSORB_QK_CACHE_KERNEL and values["BLOCK_T"] == 1:
         raise LaunchConfigError(f"{where}: BLOCK_T = 1: this kernel always takes a tl.dot (at least 16)")
     if not dot_warps_fit(arch, kernel, values):
