@@ -188,22 +188,20 @@ def test_the_candidate_grid_of_each_kernel():
     assert norm == {(("ROWS_KV", kv), ("ROWS_Q", q), ("num_warps", w)) for q in (1, 2) for kv in (1, 2, 4, 8)
                     for w in (2, 4, 8)} == grid(names.RMSNORM_PAIR_KERNEL, 8, False)
     assert grid(names.QK_CACHE_KERNEL, 1, True) == {(("HEADS", h), ("num_warps", w)) for h in (1, 2, 4, 8)
-                                                    for w in (1, 2, 4, 8)}
-    assert grid(names.QK_CACHE_KERNEL, 1, False) == {(("HEADS", h), ("num_warps", w)) for h in (1, 2, 4, 8)
-                                                     for w in (2, 4, 8)}
+                                                    for w in (1, 2, 4, 8)} == grid(names.QK_CACHE_KERNEL, 1, False)
 
     def tiles(kernel, tokens, amd):
         found = tune.candidates(kernel, tokens, amd)
         widths = (16, 32, 64, 128, 256) if tokens >= 128 else (16, 32, 64, 128)
         assert {c["BLOCK_N"] for c in found} == set(widths)
-        assert {c["num_warps"] for c in found} == ({1, 2, 4, 8} if amd else {2, 4, 8})
+        assert {c["num_warps"] for c in found} == {1, 2, 4, 8}
         assert len(found) == len({tuple(sorted(c.items())) for c in found})
         plain = {c["BLOCK_T"] for c in found if "matrix_instr_nonkdim" not in c}
         wide = {c["BLOCK_T"] for c in found if "matrix_instr_nonkdim" in c}
         assert all(c.get("matrix_instr_nonkdim", 16) == 16 for c in found)
         arch = "gfx942" if amd else "sm90"  # only configs the loader accepts there: one warp per matrix tile on AMD
         full = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in plain for n in widths
-                for w in ((1, 2, 4, 8) if amd else (2, 4, 8)) if n * t <= 32768]
+                for w in (1, 2, 4, 8) if n * t <= 32768]
         full += [{**c, "matrix_instr_nonkdim": 16} for c in full if c["BLOCK_T"] >= 16] if amd else []
         sliced = tokens >= 128 and kernel == names.ABSORB_QK_CACHE_KERNEL
         full += [{**c, "K_STEPS": 4} for c in full if c["BLOCK_T"] >= 64 and c["BLOCK_N"] >= 128] if sliced else []

@@ -47,7 +47,7 @@ def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> 
     """The configs tried for ``kernel`` at ``tokens`` tokens (AMD adds the 16-wide MFMA option; many
     tokens add wider tiles and multi-row KV programs), less those the loader refuses on ``arch``
     (default gfx942 or sm90): more warps than matrix tiles."""
-    warps = (1, 2, 4, 8) if amd else (2, 4, 8)
+    warps = (1, 2, 4, 8)  # one warp won the fp8 absorb's one-token programs on the H200 (2026-12-04)
     if kernel == names.RMSNORM_PAIR_KERNEL:
         return [{"ROWS_Q": q, "ROWS_KV": kv, "num_warps": w} for q in (1, 2) for kv in (1, 2, 4, 8)
                 for w in warps if w >= 2]
@@ -93,7 +93,7 @@ class Case:
         import torch
 
         from k3_amd_overlay import k3
-        from k3_amd_overlay.commands.bench.kernels import decode_step_inputs, mxfp4_weights
+        from k3_amd_overlay.commands.bench.kernels import decode_step_inputs, fp8_weights, mxfp4_weights
         from k3_amd_overlay.ops import reference
 
         self.kernel = kernel
@@ -136,8 +136,7 @@ class Case:
         elif kernel == names.ABSORB_FP8_QK_CACHE_KERNEL:
             from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
 
-            w_k = (torch.randn(heads, lora, nope, device="cuda") * 40).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
-            w_k_scale = torch.tensor(0.003, device="cuda")
+            w_k, w_k_scale = fp8_weights(heads, fmt)
             stock(reference.absorb_w_k_fp8_reference(q_nope, w_k, w_k_scale, fmt))
             self.run = lambda: absorb_fp8_qk_cache(q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache, slots, k_scale,
                                                    q_scale, q_out, fmt)

@@ -47,6 +47,10 @@ def absorb_fp8_qk_cache_kernel(
             pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, num_tokens, token_blocks, P, L, BLOCK_T,
             BLOCK_N)
         pe, rope = load_rope(column, head, t64, live, q_pe_ptr, s_qp_t, s_qp_h, R)
+        # both scalar scales with the operands: after the max's and the dot's barriers each load was a
+        # second memory round trip
+        w_scale = tl.load(w_scale_ptr)
+        scale = tl.load(q_scale_ptr)
         # the dynamic per-(token, head) quant of the AITER GEMM: scale = max(max|q|, 1e-10) times the
         # fp32 constant 1 / fp8 max (folded at compile time, as there: a run-time fp32 reciprocal can be
         # an ulp off and move codes), q * (1 / scale) clamped and cast to the weight's fp8 type
@@ -63,9 +67,8 @@ def absorb_fp8_qk_cache_kernel(
             ql = tl.dot(q8.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:  # full fp32 accumulation (sm90's default for fp8 keeps fewer bits and moves codes; AMD's is this)
             ql = tl.dot(q8, w, max_num_imprecise_acc=0)
-        ql = ql * a_scale * tl.load(w_scale_ptr)
+        ql = ql * a_scale * w_scale
         ql = to_dtype_rne(ql, q_nope_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
-        scale = tl.load(q_scale_ptr)
         inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
         store_query(ql, inv, pe, rope, head, t64, live, offs_n, q_out_ptr, s_qo_t, s_qo_h, fmax, L, R, FP8_MODE)
     else:

@@ -83,6 +83,7 @@ def absorb_mxfp4_qk_cache_kernel(
         column, head, t64, live, offs_n, q_nope = query_rows(pid, q_nope_ptr, s_qn_t, s_qn_h, num_tokens,
                                                              token_blocks, P, L, BLOCK_T, BLOCK_N)
         pe, rope = load_rope(column, head, t64, live, q_pe_ptr, s_qp_t, s_qp_h, R)
+        q_scale = tl.load(q_scale_ptr)  # with the operands, not after the dot's barriers
         values = mxfp4_values(q_nope.to(tl.float32), BLOCK_T, P, GROUP, AMAX_ROUND_BITS, EXPONENT_OFFSET, E2M1_MAX)
         even, odd = tl.split(tl.reshape(values, (BLOCK_T, P // 2, 2)))
         # packed row j holds lanes 2j (low nibble) and 2j + 1 (high); its scale is group 2j // GROUP
@@ -102,8 +103,7 @@ def absorb_mxfp4_qk_cache_kernel(
         else:
             ql = tl.dot(odd.to(tl.bfloat16), w_high.to(tl.bfloat16),
                         acc=tl.dot(even.to(tl.bfloat16), w_low.to(tl.bfloat16)))
-        scale = tl.load(q_scale_ptr)
-        inv = tl.fdiv(scale * 0.0 + 1.0, scale, ieee_rounding=True)
+        inv = tl.fdiv(q_scale * 0.0 + 1.0, q_scale, ieee_rounding=True)
         # vLLM hands its q_scale to the GEMM as y_scale and quantises the query with it again
         ql = to_dtype_rne(ql * inv, q_nope_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
         store_query(ql, inv, pe, rope, head, t64, live, offs_n, q_out_ptr, s_qo_t, s_qo_h, fmax, L, R, FP8_MODE)

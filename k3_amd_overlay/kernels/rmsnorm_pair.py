@@ -25,8 +25,10 @@ def _norm_rows(x_ptr, out_ptr, w_ptr, x_stride, out_stride, row0, n_rows, eps,
     mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
     r64 = rows.to(tl.int64)[:, None]  # int64 offsets: strides of ~24K overflow int32 past ~87K rows
     x = tl.load(x_ptr + r64 * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    # The weight is loaded with the row, not after the sum: the sum's cross-warp reduction is a
+    # barrier the compiler does not move a load over, so a load after it is a second round trip.
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     # Round the normalised value to the weight's dtype before the multiply, as vLLM's RMSNorm does;
     # the product of two bf16/fp16 values is exact in fp32, so one rounding to the output follows.
     normed = to_dtype_rne(x * inv_rms[:, None], w_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)

@@ -42,9 +42,21 @@ def _result(op: str, shape: dict, mode: str, baseline: float, fused: float, empt
                 fused_over_load_floor=fused / max(empty["one_load_" + mode], floor_bw))
 
 
-def bench_qkv_norm(tokens_list: list[int], bw: float, empty: dict[str, float]) -> list[dict]:
+def norm_pair_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
+    """The norm pair's inputs at K3 widths as the model hands them over (q_c and kv_c column slices of
+    one latent row), random bf16 weights and contiguous outputs: (q, kv, q_w, kv_w, q_out, kv_out)."""
     import torch
 
+    latent = torch.randn(tokens, k3.Q_LORA_RANK + k3.LATENT_ROW, dtype=torch.bfloat16, device="cuda")
+    q, kv = latent[:, : k3.Q_LORA_RANK], latent[:, k3.Q_LORA_RANK: k3.Q_LORA_RANK + k3.KV_LORA_RANK]
+    q_w = torch.randn(k3.Q_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+    kv_w = torch.randn(k3.KV_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+    q_out = torch.empty(tokens, k3.Q_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+    kv_out = torch.empty(tokens, k3.KV_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+    return q, kv, q_w, kv_w, q_out, kv_out
+
+
+def bench_qkv_norm(tokens_list: list[int], bw: float, empty: dict[str, float]) -> list[dict]:
     from k3_amd_overlay.commands.bench.timing import eager_us, graph_us
     from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
 
@@ -54,11 +66,7 @@ def bench_qkv_norm(tokens_list: list[int], bw: float, empty: dict[str, float]) -
           "| fused / max(empty, bytes) | fused / max(one-load, bytes) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for tokens in tokens_list:
-        latent = torch.randn(tokens, k3.Q_LORA_RANK + k3.LATENT_ROW, dtype=torch.bfloat16, device="cuda")
-        q, kv = latent[:, : k3.Q_LORA_RANK], latent[:, k3.Q_LORA_RANK: k3.Q_LORA_RANK + k3.KV_LORA_RANK]
-        q_w = torch.randn(k3.Q_LORA_RANK, dtype=torch.bfloat16, device="cuda")
-        kv_w = torch.randn(k3.KV_LORA_RANK, dtype=torch.bfloat16, device="cuda")
-        q_out, kv_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty(tokens, k3.KV_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+        q, kv, q_w, kv_w, q_out, kv_out = norm_pair_inputs(tokens)
         def two(rows: int, warps: int) -> Callable[[], None]:
             return lambda: (rmsnorm(q, q_w, 1e-5, q_out, rows, warps), rmsnorm(kv, kv_w, 1e-5, kv_out, rows, warps))
 
@@ -220,8 +228,6 @@ def bench_absorb_fp8(heads_list: list[int], tokens_list: list[int], bw: float, e
     """vLLM's fp8 W_UK absorption folded in: the unfused fp8 path (AITER's fp8 BMM, then the overlay's
     qk_cache launch) and AITER's own fused fp8 kernel (its launch alone, query unscaled; and the aiter
     provider: that launch plus the static query quant), against the overlay's one launch."""
-    import torch
-
     from k3_amd_overlay.commands.bench import aiter_peers
     from k3_amd_overlay.commands.bench.timing import eager_us, graph_us
     from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
@@ -235,8 +241,7 @@ def bench_absorb_fp8(heads_list: list[int], tokens_list: list[int], bw: float, e
           + (" fp8 bmm + qk_cache µs | vs it | AITER fused µs | vs it | aiter provider µs |" if peers else ""))
     print("|---|---|---|---|---|---|" + ("---|---|---|---|---|" if peers else ""))
     for heads in heads_list:
-        w_k = (torch.randn(heads, lora, nope, device="cuda") * 40).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
-        w_k_scale = torch.tensor(0.003, device="cuda")
+        w_k, w_k_scale = fp8_weights(heads, fmt)
         for tokens in tokens_list:
             q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(tokens, heads)
 
@@ -292,8 +297,7 @@ def sweep_absorb_fp8(heads_list: list[int], tokens_list: list[int], fmt: Fp8Form
     print("| H | B | " + " | ".join(f"{n}x{w}" + ("t1" if t else "") for n, w, t in shapes) + " |")
     print("|---|---|" + "---|" * len(shapes))
     for heads in heads_list:
-        w_k = (torch.randn(heads, lora, nope, device="cuda") * 40).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
-        w_k_scale = torch.tensor(0.003, device="cuda")
+        w_k, w_k_scale = fp8_weights(heads, fmt)
         for tokens in tokens_list:
             q = torch.randn(tokens, heads, nope + rope, dtype=torch.bfloat16, device="cuda")
             kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16, device="cuda")
@@ -310,6 +314,16 @@ def sweep_absorb_fp8(heads_list: list[int], tokens_list: list[int], fmt: Fp8Form
                                 times={f"{n}x{w}" + ("t1" if t else ""): us
                                        for (n, w, t), us in zip(shapes, times, strict=True)}))
     return results
+
+
+def fp8_weights(heads: int, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random fp8 W_K [H, L, P] in ``fmt`` (clamped to its range) and its one fp32 per-tensor scale, as
+    vLLM's fp8 absorption holds them."""
+    import torch
+
+    lora, nope = k3.KV_LORA_RANK, k3.QK_NOPE_HEAD_DIM
+    w_k = (torch.randn(heads, lora, nope, device="cuda") * 40).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
+    return w_k, torch.tensor(0.003, device="cuda")
 
 
 def mxfp4_weights(heads: int) -> tuple[torch.Tensor, torch.Tensor]:
