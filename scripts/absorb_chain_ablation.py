@@ -26,9 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3_amd_overlay import k3
 from k3_amd_overlay.commands.bench.baselines import _empty_kernel, _one_load_kernel
-from k3_amd_overlay.commands.bench.kernels import decode_step_inputs
+from k3_amd_overlay.commands.bench.kernels import bf16_weights, decode_step_inputs
 from k3_amd_overlay.commands.bench.timing import bandwidth_bytes_per_us, graph_us
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels.absorb_qk_cache import (
@@ -114,8 +113,7 @@ def main(out_path: str, batches: tuple[int, ...] = (1, 2, 8)) -> None:
           flush=True)
     rows = []
     for H in (12, 16):
-        w_uk_t = (torch.randn(k3.KV_LORA_RANK, H, k3.QK_NOPE_HEAD_DIM, dtype=torch.bfloat16, device="cuda") / 8
-                  ).permute(1, 2, 0)
+        w_uk_t = bf16_weights(H)
         for B in batches:
             q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(B, H)
             ref_cache, ref_out = cache.clone(), torch.full_like(q_out, 0xAB)

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from k3_amd_overlay import k3
-from k3_amd_overlay.commands.bench.kernels import decode_step_inputs
+from k3_amd_overlay.commands.bench.kernels import bf16_weights, decode_step_inputs
 from k3_amd_overlay.commands.bench.timing import graph_us
 from k3_amd_overlay.commands.tune import WIDE_TILE_ELEMENTS
 from k3_amd_overlay.fp8 import E4M3FN
@@ -58,8 +58,7 @@ def main() -> None:
     k_steps_all = (1, 2, 4) if k_loop else (1,)
     rows = []
     for H, B in shapes:
-        w_uk_t = (torch.randn(k3.KV_LORA_RANK, H, k3.QK_NOPE_HEAD_DIM, dtype=torch.bfloat16, device="cuda") / 8
-                  ).permute(1, 2, 0)
+        w_uk_t = bf16_weights(H)
         q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(B, H)
         slots[3::7] = -1  # padding rows: no write
         ref_cache, ref_out = cache.clone(), torch.full_like(q_out, 0xAB)

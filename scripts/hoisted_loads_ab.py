@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from k3_amd_overlay import k3
 from k3_amd_overlay.commands.bench.kernels import (
+    bf16_weights,
     decode_step_inputs,
     fp8_weights,
     mxfp4_weights,
@@ -86,8 +86,7 @@ def main() -> None:
         rows.append(compare(dict(kernel="rmsnorm_pair", B=tokens), run(old["rmsnorm_pair"]), run(new["rmsnorm_pair"]),
                             [q_out, kv_out], poison, rounds))
     for heads in (12, 16):
-        w_uk_t = (torch.randn(k3.KV_LORA_RANK, heads, k3.QK_NOPE_HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-                  / 8).permute(1, 2, 0)
+        w_uk_t = bf16_weights(heads)
         w_k, w_k_scale = fp8_weights(heads, fmt)
         w4, w4_scale = mxfp4_weights(heads)
         for tokens in (1, 2, 8, 64, 256):

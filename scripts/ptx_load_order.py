@@ -10,11 +10,9 @@ import re
 import sys
 from pathlib import Path
 
-import torch
 from hoisted_loads_ab import load_old  # scripts/, beside this one
 
-from k3_amd_overlay import k3
-from k3_amd_overlay.commands.bench.kernels import decode_step_inputs, fp8_weights, norm_pair_inputs
+from k3_amd_overlay.commands.bench.kernels import bf16_weights, decode_step_inputs, fp8_weights, norm_pair_inputs
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels import absorb_fp8_qk_cache, absorb_qk_cache, rmsnorm_pair
 
@@ -57,8 +55,7 @@ def main() -> None:
     for tokens in (1, 8):
         q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(tokens, heads)
         w_k, w_k_scale = fp8_weights(heads, fmt)
-        w_uk_t = torch.randn(k3.KV_LORA_RANK, heads, k3.QK_NOPE_HEAD_DIM, dtype=torch.bfloat16,
-                             device="cuda").permute(1, 2, 0)
+        w_uk_t = bf16_weights(heads)
         tail = (q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out, fmt)
         for tag, module in (("old", load_old(Path(sys.argv[1]), "absorb_fp8_qk_cache")), ("new", absorb_fp8_qk_cache)):
             module.absorb_fp8_qk_cache(q_nope, w_k, w_k_scale, *tail)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.commands.bench.baselines import _empty_kernel, _one_load_kernel
-from k3_amd_overlay.commands.bench.kernels import decode_step_inputs
+from k3_amd_overlay.commands.bench.kernels import bf16_weights, decode_step_inputs
 from k3_amd_overlay.commands.bench.timing import bandwidth_bytes_per_us, graph_us
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
@@ -56,11 +56,6 @@ def taken_in_turn(items: list, launch: Callable) -> Callable[[], None]:
     return lambda: launch(items[next(turn) % len(items)])
 
 
-def w_uk_t(H: int) -> torch.Tensor:
-    return (torch.randn(k3.KV_LORA_RANK, H, k3.QK_NOPE_HEAD_DIM, dtype=torch.bfloat16, device="cuda") / 8
-            ).permute(1, 2, 0)
-
-
 def main(out_path: str) -> None:
     x = torch.randn(1024, device="cuda")
     y = torch.empty_like(x)
@@ -71,7 +66,7 @@ def main(out_path: str) -> None:
     P, L = k3.QK_NOPE_HEAD_DIM, k3.KV_LORA_RANK
     rows = []
     for H in (12, 16):
-        weights = [w_uk_t(H) for _ in range(COPIES)]
+        weights = [bf16_weights(H) for _ in range(COPIES)]
         states = {"warm": weights[:1], "cold": weights}
         for block_n, split, warps in itertools.product(BLOCK_NS, SPLITS, WARPS):
             programs = H * (L // block_n) * split

@@ -182,8 +182,7 @@ def bench_absorb(heads_list: list[int], tokens_list: list[int], bw: float, empty
           "| bytes/bw µs (W read once) | one launch / max(one-load, bytes) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for heads in heads_list:
-        w_uk = torch.randn(lora, heads, nope, dtype=torch.bfloat16, device="cuda") / 8
-        w_uk_t = w_uk.permute(1, 2, 0)  # vLLM's layout: a permuted view
+        w_uk_t = bf16_weights(heads)
         for tokens in tokens_list:
             q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(tokens, heads)
             ql_nope = torch.empty(tokens, heads, lora, dtype=torch.bfloat16, device="cuda")
@@ -314,6 +313,14 @@ def sweep_absorb_fp8(heads_list: list[int], tokens_list: list[int], fmt: Fp8Form
                                 times={f"{n}x{w}" + ("t1" if t else ""): us
                                        for (n, w, t), us in zip(shapes, times, strict=True)}))
     return results
+
+
+def bf16_weights(heads: int) -> torch.Tensor:
+    """Random bf16 W_UK_T [H, P, L] (magnitude ~1/8) in vLLM's layout: a permuted view of [L, H, P]."""
+    import torch
+
+    lora, nope = k3.KV_LORA_RANK, k3.QK_NOPE_HEAD_DIM
+    return (torch.randn(lora, heads, nope, dtype=torch.bfloat16, device="cuda") / 8).permute(1, 2, 0)
 
 
 def fp8_weights(heads: int, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
