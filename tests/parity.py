@@ -74,8 +74,8 @@ def make_qk_case(tokens: int, heads: int, fmt: Fp8Format, *, block_size: int = 1
     num_blocks = num_blocks or max(4, 2 * tokens // block_size + 3)
     total = num_blocks * block_size
     slots = torch.randperm(total, generator=gen)[:tokens]
-    if padding_every:
-        slots[::padding_every] = -1
+    if padding_every:  # from the third token: a batch of one or two tokens has every token's query checked
+        slots[padding_every - 1:: padding_every] = -1
     to = dict(device=device)
     return QkCase(
         ql_nope=ql_nope.to(dtype).to(**to),
@@ -88,6 +88,14 @@ def make_qk_case(tokens: int, heads: int, fmt: Fp8Format, *, block_size: int = 1
         cache_shape=(num_blocks, block_size, lora + rope),
         fmt=fmt,
     )
+
+
+def unchecked(case: QkCase) -> list[str]:
+    """A batch whose every token is padding (slot -1) leaves the queries unchecked: a problem, so a
+    parity check cannot pass on nothing."""
+    if case.slot_mapping.numel() and not bool((case.slot_mapping >= 0).any()):
+        return ["no token has a slot: the query bytes would go unchecked"]
+    return []
 
 
 QkRunner = Callable[[QkCase, torch.Tensor, torch.Tensor], None]  # (case, cache_u8, q_out_u8)
@@ -131,7 +139,7 @@ def qk_cache_problems(case: QkCase, runner: QkRunner) -> list[str]:
     between the two poisons were not written. Problems: a byte written that should not be, one not
     written that should be, a code that differs from the reference's (bit equality, on the GPU and
     under the Triton interpreter alike)."""
-    problems: list[str] = []
+    problems: list[str] = unchecked(case)
     ref = run_provider("reference")
     cache_a, q_a = _outputs(case, runner, POISON_A)
     cache_b, q_b = _outputs(case, runner, POISON_B)
@@ -207,7 +215,7 @@ def absorb_problems(case: QkCase, fused: Callable[[int], tuple[torch.Tensor, tor
     cache_b, q_b = fused(POISON_B)
     ref_cache, ref_q = want
     valid = case.slot_mapping >= 0
-    found = []
+    found = unchecked(case)
     block = case.cache_shape[1]
     rows = torch.zeros(case.cache_shape[:2], dtype=torch.bool, device=cache_a.device)
     slots = case.slot_mapping[valid]
@@ -224,4 +232,55 @@ def absorb_problems(case: QkCase, fused: Callable[[int], tuple[torch.Tensor, tor
     if (differ & ~adjacent).any() or differ.float().mean() > max_differing:
         found.append(f"q_out: {int(differ.sum())} of {got.numel()} codes differ "
                      f"({int((differ & ~adjacent).sum())} by more than one step)")
+    return found
+
+
+AbsorbMaker = Callable[[int], tuple[QkCase, torch.Tensor, tuple[torch.Tensor, ...]]]
+
+
+def absorb_graph_replay_problems(make: AbsorbMaker, op: Callable[..., torch.Tensor],
+                                 max_differing: float = 0.002, seeds: tuple[int, ...] = (2, 3)) -> list[str]:
+    """An absorbed op (``op(q_nope, *weights, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, ...)``)
+    captured once in a CUDA/HIP graph on ``make(1)``'s tensors, no host sync allowed inside, then
+    replayed after ``make(seed)``'s values are copied into those tensors: the queries, rope lanes, KV
+    rows, slots, both static scales, and the weights with their scales (a value taken when captured
+    goes stale there). Per replay, what ``absorb_problems`` finds against the reference provider run
+    on the same tensors: outputs poisoned twice, every meant byte written and nothing else."""
+    case, q_nope, weights = make(1)
+    fmt = case.fmt
+    tensors = [q_nope, *weights, case.q_pe, case.kv_c, case.k_pe, case.slot_mapping, case.k_scale, case.q_scale]
+    q_nope, *weights, q_pe, kv_c, k_pe, slots, k_scale, q_scale = tensors
+    cache = torch.full(case.cache_shape, POISON_A, dtype=torch.uint8, device=q_nope.device)
+    q_out = torch.full((*q_nope.shape[:2], k3.LATENT_ROW), POISON_A, dtype=torch.uint8, device=q_nope.device)
+
+    def step(provider: str, into: torch.Tensor, q_into: torch.Tensor | None) -> torch.Tensor:
+        return op(q_nope, *weights, q_pe, kv_c, k_pe, into, slots, k_scale, q_scale,
+                  q_out=None if q_into is None else q_into.view(fmt.dtype), provider=provider, kv_format=fmt.name)
+
+    step("triton", cache, q_out)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            step("triton", cache, q_out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    def replayed(poison: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cache.fill_(poison)
+        q_out.fill_(poison)
+        graph.replay()
+        return cache.clone(), q_out.clone()
+
+    found = []
+    for seed in seeds:
+        new, new_q, new_weights = make(seed)
+        news = [new_q, *new_weights, new.q_pe, new.kv_c, new.k_pe, new.slot_mapping, new.k_scale * (1 + seed / 7),
+                new.q_scale * (1 + seed / 11)]
+        for dst, src in zip(tensors, news, strict=True):
+            dst.copy_(src)
+        ref_cache = torch.full_like(cache, POISON_A)
+        ref_q = step("reference", ref_cache, None).view(torch.uint8)
+        found += [f"seed {seed}: {p}" for p in absorb_problems(new, replayed, (ref_cache, ref_q), max_differing)]
     return found
