@@ -240,7 +240,7 @@ def test_tune_tries_amd_options_only_on_amd_and_one_token_programs_only_for_one_
 
 
 def test_every_candidate_tune_tries_is_a_config_the_overlay_would_accept():
-    for kernel, tokens in itertools.product(tune.TUNED_KERNELS, (32, 256)):
+    for kernel, tokens in itertools.product(tune.TUNED_KERNELS, (1, 32, 256)):
         for config in tune.candidates(kernel, tokens, amd=True):
             launch_configs.parse(_file(kernels={kernel: [{"config": config}]}), "candidate")
 

@@ -193,7 +193,8 @@ def test_the_candidate_grid_of_each_kernel():
     def tiles(kernel, tokens, amd):
         found = tune.candidates(kernel, tokens, amd)
         widths = (16, 32, 64, 128, 256) if tokens >= 128 else (16, 32, 64, 128)
-        assert {c["BLOCK_N"] for c in found} == set(widths)
+        assert {c["BLOCK_N"] for c in found if c["BLOCK_T"] > 1} == set(widths)
+        assert {c["BLOCK_N"] for c in found if c["BLOCK_T"] == 1} <= {8, *widths}
         assert {c["num_warps"] for c in found} == {1, 2, 4, 8}
         assert len(found) == len({tuple(sorted(c.items())) for c in found})
         plain = {c["BLOCK_T"] for c in found if "matrix_instr_nonkdim" not in c}
@@ -202,6 +203,7 @@ def test_the_candidate_grid_of_each_kernel():
         arch = "gfx942" if amd else "sm90"  # only configs the loader accepts there: one warp per matrix tile on AMD
         full = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in plain for n in widths
                 for w in (1, 2, 4, 8) if n * t <= 32768]
+        full += [{"BLOCK_N": 8, "BLOCK_T": 1, "num_warps": w} for w in (1, 2, 4, 8)] if 1 in plain else []
         full += [{**c, "matrix_instr_nonkdim": 16} for c in full if c["BLOCK_T"] >= 16] if amd else []
         sliced = tokens >= 128 and kernel == names.ABSORB_QK_CACHE_KERNEL
         full += [{**c, "K_STEPS": 4} for c in full if c["BLOCK_T"] >= 64 and c["BLOCK_N"] >= 128] if sliced else []

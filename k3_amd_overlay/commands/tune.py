@@ -40,6 +40,9 @@ WIDE_FROM_TOKENS, WIDE_TILE_ELEMENTS = 128, 32768
 # dot over P in K_STEPS_TRIED pipelined slices (on the H200, 11% faster at 12 heads and 256 tokens:
 # docs/benchmarks.md).
 K_STEPS_TRIED = 4
+# One-token programs (BLOCK_T 1, no dot) are also tried this narrow: on the H200 the MXFP4 launch's
+# fastest at one token, 12 heads (docs/benchmarks.md).
+ONE_TOKEN_NARROWEST = 8
 MISMATCH_ALLOWANCE = 1e-3  # extra share of query codes a candidate may have one step off the reference
 
 
@@ -60,6 +63,8 @@ def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> 
     widths = (16, 32, 64, 128, 256) if wide else (16, 32, 64, 128)
     found = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in tiles for n in widths for w in warps
              if n * t <= WIDE_TILE_ELEMENTS]
+    if 1 in tiles:
+        found += [{"BLOCK_N": ONE_TOKEN_NARROWEST, "BLOCK_T": 1, "num_warps": w} for w in warps]
     if amd:
         found += [{**c, "matrix_instr_nonkdim": 16} for c in found if c["BLOCK_T"] >= 16]
     if wide and kernel == names.ABSORB_QK_CACHE_KERNEL:
