@@ -4,6 +4,8 @@ transposed W_UK_T, heads swapped, a skipped head) are caught."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import triton
@@ -53,8 +55,20 @@ def test_absorb_matches_reference(fmt, heads, tokens):
     assert problems(case, q_nope, w) == []
 
 
+ONE_TOKEN = {"BLOCK_N": 16, "BLOCK_T": 1, "num_warps": 1}  # programs of one token: no tensor-core tile
+
+
+@pytest.mark.parametrize(("tokens", "heads"), [(1, 12), (1, 16), (3, 16), (7, 3)])
+def test_one_token_programs_match_the_reference(tokens, heads):
+    """BLOCK_T 1 (the sm90 rules at one token): the exact bf16 products summed in fp32."""
+    case, q_nope, w = absorb_case(tokens, heads, E4M3FN, seed=tokens + heads)
+    with launch.forced(ONE_TOKEN):
+        assert problems(case, q_nope, w) == []
+
+
+@pytest.mark.parametrize("config", [None, ONE_TOKEN], ids=["shipped", "one_token"])
 @pytest.mark.parametrize("fault", ["transposed", "heads_swapped", "skipped_head"])
-def test_planted_faults_are_caught(fault):
+def test_planted_faults_are_caught(fault, config):
     case, q_nope, w = absorb_case(7, 3, E4M3FNUZ, seed=3)
 
     def mutated(c, q, ww, poison):
@@ -67,7 +81,8 @@ def test_planted_faults_are_caught(fault):
             q_out[:, 2] = poison
         return cache, q_out
 
-    assert any(p.startswith("q_out") for p in problems(case, q_nope, w, mutated))
+    with launch.forced(config) if config else contextlib.nullcontext():
+        assert any(p.startswith("q_out") for p in problems(case, q_nope, w, mutated))
 
 
 @pytest.mark.parametrize("kv_rows", [4, 16])

@@ -95,8 +95,9 @@ def test_every_message_of_the_file_parser_word_for_word():
          f"{path} {FP8} rule 0: BLOCK_T = 2: 1 (no dot) or at least 16 (tl.dot's smallest tile)"),
         (_one(FP8, {"BLOCK_N": 32, "BLOCK_T": 8, "num_warps": 1}),
          f"{path} {FP8} rule 0: BLOCK_T = 8: 1 (no dot) or at least 16 (tl.dot's smallest tile)"),
-        (_one(names.ABSORB_QK_CACHE_KERNEL, {"BLOCK_N": 32, "BLOCK_T": 1, "num_warps": 1}),
-         f"{path} {names.ABSORB_QK_CACHE_KERNEL} rule 0: BLOCK_T = 1: this kernel always takes a tl.dot (at least 16)"),
+        (_one(names.ABSORB_QK_CACHE_KERNEL, {"BLOCK_N": 32, "BLOCK_T": 1, "K_STEPS": 2, "num_warps": 1}),
+         f"{path} {names.ABSORB_QK_CACHE_KERNEL} rule 0: K_STEPS = 2 with BLOCK_T = 1: the sliced product is a "
+         "tl.dot, of at least 16 tokens"),
         # the dot-warps bound on AMD: one warp per matrix tile, 16x16 below 32 on either side, 32x32 from 32
         (_one(FP8, {"BLOCK_N": 64, "BLOCK_T": 16, "num_warps": 8}),
          f"{path} {FP8} rule 0: num_warps = 8 on a 16x64 block (BLOCK_T x BLOCK_N) of 16x16 matrix tiles on gfx942: "

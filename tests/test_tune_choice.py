@@ -215,7 +215,7 @@ def test_the_candidate_grid_of_each_kernel():
         assert len(fitting) < len(full) if amd and 16 in plain else len(fitting) == len(full)
         return plain, wide
 
-    assert tiles(names.ABSORB_QK_CACHE_KERNEL, 1, True) == ({16}, {16})
+    assert tiles(names.ABSORB_QK_CACHE_KERNEL, 1, True) == ({1, 16}, {16})
     assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 1, True) == ({1, 16}, {16})
     assert tiles(names.ABSORB_MXFP4_QK_CACHE_KERNEL, 1, False) == ({1, 16}, set())
     assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 2, True) == ({16}, {16})

@@ -58,7 +58,7 @@ def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> 
         return [{"HEADS": h, "num_warps": w} for h in (1, 2, 4, 8) for w in warps]
     wide = tokens >= WIDE_FROM_TOKENS
     tiles = [t for t in (16, 32, 64, 128) if t == 16 or (t <= tokens and (t < 128 or wide))]
-    if tokens == 1 and kernel != names.ABSORB_QK_CACHE_KERNEL:
+    if tokens == 1:
         tiles = [1, *tiles]
     widths = (16, 32, 64, 128, 256) if wide else (16, 32, 64, 128)
     found = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in tiles for n in widths for w in warps

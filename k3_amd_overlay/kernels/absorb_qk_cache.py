@@ -6,7 +6,8 @@ KV-cache write. ql_nope never goes to memory.
 Query programs take one head, BLOCK_T tokens and BLOCK_N of the L output columns: the W_UK_T slice
 they need (P x BLOCK_N) is read by that program only, so the weight read is spread over many
 programs (one program streaming a head's whole W_UK_T was bound by a single SM's bandwidth); one
-bf16 ``tl.dot`` (at many tokens, where a rule sets K_STEPS, a pipelined loop of dots over slices of P),
+bf16 ``tl.dot`` (at many tokens, where a rule sets K_STEPS, a pipelined loop of dots over slices of P;
+at one token a program, BLOCK_T 1, the exact products summed in fp32 with no tensor-core tile),
 then the quant and the store. KV programs write KV_ROWS tokens' latent rows each
 (``write_kv_row`` of ``kernels/qk_cache.py`` for one, ``write_kv_rows`` for more)."""
 
@@ -157,7 +158,9 @@ def absorb_qk_cache_kernel(
                 pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, num_tokens, token_blocks, P, L,
                 BLOCK_T, BLOCK_N)
             pe, rope = load_rope(column, head, t64, live, q_pe_ptr, s_qp_t, s_qp_h, R)
-            if DOT_IN_FP32:  # the CPU interpreter mishandles low-precision dots; same products in fp32
+            if BLOCK_T < 16:  # too few tokens for a tensor-core tile: the exact bf16 products summed in fp32
+                ql = tl.sum(q_nope.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+            elif DOT_IN_FP32:  # the CPU interpreter mishandles low-precision dots; same products in fp32
                 ql = tl.dot(q_nope.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 ql = tl.dot(q_nope, w)  # fp32 accumulation of exact bf16 products

@@ -199,8 +199,9 @@ def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tupl
     if values.get("K_STEPS", 1) > MAX_K_STEPS:
         raise LaunchConfigError(f"{where}: K_STEPS = {values['K_STEPS']}: at most {MAX_K_STEPS} (slices of the "
                                 f"{k3.QK_NOPE_HEAD_DIM} q_nope lanes of at least {DOT_LEAST}, tl.dot's least K)")
-    if kernel == names.ABSORB_QK_CACHE_KERNEL and values["BLOCK_T"] == 1:
-        raise LaunchConfigError(f"{where}: BLOCK_T = 1: this kernel always takes a tl.dot (at least 16)")
+    if values.get("K_STEPS", 1) > 1 and values["BLOCK_T"] < DOT_LEAST:
+        raise LaunchConfigError(f"{where}: K_STEPS = {values['K_STEPS']} with BLOCK_T = {values['BLOCK_T']}: the "
+                                f"sliced product is a tl.dot, of at least {DOT_LEAST} tokens")
     if not dot_warps_fit(arch, kernel, values):
         _check_dot_warps(arch, values, where)
     return tuple(sorted(values.items()))
