@@ -235,7 +235,7 @@ def absorb_problems(case: QkCase, fused: Callable[[int], tuple[torch.Tensor, tor
     return found
 
 
-AbsorbMaker = Callable[[int], tuple[QkCase, torch.Tensor, tuple[torch.Tensor, ...]]]
+AbsorbMaker = Callable[[int], tuple]  # seed -> (case, q_nope, *weights): what the absorb tests' case makers return
 
 
 def absorb_graph_replay_problems(make: AbsorbMaker, op: Callable[..., torch.Tensor],
@@ -246,16 +246,16 @@ def absorb_graph_replay_problems(make: AbsorbMaker, op: Callable[..., torch.Tens
     rows, slots, both static scales, and the weights with their scales (a value taken when captured
     goes stale there). Per replay, what ``absorb_problems`` finds against the reference provider run
     on the same tensors: outputs poisoned twice, every meant byte written and nothing else."""
-    case, q_nope, weights = make(1)
+    case, q_nope, *weights = make(1)
     fmt = case.fmt
     tensors = [q_nope, *weights, case.q_pe, case.kv_c, case.k_pe, case.slot_mapping, case.k_scale, case.q_scale]
-    q_nope, *weights, q_pe, kv_c, k_pe, slots, k_scale, q_scale = tensors
     cache = torch.full(case.cache_shape, POISON_A, dtype=torch.uint8, device=q_nope.device)
     q_out = torch.full((*q_nope.shape[:2], k3.LATENT_ROW), POISON_A, dtype=torch.uint8, device=q_nope.device)
 
     def step(provider: str, into: torch.Tensor, q_into: torch.Tensor | None) -> torch.Tensor:
-        return op(q_nope, *weights, q_pe, kv_c, k_pe, into, slots, k_scale, q_scale,
-                  q_out=None if q_into is None else q_into.view(fmt.dtype), provider=provider, kv_format=fmt.name)
+        return op(q_nope, *weights, case.q_pe, case.kv_c, case.k_pe, into, case.slot_mapping, case.k_scale,
+                  case.q_scale, q_out=None if q_into is None else q_into.view(fmt.dtype), provider=provider,
+                  kv_format=fmt.name)
 
     step("triton", cache, q_out)  # compiles outside the capture
     torch.cuda.synchronize()
@@ -275,7 +275,7 @@ def absorb_graph_replay_problems(make: AbsorbMaker, op: Callable[..., torch.Tens
 
     found = []
     for seed in seeds:
-        new, new_q, new_weights = make(seed)
+        new, new_q, *new_weights = make(seed)
         news = [new_q, *new_weights, new.q_pe, new.kv_c, new.k_pe, new.slot_mapping, new.k_scale * (1 + seed / 7),
                 new.q_scale * (1 + seed / 11)]
         for dst, src in zip(tensors, news, strict=True):
@@ -284,3 +284,18 @@ def absorb_graph_replay_problems(make: AbsorbMaker, op: Callable[..., torch.Tens
         ref_q = step("reference", ref_cache, None).view(torch.uint8)
         found += [f"seed {seed}: {p}" for p in absorb_problems(new, replayed, (ref_cache, ref_q), max_differing)]
     return found
+
+
+def weight_scale_held_from_first_call(op: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Planted fault for the graph-replay tests of the scaled absorptions (fp8, MXFP4): ``op`` whose
+    Triton path keeps the W_K scale of its first call, as a prepared-weights cache would, so a graph
+    captured after it scales every replay by that stale value."""
+    held: list[torch.Tensor] = []
+
+    def stale(q_nope, w_k, w_k_scale, *rest, provider, **kwargs):
+        if provider == "triton":
+            held[:] = held or [w_k_scale.clone()]
+            w_k_scale = held[0]
+        return op(q_nope, w_k, w_k_scale, *rest, provider=provider, **kwargs)
+
+    return stale

@@ -6,10 +6,19 @@ BMM, then the concat, quant and cache write; and AITER's fused fp8 kernel); plan
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from machine import DEVICE, HAS_GPU
-from parity import POISON_A, absorb_graph_replay_problems, absorb_problems, make_qk_case, skip_under_interpreter
+from parity import (
+    POISON_A,
+    absorb_graph_replay_problems,
+    absorb_problems,
+    make_qk_case,
+    skip_under_interpreter,
+    weight_scale_held_from_first_call,
+)
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
@@ -139,21 +148,13 @@ def test_aiters_fused_kernel_agrees_with_its_own_gemm(aiter_triton):
 
 # --- CUDA/HIP graphs (GPU) ------------------------------------------------------------------------
 
-def _replay_case(tokens: int, heads: int):
-    def make(seed: int):
-        case, q_nope, w_k, w_k_scale = fp8_case(tokens, heads, E4M3FN, seed=seed)
-        return case, q_nope, (w_k, w_k_scale)
-
-    return make
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(("tokens", "heads"), [(1, 12), (1, 16), (8, 12), (256, 12), (256, 16)])
 def test_fp8_absorb_graph_replay_with_new_inputs(tokens, heads):
     """Captured once, replayed on new inputs, slots, static scales and weights with their scale: one
     token takes the programs without a tensor-core tile, 256 tokens the KV programs of several rows."""
-    assert absorb_graph_replay_problems(_replay_case(tokens, heads), fused_absorb_fp8_qk_cache,
-                                        max_differing=0.005) == []
+    make = partial(fp8_case, tokens, heads, E4M3FN)
+    assert absorb_graph_replay_problems(make, fused_absorb_fp8_qk_cache, max_differing=0.005) == []
 
 
 @pytest.mark.gpu
@@ -161,13 +162,6 @@ def test_fp8_absorb_graph_replay_with_new_inputs(tokens, heads):
 def test_a_weight_scale_held_from_before_the_capture_is_caught(tokens):
     """Planted fault for the test above: the fused path keeps the W_K scale of its first call (as a
     prepared-weights cache would), so the replays scale by a stale value."""
-    held: list[torch.Tensor] = []
-
-    def stale(q_nope, w_k, w_k_scale, *rest, provider, **kwargs):
-        if provider == "triton":
-            held[:] = held or [w_k_scale.clone()]
-            w_k_scale = held[0]
-        return fused_absorb_fp8_qk_cache(q_nope, w_k, w_k_scale, *rest, provider=provider, **kwargs)
-
-    found = absorb_graph_replay_problems(_replay_case(tokens, 12), stale, max_differing=0.005)
+    stale = weight_scale_held_from_first_call(fused_absorb_fp8_qk_cache)
+    found = absorb_graph_replay_problems(partial(fp8_case, tokens, 12, E4M3FN), stale, max_differing=0.005)
     assert any(p.startswith("seed 2: q_out:") for p in found), found

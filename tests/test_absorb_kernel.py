@@ -5,6 +5,7 @@ transposed W_UK_T, heads swapped, a skipped head) are caught."""
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import pytest
 import torch
@@ -162,12 +163,8 @@ def test_fp8_bmm_weights_are_refused_with_a_reason():
 
 def graph_replay_problems(tokens: int, heads: int) -> list[str]:
     """Captured once, replayed on new inputs, new slots and new weights (``absorb_graph_replay_problems``)."""
-
-    def make(seed: int):
-        case, q_nope, w = absorb_case(tokens, heads, E4M3FN, seed=seed)
-        return case, q_nope, (w,)
-
-    return absorb_graph_replay_problems(make, fused_absorb_qk_cache)
+    return absorb_graph_replay_problems(partial(absorb_case, tokens, heads, E4M3FN),
+                                        fused_absorb_qk_cache)
 
 
 @pytest.mark.gpu

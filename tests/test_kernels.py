@@ -9,6 +9,7 @@ import pytest
 import torch
 from machine import DEVICE, HAS_GPU
 from parity import (
+    absorb_problems,
     make_qk_case,
     qk_cache_problems,
     reference_pair,
@@ -29,6 +30,21 @@ FORMATS = [E4M3FN, E4M3FNUZ]
 def _interpreter_budget(tokens: int, heads: int, block_size: int) -> None:
     if not HAS_GPU and (tokens * (heads + 1) > 120 or (block_size > 16 and tokens > 7)):
         pytest.skip("too slow under the Triton interpreter; the GPU run (scripts/gpu_check.sh) covers it")
+
+
+def test_a_batch_of_only_padding_fails_both_parity_checks():
+    """A parity check holds only on bytes it compared: where every token is padding (slot -1) no
+    query is compared, and both checks say so instead of passing."""
+    case = make_qk_case(2, 1, E4M3FN, extremes=False, device=DEVICE, seed=0)
+    case.slot_mapping.fill_(-1)
+    nothing = "no token has a slot: the query bytes would go unchecked"
+    assert qk_cache_problems(case, run_provider("reference")) == [nothing]
+
+    def untouched(poison: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.full(case.cache_shape, poison, dtype=torch.uint8, device=DEVICE),
+                torch.full((2, 1, k3.LATENT_ROW), poison, dtype=torch.uint8, device=DEVICE))
+
+    assert absorb_problems(case, untouched, untouched(0)) == [nothing]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
