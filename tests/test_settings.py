@@ -37,6 +37,15 @@ def test_strict_and_providers():
         load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "vllm"})
 
 
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_a_bad_value_of_a_known_variable_is_an_error_with_the_overlay_off_too(switch):
+    env = {} if switch is None else {"K3_AMD_OVERLAY": switch}
+    with pytest.raises(SettingsError, match=r"K3_AMD_OVERLAY_STRICT='yes' is not valid"):
+        load_settings({**env, "K3_AMD_OVERLAY_STRICT": "yes"})
+    with pytest.raises(SettingsError, match="allowed: auto, aiter, triton, reference"):
+        load_settings({**env, "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "vllm"})
+
+
 def test_unknown_overlay_variables_are_errors_when_on_and_reported_when_off():
     with pytest.raises(SettingsError, match=r"unknown overlay variable.*K3_AMD_OVERLAY_STRCT"):
         load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_STRCT": "0"})
