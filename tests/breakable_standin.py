@@ -33,12 +33,13 @@ class BreakableCUDAGraphCapture:
     def current(cls) -> BreakableCUDAGraphCapture | None:
         return getattr(cls._tls, "active", None)
 
-    def __init__(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every segment, as vLLM passes its own
+    def __init__(self, pool: Any | None = None) -> None:
+        # one memory pool for every segment, as vLLM passes its own
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.segments: list[Callable[[], Any]] = []
         self._current_graph: torch.cuda.CUDAGraph | None = None
         self._capturing = False
-        self.eager_breaks = 0
+        self.num_eager_breaks = 0
 
     def __enter__(self) -> BreakableCUDAGraphCapture:
         BreakableCUDAGraphCapture._tls.active = self
@@ -66,7 +67,7 @@ class BreakableCUDAGraphCapture:
         self._end()
         result = fn()
         self.segments.append(fn)
-        self.eager_breaks += 1
+        self.num_eager_breaks += 1
         self._begin()
         return result
 

@@ -197,6 +197,9 @@ def build_layer(spec: LayerSpec, layer_index: int, seed: int = 0) -> Layer:
     with torch.no_grad():
         attn._k_scale.fill_(spec.k_scale if fp8 else 1.0)
         attn._q_scale.fill_(spec.q_scale if fp8 else 1.0)
+    for name, value in (("_k_scale_float", spec.k_scale), ("_q_scale_float", spec.q_scale)):
+        if hasattr(attn, name):  # vLLM keeps a float copy beside each scale (0.33 skips a scale of 1.0 by it)
+            setattr(attn, name, value if fp8 else 1.0)
     _replace_attention_core(layer, fp8)
     return layer
 
@@ -229,13 +232,19 @@ def _replace_attention_core(layer: Layer, fp8: bool) -> None:
     impl.forward_mqa = types.MethodType(forward_mqa, impl)
 
     original_update = impl.do_kv_cache_update
+    update_signature = inspect.signature(original_update)
 
-    def do_kv_cache_update(self: Any, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
-                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    def do_kv_cache_update(self: Any, *args: Any, **kwargs: Any) -> None:
+        # bound against this release's own signature: a call the real method would refuse fails here too
+        given = update_signature.bind(*args, **kwargs).arguments
+        kv_c_normed, k_pe, kv_cache, slot_mapping = (given[name] for name in
+                                                     ("kv_c_normed", "k_pe", "kv_cache", "slot_mapping"))
         layer.kv_writes.append(int((slot_mapping >= 0).sum()))
         if fmt is None:
-            return original_update(kv_c_normed, k_pe, kv_cache, slot_mapping, *args, **kwargs)
-        k_scale = attn._k_scale.float()
+            return original_update(*args, **kwargs)
+        k_scale = given["k_scale"].float()
+        # 0.33 skips the scale when the layer's float copy of it is 1.0: the same bytes, if the two agree
+        assert not given.get("skip_scale") or bool((k_scale == 1.0).all()), f"skip_scale with k_scale {k_scale}"
         rows = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], dim=-1).float()
         valid = (slot_mapping >= 0).nonzero().squeeze(1)
         slots = slot_mapping[valid]

@@ -85,8 +85,8 @@ def batched_gemm_a16wfp4(x, w, w_scales, dtype=torch.bfloat16, y=None, config=No
 
 def install_gemm_module(monkeypatch: pytest.MonkeyPatch) -> None:
     """Put ``aiter.ops.triton.batched_gemm_a16wfp4`` (with the stand-in GEMM) into sys.modules: vLLM
-    0.29-0.30 import AITER's GEMM from there in the decode path instead of calling
-    ``rocm_aiter_ops``; ``monkeypatch`` undoes it."""
+    0.29-0.30's MLA decode path and 0.32-0.33's own K3 fused decode (``models/kimi_k3/amd/mla.py``)
+    import AITER's GEMM from there instead of calling ``rocm_aiter_ops``; ``monkeypatch`` undoes it."""
     names = ("aiter", "aiter.ops", "aiter.ops.triton", "aiter.ops.triton.batched_gemm_a16wfp4")
     modules = [types.ModuleType(name) for name in names]
     for parent, child in itertools.pairwise(modules):

@@ -151,3 +151,23 @@ def test_a_breakable_segment_replays_a_plain_call_s_choice_and_reruns_an_eager_b
             assert replayed == ["graph: fused decode of a decode batch"]  # the decode-only path, for a mixed batch
         else:
             assert capture.num_eager_breaks == 1 and "eager: stock for a mixed batch" in replayed
+
+
+@pytest.mark.vllm
+def test_the_gpu_machines_breakable_capture_stand_in_has_the_real_modules_signatures():
+    """tests/breakable_standin.py stands in for this module on the GPU machine (no vLLM there): the
+    calls it takes and the counter it keeps are the installed release's own."""
+    import inspect
+
+    import breakable_standin
+
+    real = pytest.importorskip(breakable_standin.MODULE)
+    pairs = [(real.eager_break_during_capture, breakable_standin.eager_break_during_capture)]
+    real_class, standin_class = real.BreakableCUDAGraphCapture, breakable_standin.BreakableCUDAGraphCapture
+    pairs += [(getattr(real_class, name), getattr(standin_class, name))
+              for name in ("__init__", "current", "add_eager", "replay", "__enter__")]
+    for real_call, standin_call in pairs:
+        assert list(inspect.signature(standin_call).parameters) == list(inspect.signature(real_call).parameters), (
+            real_call.__qualname__)
+    counter = "num_eager_breaks"
+    assert hasattr(real_class(pool=object()), counter) and hasattr(standin_class(pool=object()), counter)

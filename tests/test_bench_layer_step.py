@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from machine import DEVICE, HAS_GPU
+from vllm_support import with_real_signature
 
 from k3_amd_overlay import k3, package
 from k3_amd_overlay.commands.bench import aiter_peers, kernels, layer_step
@@ -38,7 +39,7 @@ def fp8_bmm_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     def fp8_bmm(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torch.Tensor) -> torch.Tensor:
         return reference.absorb_w_k_fp8_reference(q_nope, w_k, w_k_scale, format_of(w_k.dtype))
 
-    monkeypatch.setattr(aiter_peers, "fp8_bmm", fp8_bmm)
+    monkeypatch.setattr(aiter_peers, "fp8_bmm", with_real_signature(aiter_peers.fp8_bmm, fp8_bmm))
 
 
 def step(tokens: int = 4, heads: int = 3, variant: str = layer_step.BF16) -> layer_step.Step:

@@ -161,7 +161,7 @@ def replay_against_stock(broken: bool, monkeypatch) -> tuple[list[tuple[str, boo
         want_out = attn.stock(static["q"], static["kv_c"], static["k_pe"], output_shape=(TOKENS, HEADS * V))
         outcomes.append((kind, torch.equal(got_out.view(torch.int16), want_out.view(torch.int16)),
                          torch.equal(got_cache.view(torch.uint8), attn.kv_cache.view(torch.uint8))))
-    return outcomes, runs, capture.eager_breaks
+    return outcomes, runs, capture.num_eager_breaks
 
 
 def test_breakable_replays_of_decode_mixed_and_prefill_batches_equal_stock(monkeypatch):

@@ -4,6 +4,7 @@ where, what the evidence is told. The real layers of every vLLM are in tests/tes
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import pytest
@@ -265,3 +266,32 @@ def test_a_layer_without_vllms_dual_norm_flag_is_not_upstream(tmp_path, here):
     layer = _layer()
     installer.install_sites(inst, layer, inst.settings.fusions, False)
     assert layer.__dict__[QKV_NORM_SITE].decision.state is FusionState.APPLIED
+
+
+@pytest.mark.parametrize("arity", [aiter_qk_cache.AITER_BASE_ARITY, aiter_qk_cache.AITER_BASE_ARITY + 1])
+def test_the_aiter_ops_arity_is_read_from_its_registered_schema_first(monkeypatch, arity):
+    """AITER's wrapper hides the Python signature; a real AITER registers the op under torch.ops.aiter,
+    whose schema gives the argument count (14, or 15 with the clamp flag)."""
+    arguments = ", ".join(f"Tensor a{i}" for i in range(arity))
+    schema = torch._C.parse_schema(f"aiter::{aiter_qk_cache.AITER_OP_NAME}({arguments}) -> ()")
+    registered = types.SimpleNamespace(default=types.SimpleNamespace(_schema=schema))
+    monkeypatch.setattr(torch.ops, "aiter", types.SimpleNamespace(**{aiter_qk_cache.AITER_OP_NAME: registered}),
+                        raising=False)
+
+    def hidden(*args, **kwargs):  # what AITER's compile_ops wrapper shows of the op
+        raise AssertionError("not called")
+
+    assert aiter_qk_cache.op_arity(hidden) == arity
+
+
+def test_without_a_registered_schema_the_aiter_ops_arity_is_its_python_signatures_or_the_base():
+    base = aiter_qk_cache.AITER_BASE_ARITY
+    fifteen = inspect.Signature([inspect.Parameter(f"a{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(15)])
+
+    def op(*args):
+        raise AssertionError("not called")
+
+    assert aiter_qk_cache.op_arity(op) == base  # (*args) says nothing of the arguments
+    op.__signature__ = fifteen
+    assert aiter_qk_cache.op_arity(op) == 15
+    assert aiter_qk_cache.op_arity(print) == base  # no signature to read

@@ -16,6 +16,7 @@ import threading
 
 import pytest
 import torch
+from vllm_support import with_real_signature
 
 from k3_amd_overlay import phases
 from k3_amd_overlay.evidence import Evidence
@@ -59,7 +60,12 @@ def no_gpu(monkeypatch):
         finally:
             capture["on"] = False
 
-    monkeypatch.setattr(torch_utils, "prev_set_stream", lambda stream: None)
+    def vllm_standin(owner, name, standin):  # vLLM's own functions: behind each release's real signature
+        real = getattr(owner, name, None)
+        return standin if real is None else with_real_signature(real, standin)
+
+    monkeypatch.setattr(torch_utils, "prev_set_stream",
+                        vllm_standin(torch_utils, "prev_set_stream", lambda stream: None))
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: torch_utils.current_stream())
     monkeypatch.setattr(torch.cuda, "current_stream", torch_utils.current_stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
@@ -67,13 +73,16 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.accelerator, "set_device_index", lambda device: None)
-    monkeypatch.setattr(current_platform, "graph_pool_handle", lambda: None, raising=False)
-    monkeypatch.setattr(gpu_ubatch_wrapper, "set_graph_pool_id", lambda pool: None)
+    monkeypatch.setattr(current_platform, "graph_pool_handle",
+                        vllm_standin(current_platform, "graph_pool_handle", lambda: None), raising=False)
+    monkeypatch.setattr(gpu_ubatch_wrapper, "set_graph_pool_id",
+                        vllm_standin(gpu_ubatch_wrapper, "set_graph_pool_id", lambda pool: None))
     if hasattr(gpu_ubatch_wrapper, "create_sm_control_context"):  # 0.30+; 0.29: a static method of the wrapper
-        monkeypatch.setattr(gpu_ubatch_wrapper, "create_sm_control_context", lambda config: contextlib.nullcontext())
+        monkeypatch.setattr(gpu_ubatch_wrapper, "create_sm_control_context", vllm_standin(
+            gpu_ubatch_wrapper, "create_sm_control_context", lambda config: contextlib.nullcontext()))
     else:
-        monkeypatch.setattr(gpu_ubatch_wrapper.UBatchWrapper, "_create_sm_control_context",
-                            staticmethod(lambda config: contextlib.nullcontext()))
+        monkeypatch.setattr(gpu_ubatch_wrapper.UBatchWrapper, "_create_sm_control_context", staticmethod(vllm_standin(
+            gpu_ubatch_wrapper.UBatchWrapper, "_create_sm_control_context", lambda config: contextlib.nullcontext())))
     monkeypatch.setattr(phases, "capturing", lambda: capture["on"])
     return capture
 

@@ -274,13 +274,15 @@ def test_providers_match_two_real_vllm_rmsnorms(dtype, tokens, provider):
 @pytest.fixture
 def aiter_dual_norm_standin(monkeypatch):
     """AITER on (as rocm_aiter_ops sees it) and a stand-in for vLLM's AITER dual-RMSNorm op."""
+    from vllm import _aiter_ops
     from vllm._aiter_ops import rocm_aiter_ops
 
     calls = []
     if not hasattr(aiter_dual_norm_standin, "lib"):
         lib = torch.library.Library("vllm", "FRAGMENT")
-        lib.define("fused_mla_dual_rms_norm(Tensor x1, Tensor w1, Tensor x2, Tensor w2, float e1, float e2)"
-                   " -> (Tensor, Tensor)")
+        # the schema of this release's own implementation (its argument names and types)
+        schema = torch.library.infer_schema(_aiter_ops._fused_mla_dual_rms_norm_impl, mutates_args=())
+        lib.define("fused_mla_dual_rms_norm" + schema)
 
         def impl(x1, w1, x2, w2, e1, e2):
             # AITER's dual RMSNorm is two RMSNorms in one launch: computed here by vLLM's own RMSNorm
@@ -723,17 +725,20 @@ def test_the_aiter_mla_module_is_where_this_vllm_defines_its_backend():
 
 
 def test_the_aiter_padding_is_asked_once_per_head_count(monkeypatch):
+    import importlib
     import sys
     from types import SimpleNamespace
 
+    real = importlib.import_module(vllm_env.AITER_MLA_MODULE).AiterMLAHelper  # imports on CPU in 0.29-0.33
     asked = []
 
     def get_actual_mla_num_heads(heads):
         asked.append(heads)
         return 16
 
-    helper = SimpleNamespace(get_actual_mla_num_heads=get_actual_mla_num_heads,
-                             get_mla_padded_q=lambda heads, probe: probe)
+    helper = SimpleNamespace(
+        get_actual_mla_num_heads=with_real_signature(real.get_actual_mla_num_heads, get_actual_mla_num_heads),
+        get_mla_padded_q=with_real_signature(real.get_mla_padded_q, lambda num_heads, q, target_heads: q))
     monkeypatch.setitem(sys.modules, vllm_env.AITER_MLA_MODULE, SimpleNamespace(AiterMLAHelper=helper))
     vllm_env._aiter_zero_copy_heads.cache_clear()
     try:
@@ -754,12 +759,13 @@ def test_without_a_vllm_config_in_context_each_answer_falls_back(monkeypatch):
     def no_config():
         raise RuntimeError("no vLLM config in context")
 
-    monkeypatch.setattr(vllm.config, "get_current_vllm_config", no_config)
+    real = vllm.config.get_current_vllm_config
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", with_real_signature(real, no_config))
     assert (vllm_env.max_batched_tokens(), vllm_env.whole_model_compiled(), vllm_env.model_coverage()) == (0, False, {})
     for mode, whole in ((CompilationMode.STOCK_TORCH_COMPILE, True), (CompilationMode.NONE, False)):
         config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
                                  compilation_config=SimpleNamespace(mode=mode))
-        monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda config=config: config)
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config", with_real_signature(real, lambda c=config: c))
         assert (vllm_env.max_batched_tokens(), vllm_env.whole_model_compiled()) == (8192, whole)
 
 
@@ -778,7 +784,8 @@ def test_coverage_names_the_model_and_what_is_not_covered(method, gaps, monkeypa
     hf_config = SimpleNamespace(architectures=["KimiLinearForCausalLM"])
     model_config = SimpleNamespace(hf_config=hf_config, architecture="KimiK3ForConditionalGeneration")
     config = SimpleNamespace(model_config=model_config, speculative_config=method and SimpleNamespace(method=method))
-    monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: config)
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config",
+                        with_real_signature(vllm.config.get_current_vllm_config, lambda: config))
     coverage = vllm_env.model_coverage()
     assert coverage["architecture"] == "KimiK3ForConditionalGeneration" and coverage["speculative_method"] == method
     assert coverage["text_model"] == ["KimiLinearForCausalLM"]

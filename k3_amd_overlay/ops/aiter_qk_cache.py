@@ -62,9 +62,12 @@ def op_arity(op: Callable[..., Any]) -> int:
     except (AttributeError, RuntimeError):
         pass
     try:
-        return len(inspect.signature(op).parameters)
+        parameters = inspect.signature(op).parameters.values()
     except (TypeError, ValueError):
         return AITER_BASE_ARITY
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        return AITER_BASE_ARITY  # a wrapper's (*args, **kwargs) says nothing of the op's arguments
+    return len(parameters)
 
 
 class BuiltInsideCapture(RuntimeError):
