@@ -18,6 +18,7 @@ from k3_amd_overlay.kernels.absorb_qk_cache import (
     load_rope,
     query_operands,
     store_query,
+    summed_products,
     write_kv_program,
 )
 from k3_amd_overlay.kernels.launch import launch
@@ -62,7 +63,7 @@ def absorb_fp8_qk_cache_kernel(
         else:
             q8 = tl.clamp(q_nope.to(tl.float32) * a_recip, -W_FMAX, W_FMAX).to(w_ptr.dtype.element_ty)
         if BLOCK_T < 16:  # too few tokens for a tensor-core tile: exact fp8 products summed in fp32
-            ql = tl.sum(q8.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+            ql = summed_products(q8, w)
         elif DOT_IN_FP32:  # the CPU interpreter mishandles fp8 dots: the same exact products in fp32
             ql = tl.dot(q8.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:  # full fp32 accumulation (sm90's default for fp8 keeps fewer bits and moves codes; AMD's is this)

@@ -20,7 +20,14 @@ import triton.language as tl
 from k3_amd_overlay import mxfp4
 from k3_amd_overlay.fp8 import Fp8Format
 from k3_amd_overlay.kernels import target
-from k3_amd_overlay.kernels.absorb_qk_cache import absorb_launch, load_rope, query_rows, store_query, write_kv_program
+from k3_amd_overlay.kernels.absorb_qk_cache import (
+    absorb_launch,
+    load_rope,
+    query_rows,
+    store_query,
+    summed_products,
+    write_kv_program,
+)
 from k3_amd_overlay.kernels.launch import launch
 from k3_amd_overlay.kernels.names import ABSORB_MXFP4_QK_CACHE_KERNEL
 from k3_amd_overlay.kernels.qk_cache import fp8_mode
@@ -96,8 +103,7 @@ def absorb_mxfp4_qk_cache_kernel(
         w_low = e2m1_value(packed & 0xF) * scale
         w_high = e2m1_value(packed >> 4) * scale
         if BLOCK_T < 16:  # too few tokens for a tensor-core tile: the exact products summed in fp32
-            ql = tl.sum(even[:, :, None] * w_low[None, :, :], axis=1) + tl.sum(odd[:, :, None] * w_high[None, :, :],
-                                                                                axis=1)
+            ql = summed_products(even, w_low) + summed_products(odd, w_high)
         elif DOT_IN_FP32:  # the CPU interpreter: the same exact products in fp32
             ql = tl.dot(odd, w_high, acc=tl.dot(even, w_low, input_precision="ieee"), input_precision="ieee")
         else:

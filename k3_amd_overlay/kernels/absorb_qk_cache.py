@@ -77,6 +77,13 @@ def query_operands(pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, 
 
 
 @triton.jit
+def summed_products(a, w):
+    """a [BLOCK_T, K] @ w [K, BLOCK_N] for programs of too few tokens for a tensor-core tile: each product
+    (of bf16, fp8 or MXFP4 values: exact in fp32) summed in fp32 over K."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def product_in_steps(q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, head, t64, live, offs_n,
                      P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, K_STEPS: tl.constexpr,
                      DOT_IN_FP32: tl.constexpr):
@@ -159,7 +166,7 @@ def absorb_qk_cache_kernel(
                 BLOCK_T, BLOCK_N)
             pe, rope = load_rope(column, head, t64, live, q_pe_ptr, s_qp_t, s_qp_h, R)
             if BLOCK_T < 16:  # too few tokens for a tensor-core tile: the exact bf16 products summed in fp32
-                ql = tl.sum(q_nope.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+                ql = summed_products(q_nope, w)
             elif DOT_IN_FP32:  # the CPU interpreter mishandles low-precision dots; same products in fp32
                 ql = tl.dot(q_nope.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
