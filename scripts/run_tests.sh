@@ -4,8 +4,9 @@
 # the suite against the installed wheel (from scratch directories, so the source tree is never
 # imported) as test jobs, as many at a time as there are cores: the real-engine tier (tests/engine, two jobs,
 # in the engine venv with the test kit installed), the release-independent tests once (the kernel
-# tests and the modules tests/conftest.py lists, in the first venv), and each release's venv
-# without them. The AMD compile reports (scripts/compile_reports.sh: gfx942 and gfx950, three
+# tests and the modules tests/conftest.py lists, in the first venv), each release's venv
+# without them, and tests/test_newer_release.py in the venv of the release beyond the range
+# (scripts/beyond-range-vllm.txt). The AMD compile reports (scripts/compile_reports.sh: gfx942 and gfx950, three
 # Tritons) run in the background beside the tests. Prints each job's seconds and one summary line.
 #   scripts/run_tests.sh [VERSION ...]     default: scripts/vllm-versions.txt (the engine tier always runs)
 set -uo pipefail
@@ -13,12 +14,15 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 venv_root=${K3OVL_VENV_ROOT:-$repo/.venvs}
 if [ $# -gt 0 ]; then versions=("$@"); else mapfile -t versions < <(grep -v '^#' "$repo/scripts/vllm-versions.txt"); fi
 engine=$(grep -v '^#' "$repo/scripts/engine-vllm.txt")
+beyond=$(grep -v '^#' "$repo/scripts/beyond-range-vllm.txt" || true)
 start=$SECONDS
-"$repo/scripts/setup_venvs.sh" "${versions[@]}" "$engine" 2>&1 | grep -v "WARNING: Location" || exit 1
+"$repo/scripts/setup_venvs.sh" "${versions[@]}" "$engine" $beyond 2>&1 | grep -v "WARNING: Location" || exit 1
 venvs=()
 for v in "${versions[@]}"; do venvs+=("$venv_root/vllm-$v"); done
 engine_venv="$venv_root/vllm-$engine"
-"$repo/scripts/install_overlay.sh" "${venvs[@]}" "$engine_venv" || exit 1
+beyond_venv=()
+[ -n "$beyond" ] && beyond_venv=("$venv_root/vllm-$beyond")
+"$repo/scripts/install_overlay.sh" "${venvs[@]}" "$engine_venv" "${beyond_venv[@]}" || exit 1
 "$engine_venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
   "$repo/tests/engine/testkit" 2>&1 | grep -v "WARNING: Location"
 echo "[setup] done in $((SECONDS - start)) s"
@@ -47,26 +51,30 @@ engine_alone=${K3OVL_ENGINE_ALONE:-0}
 engine_first=(test_offline_ab.py test_kernel_failure.py test_harnesses.py)
 job_kinds=(independent)
 for i in "${!versions[@]}"; do job_kinds+=("release $i"); done
+[ -n "$beyond" ] && job_kinds+=(beyond)
 if [ "$engine_alone" = 1 ]; then job_kinds+=("engine 1" "engine 2"); else job_kinds=("engine 1" "engine 2" "${job_kinds[@]}"); fi
 job_name() {  # INDEX
   case ${job_kinds[$1]} in
     "engine 1") echo "real engine, part 1 (vllm-$engine: ${engine_first[*]})" ;;
     "engine 2") echo "real engine, part 2 (vllm-$engine: the other files of tests/engine)" ;;
     independent) echo "release-independent (vLLM ${versions[0]})" ;;
+    beyond) echo "vLLM $beyond, beyond the range (tests/test_newer_release.py)" ;;
     *) echo "vLLM ${versions[${job_kinds[$1]#release }]}" ;;
   esac
 }
 run_job() {  # INDEX: pytest in its own directory; leaves log, rc and seconds there
-  local i=$1 dir="$scratch/job-$1" t0=$SECONDS venv args
+  local i=$1 dir="$scratch/job-$1" t0=$SECONDS venv args expect_beyond=0
   case ${job_kinds[$i]} in
     "engine 1") venv=$engine_venv; args=("${engine_first[@]/#/$repo/tests/engine/}") ;;
     "engine 2") venv=$engine_venv; args=("$repo/tests/engine" "${engine_first[@]/#/--ignore=$repo/tests/engine/}") ;;
     independent) venv=${venvs[0]}; args=("$repo/tests" --ignore="$repo/tests/engine" --release-independent=only) ;;
+    beyond) venv=${beyond_venv[0]}; args=("$repo/tests/test_newer_release.py"); expect_beyond=1 ;;
     *) venv=${venvs[${job_kinds[$i]#release }]}
-       args=("$repo/tests" --ignore="$repo/tests/engine" --release-independent=skip) ;;
+       args=("$repo/tests" --ignore="$repo/tests/engine" --ignore="$repo/tests/test_newer_release.py"
+             --release-independent=skip) ;;
   esac
   mkdir -p "$dir"
-  (cd "$dir" && K3OVL_EXPECT_INSTALLED=1 VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 \
+  (cd "$dir" && K3OVL_EXPECT_INSTALLED=1 K3OVL_EXPECT_BEYOND=$expect_beyond VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 \
      "$venv/bin/pytest" -q -p no:cacheprovider -rfEs --basetemp="$dir/tmp" "${args[@]}") > "$dir/log" 2>&1
   echo $? > "$dir/rc"; echo $((SECONDS - t0)) > "$dir/seconds"
 }
@@ -101,6 +109,6 @@ grep -v "WARNING: Location" "$scratch/kernels.log"
 if [ $reports -eq 0 ]; then echo "[kernels] every kernel builds for gfx942 and gfx950 with each Triton: no spill, "\
 "no scratch, >= 4 waves per SIMD, no repeated tile"
 else echo "[kernels] a compile report falls short:"; grep -v "| ok |" "$scratch/kernels/amd-compile-report.md"; status=1; fi
-echo "summary over vLLM ${versions[*]} and the real engine (vllm-$engine), $((SECONDS - start)) s:"
+echo "summary over vLLM ${versions[*]}${beyond:+ (and $beyond, beyond the range)} and the real engine (vllm-$engine), $((SECONDS - start)) s:"
 echo "$passed passed, $failed failed, $skipped skipped"
 exit $status

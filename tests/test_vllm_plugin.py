@@ -13,7 +13,7 @@ import time
 import pytest
 from cli_process import cli_command
 from machine import HAS_VLLM
-from vllm_support import run_vllm_process, shape_name
+from vllm_support import ACTIVE, SNAPSHOT, run_vllm_process, shape_name
 
 import k3_amd_overlay
 
@@ -31,31 +31,6 @@ STOCK_PATCHES = {
     "k3_norm_wrapper": ["k3_wrapper.init", "k3_wrapper.normalize_q_kv", "linear.report_layers", "mtp.report_layers"],
     "k3_decode_wrapper": EXPECTED_PATCHES["k3_decode_wrapper"],
 }
-
-SNAPSHOT = """
-import importlib, inspect
-import vllm.models.kimi_k3.amd.linear as linear
-import vllm.models.kimi_k3.amd.mtp  # the MTP draft model's module (imported for speculative decoding)
-import vllm.model_executor.layers.mla as shared
-def snapshot():
-    objs = {"linear." + k: v for k, v in vars(linear).items()}
-    for cls in (shared.MultiHeadLatentAttentionWrapper, getattr(linear, "KimiK3MultiHeadLatentAttentionWrapper", None)):
-        if cls is not None:
-            objs.update({cls.__name__ + "." + k: v for k, v in vars(cls).items()})
-    return objs
-def same(a, b):
-    return sorted(k for k in set(a) | set(b) if a.get(k) is not b.get(k))
-"""
-
-ACTIVE = """
-from k3_amd_overlay.activation import active
-act = active()
-def applied():
-    return [a.spec.key for a in act.engine.applied] if act else []
-def fusions():
-    return {f: (e.state, e.reason) for f, e in act.evidence.record.fusions.items()} if act else {}
-"""
-
 
 @pytest.fixture(scope="module")
 def shape():

@@ -43,6 +43,35 @@ def overlay(tmp_path: Path, **variables: str):
         k3_amd_overlay.deactivate()
 
 
+# Code for run_vllm_process: snapshot() maps the K3 AMD modules' and the MLA wrapper classes' attributes
+# to their objects; same(a, b) names those that differ (a patch left behind, or one that never took).
+SNAPSHOT = """
+import importlib, inspect
+import vllm.models.kimi_k3.amd.linear as linear
+import vllm.models.kimi_k3.amd.mtp  # the MTP draft model's module (imported for speculative decoding)
+import vllm.model_executor.layers.mla as shared
+def snapshot():
+    objs = {"linear." + k: v for k, v in vars(linear).items()}
+    for cls in (shared.MultiHeadLatentAttentionWrapper, getattr(linear, "KimiK3MultiHeadLatentAttentionWrapper", None)):
+        if cls is not None:
+            objs.update({cls.__name__ + "." + k: v for k, v in vars(cls).items()})
+    return objs
+def same(a, b):
+    return sorted(k for k in set(a) | set(b) if a.get(k) is not b.get(k))
+"""
+
+
+# Code for run_vllm_process: the overlay active in the process, its applied patches and fusion states.
+ACTIVE = """
+from k3_amd_overlay.activation import active
+act = active()
+def applied():
+    return [a.spec.key for a in act.engine.applied] if act else []
+def fusions():
+    return {f: (e.state, e.reason) for f, e in act.evidence.record.fusions.items()} if act else {}
+"""
+
+
 PRELUDE = """
 import json, os, sys
 def result(**values):
