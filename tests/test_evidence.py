@@ -84,11 +84,16 @@ def test_concurrent_writers_never_leave_a_torn_marker(tmp_path):
     procs = [multiprocessing.Process(target=_writer, args=(str(directory), w)) for w in range(4)]
     seen = []
 
-    def reader():
-        for _ in range(300):
-            path = directory / "777.json"
+    def reader():  # reads while the writers write (not a fixed count: on a loaded machine they start late)
+        path = directory / "777.json"
+        while any(p.is_alive() for p in procs) or not seen:
             if path.exists():
-                seen.append(json.loads(path.read_text())["pid"])
+                try:
+                    seen.append(json.loads(path.read_text())["pid"])
+                except ValueError as torn:  # a thread's exception would not fail the test by itself
+                    seen.append(f"torn: {torn}")
+            elif not any(p.is_alive() for p in procs) and all(p.exitcode is not None for p in procs):
+                break  # the writers ended and left no file: the assertion below says so
 
     thread = threading.Thread(target=reader)
     for p in procs:
@@ -342,6 +347,20 @@ def test_a_process_without_layers_under_expect_fused_word_for_word():
         f"ok   host {HOST} pid 6 (worker, vLLM 0.33.0): qkv_norm=applied provider=triton on 1 layer (r)",
         f"ok   host {HOST} pid 6 (worker, vLLM 0.33.0): qk_cache=applied provider=triton on 1 layer (r)",
     ]
+
+
+def test_a_process_without_layers_whose_fusions_were_refused_at_startup_fails():
+    """Refused at activation (vLLM's code not recognised, an anchor missing) is a fact of the install:
+    a process that built no layer but refused a fusion is no part of a fused arm, whatever its workers
+    recorded (on vLLM 0.34 with K3_AMD_OVERLAY_STRICT=0 every process refuses every fusion)."""
+    server = record("auto", "refused", "pending", layers=0, effective=False, role="api-server", pid=4)
+    server["fusions"]["qkv_norm"]["reason"] = "k3-amd-overlay does not recognise the K3 AMD code of vLLM 0.34.0"
+    worker = record("auto", "applied", "applied", pid=6, layers=1)
+    verdict = judge([server, worker], "fused", ["qkv_norm", "qk_cache"], require_effective=True)
+    assert not verdict.holds
+    assert verdict.lines[0] == (f"FAIL host {HOST} pid 4 (api-server, vLLM 0.33.0): qkv_norm=refused at startup "
+                                "(k3-amd-overlay does not recognise the K3 AMD code of vLLM 0.34.0)")
+    assert not any("nothing to fuse here" in line for line in verdict.lines)
 
 
 def test_mixed_stock_ran_and_unproved_verdict_lines_word_for_word():

@@ -193,10 +193,16 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
         has_layers = record.builds_layers()
         any_layers = any_layers or has_layers
         if expect == "fused" and not has_layers and not static:
-            if mode is Mode.AUTO:
-                verdict.ok(f"{name}: overlay on ({', '.join(wanted)}); builds no K3 MLA layer, nothing to fuse here")
-            else:
+            # Refused before any layer (the vLLM code not recognised, an anchor missing): install-wide
+            # facts, so no process of this install fuses it, whatever this one builds.
+            refused = [f for f in wanted if entries.get(f, NOT_RECORDED).state is FusionState.REFUSED]
+            if mode is not Mode.AUTO:
                 verdict.fail(f"{name}: overlay in {mode.value} mode")
+            elif refused:
+                for fusion in refused:
+                    verdict.fail(f"{name}: {fusion}=refused at startup ({entries[fusion].reason})")
+            else:
+                verdict.ok(f"{name}: overlay on ({', '.join(wanted)}); builds no K3 MLA layer, nothing to fuse here")
             continue
         if record.launch_configs and expect == "fused":
             for line in _readable("launch configs", record.launch_configs, lambda c: [
