@@ -68,6 +68,8 @@ result(changed=same(before, snapshot()), applied=applied(), fusions=fusions(), s
         assert reason.startswith(f"k3-amd-overlay does not recognise the K3 AMD code of vLLM {INSTALLED} ("), reason
         assert "missing models/kimi_k3/amd/" in reason, reason  # the anchor it looked for, by file
     assert res["check_rc"] == 1 and "DOES NOT HOLD: expect fused" in res["check_out"], res["check_out"]
+    assert f"qkv_norm=refused at startup (k3-amd-overlay does not recognise the K3 AMD code of vLLM {INSTALLED}" \
+        in res["check_out"], res["check_out"]
 
 
 def test_off_leaves_vllm_as_it_is_and_records_the_release(tmp_path):
