@@ -14,7 +14,8 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 venv_root=${K3OVL_VENV_ROOT:-$repo/.venvs}
 if [ $# -gt 0 ]; then versions=("$@"); else mapfile -t versions < <(grep -v '^#' "$repo/scripts/vllm-versions.txt"); fi
 engine=$(grep -v '^#' "$repo/scripts/engine-vllm.txt")
-beyond=$(grep -v '^#' "$repo/scripts/beyond-range-vllm.txt" || true)
+[ -f "$repo/scripts/beyond-range-vllm.txt" ] || { echo "scripts/beyond-range-vllm.txt is missing"; exit 1; }
+beyond=$(grep -vE '^[[:space:]]*(#|$)' "$repo/scripts/beyond-range-vllm.txt" | head -n1 | tr -d '[:space:]')
 start=$SECONDS
 "$repo/scripts/setup_venvs.sh" "${versions[@]}" "$engine" $beyond 2>&1 | grep -v "WARNING: Location" || exit 1
 venvs=()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import multiprocessing.synchronize
 import os
 import shutil
 import socket
@@ -74,34 +75,42 @@ def test_write_failure_is_reported_once_and_serving_goes_on(tmp_path, emitted):
     assert evidence.fusion("qk_cache").reason == "y"
 
 
-def _writer(directory: str, worker: int) -> None:
+def _writer(directory: str, worker: int, go: multiprocessing.synchronize.Event) -> None:
+    go.wait(60)
     for i in range(50):
         markers.write_marker(markers.Path(directory), 777, {"pid": 777, "worker": worker, "i": i, "pad": "x" * 5000})
 
 
 def test_concurrent_writers_never_leave_a_torn_marker(tmp_path):
     directory = markers.ensure_marker_dir(tmp_path / "m")
-    procs = [multiprocessing.Process(target=_writer, args=(str(directory), w)) for w in range(4)]
-    seen = []
+    go = multiprocessing.Event()  # the writers start once the reader reads
+    procs = [multiprocessing.Process(target=_writer, args=(str(directory), w, go)) for w in range(4)]
+    seen: list = []
+    while_writing = []
 
-    def reader():  # reads while the writers write (not a fixed count: on a loaded machine they start late)
+    def reader():  # reads until the writers end; a thread's exception would not fail the test by itself
         path = directory / "777.json"
-        while any(p.is_alive() for p in procs) or not seen:
+        while True:
+            writing = any(p.is_alive() for p in procs)
             if path.exists():
                 try:
                     seen.append(json.loads(path.read_text())["pid"])
-                except ValueError as torn:  # a thread's exception would not fail the test by itself
-                    seen.append(f"torn: {torn}")
-            elif not any(p.is_alive() for p in procs) and all(p.exitcode is not None for p in procs):
-                break  # the writers ended and left no file: the assertion below says so
+                    while_writing.append(writing)
+                except Exception as torn:  # every failed read is a finding
+                    seen.append(f"torn: {type(torn).__name__}: {torn}")
+            if not writing:
+                break
 
-    thread = threading.Thread(target=reader)
     for p in procs:
         p.start()
+    thread = threading.Thread(target=reader)
     thread.start()
+    go.set()
     for p in procs:
-        p.join()
-    thread.join()
+        p.join(120)
+    thread.join(120)
+    assert not thread.is_alive() and not any(p.is_alive() for p in procs)
+    assert any(while_writing), "no read while a writer was writing: nothing was tested"
     assert seen and set(seen) == {777}
     assert [p.name for p in directory.iterdir()] == ["777.json"]  # no temp files left behind
 

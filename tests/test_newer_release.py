@@ -17,6 +17,7 @@ from packaging.version import Version
 from vllm_support import ACTIVE, SNAPSHOT, run_vllm_process
 
 from k3_amd_overlay.package import SUPPORTED_VLLM
+from k3_amd_overlay.targets.shapes import FUSED_DECODE_PARAMS, K3_WRAPPER
 from k3_amd_overlay.versions import SUPPORTED_SPECIFIER, in_supported_range, installed_vllm_version
 
 INSTALLED = installed_vllm_version() if HAS_VLLM else None
@@ -36,6 +37,9 @@ load_general_plugins()
 import vllm.models.kimi_k3.amd.linear, vllm.models.kimi_k3.amd.mla, vllm.models.kimi_k3.amd.mtp
 """
 OUT_OF_RANGE = f"vLLM {INSTALLED} is outside the supported range ({SUPPORTED_VLLM})"
+# What 0.34.0 lacks of the newest shape: _fused_decode with 0.32-0.33's parameters (0.34 dropped positions).
+MISSING_DECODE_ANCHOR = (f"k3_decode_wrapper: missing models/kimi_k3/amd/mla.py: "
+                         f"{K3_WRAPPER}._fused_decode{FUSED_DECODE_PARAMS}")
 
 
 def test_on_stops_startup_naming_the_release_and_the_range(tmp_path):
@@ -66,7 +70,7 @@ result(changed=same(before, snapshot()), applied=applied(), fusions=fusions(), s
     for fusion, (state, reason) in res["fusions"].items():
         assert state == "refused", (fusion, state)
         assert reason.startswith(f"k3-amd-overlay does not recognise the K3 AMD code of vLLM {INSTALLED} ("), reason
-        assert "missing models/kimi_k3/amd/" in reason, reason  # the anchor it looked for, by file
+        assert MISSING_DECODE_ANCHOR in reason, reason  # the anchor it looked for, by file and signature
     assert res["check_rc"] == 1 and "DOES NOT HOLD: expect fused" in res["check_out"], res["check_out"]
     assert f"qkv_norm=refused at startup (k3-amd-overlay does not recognise the K3 AMD code of vLLM {INSTALLED}" \
         in res["check_out"], res["check_out"]

@@ -193,8 +193,8 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
         has_layers = record.builds_layers()
         any_layers = any_layers or has_layers
         if expect == "fused" and not has_layers and not static:
-            # Refused before any layer (the vLLM code not recognised, an anchor missing): install-wide
-            # facts, so no process of this install fuses it, whatever this one builds.
+            # Refused before any layer (the vLLM code not recognised, an anchor missing, an out-of-tree
+            # replacement registered): facts of the install and its plugins, not of this process's role.
             refused = [f for f in wanted if entries.get(f, NOT_RECORDED).state is FusionState.REFUSED]
             if mode is not Mode.AUTO:
                 verdict.fail(f"{name}: overlay in {mode.value} mode")
