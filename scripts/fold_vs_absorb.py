@@ -118,6 +118,11 @@ def unfused(s: dict, layer: dict) -> None:
 SEQUENCES: dict[str, Callable[[dict, dict], None]] = {"fold": fold, "absorbed": absorbed, "unfused": unfused}
 
 
+def sequences_for(s: dict) -> list[str]:
+    """The sequences this shape runs: the absorbed launch only up to its token limit."""
+    return [n for n in SEQUENCES if n != "absorbed" or s["tokens"] <= package.ABSORB_MAX_TOKENS]
+
+
 def outputs(s: dict, sequence: Callable[[dict, dict], None]) -> dict[str, torch.Tensor] | str:
     """The sequence's cache rows and queries, or what it left unwritten."""
     runs = []
@@ -139,8 +144,7 @@ def outputs(s: dict, sequence: Callable[[dict, dict], None]) -> dict[str, torch.
 
 
 def parity(s: dict) -> dict:
-    got = {name: outputs(s, sequence) for name, sequence in SEQUENCES.items()
-           if name != "absorbed" or s["tokens"] <= package.ABSORB_MAX_TOKENS}
+    got = {name: outputs(s, SEQUENCES[name]) for name in sequences_for(s)}
     problems = [f"{name}: {v}" for name, v in got.items() if isinstance(v, str)]
     if problems:
         return {"ok": False, "problems": problems}
@@ -165,7 +169,7 @@ def parity(s: dict) -> dict:
 
 
 def time_shape(s: dict) -> dict:
-    names = [n for n in SEQUENCES if n != "absorbed" or s["tokens"] <= package.ABSORB_MAX_TOKENS]
+    names = sequences_for(s)
     result: dict = {}
     for state in ("cold", "warm"):
         layers = s["layers"] if state == "cold" else s["layers"][:1] * len(s["layers"])

@@ -7,14 +7,12 @@ anchor it did not find, and ``check`` then refuses a fused arm; off leaves vLLM'
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 from cli_process import cli_command
 from machine import HAS_VLLM
 from packaging.version import Version
-from vllm_support import ACTIVE, SNAPSHOT, run_vllm_process
+from vllm_support import ACTIVE, SNAPSHOT, run_doctor_process, run_vllm_process
 
 from k3_amd_overlay.package import SUPPORTED_VLLM
 from k3_amd_overlay.targets.shapes import FUSED_DECODE_PARAMS, K3_WRAPPER
@@ -52,7 +50,7 @@ def test_on_stops_startup_naming_the_release_and_the_range(tmp_path):
 
 def test_non_strict_patches_nothing_refuses_every_fusion_and_check_refuses_a_fused_arm(tmp_path):
     markers = tmp_path / "markers"
-    check = [sys.executable, "-m", "k3_amd_overlay", "check", "--marker-dir", str(markers), "--expect", "fused"]
+    check = cli_command("check", "--marker-dir", str(markers), "--expect", "fused")
     proc, res = run_vllm_process(f"CHECK = {check!r}\n" + SNAPSHOT + """
 before = snapshot()
 """ + LOAD + ACTIVE + """
@@ -93,8 +91,6 @@ result(changed=same(before, snapshot()), pid=os.getpid(),
 
 
 def test_doctor_is_not_ready_and_says_why(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
-    env.update(K3_AMD_OVERLAY="1", K3_AMD_OVERLAY_MARKER_DIR=str(tmp_path / "markers"), VLLM_TARGET_DEVICE="cpu")
-    proc = subprocess.run(cli_command("doctor", self_test=False), capture_output=True, text=True, timeout=600, env=env)
+    proc = run_doctor_process(tmp_path, self_test=False, K3_AMD_OVERLAY="1")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert OUT_OF_RANGE in proc.stdout, proc.stdout[-3000:]

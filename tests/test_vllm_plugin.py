@@ -11,9 +11,8 @@ import sys
 import time
 
 import pytest
-from cli_process import cli_command
 from machine import HAS_VLLM
-from vllm_support import ACTIVE, SNAPSHOT, run_vllm_process, shape_name
+from vllm_support import ACTIVE, SNAPSHOT, run_doctor_process, run_vllm_process, shape_name
 
 import k3_amd_overlay
 
@@ -265,14 +264,6 @@ def test_live_check_follows_the_process(tmp_path):
     time.sleep(0.1)
     gone = subprocess.run([*check, "stock"], capture_output=True, text=True)
     assert gone.returncode == 1 and "stale, ignored" in gone.stdout and ": 0 live, 1 stale" in gone.stdout
-
-
-def run_doctor_process(tmp_path, *args, self_test: bool = True, **env_extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
-    env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1", K3_AMD_OVERLAY_MARKER_DIR=str(tmp_path / "markers"),
-               **env_extra)
-    return subprocess.run(cli_command("doctor", *args, self_test=self_test), env=env, capture_output=True,
-                          text=True, timeout=600)
 
 
 DOCTOR_TOP = {"versions", "gpu", "vllm_shape", "switch", "qk_cache_by_tp", "providers_here", "launch_configs",

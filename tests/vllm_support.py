@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from cli_process import cli_command
+
 import k3_amd_overlay
 from k3_amd_overlay.settings import load_settings
 
@@ -105,3 +107,13 @@ def with_real_signature(real: Any, standin: Any) -> Any:
 
     call.__signature__ = signature  # type: ignore[attr-defined]
     return call
+
+
+def run_doctor_process(tmp_path: Path, *args: str, self_test: bool = True,
+                       **env_extra: str) -> subprocess.CompletedProcess:
+    """``k3-amd-overlay doctor ARGS`` in a fresh process, with exactly these K3_AMD_OVERLAY* variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
+    env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1", K3_AMD_OVERLAY_MARKER_DIR=str(tmp_path / "markers"),
+               **env_extra)
+    return subprocess.run(cli_command("doctor", *args, self_test=self_test), env=env, capture_output=True,
+                          text=True, timeout=600)
