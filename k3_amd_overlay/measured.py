@@ -21,8 +21,10 @@ launch configs this GPU's kernels resolved to, the torch and Triton versions, th
 the fp8 format. A file that cannot be used (malformed, of another GPU, of another overlay version,
 measured under other conditions than this process's, or written before they were recorded) is
 ignored with an ERROR naming the file and the field: the behaviour without it, and the marker says
-why. Where this process cannot tell a condition of its own (torch not importable, launch configs that
-do not resolve), the file is not used either."""
+why. So is a file of this GPU left in the per-user directory where ``K3_AMD_OVERLAY_KERNEL_CONFIGS``
+names another and that one holds none: ``measure`` ran without the variable the server has. Where
+this process cannot tell a condition of its own (torch not importable, launch configs that do not
+resolve), the file is not used either."""
 
 from __future__ import annotations
 
@@ -71,14 +73,19 @@ def is_result_name(name: str) -> bool:
     return name.endswith(SUFFIX)
 
 
+def user_dir(environ: Mapping[str, str]) -> Path:
+    """The per-user directory, where the result files go without ``K3_AMD_OVERLAY_KERNEL_CONFIGS``."""
+    cache = environ.get(CACHE_HOME) or str(Path.home() / ".cache")
+    return Path(cache) / USER_DIRECTORY
+
+
 def result_dir(environ: Mapping[str, str]) -> Path:
     """Where the result files are written and read (see the module's docstring)."""
     configs = environ.get(KERNEL_CONFIGS, "")
     if configs:
         path = Path(configs)
         return path if path.is_dir() or not path.suffix else path.parent
-    cache = environ.get(CACHE_HOME) or str(Path.home() / ".cache")
-    return Path(cache) / USER_DIRECTORY
+    return user_dir(environ)
 
 
 def result_path(arch: str, device: str, environ: Mapping[str, str]) -> Path:
@@ -314,9 +321,10 @@ def load_here(arch: str, device: str | None, environ: Mapping[str, str] | None =
     without the file)."""
     if device is None:
         return Loaded(None)
-    path = result_path(arch, device, os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    path = result_path(arch, device, environ)
     if not path.is_file():
-        return Loaded(str(path))
+        return Loaded(str(path), error=_measured_elsewhere(path, arch, device, environ))
     try:
         found = load(path)
     except MeasuredError as exc:
@@ -331,6 +339,17 @@ def load_here(arch: str, device: str | None, environ: Mapping[str, str] | None =
     if stale:
         return Loaded(str(path), error=_stale(path, stale))
     return Loaded(str(path), found)
+
+
+def _measured_elsewhere(path: Path, arch: str, device: str, environ: Mapping[str, str]) -> str | None:
+    """Why a file of this GPU in the per-user directory is not read: ``measure`` ran without
+    ``K3_AMD_OVERLAY_KERNEL_CONFIGS``, which this process has (None: no such file)."""
+    other = user_dir(environ) / result_name(arch, device)
+    if not environ.get(KERNEL_CONFIGS) or other == path or not other.is_file():
+        return None
+    return (f"{path} not found, but {other} is: this GPU was measured without {KERNEL_CONFIGS}, which here names "
+            f"{path.parent}; run `{COMMAND}` with {KERNEL_CONFIGS} set as the server has it (after any `tune`: a "
+            "measurement is of the launch configs it ran with)")
 
 
 def _span(low: int, high: int) -> str:

@@ -316,3 +316,26 @@ def test_the_doctor_section_recommends_measuring_where_there_is_no_file(tmp_path
 def test_ratio_words_round_down_without_float_noise():
     assert [measured.ratio_words(r) for r in (0.29, 0.93, 0.9999, 1.0, 2.5551, None)] == [
         "0.29x", "0.93x", "0.99x", "1.00x", "2.55x", "unmeasured"]
+
+
+def test_a_file_measured_without_the_servers_config_directory_is_named_not_silently_missed(tmp_path):
+    """`measure` run before `export K3_AMD_OVERLAY_KERNEL_CONFIGS=...` writes to the per-user directory;
+    the server then reads the configs' directory: an ERROR says where the file is, never a silent miss."""
+    configs, cache = tmp_path / "configs", tmp_path / "cache"
+    configs.mkdir()
+    (cache / "k3-amd-overlay").mkdir(parents=True)
+    write(cache / "k3-amd-overlay", planted().to_json())
+    assert measured.load_here(ARCH, DEVICE, {"XDG_CACHE_HOME": str(cache)}).measurement is not None
+    environ = {KERNEL_CONFIGS: str(configs), "XDG_CACHE_HOME": str(cache)}
+    loaded = measured.load_here(ARCH, DEVICE, environ)
+    assert loaded.measurement is None and loaded.path == str(configs / NAME)
+    assert loaded.error == (f"{configs / NAME} not found, but {cache / 'k3-amd-overlay' / NAME} is: this GPU was "
+                            f"measured without {KERNEL_CONFIGS}, which here names {configs}; run `k3-amd-overlay "
+                            f"measure` with {KERNEL_CONFIGS} set as the server has it (after any `tune`: a "
+                            "measurement is of the launch configs it ran with)")
+    assert measured.marker_entry(loaded)["state"] == "ignored"
+    assert measured.doctor_section(ARCH, DEVICE, environ)["recommend"].startswith("`k3-amd-overlay measure")
+    # another GPU's file there, or the variable naming the per-user directory itself: nothing to say
+    assert measured.load_here(ARCH, "AMD Instinct MI355X", environ).error is None
+    assert measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(cache / "k3-amd-overlay"),
+                                             "XDG_CACHE_HOME": str(cache)}).measurement is not None
