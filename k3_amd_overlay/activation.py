@@ -33,10 +33,21 @@ class OverlayActivationError(RuntimeError):
     """The overlay was asked for something this vLLM cannot take (strict mode)."""
 
 
-def _how_to_proceed() -> str:
-    return (f"to serve without the overlay set {SWITCH}=0; to serve with what can be installed "
-            f"and record the rest as refused set {STRICT}=0; or install a k3-amd-overlay that "
-            f"supports this vLLM")
+def _how_to_proceed(recognised: bool = True) -> str:
+    """The ways on from a strict stop; where the probe found no shape, non-strict would install nothing."""
+    lenient = (f"to serve with what can be installed and record the rest as refused set {STRICT}=0" if recognised
+               else f"{STRICT}=0 would install nothing here (its K3 AMD code matches no shape this overlay knows)")
+    return (f"to serve without the overlay set {SWITCH}=0; {lenient}; or install a k3-amd-overlay that supports "
+            "this vLLM")
+
+
+def _recognised_here() -> bool:
+    """Whether the source probe finds a shape in the installed vLLM (for the advice of a stop only: a probe
+    that cannot run gives the general advice, and the stop stands either way)."""
+    try:
+        return recognise(sources.VllmSources(sources.vllm_root())).shape is not None
+    except Exception:  # advice only: the error being raised is the verdict
+        return True
 
 
 def forward_switch_to_ray() -> None:
@@ -70,7 +81,7 @@ class Activation:
         if not in_supported_range(version):
             problem = f"vLLM {version} is outside the supported range ({SUPPORTED_VLLM})"
             if self.settings.strict:
-                raise OverlayActivationError(f"k3-amd-overlay: {problem}; {_how_to_proceed()}")
+                raise OverlayActivationError(f"k3-amd-overlay: {problem}; {_how_to_proceed(_recognised_here())}")
             logger.warning("k3-amd-overlay: %s; probing anyway (%s=0)", problem, STRICT)
         vllm_sources = sources.VllmSources(sources.vllm_root())
         found = recognise(vllm_sources)
@@ -81,7 +92,7 @@ class Activation:
             detail = "; ".join(f"{name}: missing {', '.join(miss)}" for name, miss in found.missing_identity.items())
             message = f"k3-amd-overlay does not recognise the K3 AMD code of vLLM {version} ({detail})"
             if self.settings.strict:
-                raise OverlayActivationError(f"{message}; {_how_to_proceed()}")
+                raise OverlayActivationError(f"{message}; {_how_to_proceed(recognised=False)}")
             self.refuse(requested, message)
             self.evidence.publish()
             return

@@ -23,6 +23,10 @@ SHAPE_OF = {"0.29": "plain_wrapper", "0.30": "k3_norm_wrapper", "0.31": "k3_norm
 HOW_TO_PROCEED = ("to serve without the overlay set K3_AMD_OVERLAY=0; to serve with what can be installed and "
                   "record the rest as refused set K3_AMD_OVERLAY_STRICT=0; or install a k3-amd-overlay that "
                   "supports this vLLM")
+# where the source probe finds no shape, non-strict would install nothing: the advice says so
+HOW_TO_PROCEED_UNRECOGNISED = ("to serve without the overlay set K3_AMD_OVERLAY=0; K3_AMD_OVERLAY_STRICT=0 would "
+                               "install nothing here (its K3 AMD code matches no shape this overlay knows); or "
+                               "install a k3-amd-overlay that supports this vLLM")
 MLA, LINEAR = "vllm.models.kimi_k3.amd.mla", "vllm.models.kimi_k3.amd.linear"
 
 
@@ -88,6 +92,16 @@ def test_outside_the_supported_range_strict_stops_and_lenient_probes_on(tmp_path
     assert active.shape is not None and hooks
 
 
+def test_outside_the_range_and_unrecognised_the_stop_does_not_offer_non_strict_as_a_way_to_fuse(tmp_path, monkeypatch,
+                                                                                                 hooks, warnings):
+    _facing(monkeypatch, tmp_path / "empty", "0.34.0")
+    with pytest.raises(activation.OverlayActivationError) as error:
+        activation.activate(_settings(tmp_path))
+    assert str(error.value) == ("k3-amd-overlay: vLLM 0.34.0 is outside the supported range (vllm >= 0.29, < 0.34); "
+                                + HOW_TO_PROCEED_UNRECOGNISED)
+    assert activation.active() is None and hooks == []
+
+
 def test_unrecognised_code_strict_stops_and_lenient_refuses_every_requested_fusion(tmp_path, monkeypatch, hooks,
                                                                                  warnings):
     _facing(monkeypatch, tmp_path / "empty", "0.33.0")
@@ -97,9 +111,9 @@ def test_unrecognised_code_strict_stops_and_lenient_refuses_every_requested_fusi
     assert message.startswith("k3-amd-overlay does not recognise the K3 AMD code of vLLM 0.33.0 (k3_decode_wrapper: "
                               f"missing {src.K3_MLA}: class {src.K3_WRAPPER}, ")
     assert f"; plain_wrapper: missing {src.LINEAR}: imports MultiHeadLatentAttentionWrapper" in message
-    assert message.endswith(f"class KimiLinearModel); {HOW_TO_PROCEED}")
+    assert message.endswith(f"class KimiLinearModel); {HOW_TO_PROCEED_UNRECOGNISED}")
     active = activation.activate(_settings(tmp_path, switch="qkv_norm,qk_cache", strict="0"))
-    reason = message.removesuffix(f"; {HOW_TO_PROCEED}")
+    reason = message.removesuffix(f"; {HOW_TO_PROCEED_UNRECOGNISED}")
     assert active.shape is None and hooks == [] and active.specs_by_module == {}
     for fusion in FUSIONS:
         entry = active.evidence.fusion(fusion)
