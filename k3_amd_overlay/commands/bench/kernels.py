@@ -222,13 +222,38 @@ def bench_absorb(heads_list: list[int], tokens_list: list[int], bw: float, empty
     return results
 
 
+def _time_against_peers(op: str, heads: int, tokens: int, floor_bw: float, empty: dict[str, float],
+                        one: Callable[[], None],
+                        peers: tuple[Callable[[], None], Callable[[], None], Callable[[], None]] | None) -> list[dict]:
+    """One absorbed launch at one shape, graph and eager, printed and returned: against its load floor and,
+    with ``peers`` (the unfused path, AITER's fused launch, the aiter provider), against each of them."""
+    from k3_amd_overlay.commands.bench.timing import eager_us, graph_us
+
+    results = []
+    for mode, timer in (("graph", graph_us), ("eager", eager_us)):
+        t_one = timer(one)
+        floor = max(empty["one_load_" + mode], floor_bw)
+        result = dict(op=op, heads=heads, tokens=tokens, mode=mode, fused_us=t_one, bytes_bw_us=floor_bw,
+                      fused_over_load_floor=t_one / floor)
+        cells = [heads, tokens, mode, t_one, floor_bw, t_one / floor]
+        if peers:
+            unfused, aiter_fused, aiter_provider = peers
+            result.update(baseline_us=timer(unfused), aiter_fused_us=timer(aiter_fused),
+                          aiter_provider_us=timer(aiter_provider))
+            result.update(ratio=result["baseline_us"] / t_one, ratio_vs_aiter=result["aiter_fused_us"] / t_one)
+            cells += [result["baseline_us"], result["ratio"], result["aiter_fused_us"], result["ratio_vs_aiter"],
+                      result["aiter_provider_us"]]
+        print("| " + row(*cells) + " |")
+        results.append(result)
+    return results
+
+
 def bench_absorb_fp8(heads_list: list[int], tokens_list: list[int], bw: float, empty: dict[str, float],
                      peers: bool, fmt: Fp8Format = E4M3FN) -> list[dict]:
     """vLLM's fp8 W_UK absorption folded in: the unfused fp8 path (AITER's fp8 BMM, then the overlay's
     qk_cache launch) and AITER's own fused fp8 kernel (its launch alone, query unscaled; and the aiter
     provider: that launch plus the static query quant), against the overlay's one launch."""
     from k3_amd_overlay.commands.bench import aiter_peers
-    from k3_amd_overlay.commands.bench.timing import eager_us, graph_us
     from k3_amd_overlay.kernels.absorb_fp8_qk_cache import absorb_fp8_qk_cache
     from k3_amd_overlay.kernels.qk_cache import qk_cache
     from k3_amd_overlay.ops import aiter_absorb
@@ -262,21 +287,8 @@ def bench_absorb_fp8(heads_list: list[int], tokens_list: list[int], bw: float, e
 
             moved = (heads * nope * lora + tokens * heads * (nope + rope) * 2 + tokens * (lora + rope) * 2
                      + tokens * 8 + tokens * (heads + 1) * (lora + rope))
-            floor_bw = moved / bw
-            for mode, timer in (("graph", graph_us), ("eager", eager_us)):
-                t_one = timer(one)
-                floor = max(empty["one_load_" + mode], floor_bw)
-                result = dict(op="absorb_qk_cache_fp8", heads=heads, tokens=tokens, mode=mode, fused_us=t_one,
-                              bytes_bw_us=floor_bw, fused_over_load_floor=t_one / floor)
-                cells = [heads, tokens, mode, t_one, floor_bw, t_one / floor]
-                if peers:
-                    result.update(baseline_us=timer(unfused), aiter_fused_us=timer(aiter_fused),
-                                  aiter_provider_us=timer(aiter_provider))
-                    result.update(ratio=result["baseline_us"] / t_one, ratio_vs_aiter=result["aiter_fused_us"] / t_one)
-                    cells += [result["baseline_us"], result["ratio"], result["aiter_fused_us"],
-                              result["ratio_vs_aiter"], result["aiter_provider_us"]]
-                print("| " + row(*cells) + " |")
-                results.append(result)
+            results += _time_against_peers("absorb_qk_cache_fp8", heads, tokens, moved / bw, empty, one,
+                                           (unfused, aiter_fused, aiter_provider) if peers else None)
     return results
 
 
@@ -352,7 +364,7 @@ def bench_absorb_mxfp4(heads_list: list[int], tokens_list: list[int], bw: float,
     overlay kernel's launch shapes instead."""
 
     from k3_amd_overlay.commands.bench import aiter_peers
-    from k3_amd_overlay.commands.bench.timing import eager_us, graph_us
+    from k3_amd_overlay.commands.bench.timing import graph_us
     from k3_amd_overlay.kernels.absorb_mxfp4_qk_cache import absorb_mxfp4_qk_cache
     from k3_amd_overlay.kernels.qk_cache import qk_cache
     from k3_amd_overlay.ops import aiter_absorb
@@ -401,21 +413,8 @@ def bench_absorb_mxfp4(heads_list: list[int], tokens_list: list[int], bw: float,
 
             moved = (heads * lora * (nope // 2 + nope // 32) + tokens * heads * (nope + rope) * 2
                      + tokens * (lora + rope) * 2 + tokens * 8 + tokens * (heads + 1) * (lora + rope))
-            floor_bw = moved / bw
-            for mode, timer in (("graph", graph_us), ("eager", eager_us)):
-                t_one = timer(one)
-                floor = max(empty["one_load_" + mode], floor_bw)
-                result = dict(op="absorb_qk_cache_mxfp4", heads=heads, tokens=tokens, mode=mode, fused_us=t_one,
-                              bytes_bw_us=floor_bw, fused_over_load_floor=t_one / floor)
-                cells = [heads, tokens, mode, t_one, floor_bw, t_one / floor]
-                if peers:
-                    result.update(baseline_us=timer(unfused), aiter_fused_us=timer(aiter_fused),
-                                  aiter_provider_us=timer(aiter_provider))
-                    result.update(ratio=result["baseline_us"] / t_one, ratio_vs_aiter=result["aiter_fused_us"] / t_one)
-                    cells += [result["baseline_us"], result["ratio"], result["aiter_fused_us"],
-                              result["ratio_vs_aiter"], result["aiter_provider_us"]]
-                print("| " + row(*cells) + " |")
-                results.append(result)
+            results += _time_against_peers("absorb_qk_cache_mxfp4", heads, tokens, moved / bw, empty, one,
+                                           (unfused, aiter_fused, aiter_provider) if peers else None)
     return results
 
 
