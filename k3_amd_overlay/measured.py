@@ -205,17 +205,37 @@ def _row(data: Any, where: str) -> Row:
             raise MeasuredError(f"{where}: heads {heads!r}, variant {variant!r}: expected a positive heads count "
                                 f"and one of {', '.join(VARIANTS)}")
     exact = _field(data, "exact", bool, where)
-    problems = tuple(str(p) for p in data.get("problems") or ())
+    problems = data.get("problems", [])
+    if not isinstance(problems, list) or not all(isinstance(p, str) for p in problems):
+        raise MeasuredError(f"{where}: field 'problems' is {problems!r}, expected a list of strings")
+    problems = tuple(problems)
     if not exact:
         return Row(fusion, tokens, heads, variant, False, problems=problems)
-    stock_us, fused_us = (float(_field(data, k, (int, float), where)) for k in ("stock_us", "fused_us"))
-    if not (stock_us > 0 and fused_us > 0 and math.isfinite(stock_us) and math.isfinite(fused_us)):
+    stock_us, fused_us = (_finite(data, k, where) for k in ("stock_us", "fused_us"))
+    if not (stock_us > 0 and fused_us > 0):
         raise MeasuredError(f"{where}: stock_us {stock_us}, fused_us {fused_us}: expected positive times")
     row = Row(fusion, tokens, heads, variant, True, stock_us, fused_us, problems)
-    ratio = data.get("ratio")
-    if not isinstance(ratio, (int, float)) or row.ratio is None or not math.isclose(ratio, row.ratio, rel_tol=1e-6):
+    ratio = _finite(data, "ratio", where)
+    if row.ratio is None or not math.isclose(ratio, row.ratio, rel_tol=1e-6):
         raise MeasuredError(f"{where}: field 'ratio' is {ratio!r}, but stock_us / fused_us is {row.ratio!r}")
     return row
+
+
+def _finite(data: Mapping[str, Any], name: str, where: str) -> float:
+    """A number field as a finite float (an integer too large for a float is not one)."""
+    value = _field(data, name, (int, float), where)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise MeasuredError(f"{where}: field {name!r} is {value!r}, expected a finite number")
+    return number
+
+
+def _text(data: Mapping[str, Any], name: str, where: str) -> str:
+    """An optional text field ("" where a file of an older k3-amd-overlay has none)."""
+    return "" if data.get(name) is None else _field(data, name, str, where)
 
 
 def parse(data: Any, path: str) -> Measurement:
@@ -235,19 +255,27 @@ def parse(data: Any, path: str) -> Measurement:
             raise MeasuredError(f"{path} results[{i}]: {row.fusion} at {row.tokens} tokens, "
                                 f"{shape_words(row.heads, row.variant)} is measured twice")
         seen.add(row.key)
-    return Measurement(path=path, **text, torch=str(data.get("torch", "")), triton=str(data.get("triton", "")),
-                       kv_cache_dtype=str(shapes.get("kv_cache_dtype", "")),
-                       fp8_format=str(shapes.get("fp8_format", "")),
-                       stock=str(data.get("stock", "")), seed=int(data.get("seed") or 0), rows=rows,
-                       launch_configs=str(data.get("launch_configs", "")))
+    seed = data.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise MeasuredError(f"{path}: field 'seed' is {seed!r}, expected an integer")
+    return Measurement(path=path, **text, torch=_text(data, "torch", path), triton=_text(data, "triton", path),
+                       kv_cache_dtype=_text(shapes, "kv_cache_dtype", f"{path} shapes"),
+                       fp8_format=_text(shapes, "fp8_format", f"{path} shapes"),
+                       stock=_text(data, "stock", path), seed=seed, rows=rows,
+                       launch_configs=_text(data, "launch_configs", path))
 
 
 def load(path: str | Path) -> Measurement:
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise MeasuredError(f"cannot read the self-measurement {path}: {exc}") from None
-    return parse(data, str(path))
+    try:
+        return parse(data, str(path))
+    except MeasuredError:
+        raise
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # a field parse() missed: never a crash
+        raise MeasuredError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
 
 
 def configs_fingerprint(arch: str, device: str | None) -> str | None:

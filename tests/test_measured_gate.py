@@ -148,6 +148,15 @@ def test_the_file_round_trips_and_is_found_beside_the_tuned_configs(tmp_path):
     (lambda d: d["results"][0].update(stock_us=-1.0), "results[0]: stock_us -1.0, fused_us"),
     (lambda d: d["results"].append(dict(d["results"][0])), "results[8]: qk_cache at 8 tokens, 12 heads, bf16 W_UK is "
                                                            "measured twice"),
+    # each of these raised ValueError, TypeError or OverflowError before (a crash at the first K3 layer)
+    (lambda d: d.update(seed="abc"), "field 'seed' is 'abc', expected an integer"),
+    (lambda d: d.update(seed=[1]), "field 'seed' is [1], expected an integer"),
+    (lambda d: d.update(seed=float("inf")), "field 'seed' is inf, expected an integer"),
+    (lambda d: d["results"][0].update(problems=5), "results[0]: field 'problems' is 5, expected a list of strings"),
+    (lambda d: d["results"][0].update(stock_us=10 ** 400), "results[0]: field 'stock_us' is 1000"),
+    (lambda d: d["results"][0].update(ratio=10 ** 400), "results[0]: field 'ratio' is 1000"),
+    (lambda d: d.update(torch=5), "field 'torch' is 5, expected str"),
+    (lambda d: d["shapes"].update(fp8_format=["e4m3fn"]), "shapes: field 'fp8_format' is ['e4m3fn'], expected str"),
 ])
 def test_a_malformed_file_is_refused_naming_the_file_and_the_field(tmp_path, change, message):
     data = planted().to_json()
