@@ -94,6 +94,8 @@ DEAD_STATES = ("Z", "X", "x")
 
 
 def is_alive(pid: int, start_ticks: int | None) -> bool:
+    if pid < 1:  # kill() takes 0 and negative ids as process groups, which always answer
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -121,7 +123,7 @@ def read_markers(directory: Path) -> list[MarkerFile]:
     for path in sorted(directory.glob(f"*{MARKER_SUFFIX}")):
         try:
             record = MarkerRecord.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError, RecordError) as exc:
+        except (OSError, ValueError, RecursionError, RecordError) as exc:
             found.append(MarkerFile(path, None, f"unreadable marker: {exc}", False))
             continue
         found.append(MarkerFile(path, record, None, is_alive(record.pid, record.start_ticks)))

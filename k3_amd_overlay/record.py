@@ -4,6 +4,7 @@ are these field names (schema 2)."""
 
 from __future__ import annotations
 
+import math
 import socket
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -72,21 +73,43 @@ class FusionEntry:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FusionEntry:
+        """The entry a marker holds; RecordError where a field is not of its kind (a count that is not
+        a whole number >= 0, a flag that is not true or false): such evidence proves nothing."""
         try:
+            provider, reason = data.get("provider"), data.get("reason", "")
+            if not isinstance(provider, (str, type(None))) or not isinstance(reason, str):
+                raise RecordError(f"'provider' {provider!r} and 'reason' {reason!r}: expected a string (provider: "
+                                  "or null)")
+            effective = data.get("effective", False)
+            if not isinstance(effective, bool):
+                raise RecordError(f"'effective' is {effective!r}, expected true or false")
+            sizes = data.get("captured_sizes", [])
+            if not isinstance(sizes, list):
+                raise RecordError(f"'captured_sizes' is {sizes!r}, expected a list of graph sizes")
             return cls(
                 state=FusionState(data["state"]),
-                provider=data.get("provider"),
-                reason=str(data.get("reason", "")),
-                layers=int(data.get("layers", 0)),
-                layer_states={FusionState(s): LayerTally(int(t["layers"]), str(t.get("reason", "")))
+                provider=provider,
+                reason=reason,
+                layers=_count(data.get("layers", 0), "layers"),
+                layer_states={FusionState(s): LayerTally(_count(t["layers"], f"layer_states.{s}.layers"),
+                                                         str(t.get("reason", "")))
                               for s, t in (data.get("layer_states") or {}).items()},
-                effective=bool(data.get("effective", False)),
-                effective_layers=int(data.get("effective_layers", 0)),
-                runs={**_no_runs(), **{Phase(p): int(n) for p, n in (data.get("runs") or {}).items()}},
-                captured_sizes=[int(n) for n in data.get("captured_sizes", [])],
+                effective=effective,
+                effective_layers=_count(data.get("effective_layers", 0), "effective_layers"),
+                runs={**_no_runs(), **{Phase(p): _count(n, f"runs.{p}") for p, n in (data.get("runs") or {}).items()}},
+                captured_sizes=[_count(n, "captured_sizes", least=1) for n in sizes],
             )
+        except RecordError as exc:
+            raise RecordError(f"fusion entry {data!r}: {exc}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RecordError(f"fusion entry {data!r}: {exc}") from None
+
+
+def _count(value: Any, name: str, least: int = 0) -> int:
+    """A whole number >= ``least`` as the marker holds it (not a bool, a float or a string)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise RecordError(f"{name!r} is {value!r}, expected a whole number >= {least}")
+    return value
 
 
 @dataclass
@@ -140,9 +163,14 @@ class MarkerRecord:
             if name in data and not isinstance(data[name], kinds):
                 raise RecordError(f"marker field {name!r} is {data[name]!r}, expected "
                                   + " or ".join(_KIND_WORDS[k] for k in kinds))
+        ticks, updated = data.get("start_ticks"), data.get("updated", 0.0)
+        if ticks is not None:
+            _count(ticks, "start_ticks")
+        if isinstance(updated, bool) or not _finite(updated):
+            raise RecordError(f"marker field 'updated' is {updated!r}, expected a finite time in seconds")
         try:
             values = {k: v for k, v in data.items() if k in known}
-            values["pid"] = int(data["pid"])
+            values["pid"] = _pid(data["pid"])
             values["mode"] = Mode(data["mode"])
             values["fusions"] = {str(n): FusionEntry.from_json(e) for n, e in (data.get("fusions") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -152,6 +180,21 @@ class MarkerRecord:
         return cls(**values)
 
 
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _pid(value: Any) -> int:
+    """A process id as the kernel gives one: 0 and negative ids name process groups to ``kill``."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_PID:
+        raise RecordError(f"marker field 'pid' is {value!r}, expected a process id (1-{MAX_PID})")
+    return value
+
+
+MAX_PID = 2**31 - 1  # pid_t's largest
 # The JSON kind of each record field read as it is (bool is an int in Python: strict is checked
 # as a bool, and no count field takes one).
 _FIELD_KINDS: dict[str, tuple[type, ...]] = {

@@ -718,6 +718,43 @@ def test_a_marker_field_of_the_wrong_kind_is_an_unreadable_marker_not_a_crash(tm
     assert read.error is None and read.live
 
 
+ENTRY = {"state": "applied", "provider": "triton", "reason": "r", "layers": 2, "effective": True,
+         "runs": {"served": 3}, "captured_sizes": [1, 2]}
+
+
+@pytest.mark.parametrize("record_fields,said", [
+    ({"pid": 0}, "marker field 'pid' is 0, expected a process id (1-2147483647)"),
+    ({"pid": -1}, "marker field 'pid' is -1, expected a process id"),
+    ({"pid": True}, "marker field 'pid' is True, expected a process id"),
+    ({"pid": 1e30}, "marker field 'pid' is 1e+30, expected a process id"),
+    ({"pid": 2**40}, "marker field 'pid' is 1099511627776, expected a process id"),
+    ({"start_ticks": -5}, "'start_ticks' is -5, expected a whole number >= 0"),
+    ({"updated": float("inf")}, "marker field 'updated' is inf, expected a finite time in seconds"),
+    ({"updated": 10**400}, "marker field 'updated' is 1000"),
+    ({"fusions": {"qk_cache": {**ENTRY, "runs": {"replay": -5}}}}, "'runs.replay' is -5, expected a whole number"),
+    ({"fusions": {"qk_cache": {**ENTRY, "layers": 1e400}}}, "'layers' is inf, expected a whole number >= 0"),
+    ({"fusions": {"qk_cache": {**ENTRY, "layers": 2.0}}}, "'layers' is 2.0, expected a whole number >= 0"),
+    ({"fusions": {"qk_cache": {**ENTRY, "effective": "false"}}}, "'effective' is 'false', expected true or false"),
+    ({"fusions": {"qk_cache": {**ENTRY, "captured_sizes": "12"}}}, "'captured_sizes' is '12', expected a list"),
+    ({"fusions": {"qk_cache": {**ENTRY, "captured_sizes": [0]}}}, "'captured_sizes' is 0, expected a whole number"),
+    ({"fusions": {"qk_cache": {**ENTRY, "provider": 5}}}, "'provider' 5 and 'reason' 'r': expected a string"),
+])
+def test_impossible_evidence_is_an_unreadable_marker_never_a_live_process_or_a_count(tmp_path, capsys, record_fields,
+                                                                                     said):
+    """A pid of 0 or below answers ``kill`` as a process group (it read as live, never pruned), a negative
+    count printed "-5 replays" in a verdict that held, and a number too large for a float crashed ``check``:
+    each such marker is set aside as unreadable, naming the field, and proves nothing."""
+    good = MarkerRecord(pid=os.getpid(), mode=Mode.AUTO, fusions={}).to_json()
+    markers.write_marker(tmp_path, 1, {**good, "fusions": {"qk_cache": ENTRY}, **record_fields})
+    (bad,) = markers.read_markers(tmp_path)
+    assert bad.record is None and not bad.live and said in bad.error, bad.error
+    from k3_amd_overlay.commands.cli import main
+
+    assert main(["check", "--marker-dir", str(tmp_path), "--expect", "fused", "--fusions", "qk_cache",
+                 "--no-effective"]) == 1
+    assert "no live vLLM process has left overlay evidence" in capsys.readouterr().out
+
+
 def _forked_worker(evidence: Evidence, layer: str) -> None:
     """A forked vLLM worker: it builds a layer and runs a batch, with the record it inherited."""
     evidence.note_layer("qk_cache", LayerDecision(FusionState.APPLIED, "triton", "r"))
