@@ -355,7 +355,45 @@ def test_check_json_has_exactly_its_keys_in_order_one_space_indented(tmp_path, c
     monkeypatch.setenv(MARKER_DIR, str(tmp_path))
     cli.main(["check", "--expect", "off", "--json"])
     out = capsys.readouterr().out
-    assert list(json.loads(out)) == CHECK_KEYS and out.startswith('{\n "command": "check",\n "ok": false,')
+    data = json.loads(out)
+    assert list(data) == [*CHECK_KEYS, "error"] and out.startswith('{\n "command": "check",\n "ok": false,')
+    fails = [line.removeprefix("FAIL ") for line in data["lines"] if line.startswith("FAIL ")]
+    assert fails and data["error"] == f"does not hold: expect off: {fails[0]}"
+    assert "error" not in json.loads(_held_check(tmp_path, capsys))
+
+
+def _held_check(tmp_path: Path, capsys: Any) -> str:
+    from k3_amd_overlay import markers
+
+    markers.write_marker(tmp_path, os.getpid(), {**off_process(pid=os.getpid()),
+                                                 "start_ticks": markers.process_start_ticks(os.getpid())})
+    assert cli.main(["check", "--expect", "off", "--marker-dir", str(tmp_path), "--json"]) == 0
+    return capsys.readouterr().out
+
+
+def test_every_failed_verdict_under_json_has_its_one_line_error(tmp_path, capsys, monkeypatch):
+    """docs/cli.md: a failure has ``error``; a verdict's failure (doctor not ready, a census that does not
+    hold, kernels falling short) had none, only its own keys."""
+    from k3_amd_overlay.commands import compile_report, doctor
+
+    monkeypatch.setattr(doctor, "run_doctor", lambda switch=None, serve_args=None: (
+        {"verdict": "not ready: qk_cache cannot fuse here: no provider"}, False))
+    assert cli.main(["doctor", "--json"]) == EXIT_FAILED
+    assert json.loads(capsys.readouterr().out)["error"] == "not ready: qk_cache cannot fuse here: no provider"
+
+    trace = kernel_trace(tmp_path / "t.json", {"fused_qk_cache_kernel": 3})
+    assert cli.main(["census", str(trace), "--expect", "absorb=2", "--json"]) == EXIT_FAILED
+    data = json.loads(capsys.readouterr().out)
+    assert data["error"] == "does not hold: " + "; ".join(data["expect"]["problems"]) and data["expect"]["problems"]
+    assert cli.main(["census", str(trace), "--expect", "qk_cache=3", "--json"]) == 0
+    assert "error" not in json.loads(capsys.readouterr().out)
+
+    short = {"problems": ["spills 4 VGPRs"]}
+    monkeypatch.setattr(compile_report, "run_worker", lambda arch, device_name=None: {
+        "kernels": [short, {"problems": []}], "unchecked": ["a tuned file went unchecked"]})
+    assert compile_report.main(["--arch", "gfx942", "--json"]) == EXIT_FAILED
+    assert json.loads(capsys.readouterr().out)["error"] == ("1 of 2 configurations fall short on gfx942; a tuned file "
+                                                            "went unchecked")
 
 
 def static_check(monkeypatch, capsys, expect: str, *extra: str, switch: str | None = None,
@@ -524,6 +562,7 @@ def test_doctor_json_carries_the_command_its_exit_status_and_returns_it(healthy,
     assert data["exit_status"] == code
     assert data["report"] == {"rows": []}
     assert out.startswith('{\n "command"')  # indent=1, as every --json of the CLI
+    assert ("error" in data) is not healthy
 
 
 def census_json(capsys, *argv: str) -> tuple[int, dict[str, Any]]:
@@ -547,7 +586,7 @@ def test_census_json_carries_the_command_its_exit_status_and_returns_it(holds, t
     code, data = census_json(capsys, str(trace), "--expect", f"qk_cache_kernel={expected}")
     assert code == data["exit_status"] == (0 if holds else EXIT_FAILED), (count, expected)
     assert data["command"] == "census" and data["ok"] is holds
-    assert list(data) == CENSUS_KEYS
+    assert list(data) == CENSUS_KEYS + ([] if holds else ["error"])
     assert {k: data[k] for k in ("ranks", "total")} == census.read_census([trace]).to_json()
     assert set(data["expect"]) == {"problems", "holds", "items"}
     assert data["expect"]["holds"] is holds
@@ -593,7 +632,8 @@ def test_census_json_with_a_baseline_that_cannot_compare_fails_and_still_carries
     cand = kernel_trace(tmp_path / "c_rank0.json", {"qk_cache_kernel": count})
     code, data = census_json(capsys, str(cand), "--baseline", *map(str, base))
     assert code == data["exit_status"] == EXIT_FAILED and data["ok"] is False and data["command"] == "census"
-    assert list(data) == CENSUS_BASELINE_KEYS
+    assert list(data) == [*CENSUS_BASELINE_KEYS, "error"]
+    assert data["error"] == "does not hold: " + "; ".join(data["comparison"]["problems"])
     assert data["baseline"] == census.read_census(base).to_json() and sorted(data["baseline"]["ranks"]) == ["0", "1"]
     assert data["comparison"]["holds"] is False and data["comparison"]["problems"]
     assert data["expect"] == {"problems": [], "holds": True, "items": []}  # the comparison alone failed it

@@ -550,7 +550,10 @@ def test_the_command_with_json_prints_the_report_and_nothing_else(monkeypatch, c
     assert compile_report.main(["--arch", "gfx942", "--json"]) == (0 if ok else 1)
     out, err = capsys.readouterr()
     assert err == ""
-    assert exact(json.loads(out)) == exact({"command": "kernels", "ok": ok, "exit_status": 0 if ok else 1, **report})
+    error = {} if ok else {"error": "2 of 3 configurations fall short on gfx942"}
+    assert len(REPORT["kernels"]) == 3 and sum(bool(e["problems"]) for e in REPORT["kernels"]) == 2
+    assert exact(json.loads(out)) == exact({"command": "kernels", "ok": ok, "exit_status": 0 if ok else 1, **report,
+                                            **error})
 
 
 @pytest.mark.parametrize("wants_json", [False, True])
@@ -578,7 +581,8 @@ def test_a_tuned_file_left_unchecked_fails_the_command_and_is_named(monkeypatch,
     assert compile_report.main(["--arch", "gfx942"] + ["--json"] * wants_json) == 1
     out, err = capsys.readouterr()
     if wants_json:
-        assert err == "" and json.loads(out) == {"command": "kernels", "ok": False, "exit_status": 1, **report}
+        assert err == "" and json.loads(out) == {"command": "kernels", "ok": False, "exit_status": 1, **report,
+                                                 "error": UNCHECKED}
     else:
         assert (out, err) == (compile_report.table(report) + "\n", f"\n{UNCHECKED}\n")
 

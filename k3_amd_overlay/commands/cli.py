@@ -217,13 +217,22 @@ def cmd_check(args: argparse.Namespace) -> int:
                           "expect": args.expect, "holds": verdict.holds, "lines": verdict.lines, "notes": notes,
                           "host": socket.gethostname(), "source": source, "marker_dir": marker_dir,
                           "checked_at": time.time(), "overlay_version": __version__,
-                          "records": [r.to_json() for r in records]}, indent=1))
+                          "records": [r.to_json() for r in records],
+                          **({} if verdict.holds else {"error": _check_error(args.expect, verdict.lines)})},
+                         indent=1))
     else:
         for line in notes + verdict.lines:
             print(line)
         print(f"{'HOLDS' if verdict.holds else 'DOES NOT HOLD'}: expect {args.expect} "
               f"({len(records)} process{'es' if len(records) != 1 else ''})")
     return 0 if verdict.holds else 1
+
+
+def _check_error(expect: str, lines: list[str]) -> str:
+    """A failed check's one line for --json: its first FAIL line and how many there are."""
+    fails = [line.removeprefix("FAIL ") for line in lines if line.startswith("FAIL ")]
+    more = f" (and {len(fails) - 1} more FAIL line{'s' if len(fails) > 2 else ''})" if len(fails) > 1 else ""
+    return f"does not hold: expect {expect}: " + (fails[0] + more if fails else "no FAIL line (see lines)")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -236,7 +245,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     report, healthy = run_doctor(switch=args.switch, serve_args=args.serve_args)
     if args.json:
         print(json.dumps({"command": "doctor", "ok": healthy, "exit_status": 0 if healthy else EXIT_FAILED,
-                          **json_report(report), "healthy": healthy}, indent=1, default=str))
+                          **json_report(report), "healthy": healthy,
+                          **({} if healthy else {"error": report.get("verdict") or "not ready (see the report)"})},
+                         indent=1, default=str))
     else:
         print(render(report))
     return 0 if healthy else 1
@@ -268,6 +279,10 @@ def cmd_census(args: argparse.Namespace) -> int:
             out["comparison"] = comparison.to_json()
         out["expect"] = {"problems": [p for j in judged for p in j.problems], "holds": all(j.holds for j in judged),
                          "items": [j.to_json() for j in judged]}
+        if not holds:
+            problems = out["expect"]["problems"] + (comparison.problems if comparison is not None else [])
+            out["error"] = ("does not hold: " + "; ".join(problems) if problems
+                            else "does not hold: no comparable section (see comparison)")
         print(json.dumps(out, indent=1))
     else:
         print(census.render(candidate))

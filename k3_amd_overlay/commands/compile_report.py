@@ -431,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     failing = [e for e in report["kernels"] if e["problems"]]
     ok = not failing and not report["unchecked"]
-    print(json_result("kernels", ok, **report) if args.json else table(report))
+    short = [f"{len(failing)} of {len(report['kernels'])} configurations fall short on {arch}"] if failing else []
+    error = "; ".join(short + list(report["unchecked"]))
+    print(json_result("kernels", ok, **report, **({} if ok else {"error": error})) if args.json else table(report))
     if not args.json:
         for line in report["unchecked"]:
             print(f"\n{line}", file=sys.stderr)
