@@ -309,11 +309,26 @@ def test_expectations_parse_and_fail_word_for_word(tmp_path):
         with pytest.raises(ValueError) as raised:
             census.parse_expectations([bad])
         assert str(raised.value) == (f"--expect {bad!r}: write NAME=COUNT (a kernel-name substring and a count "
-                                     "per rank)")
+                                     "per rank: 0 or more, in at most 18 ASCII digits)")
     result = census.read_census([kernel_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": 2})])
     assert census.check_expectations(result, [("qk_cache_kernel", 3)]) == [
         "rank 0: kernels matching 'qk_cache_kernel' ran 2 times, expected 3"]
     assert census.KernelStats().mean_us == 0.0 and census.KernelStats(2, 5.0) == census.KernelStats(2, 5.0)
+
+
+@pytest.mark.parametrize("bad", ["k=\u00b2", "k=\u0663", "k=1\u00b9", "k=" + "9" * 5000])
+def test_an_expect_count_of_other_than_ascii_digits_is_a_usage_error_naming_it(bad, tmp_path, capsys):
+    """str.isdigit takes superscripts and other scripts' digits, which int() refuses (or reads as
+    another number); a count is ASCII digits, and not so many that int() refuses them either."""
+    with pytest.raises(ValueError) as raised:
+        census.parse_expectations([bad])
+    said = (f"--expect {bad!r}: write NAME=COUNT (a kernel-name substring and a count per rank: 0 or more, in at "
+            "most 18 ASCII digits)")
+    assert str(raised.value) == said
+    trace = kernel_trace(tmp_path / "t_rank0.json", {"qk_cache_kernel": 2})
+    assert main(["census", str(trace), "--expect", bad, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out)["usage_error"] == said and said in err and "Traceback" not in err
 
 
 def test_traces_from_several_directories_are_all_read(tmp_path):

@@ -104,3 +104,34 @@ def test_two_missing_ranks_are_named_as_ranks(tmp_path: Path) -> None:
     assert census.rank_problems(census.read_census([only])) == [
         "ranks 1, 2: no trace, though distributedInfo gives world size 3: a verdict would rest on 1 of its 3 ranks; "
         "profile every rank, one trace per rank"]
+
+
+NAMED = 16  # census.MISSING_NAMED: the missing ranks a problem names
+
+
+@pytest.mark.parametrize("size", [10**6, 10**12], ids=["a-million", "a-trillion"])
+def test_a_huge_world_size_names_a_few_missing_ranks_and_counts_the_rest(tmp_path: Path, size: int,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The missing ranks are found without walking the world size: the first 16 named, the
+    others counted, the field and its value said (a trace's world_size may be any whole number)."""
+    traces = [_trace(tmp_path / f"rank{rank}.json", {"qk_cache_kernel": 1},
+                     distributedInfo={"backend": "nccl", "rank": rank, "world_size": size}) for rank in (0, 2)]
+    named = [1, *range(3, NAMED + 2)]
+    more = size - 2 - NAMED
+    problem = (f"ranks {', '.join(map(str, named))} and {more} more: no trace, though distributedInfo gives world "
+               f"size {size}: a verdict would rest on 2 of its {size} ranks; profile every rank, one trace per rank")
+    problems = census.rank_problems(census.read_census(traces))
+    assert sum(map(len, problems)) < 500 and problems == [problem]
+    assert main(["census", *map(str, traces), "--expect", "qk_cache_kernel=1", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and data["expect"]["problems"] == [problem]
+    assert census.MISSING_NAMED == NAMED
+
+
+def test_a_world_size_just_above_the_ranks_named_lists_every_missing_rank(tmp_path: Path) -> None:
+    size = NAMED + 1
+    only = _trace(tmp_path / "rank0.json", {"qk_cache_kernel": 1},
+                  distributedInfo={"backend": "nccl", "rank": 0, "world_size": size})
+    (problem,) = census.rank_problems(census.read_census([only]))
+    assert problem.startswith(f"ranks {', '.join(map(str, range(1, size)))}: no trace, though distributedInfo gives "
+                              f"world size {size}:")

@@ -311,13 +311,15 @@ def test_json_of_a_bucket_not_exact_names_the_file_and_says_why(tmp_path, capsys
     assert f"k3-amd-overlay measure: {data['error']}" in err and "FAILED: cache: 3 bytes" in err
 
 
-@pytest.mark.parametrize("failure", ["out is a file", "no AITER for fp8"])
+@pytest.mark.parametrize("failure", ["the write fails", "no AITER for fp8"])
 def test_json_of_every_other_failing_path_carries_the_error(tmp_path, capsys, fake_gpu, monkeypatch, failure):
     out, variant = tmp_path, "bf16"
-    if failure == "out is a file":
-        out = tmp_path / "file"
-        out.write_text("")
-        why = f"cannot write the result file into {out}: [Errno 17] File exists"
+    if failure == "the write fails":  # --out checked before measuring; the disk may still refuse the file
+        def refused(*given):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(self_measure, "write", refused)
+        why = f"cannot write the result file into {out}: [Errno 13] Permission denied"
     else:
         monkeypatch.setattr(aiter_peers, "enable", lambda: "AITER's Triton kernels are not importable")
         variant = "fp8"
@@ -367,3 +369,43 @@ def test_the_command_parses_its_own_arguments_and_needs_one_source_of_heads(caps
         self_measure.parser().parse_args(["--variant", "bf16"])
     assert exited.value.code == 2 and "one of the arguments --heads --model is required" in capsys.readouterr().err
     assert self_measure.parser().prog == "k3-amd-overlay measure"
+
+
+def _out_is_a_file(tmp_path: Path) -> tuple[Path, str]:
+    out = tmp_path / "file"
+    out.write_text("")
+    return out, f"--out {out}: is a file; --out names a directory for the result file"
+
+
+def _out_under_a_file(tmp_path: Path) -> tuple[Path, str]:
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "sub"
+    return out, f"--out {out}: lies under {tmp_path / 'file'}, which is a file; --out names a directory"
+
+
+@pytest.mark.parametrize("make_out", [_out_is_a_file, _out_under_a_file], ids=["a file", "under a file"])
+def test_an_out_that_is_no_directory_is_a_usage_error_before_anything_is_measured(tmp_path, capsys, fake_gpu,
+                                                                                   monkeypatch, make_out):
+    out, message = make_out(tmp_path)
+    monkeypatch.setattr(self_measure, "measure", lambda *given: pytest.fail("measured before --out was checked"))
+    code, data, err = json_run(["--heads", "12", "--out", str(out)], capsys)
+    assert code == 2 and data["exit_status"] == 2 and data["usage_error"].startswith(message)
+    assert f"k3-amd-overlay measure: error: {message}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("config,message", [
+    ([1], "holds a JSON list, not a model config object (with num_attention_heads)"),
+    ({"num_attention_heads": True}, "num_attention_heads True is not a positive whole number of heads"),
+    ({"text_config": {"num_attention_heads": False}},
+     "text_config.num_attention_heads False is not a positive whole number of heads"),
+    ({"num_attention_heads": 96.0}, "num_attention_heads 96.0 is not a positive whole number of heads"),
+    ({"hidden_size": 7168}, "has no num_attention_heads (top level or text_config)"),
+], ids=["a list", "true", "text-false", "float", "none"])
+def test_a_model_config_that_is_no_object_or_has_no_whole_heads_is_a_usage_error_naming_the_file(
+        tmp_path, capsys, config, message):
+    config_file = tmp_path / "cfg.json"
+    config_file.write_text(json.dumps(config))
+    code, data, err = json_run(["--model", str(config_file)], capsys)
+    said = f"--model {config_file}: {config_file} {message}"
+    assert code == 2 and data["exit_status"] == 2 and data["usage_error"].startswith(said)
+    assert f"k3-amd-overlay measure: error: {said}" in err and "Traceback" not in err

@@ -250,3 +250,135 @@ def test_a_case_whose_reference_does_not_pair_every_output_gives_no_verdict():
                    (reference_codes,)).mismatches(None)
     with pytest.raises(ValueError, match="zip"):
         PairedCase((torch.empty(7, dtype=torch.uint8),), (reference_codes, codes(5))).mismatches(None)
+
+
+# ---- bad input: refused before any tuning, one JSON object --------------------------------------
+
+def _usage_error(argv, capsys):
+    """tune.main with --json: (exit code, the one JSON object on stdout, stderr)."""
+    code = tune.main(["--json", *argv])
+    out, err = capsys.readouterr()
+    return code, json.loads(out), err
+
+
+def _never_tuned(monkeypatch):
+    monkeypatch.setattr(tune, "tune_case", lambda *given: pytest.fail("tuned before the arguments were checked"))
+    monkeypatch.setattr(tune, "interleaved_us", lambda *given: pytest.fail("timed before the arguments were checked"))
+
+
+def _assert_usage_error(code, data, err, said):
+    assert code == 2 and data["exit_status"] == 2 and data["ok"] is False and said in data["usage_error"], data
+    assert f"k3-amd-overlay tune: error: {said}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("{not json", "not a usable launch-config file (cannot read launch configs"),
+    ('{"schema": 1, "arch": "sm90", "kernels": {"no_such_kernel": []}}', "not a usable launch-config file"),
+    ("[1]", "not a launch-config file of schema 1"),
+], ids=["malformed", "unknown-kernel", "a-list"])
+@pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "fake-h200"])
+def test_a_compare_file_that_is_no_launch_config_file_is_a_usage_error_before_the_gpu(
+        request, monkeypatch, tmp_path, capsys, text, why, gpu):
+    if gpu:
+        request.getfixturevalue("fake_h200")
+    else:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _never_tuned(monkeypatch)
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    code, data, err = _usage_error(["--compare", str(bad), "--heads", "2"], capsys)
+    _assert_usage_error(code, data, err, f"--compare {bad}: ")
+    assert why in data["usage_error"]
+
+
+def _malformed(path):
+    path.write_text('{"schema": 1, "arch": ')
+    return "exists and is not a launch-config file tune can update"
+
+
+def _tuned_on_a_string(path):
+    path.write_text(json.dumps({"schema": launch_configs.SCHEMA, "arch": "sm90", "tuned_on": "NVIDIA H200",
+                                "kernels": {}}))
+    return "exists and its tuned_on 'NVIDIA H200' is not an object"
+
+
+def _no_launch_configs(path):
+    path.write_text(json.dumps({"some": "other file"}))
+    return "exists and is not a launch-config file tune can update"
+
+
+@pytest.mark.parametrize("make", [_malformed, _tuned_on_a_string, _no_launch_configs],
+                         ids=["malformed", "tuned_on-a-string", "another-json-file"])
+@pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "fake-h200"])
+def test_an_out_file_tune_cannot_update_is_a_usage_error_before_any_tuning_and_is_kept(
+        request, monkeypatch, tmp_path, capsys, make, gpu):
+    if gpu:
+        request.getfixturevalue("fake_h200")
+    else:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _never_tuned(monkeypatch)
+    out = tmp_path / "mine.json"
+    why = make(out)
+    before = out.read_text()
+    code, data, err = _usage_error(["--out", str(out), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "4",
+                                    "--heads", "2"], capsys)
+    _assert_usage_error(code, data, err, f"--out {out} {why}")
+    assert out.read_text() == before and LightCase.made == []
+
+
+def test_the_file_in_an_out_directory_is_checked_once_the_gpu_names_it_before_any_tuning(
+        fake_h200, monkeypatch, tmp_path, capsys):
+    _never_tuned(monkeypatch)
+    named = tmp_path / "sm90-NVIDIA_H200.json"
+    why = _tuned_on_a_string(named)
+    code, data, err = _usage_error(["--out", str(tmp_path), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "4",
+                                    "--heads", "2"], capsys)
+    _assert_usage_error(code, data, err, f"--out {tmp_path}: {named} {why}")
+    assert LightCase.made == []
+
+
+@pytest.mark.parametrize("where", ["missing/mine.json", "missing"], ids=["file", "directory"])
+@pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "fake-h200"])
+def test_an_out_under_a_missing_directory_is_a_usage_error_before_any_tuning(
+        request, monkeypatch, tmp_path, capsys, where, gpu):
+    if gpu:
+        request.getfixturevalue("fake_h200")
+    else:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _never_tuned(monkeypatch)
+    out = tmp_path / where
+    code, data, err = _usage_error(["--out", str(out), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "4"], capsys)
+    said = (f"--out {out}: the directory {tmp_path / 'missing'} does not exist" if where.endswith(".json")
+            else f"--out {out}: no such directory")
+    _assert_usage_error(code, data, err, said)
+    assert not (tmp_path / "missing").exists()
+
+
+def test_an_out_file_for_another_gpu_is_still_replaced_and_one_for_this_gpu_keeps_its_other_kernels(
+        fake_h200, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tune, "tune_case", lambda case, shipped, tried, log: (shipped, 8.0, 10.0))
+    out = tmp_path / "mine.json"
+    kept = [{"config": {"ROWS_Q": 1, "ROWS_KV": 1, "num_warps": 2}}]
+    out.write_text(json.dumps({"schema": launch_configs.SCHEMA, "arch": "sm90", "tuned_on": {"device": "NVIDIA H200"},
+                               "kernels": {names.RMSNORM_PAIR_KERNEL: kept}}))
+    argv = ["--out", str(out), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "4", "--heads", "2"]
+    assert tune.main(argv) == 0
+    assert sorted(launch_configs.load(out).kernels) == [names.QK_CACHE_KERNEL, names.RMSNORM_PAIR_KERNEL]
+    out.write_text(json.dumps({"schema": launch_configs.SCHEMA, "arch": "sm90", "tuned_on": {"device": "other"},
+                               "kernels": {names.RMSNORM_PAIR_KERNEL: kept}}))
+    assert tune.main(argv) == 0
+    assert sorted(launch_configs.load(out).kernels) == [names.QK_CACHE_KERNEL]
+
+
+def test_with_json_a_failure_while_tuning_still_prints_one_object_and_keeps_the_traceback(
+        fake_h200, monkeypatch, tmp_path, capsys):
+    def off(case, shipped, tried, log):
+        raise RuntimeError("qk_cache_kernel: the shipped config is 3 codes off the reference")
+
+    monkeypatch.setattr(tune, "tune_case", off)
+    with pytest.raises(RuntimeError, match="3 codes off"):
+        tune.main(["--json", "--out", str(tmp_path), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "4"])
+    assert json.loads(capsys.readouterr().out) == {
+        "command": "tune", "ok": False, "exit_status": 1, "file": None, "compare": None,
+        "error": "RuntimeError: qk_cache_kernel: the shipped config is 3 codes off the reference (the traceback is "
+                 "on stderr)"}

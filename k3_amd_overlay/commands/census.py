@@ -313,12 +313,16 @@ def claiming_pattern(name: str) -> str | None:
     return max((p for p in TABLE_PATTERNS if p in name), key=len, default=None)
 
 
+COUNT = re.compile(r"[0-9]{1,18}")  # ASCII digits only (str.isdigit takes "²", which int() refuses)
+
+
 def parse_expectations(items: Iterable[str]) -> list[tuple[str, int]]:
     parsed = []
     for item in items:
         name, sep, count = item.rpartition("=")
-        if not sep or not name or not count.isdigit():
-            raise ValueError(f"--expect {item!r}: write NAME=COUNT (a kernel-name substring and a count per rank)")
+        if not sep or not name or not COUNT.fullmatch(count):
+            raise ValueError(f"--expect {item!r}: write NAME=COUNT (a kernel-name substring and a count per rank: "
+                             "0 or more, in at most 18 ASCII digits)")
         parsed.append((name, int(count)))
     return parsed
 
@@ -347,12 +351,36 @@ def rank_problems(census: Census) -> list[str]:
             f"{size} in {path}" for size, path in sorted(first.items())) + f"; {ONE_SESSION}")
     elif first:
         (size,) = first
-        missing = [str(rank) for rank in range(size) if str(rank) not in census.ranks]
-        if missing:
-            problems.append(f"rank{'s' if len(missing) > 1 else ''} {', '.join(missing)}: no trace, though "
-                            f"distributedInfo gives world size {size}: a verdict would rest on {len(census.ranks)} of "
-                            f"its {size} ranks; profile every rank, one trace per rank")
+        named, more = missing_ranks(census, size)
+        if named:
+            listed = ", ".join(named) + (f" and {more} more" if more else "")
+            problems.append(f"rank{'s' if len(named) > 1 else ''} {listed}: no trace, though distributedInfo gives "
+                            f"world size {size}: a verdict would rest on {len(census.ranks)} of its {size} ranks; "
+                            "profile every rank, one trace per rank")
     return problems
+
+
+def rank_number(rank: str) -> int | None:
+    """The rank a trace's rank name is (as ``str(rank)`` writes it), None where it is no such number."""
+    if not COUNT.fullmatch(rank) or str(int(rank)) != rank:
+        return None
+    return int(rank)
+
+
+MISSING_NAMED = 16  # the missing ranks a problem names; the rest are counted (a world size may be any number)
+
+
+def missing_ranks(census: Census, size: int) -> tuple[list[str], int]:
+    """The first ``MISSING_NAMED`` ranks below ``size`` without a trace, and how many more there are,
+    found in time bounded by the traces read, not by ``size`` (a trace's world_size may be huge)."""
+    present = {number for rank in census.ranks if (number := rank_number(rank)) is not None and number < size}
+    named: list[str] = []
+    rank = 0
+    while rank < size and len(named) < MISSING_NAMED:
+        if rank not in present:
+            named.append(str(rank))
+        rank += 1
+    return named, size - len(present) - len(named)
 
 
 @dataclass

@@ -275,11 +275,44 @@ def heads_from_model(model: str, tp: int) -> int:
     except (OSError, ValueError) as exc:
         raise UsageError(f"--model {model}: cannot read {config_file} ({exc}); give a local model directory or "
                          "its config.json, or --heads") from None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    heads = config.get("num_attention_heads", text.get("num_attention_heads"))
-    if not isinstance(heads, int) or heads < 1:
-        raise UsageError(f"--model {model}: {config_file} has no positive num_attention_heads ({heads!r})")
+    if not isinstance(config, dict):
+        raise UsageError(f"--model {model}: {config_file} holds a JSON {type(config).__name__}, not a model config "
+                         "object (with num_attention_heads); give the model's config.json, or --heads")
+    field, heads = heads_field(config)
+    if field is None:
+        raise UsageError(f"--model {model}: {config_file} has no num_attention_heads (top level or text_config); "
+                         "give the model's config.json, or --heads")
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise UsageError(f"--model {model}: {config_file} {field} {heads!r} is not a positive whole number of heads; "
+                         "give the model's config.json, or --heads")
     return per_rank(heads, tp, "the model's")
+
+
+def heads_field(config: dict[str, Any]) -> tuple[str | None, Any]:
+    """(where, value) of a model config's num_attention_heads: top level, else its text config's; (None,
+    None) where neither has one."""
+    if "num_attention_heads" in config:
+        return "num_attention_heads", config["num_attention_heads"]
+    text = config.get("text_config")
+    if isinstance(text, dict) and "num_attention_heads" in text:
+        return "text_config.num_attention_heads", text["num_attention_heads"]
+    return None, None
+
+
+def check_out_directory(given: str) -> None:
+    """--out is a directory, or one the result file's writing can create: no part of it an existing file
+    (checked before measuring, so that no measurement is lost to it)."""
+    path = Path(given)
+    for part in (path, *path.parents):
+        if not part.exists():
+            continue
+        if not part.is_dir():
+            what = "is a file" if part == path else f"lies under {part}, which is a file"
+            raise UsageError(f"--out {given}: {what}; --out names a directory for the result file")
+        if not os.access(part, os.W_OK | os.X_OK):
+            raise UsageError(f"--out {given}: {part} is not writable here; --out names a directory for the result "
+                             "file")
+        return
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -319,6 +352,8 @@ def _checked(args: argparse.Namespace) -> tuple[list[int], list[str], list[int]]
                              f"is heads per rank, and K3's {k3.NUM_HEADS} heads at that size are {expected} per "
                              f"rank; give --heads {expected}, or --heads alone (another model's heads per rank)")
     heads = sorted(set(args.heads)) if args.heads else [heads_from_model(args.model, tp or 1)]
+    if args.out is not None:
+        check_out_directory(args.out)
     bad = [v for v in args.variant if v not in measured.VARIANTS]
     if bad:
         fp4 = (" (fp4: its stock absorption is AITER's MXFP4 GEMM, which this version does not measure: an fp4 layer "

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -289,6 +290,55 @@ def out_path(out: str, arch: str, device: str) -> Path:
     return path / f"{arch}-{device_slug(device)}.json" if path.is_dir() or not path.suffix else path
 
 
+def check_compare(given: str) -> None:
+    """--compare names a readable launch-config file (checked before any GPU work)."""
+    if not Path(given).is_file():
+        raise UsageError(f"--compare {given}: no such file")
+    try:
+        launch_configs.load(given)
+    except launch_configs.LaunchConfigError as exc:
+        raise UsageError(f"--compare {given}: not a usable launch-config file ({exc})") from None
+
+
+def check_out(given: str) -> None:
+    """--out as tune will write it, checked before any GPU work: an existing directory (the file in it,
+    named for the GPU, is checked by ``check_out_file`` once the GPU is known), or a file whose directory
+    exists and can be written, which, where it exists, ``check_out_file`` accepts."""
+    path = Path(given)
+    if not path.is_dir() and not path.suffix:
+        what = "not a directory" if path.exists() else "no such directory"
+        raise UsageError(f"--out {given}: {what}; give an existing directory (for <arch>-<device>.json) or a file "
+                         "name with a suffix (.json)")
+    directory = path if path.is_dir() else path.parent
+    if not directory.is_dir():
+        raise UsageError(f"--out {given}: the directory {directory} does not exist (tune creates no directories)")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {given}: the directory {directory} is not writable here")
+    if not path.is_dir():
+        check_out_file(path, given)
+
+
+def check_out_file(path: Path, given: str) -> None:
+    """An existing file at ``path`` (what --out ``given`` writes) must be one tune can keep the kernels of or
+    replace: a launch-config file whose ``tuned_on``, if any, is an object; a UsageError otherwise (nothing
+    tuned yet, nothing lost)."""
+    if not path.exists():
+        return
+    where = f"--out {given}: {path}" if str(path) != given else f"--out {given}"
+    if not path.is_file():
+        raise UsageError(f"{where} exists and is not a regular file")
+    try:
+        data = json.loads(path.read_text())
+        launch_configs.parse(data, str(path))
+    except (OSError, ValueError) as exc:  # LaunchConfigError and JSONDecodeError are ValueErrors
+        raise UsageError(f"{where} exists and is not a launch-config file tune can update ({exc}); move it or "
+                         "name another file") from None
+    tuned = data.get("tuned_on")
+    if tuned is not None and not isinstance(tuned, dict):
+        raise UsageError(f"{where} exists and its tuned_on {tuned!r} is not an object (device, date, torch, "
+                         "triton); move it or name another file")
+
+
 def parser() -> Parser:
     p = Parser(prog="k3-amd-overlay tune", description=describe(__doc__))
     p.add_argument("--out", default=".", help="a file, or a directory for <arch>-<device>.json (default .); "
@@ -312,8 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, values in (("--heads", args.heads), ("--tokens", args.tokens)):
             if values is not None and any(v < 1 for v in values):
                 raise UsageError(f"{name} {values}: every value must be a positive integer")
-        if args.compare and not Path(args.compare).is_file():
-            raise UsageError(f"--compare {args.compare}: no such file")
+        if args.compare:
+            check_compare(args.compare)
+        else:
+            check_out(args.out)
     except UsageError as exc:
         return p.usage_error(exc)
     import torch
@@ -324,11 +376,25 @@ def main(argv: list[str] | None = None) -> int:
             print(json_result("tune", False, error=message))
         print(f"k3-amd-overlay tune: {message}", file=sys.stderr)
         return EXIT_FAILED
-    if not args.json:
-        return run(args)
+    try:
+        return run(args) if not args.json else run_json(args)
+    except UsageError as exc:  # found once the GPU is known (the file named for it), before any tuning
+        return p.usage_error(exc)
+
+
+def run_json(args: argparse.Namespace) -> int:
+    """``run`` with --json: the table to stderr, one object on stdout (also where ``run`` raises: a
+    UsageError is the caller's to print; anything else is said in the object, its traceback kept)."""
     args.written = None
-    with contextlib.redirect_stdout(sys.stderr):  # the table to stderr; stdout: the one object
-        code = run(args)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the table to stderr; stdout: the one object
+            code = run(args)
+    except UsageError:
+        raise
+    except Exception as exc:
+        print(json_result("tune", False, file=args.written, compare=args.compare,
+                          error=f"{type(exc).__name__}: {' '.join(str(exc).split())} (the traceback is on stderr)"))
+        raise
     print(json_result("tune", code == 0, file=args.written, compare=args.compare))
     return code
 
@@ -357,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
 
     path = out_path(args.out, where.arch, name)
+    check_out_file(path, args.out)
     print("| kernel | T | H | shipped µs | tuned µs | shipped / tuned | tuned config |")
     print("|---|---|---|---|---|---|---|")
     for kernel in args.kernels:
@@ -374,7 +441,7 @@ def run(args: argparse.Namespace) -> int:
                 rule["heads"] = heads_here
             rules.append(rule)
         write(path, where.arch, name, {kernel: with_catch_alls(rules)}, torch.__version__, triton.__version__)
-    args.written = str(path)
+        args.written = str(path)
     print(f"wrote {path}; the overlay uses it with {launch_configs.KERNEL_CONFIGS}={path} (or its directory)")
     return 0
 
@@ -385,8 +452,9 @@ def write(path: Path, arch: str, device: str, kernels: dict[str, list[dict[str, 
     ``path``, keeping the other kernels of a file tuned before for this arch and GPU."""
     if path.is_file():
         before = json.loads(path.read_text())
-        if before.get("arch") == arch and (before.get("tuned_on") or {}).get("device") == device:
-            kernels = {**before.get("kernels", {}), **kernels}
+        table = launch_configs.parse(before, str(path))  # check_out_file accepted it before tuning began
+        if table.arch == arch and table.tuned_on == device:
+            kernels = {**before["kernels"], **kernels}
     data = {"schema": launch_configs.SCHEMA, "arch": arch,
             "origin": "k3-amd-overlay tune: per shape the fastest candidate passing the bytes check, graph replay, "
                       f"median; the shipped config kept unless beaten by more than {MIN_GAIN:.0%}",

@@ -14,14 +14,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.commands.bench import AITER_TREE
 from k3_amd_overlay.commands.bench.shapes import ABSORB_BATCHES, HEADS, NORM_TOKENS, QK_CACHE_BATCHES
-from k3_amd_overlay.commands.usage import EPILOG, EXIT_FAILED, Parser, describe, json_result
+from k3_amd_overlay.commands.usage import EPILOG, EXIT_FAILED, Parser, UsageError, describe, json_result
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
 
 if TYPE_CHECKING:
@@ -449,13 +451,44 @@ def legacy_argv(argv: list[str]) -> list[str]:
     return out
 
 
+def check_json_out(given: str) -> None:
+    """--json-out names a file that can be written once the benchmark is done: checked before it starts,
+    so that no measurement is lost to a path that cannot take it."""
+    path = Path(given)
+    if path.is_dir():
+        raise UsageError(f"--json-out {given}: a directory; name a file (e.g. {path / 'bench.json'})")
+    directory = path.parent
+    if not directory.is_dir():
+        raise UsageError(f"--json-out {given}: the directory {directory} does not exist (bench creates none)")
+    writable = os.access(path, os.W_OK) if path.exists() else os.access(directory, os.W_OK | os.X_OK)
+    if not writable:
+        raise UsageError(f"--json-out {given}: cannot be written here (permissions)")
+
+
+def write_json_out(given: str, measured: dict) -> str | None:
+    """Write the measurements to --json-out's file; why it could not be (checked before the benchmark,
+    so only a change meanwhile), else None."""
+    try:
+        with open(given, "w") as handle:
+            json.dump({k: v for k, v in measured.items() if k != "error"}, handle, indent=1)
+    except OSError as exc:
+        return f"--json-out {given}: cannot write it ({exc}); the tables (and with --json, stdout) have the measurements"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if legacy_argv(argv) != argv:
         print("k3-amd-overlay bench: --json FILE is --json-out FILE now (--json: one JSON object on stdout)",
               file=sys.stderr)
         argv = legacy_argv(argv)
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        if args.json_out is not None:
+            check_json_out(args.json_out)
+    except UsageError as exc:
+        return p.usage_error(exc)
     if not args.json:
         return run(args)
     measured: dict = {}
@@ -531,9 +564,10 @@ def run(args: argparse.Namespace, measured: dict | None = None) -> int:
         results += layer_step.bench(heads, absorb_batches, peers)
     measured.update(device=props.name, torch=torch.__version__, triton=triton.__version__, bandwidth_tb_s=bw / 1e6,
                     empty_us=empty, results=results)
-    if args.json_out:
-        with open(args.json_out, "w") as handle:
-            json.dump({k: v for k, v in measured.items() if k != "error"}, handle, indent=1)
+    if args.json_out and (why := write_json_out(args.json_out, measured)):
+        measured["error"] = why
+        print(why, file=sys.stderr)
+        return EXIT_FAILED
     if layer_step.failed(results):
         measured["error"] = "a layer step's parity failed: it was not timed"
         return EXIT_FAILED
