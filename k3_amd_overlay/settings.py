@@ -125,11 +125,12 @@ def load_settings(environ: Mapping[str, str] | None = None) -> OverlaySettings:
     env = os.environ if environ is None else environ
     raw = env.get(SWITCH, "")
     mode, fusions = parse_switch(raw)
-    unknown = tuple(sorted(k for k in env if k.startswith(SWITCH) and k not in KNOWN_VARIABLES))
+    # any case: a lowercase k3_amd_overlay_strict=0 is as surely meant as the real name, and as surely ignored
+    unknown = tuple(sorted(k for k in env if k.upper().startswith(SWITCH) and k not in KNOWN_VARIABLES))
     if unknown and mode is not Mode.OFF:
         raise SettingsError(
             f"unknown overlay variable(s) {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(KNOWN_VARIABLES))}"
+            f"known (upper case): {', '.join(sorted(KNOWN_VARIABLES))}"
         )
     return OverlaySettings(
         mode=mode,

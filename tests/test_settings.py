@@ -53,6 +53,14 @@ def test_unknown_overlay_variables_are_errors_when_on_and_reported_when_off():
     assert off.mode is Mode.OFF and off.unknown_variables == ("K3_AMD_OVERLAY_STRCT",)
 
 
+def test_a_known_name_in_another_case_is_an_unknown_variable_not_silently_ignored():
+    """``k3_amd_overlay_strict=0`` (lower case) was passed over: strict stayed on without a word."""
+    for name in ("k3_amd_overlay_strict", "K3_amd_overlay_STRICT", "k3_amd_overlay"):
+        with pytest.raises(SettingsError, match=rf"unknown overlay variable\(s\) {name}; known \(upper case\)"):
+            load_settings({"K3_AMD_OVERLAY": "1", name: "0"})
+    assert load_settings({"k3_amd_overlay": "1"}).unknown_variables == ("k3_amd_overlay",)  # off: for the warning
+
+
 def test_the_settings_object_says_what_it_holds():
     """Every field's default and the three queries on it, for on, off and a partial switch."""
     from k3_amd_overlay import settings as module
@@ -94,7 +102,7 @@ def test_the_variable_names_are_the_documented_ones():
     ("K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER", "vllm", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER='vllm' is not "
      "valid; allowed: auto, triton, aiter, reference"),
     ("K3_AMD_OVERLAY_QKV_NORM_PROVIDR", "triton", "unknown overlay variable(s) K3_AMD_OVERLAY_QKV_NORM_PROVIDR; "
-     "known: K3_AMD_OVERLAY, K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER, K3_AMD_OVERLAY_KERNEL_CONFIGS, "
+     "known (upper case): K3_AMD_OVERLAY, K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER, K3_AMD_OVERLAY_KERNEL_CONFIGS, "
      "K3_AMD_OVERLAY_MARKER_DIR, "
      "K3_AMD_OVERLAY_QKV_NORM_PROVIDER, K3_AMD_OVERLAY_QK_CACHE_PROVIDER, K3_AMD_OVERLAY_STRICT"),
 ])
