@@ -239,10 +239,18 @@ def test_each_way_the_static_probe_ends_is_one_line(monkeypatch, fake, reason):
 
 
 def test_fusions_are_split_trimmed_and_checked():
-    assert cli._fusions(None) is None and cli._fusions("") is None
+    assert cli._fusions(None) is None
+    with pytest.raises(UsageError, match="--fusions '' names no fusion"):
+        cli._fusions("")  # "$FUSIONS" unset in a script: not "every fusion each process requested"
     assert cli._fusions(" qk_cache, ,qkv_norm ") == ["qk_cache", "qkv_norm"]
     with pytest.raises(UsageError, match="--fusions ',' names no fusion; allowed: qkv_norm, qk_cache, absorb_qk_cache"):
         cli._fusions(",")  # an empty list judged nothing: it must not pass as "every fusion asked held"
+
+
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_a_blank_marker_dir_is_a_usage_error_not_the_default_directory(blank, capsys):
+    assert cli.main(["check", "--expect", "fused", "--marker-dir", blank]) == 2
+    assert f"--marker-dir {blank!r} names no directory" in capsys.readouterr().err
 
 
 def test_the_check_json_usage_error_has_checks_keys():

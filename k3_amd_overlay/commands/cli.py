@@ -58,7 +58,7 @@ print("K3_AMD_OVERLAY_RECORD=" + json.dumps(record.to_json() if record else None
 
 
 def _fusions(value: str | None) -> list[str] | None:
-    if not value:
+    if value is None:
         return None
     names = [v.strip() for v in value.split(",") if v.strip()]
     if not names:
@@ -173,6 +173,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     records: list[MarkerRecord] = []
     notes: list[str] = []
     wanted = _fusions(args.fusions)  # a UsageError: main() says it (as JSON too with --json)
+    if args.marker_dir is not None and not args.marker_dir.strip():  # "$DIR" unset: not the default directory
+        raise UsageError(f"--marker-dir {args.marker_dir!r} names no directory; leave the option out for "
+                         f"${MARKER_DIR} or the per-user directory")
     if sum(map(bool, (args.merge, args.static))) > 1 or (args.prune and (args.merge or args.static)):
         raise UsageError("--merge, --static and --prune each judge other processes: give at most one")
     if args.max_age is not None and not args.merge:
