@@ -176,7 +176,7 @@ def test_ab_serve_with_the_stock_arm_compares_both_with_off(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--repeats", "0"], "--repeats 0: at least 1"),
     (["--arm-b", "yes"], "--arm-b: K3_AMD_OVERLAY='yes' is not valid"),
-    (["--arm-a", "1"], "the arms must differ: --arm-a='1', --arm-b='1'"),
+    (["--arm-a", "1"], "the arms must differ: --arm-a '1' and --arm-b '1' are the same setting"),
     (["--num-prompts", "0"], "--num-prompts 0: at least 1"),
     (["--serve-cmd", "no-such-vllm serve"], "--serve-cmd 'no-such-vllm serve': no-such-vllm is not an executable"),
 ])
@@ -250,7 +250,7 @@ def test_gsm8k_ab_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--arm-a", "1"], "the arms must differ: --arm-a and --arm-b are both '1'"),
+    (["--arm-a", "1"], "the arms must differ: --arm-a '1' and --arm-b '1' are the same setting"),
     (["--arm-b", "fast"], "--arm-b: K3_AMD_OVERLAY='fast' is not valid"),
     (["--limit", "0"], "--limit 0: at least 1"),
     (["--lm-eval-cmd", "no-such-lm-eval"], "--lm-eval-cmd 'no-such-lm-eval': no-such-lm-eval is not an executable"),

@@ -280,7 +280,8 @@ def switch_error(value: str) -> str:
     (["--data-file", "{tmp}/no-such.jsonl"], "--data-file {tmp}/no-such.jsonl: no such file"),
     (["--arm-a", "fast"], "--arm-a: {switch_error_fast}"),
     (["--arm-b", "fast"], "--arm-b: {switch_error_fast}"),
-    (["--arm-a", "stock", "--arm-b", "stock"], "the arms must differ: --arm-a and --arm-b are both 'stock'"),
+    (["--arm-a", "stock", "--arm-b", "stock"], "the arms must differ: --arm-a 'stock' and --arm-b 'stock' are the "
+                                               "same setting (stock), an A/B of an arm against itself"),
     (["--serve-cmd", "no-such-vllm serve"], "--serve-cmd 'no-such-vllm serve': no-such-vllm is not an executable on "
                                             "PATH"),
     (["--lm-eval-cmd", "no-such-lm-eval --x"], "--lm-eval-cmd 'no-such-lm-eval --x': no-such-lm-eval is not an "
@@ -292,7 +293,7 @@ def switch_error(value: str) -> str:
     (["--num-concurrent", "0"], "--num-concurrent 0: at least 1"),
     (["--port", "99999"], "--port 99999: must be 1-65535"),
     (["--port", "0"], "--port 0: must be 1-65535"),
-    (["--health-timeout", "0"], "--health-timeout 0.0: must be positive"),
+    (["--health-timeout", "0"], "--health-timeout 0.0: must be a positive, finite number of seconds"),
     (["--serve-args", '--foo "x'], """--serve-args '--foo "x': No closing quotation (quote it as a shell would)"""),
 ])
 @pytest.mark.parametrize("as_json", [False, True])

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import re
 import shutil
 import statistics
@@ -59,6 +60,7 @@ BENCH_DEFAULTS = ("--backend openai-chat --endpoint /v1/chat/completions --datas
                   "--seed 42 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99")
 PROMPTS_PER_CONCURRENCY = 4  # default --num-prompts: this many requests per concurrent slot
 RUN_DIR = re.compile(r"repeat(\d+)-arm([ABC])")
+BENCH_FILE = re.compile(r"bench-c([1-9]\d*)\.json")  # as bench() names it: bench-c8.json at concurrency 8
 
 
 JSON_HELP = "one JSON object on stdout on every path (the summary; progress goes to stderr)"
@@ -96,10 +98,14 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--repeats {args.repeats}: at least 1")
     if min(args.concurrency) < 1:
         raise UsageError(f"--concurrency {args.concurrency}: each at least 1")
+    repeated = sorted({c for c in args.concurrency if args.concurrency.count(c) > 1})
+    if repeated:
+        raise UsageError(f"--concurrency {args.concurrency}: {', '.join(map(str, repeated))} given more than once; "
+                         "each concurrency at most once (a second bench would overwrite the first's result)")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UsageError(f"--num-prompts {args.num_prompts}: at least 1")
-    if args.profile_window is not None and args.profile_window <= 0:
-        raise UsageError(f"--profile-window {args.profile_window}: must be positive")
+    if args.profile_window is not None and not 0 < args.profile_window < math.inf:
+        raise UsageError(f"--profile-window {args.profile_window}: must be a positive, finite number of seconds")
     check_arm_server_arguments(args)
     check_command_lines([("--bench-args", args.bench_args)])
     ab_run.check_unused(args.out)
@@ -107,9 +113,8 @@ def validate(args: argparse.Namespace) -> None:
     if args.with_stock:
         switches.append(("the stock arm", "stock"))
     check_switches(switches)
+    arms.check_distinct(switches)
     values = [v for _, v in switches]
-    if len(set(values)) != len(values):
-        raise UsageError(f"the arms must differ: {', '.join(f'{n}={v!r}' for n, v in switches)}")
     check_executables((("--serve-cmd", args.serve_cmd), ("--bench-cmd", args.bench_cmd)))
     labels = dict(zip(("arm A", "arm B", "arm C"), values, strict=False))
     args.baseline_hazards = check_baselines(labels.items(), args.serve_args, args.accept_baseline_hazard)
@@ -155,9 +160,27 @@ def load_results(out: Path, run_id: str) -> tuple[dict[str, dict[int, list[dict[
             left_out.append(directory.name)
             continue
         for path in sorted(directory.glob("bench-c*.json")):
-            concurrency = int(path.stem.removeprefix("bench-c"))
-            results.setdefault(label, {}).setdefault(concurrency, []).append(ab_run.read_json(path))
+            results.setdefault(label, {}).setdefault(bench_concurrency(path), []).append(read_bench(path))
     return results, left_out
+
+
+def bench_concurrency(path: Path) -> int:
+    """The concurrency a bench result's name gives; ForeignResults where bench() wrote no such name."""
+    found = BENCH_FILE.fullmatch(path.name)
+    if found is None:
+        raise ab_run.ForeignResults(f"{path}: the concurrency in its name, {path.stem.removeprefix('bench-c')!r}, is "
+                                    "not a positive whole number (bench-c8.json: concurrency 8), so no bench of this "
+                                    "run wrote it: move it out")
+    return int(found.group(1))
+
+
+def read_bench(path: Path) -> dict[str, Any]:
+    """A bench result the table can read; ForeignResults naming the file and the field where not."""
+    record = ab_run.read_json(path)
+    why = ab_stats.unusable_metric(record)
+    if why:
+        raise ab_run.ForeignResults(f"{path} is no bench result the table can read: {why}")
+    return record
 
 
 def _first_line(command: list[str]) -> str | None:
@@ -302,7 +325,7 @@ def report(argv: list[str]) -> int:
         if previous.get("run_id") != run_id:
             raise ab_run.ForeignResults(f"{summary} is run {previous.get('run_id')}'s, {args.out / ab_run.RUN_FILE} "
                                         f"says run {run_id}")
-        env = previous.get("environment", {})
+        env = saved_environment(summary, previous)
         try:
             arm_list = [arms.Arm(label, a["switch"], a["expect"]) for label, a in sorted(env.get("arms", {}).items())]
         except (AttributeError, KeyError, TypeError) as exc:
@@ -318,6 +341,19 @@ def report(argv: list[str]) -> int:
     else:
         print(text)
     return EXIT_FAILED if error else 0
+
+
+def saved_environment(summary: Path, previous: dict[str, Any]) -> dict[str, Any]:
+    """summary.json's "environment", where summarise can read it again; ForeignResults naming the
+    field where not."""
+    env = previous.get("environment", {})
+    if not isinstance(env, dict):
+        raise ab_run.ForeignResults(f'{summary} is no ab-serve summary: its "environment" is {env!r}, not an object')
+    hazards = env.get("baseline_hazards")
+    if hazards is not None and not (isinstance(hazards, list) and all(isinstance(h, str) for h in hazards)):
+        raise ab_run.ForeignResults(f'{summary} is no ab-serve summary: its "baseline_hazards" is {hazards!r}, not '
+                                    "a list of strings")
+    return env
 
 
 def unanswered(summary: dict[str, Any]) -> str | None:

@@ -39,6 +39,19 @@ SERVING_METRICS: tuple[tuple[str, str, bool], ...] = (
 )
 
 
+def unusable_metric(record: Any) -> str | None:
+    """Why a saved bench result cannot enter the table, naming the field, or None where it can: a
+    JSON object whose metrics are numbers (a metric it lacks, or NaN where the bench measured none,
+    is left out of the table; an infinite one has no ratio)."""
+    if not isinstance(record, dict):
+        return f"it holds a {type(record).__name__}, not a JSON object"
+    for _, key, _ in SERVING_METRICS:
+        value = record.get(key)
+        if key in record and (isinstance(value, bool) or not isinstance(value, int | float) or math.isinf(value)):
+            return f'"{key}" is {value!r}, not a finite number'
+    return None
+
+
 def smallest_p(n: int) -> float:
     """The smallest two-sided p an exact sign-flip test of n pairs (or McNemar's exact test of n
     discordant questions) can give: every observation on one side, 2 patterns of 2^n."""

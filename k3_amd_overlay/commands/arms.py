@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3_amd_overlay.commands.usage import split_command
+from k3_amd_overlay.commands.usage import UsageError, split_command
 from k3_amd_overlay.settings import MARKER_DIR, SWITCH, Mode, load_settings
 
 CHECK_FILE = "check.txt"  # in each arm's folder: the check before its measurement
@@ -37,6 +37,30 @@ def expectation(switch: str) -> str:
     """What ``check`` must prove of an arm started with this K3_AMD_OVERLAY value (already valid)."""
     mode = load_settings({SWITCH: switch}).mode
     return {Mode.OFF: "off", Mode.STOCK: "stock"}.get(mode, "fused")
+
+
+def setting(switch: str) -> tuple[Mode, frozenset[str]]:
+    """What an arm started with this K3_AMD_OVERLAY value (already valid) runs: the mode and the
+    fusions as the overlay parses them, so ``" 1"``, ``1`` and every fusion named are one setting."""
+    parsed = load_settings({SWITCH: switch})
+    return parsed.mode, parsed.fusions
+
+
+def _said(mode: Mode, fusions: frozenset[str]) -> str:
+    return f"{mode.value}: {', '.join(sorted(fusions))}" if mode is Mode.AUTO else mode.value
+
+
+def check_distinct(named: Sequence[tuple[str, str]]) -> None:
+    """Each (option, K3_AMD_OVERLAY value, already valid) is a setting no other arm has; a
+    UsageError names the first two that are the same (an A/B of an arm against itself)."""
+    seen: dict[tuple[Mode, frozenset[str]], tuple[str, str]] = {}
+    for name, value in named:
+        parsed = setting(value)
+        if parsed in seen:
+            first, first_value = seen[parsed]
+            raise UsageError(f"the arms must differ: {first} {first_value!r} and {name} {value!r} are the same "
+                             f"setting ({_said(*parsed)}), an A/B of an arm against itself")
+        seen[parsed] = (name, value)
 
 
 def default_arms(switch_a: str = "0", switch_b: str = "1") -> tuple[Arm, Arm]:

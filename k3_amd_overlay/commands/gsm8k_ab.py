@@ -164,9 +164,9 @@ def validate(args: argparse.Namespace) -> None:
         if not args.data_file.is_file():
             raise UsageError(f"--data-file {args.data_file}: no such file")
         task_file(args.task)
-    check_switches((("--arm-a", args.arm_a), ("--arm-b", args.arm_b)))
-    if args.arm_a == args.arm_b:
-        raise UsageError(f"the arms must differ: --arm-a and --arm-b are both {args.arm_a!r}")
+    switches = (("--arm-a", args.arm_a), ("--arm-b", args.arm_b))
+    check_switches(switches)
+    arms.check_distinct(switches)
     check_executables((("--serve-cmd", args.serve_cmd), ("--lm-eval-cmd", args.lm_eval_cmd)))
     args.baseline_hazards = check_baselines((("arm A", args.arm_a), ("arm B", args.arm_b)), args.serve_args,
                                             args.accept_baseline_hazard)

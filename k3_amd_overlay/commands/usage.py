@@ -207,8 +207,8 @@ def check_arm_server_arguments(args: argparse.Namespace) -> None:
     --serve-cmd is on PATH: check_executables)."""
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: must be 1-65535")
-    if args.health_timeout <= 0:
-        raise UsageError(f"--health-timeout {args.health_timeout}: must be positive")
+    if not 0 < args.health_timeout < float("inf"):  # NaN fails both comparisons
+        raise UsageError(f"--health-timeout {args.health_timeout}: must be a positive, finite number of seconds")
     check_command_lines([("--serve-args", args.serve_args)])
 
 

@@ -1,0 +1,224 @@
+"""Bad input to the A/B tools, each refused with a message that names the value and what is
+allowed, exit 2 and, under --json, exactly one JSON object on stdout: two arms that are one
+setting however spelt, a timeout or window that is no finite positive number, a concurrency given
+twice, and an ``ab-serve report`` directory whose bench results or summary a run did not write
+that way (nothing rewritten)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_ab_serve_contract import Lab, run_id_of
+from test_gsm8k_ab_contract import Harness
+
+from k3_amd_overlay.commands import ab_serve, arms, gsm8k_ab
+from k3_amd_overlay.commands.usage import UsageError
+
+ALL_FUSIONS = "qkv_norm,qk_cache,absorb_qk_cache"
+
+
+@pytest.fixture
+def lab(tmp_path, monkeypatch):
+    yield (made := Lab(tmp_path, monkeypatch))
+    made.loopback.server.shutdown()
+    made.loopback.server.server_close()
+
+
+@pytest.fixture
+def harness(tmp_path, monkeypatch) -> Harness:
+    return Harness(tmp_path, monkeypatch)
+
+
+def refused(printed, command: str, as_json: bool) -> str:
+    """The usage error's message: the last line of stderr; under --json stdout is exactly one
+    object saying the same (nothing else)."""
+    prefix = f"k3-amd-overlay {command}: error: "
+    last = printed.err.splitlines()[-1]
+    assert last.startswith(prefix), printed.err
+    message = last.removeprefix(prefix)
+    if as_json:
+        assert json.loads(printed.out) == {"command": command, "ok": False, "exit_status": 2,
+                                           "usage_error": message, "error": message}
+    else:
+        assert printed.out == ""
+    return message
+
+
+# --- two arms that are the same setting ----------------------------------------------------------
+
+SAME = [
+    ("1", " 1", "auto: absorb_qk_cache, qk_cache, qkv_norm"),
+    ("qkv_norm,qk_cache", "qk_cache,qkv_norm", "auto: qk_cache, qkv_norm"),
+    ("1", ALL_FUSIONS, "auto: absorb_qk_cache, qk_cache, qkv_norm"),
+    ("", "0", "off"),
+    ("stock", "stock ", "stock"),
+]
+
+
+@pytest.mark.parametrize("arm_a,arm_b,said", SAME)
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ab_serve_refuses_two_arms_that_are_one_setting(lab, capsys, arm_a, arm_b, said, as_json):
+    assert lab.main("--arm-a", arm_a, "--arm-b", arm_b, *(["--json"] if as_json else [])) == 2
+    assert refused(capsys.readouterr(), "ab-serve", as_json) == (
+        f"the arms must differ: --arm-a {arm_a!r} and --arm-b {arm_b!r} are the same setting ({said}), "
+        "an A/B of an arm against itself")
+    assert not lab.out.exists() and lab.serves == []
+
+
+def test_ab_serve_refuses_an_arm_b_that_is_the_stock_arm_however_spelt(lab, capsys):
+    assert lab.main("--with-stock", "--arm-b", " stock") == 2
+    assert refused(capsys.readouterr(), "ab-serve", False) == (
+        "the arms must differ: --arm-b ' stock' and the stock arm 'stock' are the same setting (stock), "
+        "an A/B of an arm against itself")
+
+
+@pytest.mark.parametrize("arm_a,arm_b,said", SAME)
+@pytest.mark.parametrize("as_json", [False, True])
+def test_gsm8k_ab_refuses_two_arms_that_are_one_setting(harness, capsys, arm_a, arm_b, said, as_json):
+    code = gsm8k_ab.main(harness.argv("--arm-a", arm_a, "--arm-b", arm_b, *(["--json"] if as_json else [])))
+    assert code == 2
+    assert refused(capsys.readouterr(), "gsm8k-ab", as_json) == (
+        f"the arms must differ: --arm-a {arm_a!r} and --arm-b {arm_b!r} are the same setting ({said}), "
+        "an A/B of an arm against itself")
+    assert not harness.out.exists() and harness.servers == [] and harness.calls() == []
+
+
+@pytest.mark.parametrize("switches", [("0", "1"), ("1", "stock"), ("qkv_norm", "1"), ("qkv_norm", "qk_cache"),
+                                      ("0", "stock", "1")])
+def test_arms_of_different_settings_pass(switches):
+    arms.check_distinct([(f"arm {i}", s) for i, s in enumerate(switches)])
+
+
+def test_the_same_setting_check_reads_the_overlays_own_parse():
+    with pytest.raises(UsageError, match="'qk_cache, qkv_norm' and arm 1 'qkv_norm,qk_cache' are the same"):
+        arms.check_distinct([("arm 0", "qk_cache, qkv_norm"), ("arm 1", "qkv_norm,qk_cache")])
+
+
+# --- numbers that are no finite positive number ---------------------------------------------------
+
+NOT_FINITE = [("nan", "nan"), ("inf", "inf"), ("-inf", "-inf"), ("1e999", "inf")]
+
+
+@pytest.mark.parametrize("given,shown", NOT_FINITE)
+@pytest.mark.parametrize("option", ["--health-timeout", "--profile-window"])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ab_serve_refuses_a_time_that_is_not_finite(lab, capsys, option, given, shown, as_json):
+    assert lab.main(f"{option}={given}", *(["--json"] if as_json else [])) == 2
+    assert refused(capsys.readouterr(), "ab-serve", as_json) == (
+        f"{option} {shown}: must be a positive, finite number of seconds")
+    assert not lab.out.exists() and lab.serves == []
+
+
+@pytest.mark.parametrize("given,shown", NOT_FINITE)
+@pytest.mark.parametrize("as_json", [False, True])
+def test_gsm8k_ab_refuses_a_health_timeout_that_is_not_finite(harness, capsys, given, shown, as_json):
+    assert gsm8k_ab.main(harness.argv(f"--health-timeout={given}", *(["--json"] if as_json else []))) == 2
+    assert refused(capsys.readouterr(), "gsm8k-ab", as_json) == (
+        f"--health-timeout {shown}: must be a positive, finite number of seconds")
+    assert not harness.out.exists() and harness.servers == []
+
+
+# --- a concurrency given twice --------------------------------------------------------------------
+
+@pytest.mark.parametrize("given,repeated", [(["8", "8"], "8"), (["1", "8", "1", "32", "8"], "1, 8")])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ab_serve_refuses_a_concurrency_given_twice(lab, capsys, given, repeated, as_json):
+    assert lab.main("--concurrency", *given, *(["--json"] if as_json else [])) == 2
+    shown = "[" + ", ".join(given) + "]"
+    assert refused(capsys.readouterr(), "ab-serve", as_json) == (
+        f"--concurrency {shown}: {repeated} given more than once; each concurrency at most once (a second bench "
+        "would overwrite the first's result)")
+    assert not lab.out.exists() and lab.serves == [] and lab.benches() == []
+
+
+# --- ab-serve report over results no run wrote that way ------------------------------------------
+
+def finished_run(lab: Lab, capsys) -> Path:
+    assert lab.main("--repeats", "1", "--concurrency", "1") == 0
+    capsys.readouterr()
+    return lab.out
+
+
+def edit_json(path: Path, **fields) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def report_refuses(out: Path, capsys, message: str) -> None:
+    """``ab-serve report OUT`` with and without --json: exit 2 with ``message``, nothing rewritten."""
+    kept = {p: p.read_bytes() for p in out.glob("summary.*")}
+    for flags in ([], ["--json"]):
+        assert ab_serve.main(["report", str(out), *flags]) == 2
+        printed = capsys.readouterr()
+        assert "Traceback" not in printed.err
+        assert refused(printed, "ab-serve report", bool(flags)) == message
+    assert {p: p.read_bytes() for p in out.glob("summary.*")} == kept
+
+
+@pytest.mark.parametrize("value", ["abc", None, True, [1.0], {"ms": 1}])
+def test_report_refuses_a_bench_metric_that_is_no_number(lab, capsys, value):
+    out = finished_run(lab, capsys)
+    bench = out / "repeat0-armA" / "bench-c1.json"
+    edit_json(bench, median_tpot_ms=value)
+    report_refuses(out, capsys, f'{bench} is no bench result the table can read: "median_tpot_ms" is {value!r}, '
+                                "not a finite number")
+
+
+def test_report_refuses_an_infinite_bench_metric(lab, capsys):
+    out = finished_run(lab, capsys)
+    bench = out / "repeat0-armB" / "bench-c1.json"
+    bench.write_text(json.dumps({**json.loads(bench.read_text()), "output_throughput": float("inf")}))
+    report_refuses(out, capsys, f'{bench} is no bench result the table can read: "output_throughput" is inf, '
+                                "not a finite number")
+
+
+def test_report_refuses_a_bench_result_that_is_no_object(lab, capsys):
+    out = finished_run(lab, capsys)
+    bench = out / "repeat0-armA" / "bench-c1.json"
+    bench.write_text("[1, 2]")
+    report_refuses(out, capsys, f"{bench} is no bench result the table can read: it holds a list, not a JSON object")
+
+
+@pytest.mark.parametrize("name", ["bench-cX.json", "bench-c.json", "bench-c08.json", "bench-c-1.json",
+                                  "bench-c1.old.json"])
+def test_report_refuses_a_bench_file_whose_name_gives_no_concurrency(lab, capsys, name):
+    out = finished_run(lab, capsys)
+    stray = out / "repeat0-armB" / name
+    stray.write_text((out / "repeat0-armB" / "bench-c1.json").read_text())
+    raw = name.removeprefix("bench-c").removesuffix(".json")
+    report_refuses(out, capsys, f"{stray}: the concurrency in its name, {raw!r}, is not a positive whole number "
+                                "(bench-c8.json: concurrency 8), so no bench of this run wrote it: move it out")
+
+
+@pytest.mark.parametrize("hazards", [5, "a hazard", [1], {"arm A": "x"}])
+def test_report_refuses_baseline_hazards_that_are_no_list_of_strings(lab, capsys, hazards):
+    out = finished_run(lab, capsys)
+    summary = out / "summary.json"
+    data = json.loads(summary.read_text())
+    summary.write_text(json.dumps({**data, "environment": {**data["environment"], "baseline_hazards": hazards}}))
+    report_refuses(out, capsys, f'{summary} is no ab-serve summary: its "baseline_hazards" is {hazards!r}, not a '
+                                "list of strings")
+
+
+def test_report_refuses_an_environment_that_is_no_object(lab, capsys):
+    out = finished_run(lab, capsys)
+    summary = out / "summary.json"
+    edit_json(summary, environment=5)
+    report_refuses(out, capsys, f'{summary} is no ab-serve summary: its "environment" is 5, not an object')
+
+
+def test_report_still_reads_recorded_hazards_and_a_nan_metric(lab, capsys):
+    """What a run does write is read as before: a list of hazard strings, and NaN (a bench that
+    measured nothing) left out of the table."""
+    out = finished_run(lab, capsys)
+    summary = out / "summary.json"
+    data = json.loads(summary.read_text())
+    summary.write_text(json.dumps({**data, "environment": {**data["environment"], "baseline_hazards": ["arm A: x"]}}))
+    bench = out / "repeat0-armA" / "bench-c1.json"
+    bench.write_text(json.dumps({**json.loads(bench.read_text()), "median_tpot_ms": float("nan")}))
+    assert ab_serve.main(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("WARNING, measured with --accept-baseline-hazard: arm A: x\n")
+    assert "| 1 | TPOT p50 (ms) |" not in text and "| 1 | TTFT p50 (ms) |" in text
+    assert run_id_of(out) == json.loads(summary.read_text())["run_id"]
