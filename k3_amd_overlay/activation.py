@@ -22,7 +22,7 @@ from k3_amd_overlay.settings import ENV_PREFIX, STRICT, SWITCH, Mode, OverlaySet
 from k3_amd_overlay.targets import sources
 from k3_amd_overlay.targets.defects import present_defects
 from k3_amd_overlay.targets.installer import LayerInstaller
-from k3_amd_overlay.targets.shapes import VllmShape, recognise
+from k3_amd_overlay.targets.shapes import Recognition, VllmShape, recognise
 from k3_amd_overlay.versions import in_supported_range, installed_vllm_version
 
 logger = logging.getLogger("vllm.k3_amd_overlay")
@@ -33,21 +33,32 @@ class OverlayActivationError(RuntimeError):
     """The overlay was asked for something this vLLM cannot take (strict mode)."""
 
 
-def _how_to_proceed(recognised: bool = True) -> str:
-    """The ways on from a strict stop; where the probe found no shape, non-strict would install nothing."""
-    lenient = (f"to serve with what can be installed and record the rest as refused set {STRICT}=0" if recognised
-               else f"{STRICT}=0 would install nothing here (its K3 AMD code matches no shape this overlay knows)")
+NO_SHAPE = "its K3 AMD code matches no shape this overlay knows"
+NO_ANCHORS = "this vLLM lacks anchors of every fusion asked for"
+
+
+def _how_to_proceed(installs_nothing: str | None = None) -> str:
+    """The ways on from a strict stop; where non-strict would install nothing, why, instead of it."""
+    lenient = (f"to serve with what can be installed and record the rest as refused set {STRICT}=0"
+               if installs_nothing is None else f"{STRICT}=0 would install nothing here ({installs_nothing})")
     return (f"to serve without the overlay set {SWITCH}=0; {lenient}; or install a k3-amd-overlay that supports "
             "this vLLM")
 
 
-def _recognised_here() -> bool:
-    """Whether the source probe finds a shape in the installed vLLM (for the advice of a stop only: a probe
-    that cannot run gives the general advice, and the stop stands either way)."""
+def _installs_nothing_here(requested: list[str]) -> str | None:
+    """Why non-strict would install none of ``requested`` in the installed vLLM (None: something, or the
+    probe cannot tell): for the advice of a stop only, which stands either way."""
     try:
-        return recognise(sources.VllmSources(sources.vllm_root())).shape is not None
+        found = recognise(sources.VllmSources(sources.vllm_root()))
     except Exception:  # advice only: the error being raised is the verdict
-        return True
+        return None
+    return _nothing_installable(found, requested)
+
+
+def _nothing_installable(found: Recognition, requested: list[str]) -> str | None:
+    if found.shape is None:
+        return NO_SHAPE
+    return NO_ANCHORS if requested and all(found.missing_for_fusion.get(f) for f in requested) else None
 
 
 def forward_switch_to_ray() -> None:
@@ -81,7 +92,8 @@ class Activation:
         if not in_supported_range(version):
             problem = f"vLLM {version} is outside the supported range ({SUPPORTED_VLLM})"
             if self.settings.strict:
-                raise OverlayActivationError(f"k3-amd-overlay: {problem}; {_how_to_proceed(_recognised_here())}")
+                raise OverlayActivationError(
+                    f"k3-amd-overlay: {problem}; {_how_to_proceed(_installs_nothing_here(requested))}")
             logger.warning("k3-amd-overlay: %s; probing anyway (%s=0)", problem, STRICT)
         vllm_sources = sources.VllmSources(sources.vllm_root())
         found = recognise(vllm_sources)
@@ -92,7 +104,7 @@ class Activation:
             detail = "; ".join(f"{name}: missing {', '.join(miss)}" for name, miss in found.missing_identity.items())
             message = f"k3-amd-overlay does not recognise the K3 AMD code of vLLM {version} ({detail})"
             if self.settings.strict:
-                raise OverlayActivationError(f"{message}; {_how_to_proceed(recognised=False)}")
+                raise OverlayActivationError(f"{message}; {_how_to_proceed(NO_SHAPE)}")
             self.refuse(requested, message)
             self.evidence.publish()
             return
@@ -104,7 +116,8 @@ class Activation:
                 message = (f"vLLM {version} ({found.shape.name}) lacks the anchors {fusion} needs: "
                            f"{'; '.join(missing)}")
                 if self.settings.strict:
-                    raise OverlayActivationError(f"k3-amd-overlay: {message}; {_how_to_proceed()}")
+                    raise OverlayActivationError(
+                        f"k3-amd-overlay: {message}; {_how_to_proceed(_nothing_installable(found, requested))}")
                 self.refuse([fusion], message)
                 installable.discard(fusion)
         installer = LayerInstaller(self.settings, self.evidence)

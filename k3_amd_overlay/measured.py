@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay import json_values
 from k3_amd_overlay.fp8 import format_for_gcn_arch
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.fusions.states import BucketGate
@@ -224,11 +225,8 @@ def _row(data: Any, where: str) -> Row:
 def _finite(data: Mapping[str, Any], name: str, where: str) -> float:
     """A number field as a finite float (an integer too large for a float is not one)."""
     value = _field(data, name, (int, float), where)
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
+    number = json_values.finite(value)
+    if number is None:
         raise MeasuredError(f"{where}: field {name!r} is {value!r}, expected a finite number")
     return number
 
@@ -350,8 +348,15 @@ def load_here(arch: str, device: str | None, environ: Mapping[str, str] | None =
     if device is None:
         return Loaded(None)
     environ = os.environ if environ is None else environ
-    path = result_path(arch, device, environ)
-    if not path.is_file():
+    try:
+        path = result_path(arch, device, environ)
+    except (RuntimeError, KeyError):  # no home directory to hold the per-user one (no HOME, no passwd entry)
+        return Loaded(None)
+    try:
+        here = path.is_file()
+    except OSError as exc:  # a directory this user cannot search
+        return Loaded(str(path), error=f"{path}: cannot be looked for ({exc}); no self-measurement is used")
+    if not here:
         return Loaded(str(path), error=_measured_elsewhere(path, arch, device, environ))
     try:
         found = load(path)
@@ -372,8 +377,13 @@ def load_here(arch: str, device: str | None, environ: Mapping[str, str] | None =
 def _measured_elsewhere(path: Path, arch: str, device: str, environ: Mapping[str, str]) -> str | None:
     """Why a file of this GPU in the per-user directory is not read: ``measure`` ran without
     ``K3_AMD_OVERLAY_KERNEL_CONFIGS``, which this process has (None: no such file)."""
-    other = user_dir(environ) / result_name(arch, device)
-    if not environ.get(KERNEL_CONFIGS) or other == path or not other.is_file():
+    if not environ.get(KERNEL_CONFIGS):
+        return None
+    try:
+        other = user_dir(environ) / result_name(arch, device)
+        if other == path or not other.is_file():
+            return None
+    except (OSError, RuntimeError, KeyError):  # no home directory, or one this user cannot search: nothing to say
         return None
     return (f"{path} not found, but {other} is: this GPU was measured without {KERNEL_CONFIGS}, which here names "
             f"{path.parent}; run `{COMMAND}` with {KERNEL_CONFIGS} set as the server has it (after any `tune`: a "

@@ -4,11 +4,11 @@ are these field names (schema 2)."""
 
 from __future__ import annotations
 
-import math
 import socket
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from k3_amd_overlay import json_values
 from k3_amd_overlay.fusions.states import FUSED_STATES, FusionState
 from k3_amd_overlay.phases import Phase
 from k3_amd_overlay.settings import Mode
@@ -97,7 +97,7 @@ class FusionEntry:
                 effective=effective,
                 effective_layers=_count(data.get("effective_layers", 0), "effective_layers"),
                 runs={**_no_runs(), **{Phase(p): _count(n, f"runs.{p}") for p, n in (data.get("runs") or {}).items()}},
-                captured_sizes=[_count(n, "captured_sizes", least=1) for n in sizes],
+                captured_sizes=[_count(n, "captured_sizes") for n in sizes],
             )
         except RecordError as exc:
             raise RecordError(f"fusion entry {data!r}: {exc}") from None
@@ -107,9 +107,10 @@ class FusionEntry:
 
 def _count(value: Any, name: str, least: int = 0) -> int:
     """A whole number >= ``least`` as the marker holds it (not a bool, a float or a string)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+    number = json_values.whole(value, least)
+    if number is None:
         raise RecordError(f"{name!r} is {value!r}, expected a whole number >= {least}")
-    return value
+    return number
 
 
 @dataclass
@@ -166,7 +167,7 @@ class MarkerRecord:
         ticks, updated = data.get("start_ticks"), data.get("updated", 0.0)
         if ticks is not None:
             _count(ticks, "start_ticks")
-        if isinstance(updated, bool) or not _finite(updated):
+        if json_values.finite(updated) is None:
             raise RecordError(f"marker field 'updated' is {updated!r}, expected a finite time in seconds")
         try:
             values = {k: v for k, v in data.items() if k in known}
@@ -180,16 +181,9 @@ class MarkerRecord:
         return cls(**values)
 
 
-def _finite(value: float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer too large for a float
-        return False
-
-
 def _pid(value: Any) -> int:
     """A process id as the kernel gives one: 0 and negative ids name process groups to ``kill``."""
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_PID:
+    if json_values.whole(value, 1) is None or value > MAX_PID:
         raise RecordError(f"marker field 'pid' is {value!r}, expected a process id (1-{MAX_PID})")
     return value
 

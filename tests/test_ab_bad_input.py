@@ -156,7 +156,7 @@ def report_refuses(out: Path, capsys, message: str) -> None:
     assert {p: p.read_bytes() for p in out.glob("summary.*")} == kept
 
 
-@pytest.mark.parametrize("value", ["abc", None, True, [1.0], {"ms": 1}])
+@pytest.mark.parametrize("value", ["abc", None, True, [1.0], {"ms": 1}, 10 ** 400])  # 10**400: an OverflowError before
 def test_report_refuses_a_bench_metric_that_is_no_number(lab, capsys, value):
     out = finished_run(lab, capsys)
     bench = out / "repeat0-armA" / "bench-c1.json"

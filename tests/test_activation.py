@@ -156,6 +156,17 @@ def test_a_fusion_whose_anchors_are_missing_is_refused_alone_or_stops_startup(tm
     assert active.evidence.fusion(QK_CACHE).state is FusionState.PENDING
 
 
+def test_a_stop_where_every_fusion_asked_for_lacks_anchors_does_not_offer_non_strict(tmp_path, monkeypatch, hooks,
+                                                                                   warnings):
+    _facing(monkeypatch, _without_the_normalize_call(tmp_path, MATRIX[-1]), "0.33.0")
+    with pytest.raises(activation.OverlayActivationError) as error:
+        activation.activate(_settings(tmp_path, switch="qkv_norm"))
+    assert str(error.value).endswith(
+        "; to serve without the overlay set K3_AMD_OVERLAY=0; K3_AMD_OVERLAY_STRICT=0 would install nothing here "
+        "(this vLLM lacks anchors of every fusion asked for); or install a k3-amd-overlay that supports this vLLM")
+    assert hooks == []
+
+
 @pytest.mark.parametrize("strict", ["1", "0"])
 def test_a_live_anchor_failing_reverts_everything_and_later_hooks_do_nothing(tmp_path, monkeypatch, hooks,
                                                                             warnings, strict):

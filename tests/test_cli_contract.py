@@ -169,12 +169,14 @@ def test_merged_records_reads_each_node_and_notes_its_count_and_host(tmp_path):
     ([1, 2], "a JSON list holding no list of records"),
     ({"records": 5}, "its records are 5, not a list"),
     ({"records": [{"mode": "auto"}]}, "marker field 'pid'"),
+    ({"records": [], "checked_at": 10 ** 400}, "its checked_at is 1000"),  # an OverflowError before
+    ({"records": [], "host": ["node-a"]}, "its host is ['node-a'], not a host name"),  # a TypeError in the verdict
 ])
 def test_merged_records_refuses_a_file_that_is_not_a_check_output_naming_it(tmp_path, data, detail):
     path = node_file(tmp_path, "bad.json", data)
     with pytest.raises(UsageError) as raised:
         cli.merged_records([path])
-    assert str(raised.value) == f"--merge: {path} is not the output of `k3-amd-overlay check --json`: {detail}"
+    assert str(raised.value).startswith(f"--merge: {path} is not the output of `k3-amd-overlay check --json`: {detail}")
 
 
 def test_merged_records_reads_standard_input_for_a_dash(monkeypatch):

@@ -348,3 +348,25 @@ def test_a_file_measured_without_the_servers_config_directory_is_named_not_silen
     assert measured.load_here(ARCH, "AMD Instinct MI355X", environ).error is None
     assert measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(cache / "k3-amd-overlay"),
                                              "XDG_CACHE_HOME": str(cache)}).measurement is not None
+
+
+def test_looking_for_the_file_never_raises_without_a_home_or_with_a_directory_it_cannot_search(tmp_path, monkeypatch):
+    """The first K3 layer looks for the file: no home directory (no HOME, no passwd entry) or a directory
+    this user cannot search raised there, stopping the worker."""
+    from pathlib import Path
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert measured.load_here(ARCH, DEVICE, {}) == measured.Loaded(None)
+    assert measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)}) == measured.Loaded(str(tmp_path / NAME))
+    monkeypatch.undo()
+
+    def denied(self: Path) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    loaded = measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})
+    assert loaded.measurement is None and loaded.error.startswith(f"{tmp_path / NAME}: cannot be looked for (")
+    assert measured.doctor_section(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})["state"] == "ignored"

@@ -409,3 +409,20 @@ def test_a_model_config_that_is_no_object_or_has_no_whole_heads_is_a_usage_error
     said = f"--model {config_file}: {config_file} {message}"
     assert code == 2 and data["exit_status"] == 2 and data["usage_error"].startswith(said)
     assert f"k3-amd-overlay measure: error: {said}" in err and "Traceback" not in err
+
+
+def test_without_out_and_without_a_home_directory_it_is_a_usage_error_before_measuring(capsys, fake_gpu,
+                                                                                      monkeypatch):
+    from pathlib import Path
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    for name in ("XDG_CACHE_HOME", "K3_AMD_OVERLAY_KERNEL_CONFIGS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.setattr(self_measure, "measure", lambda *given: pytest.fail("measured with nowhere to write"))
+    code, data, err = json_run(["--heads", "12"], capsys)
+    assert code == 2 and data["usage_error"] == ("no home directory here for the per-user result directory: give "
+                                                 "--out DIR, or set K3_AMD_OVERLAY_KERNEL_CONFIGS as the server has it")
+    assert "Traceback" not in err

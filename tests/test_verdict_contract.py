@@ -249,3 +249,11 @@ def test_unreadable_informational_parts_of_a_record_do_not_stop_the_verdict():
     assert infos[0].startswith("info host gpu-a pid 6200 (worker, vLLM 0.33.0): unreadable launch configs in its "
                                "record (AttributeError: "), infos
     assert len(infos) == 2 and "measurement" in infos[1], infos
+
+
+def test_a_compile_time_too_large_for_a_float_is_an_unreadable_line_not_a_crash():
+    broken = record("gpu-a", pid=6200, served=6, launch_configs={"arch": "gfx942", "compile_seconds": {"k": 10 ** 400}})
+    judged = judge([broken], "fused", ["qk_cache"], require_effective=True)
+    assert judged.holds
+    assert any(line.startswith("info host gpu-a pid 6200 (worker, vLLM 0.33.0): unreadable launch configs in its "
+                               "record (OverflowError: ") for line in judged.lines), judged.lines

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from k3_amd_overlay import json_values
+
 SIGNIFICANCE = 0.05  # the two-sided level at which a paired difference is called a difference
 BOOTSTRAP_RESAMPLES = 10_000
 EXACT_MAX_PAIRS = 16  # up to 2^16 sign patterns enumerated; beyond, the same number drawn at random
@@ -47,7 +49,8 @@ def unusable_metric(record: Any) -> str | None:
         return f"it holds a {type(record).__name__}, not a JSON object"
     for _, key, _ in SERVING_METRICS:
         value = record.get(key)
-        if key in record and (isinstance(value, bool) or not isinstance(value, int | float) or math.isinf(value)):
+        number = json_values.as_float(value)
+        if key in record and (number is None or math.isinf(number)):
             return f'"{key}" is {value!r}, not a finite number'
     return None
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from k3_amd_overlay import k3, markers
+from k3_amd_overlay import json_values, k3, markers
 from k3_amd_overlay.commands.usage import (
     EXIT_FAILED,
     Parser,
@@ -113,14 +113,15 @@ def merged_records(paths: list[str]) -> tuple[list[NodeEvidence], list[str]]:
                                  if not isinstance(data, dict) else f"its records are {data.get('records')!r}, "
                                  "not a list")
             host = data.get("host")
+            if host is not None and not isinstance(host, str):
+                raise ValueError(f"its host is {host!r}, not a host name")
             records = []
             for raw in data["records"]:
                 record = MarkerRecord.from_json(raw)
                 record.host = raw.get("host") or host or ""
                 records.append(record)
             checked_at = data.get("checked_at")
-            if checked_at is not None and (isinstance(checked_at, bool) or not isinstance(checked_at, (int, float))
-                                           or not math.isfinite(checked_at)):
+            if checked_at is not None and json_values.finite(checked_at) is None:
                 raise ValueError(f"its checked_at is {checked_at!r}, not a time")
             node = NodeEvidence(path, host, data.get("expect"), data.get("holds"),
                                 data.get("marker_dir") is not None and data.get("source", "markers") == "markers",
@@ -215,6 +216,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         marker_dir = str(directory)
         records, notes = live_records(directory, args.prune)
         verdict = judge(records, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed)
+        found = markers.read_markers(directory) if directory.is_dir() else []
+        for marker, pid in markers.unreadable_of_live_processes(found):
+            verdict.fail(f"{marker.path}: pid {pid} runs on this host, but its marker is unreadable ({marker.error}): "
+                         "what it ran is unknown (another overlay version's marker? restart it with this one; "
+                         "remove the file if that process is no vLLM)")
     if args.json:
         print(json.dumps({"command": "check", "ok": verdict.holds, "exit_status": 0 if verdict.holds else EXIT_FAILED,
                           "expect": args.expect, "holds": verdict.holds, "lines": verdict.lines, "notes": notes,

@@ -354,6 +354,12 @@ def _checked(args: argparse.Namespace) -> tuple[list[int], list[str], list[int]]
     heads = sorted(set(args.heads)) if args.heads else [heads_from_model(args.model, tp or 1)]
     if args.out is not None:
         check_out_directory(args.out)
+    else:
+        try:
+            measured.result_dir(os.environ)
+        except (RuntimeError, KeyError):  # Path.home(): no HOME and no passwd entry for this user
+            raise UsageError(f"no home directory here for the per-user result directory: give --out DIR, or set "
+                             f"{KERNEL_CONFIGS} as the server has it") from None
     bad = [v for v in args.variant if v not in measured.VARIANTS]
     if bad:
         fp4 = (" (fp4: its stock absorption is AITER's MXFP4 GEMM, which this version does not measure: an fp4 layer "

@@ -147,7 +147,7 @@ def _readable(what: str, entry: dict[str, Any], lines: Callable[[dict[str, Any]]
     marker written by hand or by another tool must not stop the verdict on every process."""
     try:
         return lines(entry)
-    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+    except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as exc:
         return [f"unreadable {what} in its record ({type(exc).__name__}: {exc}): {json.dumps(entry)[:200]}"]
 
 

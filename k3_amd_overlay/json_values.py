@@ -1,0 +1,33 @@
+"""Numbers read back from JSON that this process did not just write (markers, node files, result
+files, bench results): in Python a JSON number may be a bool, an integer too large for a float, or
+not finite (``json`` reads ``Infinity``, ``NaN`` and ``1e400``). These say what a value is, never
+raising, so that each reader names the field in its own error."""
+
+from __future__ import annotations
+
+import math
+
+
+def as_float(value: object) -> float | None:
+    """``value`` as a float (an integer too large for one: an infinity); None for a bool or a
+    non-number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def finite(value: object) -> float | None:
+    """``value`` as a finite float; None for anything else (NaN, an infinity, a bool, a non-number)."""
+    number = as_float(value)
+    return number if number is not None and math.isfinite(number) else None
+
+
+def whole(value: object, least: int = 0) -> int | None:
+    """``value`` as a whole number of at least ``least``; None for anything else (a bool, a float, a
+    string)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        return None
+    return value
