@@ -33,6 +33,8 @@ def register() -> None:
 
         off_record.leave(settings)
         return
+    for words in settings.ineffective_providers():
+        logger.warning("k3-amd-overlay: %s", words)
     from k3_amd_overlay.activation import activate
 
     activate(settings)

@@ -71,6 +71,16 @@ class OverlaySettings:
     def provider(self, fusion: str) -> str:
         return self.providers.get(fusion, AUTO)
 
+    def ineffective_providers(self) -> list[str]:
+        """Each provider variable naming a provider for a fusion this switch does not fuse (not asked
+        for, or stock mode), with why it has no effect: worth a warning, as a likely mistake."""
+        if self.mode is Mode.OFF:
+            return []
+        why = {f: "stock mode runs every fusion unfused" if self.mode is Mode.STOCK
+               else f"{f} is not switched on" for f in FUSIONS}
+        return [f"{provider_variable(f)}={p} has no effect with {SWITCH}={self.raw!r} ({why[f]})"
+                for f, p in self.providers.items() if p != AUTO and (self.mode is Mode.STOCK or f not in self.fusions)]
+
 
 def _valid_switch_values() -> str:
     names = ", ".join(FUSIONS)
@@ -101,6 +111,12 @@ def _parse_strict(raw: str | None) -> bool:
     if raw.strip() == "0":
         return False
     raise SettingsError(f"{STRICT}={raw!r} is not valid; allowed: '1' (default, raise) or '0' (warn)")
+
+
+def _parse_marker_dir(raw: str | None) -> str | None:
+    if raw and not raw.strip():
+        raise SettingsError(f"{MARKER_DIR}={raw!r} names no directory; unset it for the per-user directory")
+    return raw or None
 
 
 def _parse_provider(fusion: str, raw: str | None) -> str:
@@ -136,7 +152,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> OverlaySettings:
         mode=mode,
         fusions=fusions,
         strict=_parse_strict(env.get(STRICT)),
-        marker_dir=env.get(MARKER_DIR) or None,
+        marker_dir=_parse_marker_dir(env.get(MARKER_DIR)),
         providers={f: _parse_provider(f, env.get(provider_variable(f))) for f in FUSIONS},
         raw=raw,
         unknown_variables=unknown,

@@ -273,3 +273,24 @@ def test_log_lines_go_to_vllms_logger_tree():
     """vLLM configures the "vllm" logger (its handlers, VLLM_LOGGING_LEVEL): the overlay's lines
     are emitted under it, so they appear wherever vLLM's own do."""
     assert activation.logger.name == "vllm.k3_amd_overlay"
+
+
+def test_the_plugin_warns_of_a_provider_set_for_a_fusion_not_switched_on(monkeypatch, caplog):
+    import logging
+    import os
+
+    from k3_amd_overlay import plugin, process_identity
+
+    for name in [k for k in os.environ if k.upper().startswith("K3_AMD_OVERLAY")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("K3_AMD_OVERLAY", "qkv_norm")
+    monkeypatch.setenv("K3_AMD_OVERLAY_QK_CACHE_PROVIDER", "triton")
+    monkeypatch.setattr(process_identity, "is_cli_client", lambda: False)
+    monkeypatch.setattr(process_identity, "is_model_inspection", lambda: False)
+    started: list = []
+    monkeypatch.setattr(activation, "activate", started.append)
+    with caplog.at_level(logging.WARNING, logger="vllm.k3_amd_overlay"):
+        plugin.register()
+    assert [s.fusions for s in started] == [frozenset({QKV_NORM})]
+    assert ("k3-amd-overlay: K3_AMD_OVERLAY_QK_CACHE_PROVIDER=triton has no effect with K3_AMD_OVERLAY='qkv_norm' "
+            "(qk_cache is not switched on)") in caplog.messages

@@ -255,6 +255,13 @@ def test_a_blank_marker_dir_is_a_usage_error_not_the_default_directory(blank, ca
     assert f"--marker-dir {blank!r} names no directory" in capsys.readouterr().err
 
 
+def test_a_marker_dir_option_naming_a_file_is_a_usage_error(tmp_path, capsys):
+    path = tmp_path / "markers"
+    path.write_text("{}")
+    assert cli.main(["check", "--expect", "fused", "--marker-dir", str(path)]) == 2
+    assert f"--marker-dir {path}: a file, not a directory of markers" in capsys.readouterr().err
+
+
 def test_the_check_json_usage_error_has_checks_keys():
     data = cli._check_json_error("bad")
     assert {k: data[k] for k in ("expect", "holds", "lines", "notes", "host", "source", "marker_dir", "records")} == {

@@ -1,5 +1,7 @@
 """The switch: every accepted value, and a clear error for everything else."""
 
+import re
+
 import pytest
 
 from k3_amd_overlay.settings import Mode, SettingsError, load_settings
@@ -128,3 +130,23 @@ def test_every_bad_name_is_listed_separated():
         load_settings({"K3_AMD_OVERLAY": "qk-cache,qkv_norm,norm"})
     with pytest.raises(SettingsError, match=r"variable\(s\) K3_AMD_OVERLAY_A, K3_AMD_OVERLAY_B; known"):
         load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_B": "x", "K3_AMD_OVERLAY_A": "y"})
+
+
+def test_a_provider_for_a_fusion_not_switched_on_is_named_as_having_no_effect():
+    """``K3_AMD_OVERLAY=qkv_norm`` with ``K3_AMD_OVERLAY_QK_CACHE_PROVIDER=triton`` looks like qk_cache is
+    wanted; the plugin warns with these words (it was silent)."""
+    qk = "K3_AMD_OVERLAY_QK_CACHE_PROVIDER"
+    assert load_settings({"K3_AMD_OVERLAY": "qkv_norm", qk: "triton"}).ineffective_providers() == [
+        f"{qk}=triton has no effect with K3_AMD_OVERLAY='qkv_norm' (qk_cache is not switched on)"]
+    assert load_settings({"K3_AMD_OVERLAY": "stock", qk: "aiter"}).ineffective_providers() == [
+        f"{qk}=aiter has no effect with K3_AMD_OVERLAY='stock' (stock mode runs every fusion unfused)"]
+    for quiet in ({"K3_AMD_OVERLAY": "1", qk: "triton"}, {"K3_AMD_OVERLAY": "qkv_norm", qk: "auto"},
+                  {"K3_AMD_OVERLAY": "0", qk: "triton"}, {"K3_AMD_OVERLAY": "qkv_norm,qk_cache", qk: "triton"}):
+        assert load_settings(quiet).ineffective_providers() == [], quiet
+
+
+@pytest.mark.parametrize("blank", [" ", "\t"])
+def test_a_blank_marker_directory_is_an_error_not_a_directory_named_with_spaces(blank):
+    with pytest.raises(SettingsError, match=re.escape(f"K3_AMD_OVERLAY_MARKER_DIR={blank!r} names no directory")):
+        load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_MARKER_DIR": blank})
+    assert load_settings({"K3_AMD_OVERLAY_MARKER_DIR": ""}).marker_dir is None

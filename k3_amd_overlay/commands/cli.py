@@ -177,6 +177,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.marker_dir is not None and not args.marker_dir.strip():  # "$DIR" unset: not the default directory
         raise UsageError(f"--marker-dir {args.marker_dir!r} names no directory; leave the option out for "
                          f"${MARKER_DIR} or the per-user directory")
+    if args.marker_dir and Path(args.marker_dir).exists() and not Path(args.marker_dir).is_dir():
+        raise UsageError(f"--marker-dir {args.marker_dir}: a file, not a directory of markers")
     if sum(map(bool, (args.merge, args.static))) > 1 or (args.prune and (args.merge or args.static)):
         raise UsageError("--merge, --static and --prune each judge other processes: give at most one")
     if args.max_age is not None and not args.merge:
