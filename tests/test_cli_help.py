@@ -142,8 +142,8 @@ def test_overlay_git_sha_only_from_the_overlays_own_checkout(tmp_path):
 def test_check_names_a_file_as_a_file_and_a_missing_key_in_words(capsys, tmp_path):
     not_a_dir = tmp_path / "markers"
     not_a_dir.write_text("x")
-    code, out, _ = run(["check", "--expect", "fused", "--marker-dir", str(not_a_dir)], capsys)
-    assert code == 1 and "is a file, not a directory" in out and "no such directory" not in out, out
+    code, _, err = run(["check", "--expect", "fused", "--marker-dir", str(not_a_dir)], capsys)
+    assert code == 2 and f"--marker-dir {not_a_dir}: a file, not a directory of markers" in err, err
     merged = tmp_path / "node.json"
     merged.write_text(json.dumps({"host": "n1", "holds": True}))
     code, _, err = run(["check", "--expect", "fused", "--merge", str(merged)], capsys)
