@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay.record import MAX_PID, MarkerRecord, RecordError
+from k3_amd_overlay.record import MarkerRecord, RecordError, is_pid
 
 MARKER_SUFFIX = ".json"
 
@@ -122,7 +122,7 @@ def unreadable_of_live_processes(found: list[MarkerFile]) -> list[tuple[MarkerFi
     """The unreadable markers named for a process running here (``<pid>.json``), with that pid: what such a
     process ran is unknown, so no verdict on this machine's processes can hold beside it."""
     named = [(m, int(m.path.stem)) for m in found if m.error and m.path.stem.isascii() and m.path.stem.isdigit()]
-    return [(m, pid) for m, pid in named if 1 <= pid <= MAX_PID and is_alive(pid, None)]
+    return [(m, pid) for m, pid in named if is_pid(pid) and is_alive(pid, None)]
 
 
 def read_markers(directory: Path) -> list[MarkerFile]:

@@ -99,9 +99,7 @@ class FusionEntry:
                 runs={**_no_runs(), **{Phase(p): _count(n, f"runs.{p}") for p, n in (data.get("runs") or {}).items()}},
                 captured_sizes=[_count(n, "captured_sizes") for n in sizes],
             )
-        except RecordError as exc:
-            raise RecordError(f"fusion entry {data!r}: {exc}") from None
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # RecordError is a ValueError
             raise RecordError(f"fusion entry {data!r}: {exc}") from None
 
 
@@ -181,9 +179,15 @@ class MarkerRecord:
         return cls(**values)
 
 
+def is_pid(value: object) -> bool:
+    """Whether ``value`` is a process id as the kernel gives one: 0 and negative ids name process groups
+    to ``kill``, and pid_t holds no more than ``MAX_PID``."""
+    number = json_values.whole(value, 1)
+    return number is not None and number <= MAX_PID
+
+
 def _pid(value: Any) -> int:
-    """A process id as the kernel gives one: 0 and negative ids name process groups to ``kill``."""
-    if json_values.whole(value, 1) is None or value > MAX_PID:
+    if not is_pid(value):
         raise RecordError(f"marker field 'pid' is {value!r}, expected a process id (1-{MAX_PID})")
     return value
 

@@ -271,6 +271,15 @@ def _assert_usage_error(code, data, err, said):
     assert f"k3-amd-overlay tune: error: {said}" in err and "Traceback" not in err
 
 
+def _with_or_without_gpu(request, monkeypatch, gpu: bool) -> None:
+    """A fake H200, or no GPU at all; either way nothing is ever tuned (the checks come before it)."""
+    if gpu:
+        request.getfixturevalue("fake_h200")
+    else:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _never_tuned(monkeypatch)
+
+
 @pytest.mark.parametrize(("text", "why"), [
     ("{not json", "not a usable launch-config file (cannot read launch configs"),
     ('{"schema": 1, "arch": "sm90", "kernels": {"no_such_kernel": []}}', "not a usable launch-config file"),
@@ -279,11 +288,7 @@ def _assert_usage_error(code, data, err, said):
 @pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "fake-h200"])
 def test_a_compare_file_that_is_no_launch_config_file_is_a_usage_error_before_the_gpu(
         request, monkeypatch, tmp_path, capsys, text, why, gpu):
-    if gpu:
-        request.getfixturevalue("fake_h200")
-    else:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _never_tuned(monkeypatch)
+    _with_or_without_gpu(request, monkeypatch, gpu)
     bad = tmp_path / "bad.json"
     bad.write_text(text)
     code, data, err = _usage_error(["--compare", str(bad), "--heads", "2"], capsys)
@@ -312,11 +317,7 @@ def _no_launch_configs(path):
 @pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "fake-h200"])
 def test_an_out_file_tune_cannot_update_is_a_usage_error_before_any_tuning_and_is_kept(
         request, monkeypatch, tmp_path, capsys, make, gpu):
-    if gpu:
-        request.getfixturevalue("fake_h200")
-    else:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _never_tuned(monkeypatch)
+    _with_or_without_gpu(request, monkeypatch, gpu)
     out = tmp_path / "mine.json"
     why = make(out)
     before = out.read_text()
@@ -341,11 +342,7 @@ def test_the_file_in_an_out_directory_is_checked_once_the_gpu_names_it_before_an
 @pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "fake-h200"])
 def test_an_out_under_a_missing_directory_is_a_usage_error_before_any_tuning(
         request, monkeypatch, tmp_path, capsys, where, gpu):
-    if gpu:
-        request.getfixturevalue("fake_h200")
-    else:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _never_tuned(monkeypatch)
+    _with_or_without_gpu(request, monkeypatch, gpu)
     out = tmp_path / where
     code, data, err = _usage_error(["--out", str(out), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "4"], capsys)
     said = (f"--out {out}: the directory {tmp_path / 'missing'} does not exist" if where.endswith(".json")

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import math
 import re
 import shutil
 import statistics
@@ -48,6 +47,7 @@ from k3_amd_overlay.commands.usage import (
     check_baselines,
     check_command_lines,
     check_executables,
+    check_seconds,
     check_switches,
     describe,
     json_result,
@@ -104,8 +104,8 @@ def validate(args: argparse.Namespace) -> None:
                          "each concurrency at most once (a second bench would overwrite the first's result)")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UsageError(f"--num-prompts {args.num_prompts}: at least 1")
-    if args.profile_window is not None and not 0 < args.profile_window < math.inf:
-        raise UsageError(f"--profile-window {args.profile_window}: must be a positive, finite number of seconds")
+    if args.profile_window is not None:
+        check_seconds("--profile-window", args.profile_window)
     check_arm_server_arguments(args)
     check_command_lines([("--bench-args", args.bench_args)])
     ab_run.check_unused(args.out)

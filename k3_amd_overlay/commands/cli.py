@@ -135,9 +135,15 @@ def merged_records(paths: list[str]) -> tuple[list[NodeEvidence], list[str]]:
     return nodes, notes
 
 
-def live_records(directory: Path, prune: bool) -> tuple[list[MarkerRecord], list[str]]:
-    """The records of live processes in ``directory``, and a note per file set aside (or removed)."""
-    found = markers.read_markers(directory) if directory.is_dir() else []
+def read_marker_dir(directory: Path) -> list[markers.MarkerFile]:
+    return markers.read_markers(directory) if directory.is_dir() else []
+
+
+def live_records(directory: Path, prune: bool,
+                 found: list[markers.MarkerFile] | None = None) -> tuple[list[MarkerRecord], list[str]]:
+    """The records of live processes in ``directory`` (``found``: its markers, read here if None), and a
+    note per file set aside (or removed)."""
+    found = read_marker_dir(directory) if found is None else found
     host = socket.gethostname()
     foreign = [m for m in found if m.record and m.record.host != host]
     records = [m.record for m in found if m.live and m.record and m.record.host == host]
@@ -216,9 +222,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         directory = Path(args.marker_dir or os.environ.get(MARKER_DIR) or markers.default_marker_dir())
         marker_dir = str(directory)
-        records, notes = live_records(directory, args.prune)
+        found = read_marker_dir(directory)
+        records, notes = live_records(directory, args.prune, found)
         verdict = judge(records, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed)
-        found = markers.read_markers(directory) if directory.is_dir() else []
         for marker, pid in markers.unreadable_of_live_processes(found):
             verdict.fail(f"{marker.path}: pid {pid} runs on this host, but its marker is unreadable ({marker.error}): "
                          "what it ran is unknown (another overlay version's marker? restart it with this one; "

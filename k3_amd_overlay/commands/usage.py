@@ -202,13 +202,18 @@ def add_arm_server_arguments(parser: argparse.ArgumentParser, arm_a_help: str) -
                         help="seconds for a server to become healthy")
 
 
+def check_seconds(option: str, value: float) -> None:
+    """A time an option gives: more than 0 and finite (NaN fails both comparisons)."""
+    if not 0 < value < float("inf"):
+        raise UsageError(f"{option} {value}: must be a positive, finite number of seconds")
+
+
 def check_arm_server_arguments(args: argparse.Namespace) -> None:
     """The values of add_arm_server_arguments' options a server could not start with (whether
     --serve-cmd is on PATH: check_executables)."""
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: must be 1-65535")
-    if not 0 < args.health_timeout < float("inf"):  # NaN fails both comparisons
-        raise UsageError(f"--health-timeout {args.health_timeout}: must be a positive, finite number of seconds")
+    check_seconds("--health-timeout", args.health_timeout)
     check_command_lines([("--serve-args", args.serve_args)])
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay import k3
+from k3_amd_overlay import json_values, k3
 from k3_amd_overlay.kernels import names
 from k3_amd_overlay.settings import KERNEL_CONFIGS
 
@@ -135,9 +135,10 @@ class Source:
 
 
 def _positive_int(value: Any, where: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    number = json_values.whole(value, 1)
+    if number is None:
         raise LaunchConfigError(f"{where}: {value!r} is not a positive integer")
-    return value
+    return number
 
 
 def matrix_tile(arch: str, config: dict[str, int]) -> tuple[int, int]:
