@@ -9,7 +9,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from k3_amd_overlay.record import MarkerRecord, RecordError, is_pid
 
@@ -94,6 +94,23 @@ DEAD_STATES = ("Z", "X", "x")
 
 
 def is_alive(pid: int, start_ticks: int | None) -> bool:
+    """Whether ``pid`` is the running process that wrote a record with ``start_ticks``. Where this host
+    shows the start time of ``pid``, a record without one proves nothing about which process it was
+    (the pid may have been reused since) and is not alive; ``is_running`` asks only about the pid."""
+    fields = _running_stat(pid)
+    if fields is False:
+        return False
+    # The same read of /proc gives the state and the start time, so they agree.
+    return _start_ticks(fields) == start_ticks if fields else start_ticks is None
+
+
+def is_running(pid: int) -> bool:
+    """Whether some process runs as ``pid`` now (whatever its start time)."""
+    return _running_stat(pid) is not False
+
+
+def _running_stat(pid: int) -> list[str] | Literal[False] | None:
+    """False where no process runs as ``pid``; else its /proc stat fields, or None where there are none."""
     if pid < 1:  # kill() takes 0 and negative ids as process groups, which always answer
         return False
     try:
@@ -105,9 +122,7 @@ def is_alive(pid: int, start_ticks: int | None) -> bool:
     fields = _proc_stat(pid)
     if fields and fields[0] in DEAD_STATES:
         return False
-    if start_ticks is None:
-        return True
-    return _start_ticks(fields) == start_ticks  # the same read of /proc: state and start time agree
+    return fields
 
 
 @dataclass(frozen=True)
@@ -122,7 +137,7 @@ def unreadable_of_live_processes(found: list[MarkerFile]) -> list[tuple[MarkerFi
     """The unreadable markers named for a process running here (``<pid>.json``), with that pid: what such a
     process ran is unknown, so no verdict on this machine's processes can hold beside it."""
     named = [(m, int(m.path.stem)) for m in found if m.error and m.path.stem.isascii() and m.path.stem.isdigit()]
-    return [(m, pid) for m, pid in named if is_pid(pid) and is_alive(pid, None)]
+    return [(m, pid) for m, pid in named if is_pid(pid) and is_running(pid)]
 
 
 def read_markers(directory: Path) -> list[MarkerFile]:

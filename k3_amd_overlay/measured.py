@@ -55,6 +55,7 @@ USER_DIRECTORY = "k3-amd-overlay"  # under $XDG_CACHE_HOME, or ~/.cache
 VARIANTS = (AbsorbVariant.BF16.value, AbsorbVariant.FP8.value)  # the W_UK absorptions measured
 DECODE_FUSIONS = (QK_CACHE, ABSORB_QK_CACHE)
 COMMAND = "k3-amd-overlay measure"
+SEEDS = range(2**32)  # inputs' seeds `measure` takes (each bucket's inputs are drawn from seed + a small offset)
 KV_CACHE_DTYPE = "fp8"  # the cache the fused decode writes, and the one `measure` times it with
 # The fields that decide the fused kernels' speed and bytes: a file measured under others is not used.
 CONDITIONS = ("launch_configs", "torch", "triton", "kv_cache_dtype", "fp8_format")
@@ -254,8 +255,8 @@ def parse(data: Any, path: str) -> Measurement:
                                 f"{shape_words(row.heads, row.variant)} is measured twice")
         seen.add(row.key)
     seed = data.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise MeasuredError(f"{path}: field 'seed' is {seed!r}, expected an integer")
+    if json_values.whole(seed) not in SEEDS:
+        raise MeasuredError(f"{path}: field 'seed' is {seed!r}, expected a whole number {SEEDS[0]}-{SEEDS[-1]}")
     return Measurement(path=path, **text, torch=_text(data, "torch", path), triton=_text(data, "triton", path),
                        kv_cache_dtype=_text(shapes, "kv_cache_dtype", f"{path} shapes"),
                        fp8_format=_text(shapes, "fp8_format", f"{path} shapes"),

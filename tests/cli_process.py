@@ -1,7 +1,8 @@
 """The overlay's command line in a fresh process, with doctor's self-test run or left out. On CPU
 the self-test runs every fused kernel under the Triton interpreter, about 25 s a process; the tests
 that judge something else (verdict lines, ``check --static``) leave it out, and the test of the
-main job (``doctor --json`` with the overlay on) runs it for real, on every release."""
+main job (``doctor --json`` with the overlay on) runs it for real, on every release. And argument
+lists of defaults that a test's own options replace (an option given twice is a usage error)."""
 
 from __future__ import annotations
 
@@ -16,3 +17,9 @@ def cli_command(*args: str, self_test: bool = True) -> list[str]:
     """``k3-amd-overlay ARGS`` in this interpreter; ``self_test=False``: doctor's self-test left out."""
     entry = ["-m", "k3_amd_overlay"] if self_test else ["-c", _WITHOUT_SELF_TEST]
     return [sys.executable, *entry, *args]
+
+
+def with_defaults(defaults: dict[str, str], args: tuple[str, ...] | list[str]) -> list[str]:
+    """``defaults`` (option -> value) less those ``args`` give, then ``args``."""
+    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    return [*(x for option, value in defaults.items() if option not in given for x in (option, value)), *args]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from k3_amd_overlay import markers
 from k3_amd_overlay.commands import verdict
 from k3_amd_overlay.record import MarkerRecord
 
@@ -17,13 +18,15 @@ def process(mode: str = "auto", state: str = "applied", pid: int = 1, host: str 
             layers: int = 2, served: int = 3, warmup: int = 5, captured: tuple[int, ...] = (), replayed: int = 0,
             **fields: Any) -> dict[str, Any]:
     """One process's marker contents with qkv_norm and qk_cache in ``state`` (``host`` left out when
-    None: a reader then takes the record as its own machine's)."""
+    None: a reader then takes the record as its own machine's; ``start_ticks``, unless given, that of
+    the process running as ``pid`` here, as the plugin records it)."""
     ran = state in ("applied", "upstream")
     entry = {"state": state, "provider": "triton" if ran else None, "reason": "r", "effective": ran and served > 0,
              "layers": layers, "runs": {"warmup": warmup if ran else 0, "capture": len(captured),
                                         "served": served if ran else 0, "replay": replayed},
              "captured_sizes": list(captured)}
     record = {"pid": pid, "role": role, "vllm_version": "0.33.0", "mode": mode,
+              "start_ticks": markers.process_start_ticks(pid),
               "fusions": {"qkv_norm": dict(entry), "qk_cache": dict(entry)}, **fields}
     if host is not None:
         record["host"] = host

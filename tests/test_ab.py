@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_process import with_defaults
 
 from k3_amd_overlay.commands import ab_stats as stats
 from k3_amd_overlay.commands import arms
@@ -130,9 +131,11 @@ def test_paired_accuracy_pairs_only_shared_questions():
 
 
 def serve_standin(tmp_path, *args, env=None):
-    return run_script("ab_serve.py", "--model", "k3", "--out", str(tmp_path), "--port", str(free_port()),
-                      "--health-timeout", "60", "--serve-cmd", f"{sys.executable} {STANDINS / 'fake_serve.py'}",
-                      "--bench-cmd", f"{sys.executable} {STANDINS / 'fake_bench.py'}", *args, env=env)
+    """ab-serve against the stand-ins; an option in ``args`` replaces its default here."""
+    defaults = {"--model": "k3", "--out": str(tmp_path), "--port": str(free_port()), "--health-timeout": "60",
+                "--serve-cmd": f"{sys.executable} {STANDINS / 'fake_serve.py'}",
+                "--bench-cmd": f"{sys.executable} {STANDINS / 'fake_bench.py'}"}
+    return run_script("ab_serve.py", *with_defaults(defaults, args), env=env)
 
 
 def test_ab_serve_end_to_end(tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_process import with_defaults
 from test_ab import STANDINS
 
 from k3_amd_overlay import markers
@@ -159,8 +160,8 @@ class Lab:
         return list(self.hazards)
 
     def main(self, *args: str) -> int:
-        return ab_serve.main(["--model", "k3", "--out", str(self.out), "--port", "8123",
-                              "--serve-cmd", sys.executable, "--bench-cmd", self.bench_cmd, *args])
+        return ab_serve.main(with_defaults({"--model": "k3", "--out": str(self.out), "--port": "8123",
+                                            "--serve-cmd": sys.executable, "--bench-cmd": self.bench_cmd}, args))
 
     def benches(self) -> list[dict]:
         return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
@@ -672,6 +673,22 @@ def test_a_bench_result_that_is_not_json_aborts_the_run_and_fails_the_report(lab
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"k3-amd-overlay ab-serve report: error: {saved} is unreadable (Expecting property name enclosed in double "
         "quotes: line 1 column 2 (char 1))")
+
+
+def test_a_bench_result_the_table_cannot_read_fails_its_arm_not_the_summary(lab, tmp_path, capsys):
+    """A metric that is no finite number (a bench that measured nothing writes such things) fails the arm
+    as it happens; before, it was saved and the summary of the whole run refused it as foreign results."""
+    odd = tmp_path / "odd_bench.py"
+    odd.write_text("import sys\nfrom pathlib import Path\n\na = sys.argv\n"
+                   "Path(a[a.index('--result-dir') + 1], a[a.index('--result-filename') + 1])"
+                   ".write_text('{\"median_tpot_ms\": \"n/a\"}')\n")
+    assert lab.main("--repeats", "1", "--concurrency", "1", "--bench-cmd", f"{sys.executable} {odd}") == 1
+    result = lab.out / "repeat0-armA" / "bench-c1.json"
+    printed = capsys.readouterr().out
+    assert (f"arm A: bench at concurrency 1 wrote {result}, which the table cannot read: \"median_tpot_ms\" is "
+            f"'n/a', not a finite number; log: {result.with_suffix('.log')}") in printed, printed
+    summary = json.loads((lab.out / "summary.json").read_text())
+    assert summary["aborted"].startswith("arm A: bench at concurrency 1 wrote") and summary["rows"] == {"B_vs_A": []}
 
 
 # --- the plot -----------------------------------------------------------------------------------------

@@ -120,3 +120,29 @@ def test_without_matplotlib_the_hint_installs_matplotlib_or_the_wheels_extra(ben
             f"pip install 'k3_amd_overlay-{__version__}-py3-none-any.whl[plot]')")
     assert printed.err == f"k3-amd-overlay bench plot: {hint}\n"
     assert json.loads(printed.out)["error"] == hint
+
+
+@pytest.mark.parametrize("result,said", [
+    ({"tokens": "8"}, "results[1] 'tokens' is '8', expected a whole number >= 1"),
+    ({"tokens": 0}, "results[1] 'tokens' is 0, expected a whole number >= 1"),
+    ({"fused_us": float("nan")}, "results[1] 'fused_us' is nan, expected a finite time in µs"),
+    ({"baseline_us": "3.0"}, "results[1] 'baseline_us' is '3.0', expected a finite time in µs"),
+    ({"heads": True}, "results[1] 'heads' is True, expected a whole number >= 1"),
+    ({"op": 7}, "results[1] 'op' is 7, expected a name"),
+])
+def test_a_drawn_value_of_the_wrong_kind_is_named_with_its_result(bench, fake, capsys, result, said):
+    """Before: ``invalid literal for int() with base 10: '8'`` with no field named, and a NaN drawn."""
+    data = json.loads(bench.read_text())
+    data["results"][1].update(result)
+    bench.write_text(json.dumps(data))
+    assert plot.main([str(bench)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {bench}: {said}")
+    assert not Path("plots/b.png").exists()
+
+
+def test_results_that_are_no_list_of_objects_are_named(bench, fake, capsys):
+    for results, said in (({"a": 1}, "'results' is dict, expected a list of results"),
+                          ([1], "results[0] is 1, expected an object")):
+        bench.write_text(json.dumps({**BENCH, "results": results}))
+        assert plot.main([str(bench)]) == 2
+        assert capsys.readouterr().err.strip().endswith(f"error: {bench}: {said}")

@@ -21,7 +21,7 @@ import pytest
 from kineto_traces import kernel_trace
 from records import off_process, process
 
-from k3_amd_overlay import k3
+from k3_amd_overlay import k3, markers
 from k3_amd_overlay.commands import census, cli, usage
 from k3_amd_overlay.commands.usage import EXIT_FAILED, UsageError
 from k3_amd_overlay.record import MarkerRecord
@@ -56,7 +56,7 @@ def markers_dir(tmp_path: Path) -> dict[str, Path]:
 def test_live_records_counts_each_kind_and_notes_each_file_word_for_word(markers_dir):
     directory = markers_dir["live"].parent
     records, notes = cli.live_records(directory, prune=False)
-    assert [(r.pid, r.host, r.start_ticks) for r in records] == [(ME, HOST, None)]
+    assert [(r.pid, r.host, r.start_ticks) for r in records] == [(ME, HOST, markers.process_start_ticks(ME))]
     error = notes[2].split(": ", 1)[1]
     assert error.startswith("unreadable marker: ")
     assert notes == [
@@ -72,6 +72,17 @@ def test_live_records_counts_each_kind_and_notes_each_file_word_for_word(markers
         "and judge them with --merge)",
     ]
     assert all(path.exists() for path in markers_dir.values())  # without --prune nothing is removed
+
+
+def test_a_record_without_a_start_time_is_stale_where_this_host_shows_one(tmp_path):
+    """The plugin records its start time; a record of a running pid without one (an earlier process
+    with that pid, or a hand-made file) proves nothing about that process and counts as stale."""
+    marker(tmp_path, "a.json", off_process(pid=ME, host=HOST, start_ticks=None))
+    records, notes = cli.live_records(tmp_path, prune=False)
+    assert records == [] and notes == [
+        f"markers read from {tmp_path}: 0 live, 1 stale, 0 unreadable",
+        f"note {tmp_path / 'a.json'}: host {HOST} pid {ME} runs, but the record has no start time to tell it from "
+        "an earlier process with that pid; stale, ignored (--prune removes such files)"]
 
 
 def test_prune_removes_only_this_hosts_stale_markers(markers_dir):

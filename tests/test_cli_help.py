@@ -230,3 +230,26 @@ def test_with_json_vllms_log_lines_go_to_stderr(capsys, monkeypatch):
     run(["check", "--expect", "off", "--marker-dir", "/nonexistent"], capsys)
     assert seen == ["ext://sys.stderr", "ext://sys.stdout"]  # with --json only, and for that command only
     assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stdout"
+
+
+@pytest.mark.parametrize("argv,twice", [
+    (["check", "--expect", "fused", "--expect", "stock"], "--expect given twice ('fused', then 'stock')"),
+    (["check", "--expect=fused", "--exp", "stock", "--json"], "--expect given twice ('fused', then 'stock')"),
+    (["check", "--expect", "off", "--marker-dir", "a", "--marker-dir", "b"],
+     "--marker-dir given twice ('a', then 'b')"),
+    (["census", "x.json", "--layers", "3", "--layers", "4"], "--layers given twice (3, then 4)"),
+    (["doctor", "--switch", "1", "--switch", "stock"], "--switch given twice ('1', then 'stock')"),
+    (["ab-serve", "--model", "m", "--out", "a", "--out", "b"], "--out given twice ('a', then 'b')"),
+    (["gsm8k-ab", "--model", "m", "--model", "n", "--out", "a"], "--model given twice ('m', then 'n')"),
+    (["bench", "--only", "qk_cache", "--only", "layer_step"], "--only given twice ('qk_cache', then 'layer_step')"),
+    (["bench", "plot", "b.json", "--mode", "graph", "--mode", "eager"], "--mode given twice ('graph', then 'eager')"),
+    (["kernels", "--arch", "gfx942", "--arch", "gfx950"], "--arch given twice ('gfx942', then 'gfx950')"),
+    (["tune", "--heads", "3", "--heads", "4"], "--heads given twice ([3], then [4])"),
+    (["measure", "--heads", "12", "--heads", "16"], "--heads given twice ([12], then [16])"),
+])
+def test_an_option_given_twice_is_a_usage_error_not_the_last_one_silently(argv, twice, capsys):
+    """argparse alone keeps the last value: ``check --expect fused ... --expect stock`` judged stock."""
+    code, out, err = run(argv, capsys)
+    said = err.strip().splitlines()[-1]
+    assert code == 2 and said.endswith(f"error: {twice}; give it once"), err
+    assert out == "" if "--json" not in argv else json.loads(out)["usage_error"] == f"{twice}; give it once", out

@@ -651,14 +651,16 @@ def test_start_ticks_and_liveness_of_a_process_named_with_a_parenthesis():
             boot = next(int(line.split()[1]) for line in handle if line.startswith("btime "))
         start = boot + ticks / os.sysconf("SC_CLK_TCK")
         assert started - 2 <= start <= time.time() + 2  # btime is whole seconds
-        assert markers.is_alive(child.pid, ticks) and markers.is_alive(child.pid, None)
+        assert markers.is_alive(child.pid, ticks) and markers.is_running(child.pid)
         assert not markers.is_alive(child.pid, ticks + 1)
+        # A record without a start time, where this host shows one, may be of an earlier process with that pid.
+        assert not markers.is_alive(child.pid, None)
         with pytest.raises(subprocess.TimeoutExpired):  # not ended by a signal (even on a loaded machine)
             child.wait(timeout=2)
     finally:
         child.kill()
         child.wait()
-    assert not markers.is_alive(child.pid, None)
+    assert not markers.is_alive(child.pid, None) and not markers.is_running(child.pid)
     assert markers.process_start_ticks(child.pid) is None
 
 
@@ -688,8 +690,8 @@ def test_unreadable_markers_are_listed_with_the_readable_ones(tmp_path):
     import dataclasses
 
     (tmp_path / "1.json").write_text("{not json")
-    markers.write_marker(tmp_path, 2, MarkerRecord(pid=os.getpid(), mode=load_settings({}).mode,
-                                                   fusions={}).to_json())
+    markers.write_marker(tmp_path, 2, MarkerRecord(pid=os.getpid(), mode=load_settings({}).mode, fusions={},
+                                                   start_ticks=markers.process_start_ticks(os.getpid())).to_json())
     (tmp_path / "3.txt").write_text("{}")
     bad, good = markers.read_markers(tmp_path)
     assert (bad.path.name, bad.record, bad.live) == ("1.json", None, False)
@@ -710,7 +712,8 @@ def test_unreadable_markers_are_listed_with_the_readable_ones(tmp_path):
 def test_a_marker_field_of_the_wrong_kind_is_an_unreadable_marker_not_a_crash(tmp_path, field, value, said):
     """A marker written by hand or another tool: ``check`` sets it aside with the field named, and the
     other processes are still judged (a crash here stopped the verdict on every process)."""
-    good = MarkerRecord(pid=os.getpid(), mode=load_settings({}).mode, fusions={}).to_json()
+    good = MarkerRecord(pid=os.getpid(), mode=load_settings({}).mode, fusions={},
+                        start_ticks=markers.process_start_ticks(os.getpid())).to_json()
     markers.write_marker(tmp_path, 1, {**good, "pid": 1, field: value})
     markers.write_marker(tmp_path, 2, good)
     bad, read = markers.read_markers(tmp_path)

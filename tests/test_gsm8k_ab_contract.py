@@ -20,6 +20,7 @@ import types
 from pathlib import Path
 
 import pytest
+from cli_process import with_defaults
 
 from k3_amd_overlay.commands import ab_stats, arms, baseline_hazard, gsm8k_ab
 from k3_amd_overlay.commands.usage import UsageError
@@ -126,8 +127,8 @@ class Harness:
         self.plan_file.write_text(json.dumps(plans))
 
     def argv(self, *extra: str) -> list[str]:
-        return ["--model", "k3", "--out", str(self.out), "--serve-cmd", sys.executable,
-                "--lm-eval-cmd", self.lm_eval_cmd(), *extra]
+        return with_defaults({"--model": "k3", "--out": str(self.out), "--serve-cmd": sys.executable,
+                              "--lm-eval-cmd": self.lm_eval_cmd()}, extra)
 
 
 @pytest.fixture

@@ -149,9 +149,11 @@ def test_the_file_round_trips_and_is_found_beside_the_tuned_configs(tmp_path):
     (lambda d: d["results"].append(dict(d["results"][0])), "results[8]: qk_cache at 8 tokens, 12 heads, bf16 W_UK is "
                                                            "measured twice"),
     # each of these raised ValueError, TypeError or OverflowError before (a crash at the first K3 layer)
-    (lambda d: d.update(seed="abc"), "field 'seed' is 'abc', expected an integer"),
-    (lambda d: d.update(seed=[1]), "field 'seed' is [1], expected an integer"),
-    (lambda d: d.update(seed=float("inf")), "field 'seed' is inf, expected an integer"),
+    (lambda d: d.update(seed="abc"), "field 'seed' is 'abc', expected a whole number 0-4294967295"),
+    (lambda d: d.update(seed=[1]), "field 'seed' is [1], expected a whole number 0-4294967295"),
+    (lambda d: d.update(seed=float("inf")), "field 'seed' is inf, expected a whole number 0-4294967295"),
+    (lambda d: d.update(seed=-1), "field 'seed' is -1, expected a whole number 0-4294967295"),
+    (lambda d: d.update(seed=2**64), "field 'seed' is 18446744073709551616, expected a whole number 0-4294967295"),
     (lambda d: d["results"][0].update(problems=5), "results[0]: field 'problems' is 5, expected a list of strings"),
     (lambda d: d["results"][0].update(stock_us=10 ** 400), "results[0]: field 'stock_us' is 1000"),
     (lambda d: d["results"][0].update(ratio=10 ** 400), "results[0]: field 'ratio' is 1000"),

@@ -229,6 +229,8 @@ def args(**given) -> argparse.Namespace:
     ({"heads": 0}, "--heads 0: every value must be a positive integer"),
     ({"heads": 12, "buckets": [8, -1]}, "--buckets 8 -1: every value must be a positive integer"),
     ({"heads": 12, "rounds": -1}, "--rounds -1: a positive integer"),
+    ({"heads": 12, "seed": -1}, "--seed -1: a whole number 0-4294967295"),
+    ({"heads": 12, "seed": 2**32}, "--seed 4294967296: a whole number 0-4294967295"),
     ({"model": "/nonexistent/k3"}, "--model /nonexistent/k3: cannot read /nonexistent/k3"),
 ])
 def test_usage_errors_name_the_value_and_what_is_allowed(given, message, capsys):

@@ -141,10 +141,15 @@ def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, resul
     if code != 0 or not result.exists():
         raise arms.ArmFailed(f"arm {server.arm.label}: bench at concurrency {concurrency} failed; log: {log}")
     try:
-        return json.loads(result.read_text())
-    except ValueError as exc:
+        record = json.loads(result.read_text())
+    except (ValueError, RecursionError) as exc:
         raise arms.ArmFailed(f"arm {server.arm.label}: bench at concurrency {concurrency} wrote {result}, which is "
                              f"not JSON ({exc}); log: {log}") from None
+    why = ab_stats.unusable_metric(record)
+    if why:  # caught here, the arm fails now; saved, the summary would refuse the whole run's results
+        raise arms.ArmFailed(f"arm {server.arm.label}: bench at concurrency {concurrency} wrote {result}, which "
+                             f"the table cannot read: {why}; log: {log}")
+    return record
 
 
 def load_results(out: Path, run_id: str) -> tuple[dict[str, dict[int, list[dict[str, Any]]]], list[str]]:

@@ -162,11 +162,14 @@ def live_records(directory: Path, prune: bool,
                          "give each node its own and judge them with --merge)")
         elif not m.live:
             assert m.record is not None
+            why = "is gone" if prune else "is gone (or its pid was reused)"
+            if m.record.start_ticks is None and markers.is_running(m.record.pid):
+                why = "runs, but the record has no start time to tell it from an earlier process with that pid"
             if prune:
                 m.path.unlink(missing_ok=True)
-                notes.append(f"note {m.path}: host {host} pid {m.record.pid} is gone; stale marker removed (--prune)")
+                notes.append(f"note {m.path}: host {host} pid {m.record.pid} {why}; stale marker removed (--prune)")
             else:
-                notes.append(f"note {m.path}: host {host} pid {m.record.pid} is gone (or its pid was reused); stale, "
+                notes.append(f"note {m.path}: host {host} pid {m.record.pid} {why}; stale, "
                              "ignored (--prune removes such files)")
     return records, notes
 

@@ -345,6 +345,8 @@ def _checked(args: argparse.Namespace) -> tuple[list[int], list[str], list[int]]
             raise UsageError(f"{name} {' '.join(map(str, values))}: every value must be a positive integer")
     if args.rounds < 1:
         raise UsageError(f"--rounds {args.rounds}: a positive integer")
+    if args.seed is not None and args.seed not in measured.SEEDS:
+        raise UsageError(f"--seed {args.seed}: a whole number {measured.SEEDS[0]}-{measured.SEEDS[-1]}")
     if args.heads and tp is not None:
         expected = per_rank(k3.NUM_HEADS, tp, "K3's")
         if set(args.heads) != {expected}:

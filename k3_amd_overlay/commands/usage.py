@@ -13,6 +13,7 @@ import shlex
 import shutil
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import PurePath
 from typing import Any, NoReturn
 
 from k3_amd_overlay.settings import SWITCH, SettingsError, load_settings
@@ -84,6 +85,26 @@ def json_usage_error(command: str, message: str) -> dict[str, Any]:
     return {"command": command, "ok": False, "exit_status": EXIT_USAGE, "usage_error": message, "error": message}
 
 
+def _shown(value: Any) -> str:
+    """An option's value as the user typed it, near enough (a path as its text)."""
+    return repr(str(value)) if isinstance(value, PurePath) else repr(value)
+
+
+class _StoreOnce(argparse._StoreAction):
+    """argparse's ``store``, refusing an option given twice: with argparse's own the last would win
+    without a word (``check --expect fused ... --expect stock`` would judge stock)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = getattr(parser, "given_options", None)
+        if given is not None and option_string is not None:
+            if self.dest in given:
+                parser.error(f"{option_string} given twice ({_shown(given[self.dest])}, then {_shown(values)}); "
+                             "give it once")
+            given[self.dest] = values
+        super().__call__(parser, namespace, values, option_string)
+
+
 class Parser(argparse.ArgumentParser):
     """The parser of every command and tool: the one help style, the exit-status epilog, and with
     --json a usage error is one JSON object on stdout too (``json_error`` builds it; usage and
@@ -95,6 +116,9 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         kwargs.setdefault("epilog", EPILOG)
         super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+        self.given_options: dict[str, Any] = {}
         command = self.prog.removeprefix("k3-amd-overlay").strip()
         self.json_error = json_error or (lambda message: json_usage_error(command, message))
         self.own_extras = own_extras
@@ -104,6 +128,7 @@ class Parser(argparse.ArgumentParser):
         args = sys.argv[1:] if args is None else list(args)
         self.json_wanted = wants_json(args)
         self.raw_args = args
+        self.given_options = {}
         namespace, extras = super().parse_known_args(args, namespace)
         if extras and self.own_extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")

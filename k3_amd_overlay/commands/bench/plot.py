@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay import json_values
 from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
 from k3_amd_overlay.package import DISTRIBUTION, __version__
 
@@ -27,20 +28,35 @@ SERIES = (("fused_us", "fused (overlay)"), ("baseline_us", "unfused baseline"), 
 PREFERRED_HEADS = 12  # heads per rank drawn for ops measured at several (K3 at TP 8)
 
 
+def _value(result: dict[str, Any], index: int, key: str, read: Any, wanted: str) -> Any:
+    value = read(result[key])
+    if value is None:
+        raise ValueError(f"results[{index}] {key!r} is {result[key]!r}, expected {wanted}")
+    return value
+
+
 def panels(results: list[dict[str, Any]], mode: str = "graph") -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """op -> series label -> [(tokens, µs)], for ``mode`` and, per op, one head count."""
-    by_op: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in results:
+    """op -> series label -> [(tokens, µs)], for ``mode`` and, per op, one head count; a ValueError
+    naming the result and the field where a drawn value is not a number of its kind."""
+    if not isinstance(results, list):
+        raise ValueError(f"'results' is {type(results).__name__}, expected a list of results")
+    by_op: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
+    for index, r in enumerate(results):
+        if not isinstance(r, dict):
+            raise ValueError(f"results[{index}] is {r!r}, expected an object")
         if r.get("mode") == mode and "tokens" in r:
-            by_op[r["op"]].append(r)
+            by_op[_value(r, index, "op", lambda v: v if isinstance(v, str) else None, "a name")].append((index, r))
     out: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for op, rows in by_op.items():
-        heads = sorted({r["heads"] for r in rows if "heads" in r})
+        heads = sorted({_value(r, i, "heads", lambda v: json_values.whole(v, 1), "a whole number >= 1")
+                        for i, r in rows if "heads" in r})
         if heads:
             pick = PREFERRED_HEADS if PREFERRED_HEADS in heads else heads[-1]
-            rows = [r for r in rows if r.get("heads") == pick]
+            rows = [(i, r) for i, r in rows if r.get("heads") == pick]
             op = f"{op} ({pick} heads)"
-        series = {label: sorted((int(r["tokens"]), float(r[key])) for r in rows if key in r) for key, label in SERIES}
+        series = {label: sorted((_value(r, i, "tokens", lambda v: json_values.whole(v, 1), "a whole number >= 1"),
+                                 _value(r, i, key, json_values.finite, "a finite time in µs"))
+                                for i, r in rows if key in r) for key, label in SERIES}
         out[op] = {label: points for label, points in series.items() if points}
     return out
 
@@ -62,6 +78,8 @@ def read_panels(bench_json: Path, mode: str) -> tuple[dict[str, Any], dict[str, 
         drawn = panels(data["results"], mode)
     except KeyError as exc:
         raise UsageError(f"{bench_json}: no {exc.args[0]!r} in it (not what bench --json-out writes)") from None
+    except RecursionError:
+        raise UsageError(f"{bench_json}: nested too deeply (not what bench --json-out writes)") from None
     except (OSError, ValueError) as exc:
         raise UsageError(f"{bench_json}: {exc}") from None
     except (TypeError, AttributeError) as exc:
