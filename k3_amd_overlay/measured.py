@@ -255,7 +255,7 @@ def parse(data: Any, path: str) -> Measurement:
                                 f"{shape_words(row.heads, row.variant)} is measured twice")
         seen.add(row.key)
     seed = data.get("seed", 0)
-    if json_values.whole(seed) not in SEEDS:
+    if json_values.whole(seed) is None or seed not in SEEDS:  # `in range` scans a range for a non-int
         raise MeasuredError(f"{path}: field 'seed' is {seed!r}, expected a whole number {SEEDS[0]}-{SEEDS[-1]}")
     return Measurement(path=path, **text, torch=_text(data, "torch", path), triton=_text(data, "triton", path),
                        kv_cache_dtype=_text(shapes, "kv_cache_dtype", f"{path} shapes"),
