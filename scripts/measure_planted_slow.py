@@ -2,12 +2,14 @@
 measuring (k3_amd_overlay/commands/self_measure.py) at the given shapes, but in one bucket the fused path of one
 fusion launches an extra spin kernel (``torch.cuda._sleep``) after its own; the result file is
 written, read back as the server reads it (measured.load_here), and the decode plan built from it
-(fusions/qk_cache.py) must run stock in that bucket, with the reason the marker shows, and the fused
-launch in every other bucket the measurement let through. Prints the table, each bucket's decision,
-the marker entry and ``check``'s line; exit 0 where the gate did so, 1 otherwise.
+(fusions/qk_cache.py) must leave the slowed fusion in that bucket, saying why (stock where no other
+fused launch was measured faster there; qk_cache's launch where the absorbed one was slowed and
+qk_cache's measured faster), and take the fastest fused launch the measurement let through in every
+other bucket. Prints the table, each bucket's decision, the marker entry and ``check``'s line; exit 0
+where the gate did so, 1 otherwise.
 
     PYTHONPATH=$PWD python3 scripts/measure_planted_slow.py --heads 12 --variant bf16 \\
-        --buckets 1 8 64 256 --slow qk_cache 256 --out OUT_DIR
+        --buckets 1 8 64 256 512 --slow qk_cache 512 --cycles 80000 --out OUT_DIR
 
 A test scaffold, never shipped: the hook lives here, not in the package."""
 
@@ -27,8 +29,10 @@ from k3_amd_overlay.fusions.qk_cache import BatchFacts, DecodePath, DecodePlan
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.kernels import target
 from k3_amd_overlay.kernels.launch import device_name
-from k3_amd_overlay.package import ABSORB_MAX_TOKENS, QKV_NORM
+from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import KERNEL_CONFIGS
+
+SLOWED = {ABSORB_QK_CACHE: DecodePath.ABSORB, QK_CACHE: DecodePath.QK_CACHE}  # the launch a slowed fusion is
 
 
 def slowed(pair: self_measure.Pair, cycles: int) -> self_measure.Pair:
@@ -47,9 +51,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--variant", default="bf16", choices=measured.VARIANTS)
-    parser.add_argument("--buckets", type=int, nargs="+", default=[1, 8, 64, 256])
-    parser.add_argument("--slow", nargs=2, metavar=("FUSION", "TOKENS"), default=["qk_cache", "256"],
-                        help="the fusion and bucket to slow (qk_cache above the absorbed limit: stock runs there)")
+    parser.add_argument("--buckets", type=int, nargs="+", default=[1, 8, 64, 256, 512])
+    parser.add_argument("--slow", nargs=2, metavar=("FUSION", "TOKENS"), default=["qk_cache", "512"],
+                        help=f"the fusion and bucket to slow (qk_cache above the absorbed launch's {ABSORB_MAX_TOKENS} "
+                             "tokens: stock runs there)")
     parser.add_argument("--cycles", type=int, default=20000, help="the planted spin (about 10 µs at 2 GHz)")
     parser.add_argument("--rounds", type=int, default=self_measure.ROUNDS)
     parser.add_argument("--out", required=True)
@@ -83,17 +88,21 @@ def main() -> int:
     for tokens in sorted({t for b in args.buckets for t in (b, b + 1)}):
         path_taken, why = plan.choose(BatchFacts(tokens, tokens, True, False))
         print(f"| {tokens} | {path_taken.value if path_taken else 'stock'} | {why or ''} |")
-        if tokens == slow[1]:  # the planted bucket: measured slower, so stock runs, saying why
-            ok = ok and planted is not None and planted.exact and not planted.fused and path_taken is None \
-                and f"{slow[0]}: stock at " in (why or "") and "of stock on this GPU" in (why or "")
-        elif tokens in args.buckets:
-            allowed = [r for r in rows if r.tokens == tokens and r.fusion != QKV_NORM and r.fused]
-            expected = {r.fusion for r in allowed}
-            want = (DecodePath.ABSORB if "absorb_qk_cache" in expected and tokens <= ABSORB_MAX_TOKENS
-                    else DecodePath.QK_CACHE if "qk_cache" in expected else None)
-            ok = ok and path_taken is want
+        if tokens not in args.buckets:
+            continue
+        allowed = {r.fusion for r in rows if r.tokens == tokens and r.fusion != QKV_NORM and r.fused}
+        want = (DecodePath.ABSORB if ABSORB_QK_CACHE in allowed and tokens <= ABSORB_MAX_TOKENS
+                else DecodePath.QK_CACHE if QK_CACHE in allowed else None)
+        ok = ok and path_taken is want
+        if tokens == slow[1]:  # the planted bucket: measured slower, exact, and not taken there
+            ok = ok and planted is not None and planted.exact and not planted.fused and path_taken is not SLOWED[slow[0]]
+            if path_taken is None:  # stock runs, the reason in the batch's decision
+                ok = ok and f"{slow[0]}: stock at " in (why or "") and "of stock on this GPU" in (why or "")
     entry = measured.marker_entry(loaded, {**gates, QKV_NORM: measured.norm_gate(loaded.measurement)},
                                   measured.shape_words(args.heads, args.variant))
+    reasons = entry.get("stock", {}).get(slow[0], [])
+    ok = ok and any(r.startswith("stock at ") and r.endswith("of stock on this GPU") and f"{slow[1]} token" in r
+                    for r in reasons)  # the marker says where and why
     print("\nmarker measurement entry:\n" + json.dumps(entry, indent=1))
     print("\ncheck prints: " + measured.summary(entry))
     print(f"\nplanted-slow gate check: {'PASS' if ok else 'FAIL'}")
