@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ SERIES = (("fused_us", "fused (overlay)"), ("baseline_us", "unfused baseline"), 
 PREFERRED_HEADS = 12  # heads per rank drawn for ops measured at several (K3 at TP 8)
 
 
-def _value(result: dict[str, Any], index: int, key: str, read: Any, wanted: str) -> Any:
+def _value(result: dict[str, Any], index: int, key: str, read: Callable[[Any], Any], wanted: str) -> Any:
     value = read(result[key])
     if value is None:
         raise ValueError(f"results[{index}] {key!r} is {result[key]!r}, expected {wanted}")
