@@ -35,6 +35,8 @@ class OverlayActivationError(RuntimeError):
 
 NO_SHAPE = "its K3 AMD code matches no shape this overlay knows"
 NO_ANCHORS = "this vLLM lacks anchors of every fusion asked for"
+DEACTIVATED = ("deactivated: every overlay patch reverted in this process (k3_amd_overlay.deactivate()), so vLLM's "
+               "own code runs, neither the overlay's fused path nor its forced stock one")
 
 
 def _how_to_proceed(installs_nothing: str | None = None) -> str:
@@ -156,7 +158,8 @@ class Activation:
         self.live = False
         reverted = self.engine.revert_all()
         for fusion in self.settings.fusions:
-            self.evidence.set_fusion(fusion, FusionState.DISABLED, "deactivated")
+            # refused, not disabled: requested, yet neither the fused path nor the forced stock one runs now
+            self.evidence.set_fusion(fusion, FusionState.REFUSED, DEACTIVATED)
         return reverted
 
 

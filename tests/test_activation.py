@@ -208,14 +208,14 @@ def test_a_hook_applies_its_own_modules_patches(tmp_path, monkeypatch, hooks):
     assert seen == [(active.specs_by_module[LINEAR], module)]
 
 
-def test_stopping_reverts_and_records_every_requested_fusion_disabled(tmp_path, monkeypatch, hooks):
+def test_stopping_reverts_and_records_every_requested_fusion_refused_as_deactivated(tmp_path, monkeypatch, hooks):
     _facing(monkeypatch, tree_of(MATRIX[-1]), "0.33.0")
     active = activation.activate(_settings(tmp_path, switch="qkv_norm"))
     monkeypatch.setattr(active.engine, "revert_all", lambda: ["k3_wrapper.init"])
     assert activation.deactivate() == ["k3_wrapper.init"]
     assert activation.active() is None and active.live is False and activation.deactivate() == []
     assert (active.evidence.fusion(QKV_NORM).state, active.evidence.fusion(QKV_NORM).reason) == (
-        FusionState.DISABLED, "deactivated")
+        FusionState.REFUSED, activation.DEACTIVATED)
     assert active.evidence.fusion(QK_CACHE).reason == "not requested by K3_AMD_OVERLAY='qkv_norm'"
 
 
@@ -251,7 +251,7 @@ def test_the_switch_travels_to_ray_workers(monkeypatch, before, after):
 @pytest.mark.parametrize("triggering", [False, True])
 def test_the_known_defects_of_the_vllm_faced_are_recorded_with_their_trigger(tmp_path, monkeypatch, hooks,
                                                                             triggering):
-    from k3_amd_overlay.targets.defects import W_UK_T_BEFORE_LOAD
+    from k3_amd_overlay.targets.defects import REAL_POSITIONS_IN_FUSED_DECODE, W_UK_T_BEFORE_LOAD
 
     for name, value in (("VLLM_ROCM_USE_AITER", "1"), ("VLLM_ROCM_USE_AITER_FP8BMM", "0"),
                         ("VLLM_ROCM_USE_AITER_FP4BMM", "0")):
@@ -264,9 +264,9 @@ def test_the_known_defects_of_the_vllm_faced_are_recorded_with_their_trigger(tmp
         pytest.skip("vLLM 0.32 is not in the matrix")
     _facing(monkeypatch, tree_of(version), version)
     active = activation.activate(_settings(tmp_path))
-    assert active.evidence.record.upstream_defects == [
-        {"name": W_UK_T_BEFORE_LOAD.name, "what": W_UK_T_BEFORE_LOAD.what, "when": W_UK_T_BEFORE_LOAD.when,
-         "triggered": None if triggering else False}]  # None: may fire, decided per layer by vLLM
+    assert active.evidence.record.upstream_defects == [  # None: may fire, decided per layer by vLLM
+        {"name": d.name, "what": d.what, "when": d.when, "triggered": None if triggering else False}
+        for d in (W_UK_T_BEFORE_LOAD, REAL_POSITIONS_IN_FUSED_DECODE)]
 
 
 def test_log_lines_go_to_vllms_logger_tree():

@@ -6,12 +6,14 @@ from drawn_seconds import seconds_between
 from records import judge
 
 from k3_amd_overlay.commands import verdict
+from k3_amd_overlay.package import __version__
 
 
 def _record(launch_configs):
     entry = {"state": "applied", "provider": "triton", "reason": "r", "effective": True, "layers": 2,
              "runs": {"served": 3}}
-    return {"pid": 41, "role": "worker", "vllm_version": "0.33.0", "mode": "auto", "fusions": {"qk_cache": entry},
+    return {"pid": 41, "role": "worker", "vllm_version": "0.33.0", "mode": "auto",
+            "overlay_version": __version__, "fusions": {"qk_cache": entry},
             "launch_configs": {"arch": "gfx942", "device": "AMD Instinct MI300X", "kernels": {}, **launch_configs}}
 
 

@@ -16,6 +16,7 @@ import pytest
 from records import off_process, process
 
 from k3_amd_overlay.commands.cli import main
+from k3_amd_overlay.package import __version__
 
 
 def node(tmp_path: Path, host: str, *records: dict[str, Any], expect: str = "fused", holds: bool = True,
@@ -174,12 +175,14 @@ def test_a_node_file_from_an_earlier_run_or_an_older_overlay_fails_the_deploymen
 
 
 def test_nodes_running_other_overlay_or_vllm_versions_are_not_one_deployment(tmp_path, capsys):
-    a = node(tmp_path, "node-a", process(pid=11, overlay_version="0.3.0"))
+    a = node(tmp_path, "node-a", process(pid=11))
     b = node(tmp_path, "node-b", process(pid=12, overlay_version="0.1.0", vllm_version="0.29.0"))
     code, out = merge(capsys, "fused", a, b)
     assert code == 1, out
-    assert "FAIL not one deployment: overlay versions differ: 0.3.0 on node-a; 0.1.0 on node-b" in out
-    assert "FAIL not one deployment: vllm versions differ: 0.33.0 on node-a; 0.29.0 on node-b" in out
+    assert (f"FAIL not one deployment: overlay versions differ: {__version__} (host node-a pid 11); 0.1.0 (host "
+            "node-b pid 12)") in out
+    assert ("FAIL not one deployment: vllm versions differ: 0.33.0 (host node-a pid 11); 0.29.0 (host node-b pid "
+            "12)") in out
 
 
 @pytest.mark.parametrize("args,said", [
@@ -211,7 +214,6 @@ def test_max_age_without_merge_is_a_usage_error(capsys):
 
 
 def test_a_check_json_says_when_it_ran_and_which_overlay_ran_it(tmp_path, capsys):
-    from k3_amd_overlay.package import __version__
 
     before = time.time()
     main(["check", "--expect", "fused", "--marker-dir", str(tmp_path), "--json"])

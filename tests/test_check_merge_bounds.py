@@ -11,13 +11,14 @@ from typing import Any
 from records import process
 
 from k3_amd_overlay.commands.verdict import MERGE_MAX_AGE_S, NodeEvidence, Verdict, judge_merge
+from k3_amd_overlay.package import __version__
 from k3_amd_overlay.record import MarkerRecord
 
 NOW = 1_800_000_000.0
 
 
 def _node(host: str, pid: int, checked_at: float | None, **fields: Any) -> NodeEvidence:
-    record = MarkerRecord.from_json(process(pid=pid, host=host, overlay_version="0.3.0", **fields))
+    record = MarkerRecord.from_json(process(pid=pid, host=host, **fields))
     return NodeEvidence(f"{host}.json", host, "fused", True, True, [record], [], checked_at)
 
 
@@ -87,10 +88,11 @@ def test_a_fresh_node_beside_a_stale_one_does_not_hold_and_only_the_stale_one_is
 def test_a_record_without_an_overlay_version_is_another_version() -> None:
     versioned = _node("node-a", 11, NOW)
     unversioned = NodeEvidence("node-b.json", "node-b", "fused", True, True,
-                               [MarkerRecord.from_json(process(pid=12, host="node-b"))], [], NOW)
+                               [MarkerRecord.from_json(process(pid=12, host="node-b", overlay_version=""))], [], NOW)
     verdict = _merge(versioned, unversioned)
     assert not verdict.holds
-    assert "FAIL not one deployment: overlay versions differ: 0.3.0 on node-a; unknown on node-b" in verdict.lines
+    assert (f"FAIL not one deployment: overlay versions differ: {__version__} (host node-a pid 11); unknown (host "
+            "node-b pid 12)") in verdict.lines
 
 
 def test_one_version_on_every_node_is_one_deployment() -> None:
@@ -109,14 +111,16 @@ def test_an_undated_or_stale_node_first_still_leaves_every_later_node_judged() -
         verdict = _merge(first, _node("node-b", 12, NOW), _node("node-c", 13, NOW, vllm_version="0.29.0"))
         assert not verdict.holds
         assert "ok   node host node-b (node-b.json): 1 live process prove fused there" in verdict.lines, verdict.lines
-        assert "FAIL not one deployment: vllm versions differ: 0.33.0 on node-b; 0.29.0 on node-c" in verdict.lines
+        assert ("FAIL not one deployment: vllm versions differ: 0.33.0 (host node-b pid 12); 0.29.0 (host node-c "
+                "pid 13)") in verdict.lines
 
 
 def test_a_version_shared_by_two_hosts_names_both() -> None:
     newer = _node("node-c", 13, NOW, vllm_version="0.29.0")
     verdict = _merge(_node("node-a", 11, NOW), _node("node-b", 12, NOW), newer)
     assert not verdict.holds
-    assert "FAIL not one deployment: vllm versions differ: 0.33.0 on node-a, node-b; 0.29.0 on node-c" in verdict.lines
+    assert ("FAIL not one deployment: vllm versions differ: 0.33.0 (host node-a pid 11, host node-b pid 12); 0.29.0 "
+            "(host node-c pid 13)") in verdict.lines
 
 
 def test_a_sub_second_max_age_still_says_the_node_was_checked_in_the_past() -> None:

@@ -18,11 +18,12 @@ import types
 from pathlib import Path
 
 import pytest
-from records import judge
+from records import SWITCH_OF, judge
 
 from k3_amd_overlay import log_lines, marker_writes, markers, phases, process_hooks, run_counts
 from k3_amd_overlay.evidence import Evidence, process_role
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
+from k3_amd_overlay.package import __version__
 from k3_amd_overlay.record import LayerTally, MarkerRecord
 from k3_amd_overlay.settings import Mode, load_settings
 
@@ -193,7 +194,8 @@ def record(mode, qkv, qk, effective=True, pid=1, layers=2, served=3, captured=()
             "replay": replayed}
     entry = {"provider": "triton", "reason": "r", "effective": effective, "layers": layers,
              "runs": runs, "captured_sizes": list(captured)}
-    return {"pid": pid, "role": role, "vllm_version": "0.33.0", "mode": mode,
+    return {"pid": pid, "role": role, "vllm_version": "0.33.0", "mode": mode, "overlay_version": __version__,
+            "switch": SWITCH_OF[mode],
             "fusions": {"qkv_norm": {"state": qkv, **entry}, "qk_cache": {"state": qk, **entry}}}
 
 

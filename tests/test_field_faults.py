@@ -21,7 +21,7 @@ from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.fusions import qk_cache as qk
 from k3_amd_overlay.fusions.states import FusionState, LayerDecision
 from k3_amd_overlay.ops.reference import rmsnorm_reference
-from k3_amd_overlay.package import ABSORB_MAX_TOKENS
+from k3_amd_overlay.package import ABSORB_MAX_TOKENS, __version__
 from k3_amd_overlay.settings import load_settings
 from k3_amd_overlay.targets import attend_hook, decode, installer
 from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormCallback, QkvNormSite
@@ -36,7 +36,8 @@ def entry(state, served=0, warmup=0, effective=None, layers=2):
 
 
 def record(mode, **fusions):
-    return {"pid": 7, "role": "worker", "vllm_version": "0.33.0", "mode": mode, "fusions": fusions}
+    return {"pid": 7, "role": "worker", "vllm_version": "0.33.0", "mode": mode, "overlay_version": __version__,
+            "fusions": fusions}
 
 
 # --- verdict.py ------------------------------------------------------------------------------
@@ -294,7 +295,7 @@ def test_deactivate_stops_the_hooks_and_says_so_in_the_marker(tmp_path):
     proc, result = run_vllm_process(DEACTIVATE_THEN_IMPORT, tmp_path, K3_AMD_OVERLAY="1")
     assert result is not None, proc.stderr[-3000:]
     assert result["wrapped"] == [] and result["replaced"] != "K3OverlayMLAWrapper"
-    assert result["states"] == ["disabled"]
+    assert result["states"] == ["refused"]  # requested, yet neither path of the overlay runs: no verdict holds
 
 
 @needs_vllm

@@ -341,10 +341,12 @@ def test_the_decode_site_routes_a_failed_batch_to_stock_and_keeps_it_there(monke
 def test_check_says_which_config_file_each_kernel_used_and_whether_tuned_here():
     from records import judge
 
+    from k3_amd_overlay.package import __version__
+
     entry = {"state": "applied", "provider": "triton", "reason": "r", "effective": True, "layers": 2,
              "runs": {"served": 3}}
     source = {"arch": "gfx942", "tuned_on": "AMD Instinct MI300X"}
-    record = {"pid": 7, "role": "worker", "vllm_version": "0.33.0", "mode": "auto",
+    record = {"pid": 7, "role": "worker", "vllm_version": "0.33.0", "mode": "auto", "overlay_version": __version__,
               "fusions": {"qk_cache": entry},
               "launch_configs": {"arch": "gfx942", "device": "AMD Instinct MI300X", "kernels": {
                   "qk_cache_kernel": {**source, "file": "/t/gfx942-AMD_Instinct_MI300X.json", "tuned_here": True},

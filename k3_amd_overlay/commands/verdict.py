@@ -14,7 +14,7 @@ from typing import Any
 
 from k3_amd_overlay import measured
 from k3_amd_overlay.fusions.states import FusionState
-from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE
+from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, __version__
 from k3_amd_overlay.phases import Phase
 from k3_amd_overlay.record import FusionEntry, MarkerRecord
 from k3_amd_overlay.settings import SWITCH, Mode
@@ -167,6 +167,9 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
     proves nothing about the workers. A process with the overlay off proves neither.
     ``off`` holds only where some live process left an off record and none runs the overlay.
     A process whose layers split (some fused, some not) is not a fused arm unless ``allow_mixed``.
+    Every expectation but ``off`` also needs one arm: the processes judged share one overlay version
+    (this check's: its rules are the ones that judge the record), one vLLM version and one switch,
+    and each has a fusion to judge; a process of another install must not prove this one.
     ``fusions`` None: each process's requested ones (those not ``disabled``). ``static``: the
     record of a fresh process that loaded the plugin and imported the K3 code but built no layer:
     ``fused`` then holds where each fusion is patched (``pending``) or already decided fused."""
@@ -188,10 +191,18 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
         if mode is Mode.OFF:
             verdict.fail(f"{name}: overlay off: proves neither fused nor stock")
             continue
+        if record.overlay_version != __version__:
+            verdict.fail(f"{name}: its record was written by k3-amd-overlay {record.overlay_version or '(unknown)'}, "
+                         f"this check is {__version__}: judge it with the check of the server's own install "
+                         "(k3-amd-overlay check in the Python vLLM runs in)")
         wanted = named if named is not None else [
             f for f, e in entries.items() if e.state is not FusionState.DISABLED]
         has_layers = record.builds_layers()
         any_layers = any_layers or has_layers
+        if not wanted:
+            verdict.fail(f"{name}: no fusion to judge: every fusion is disabled in its record ("
+                         + "; ".join(f"{f}: {e.reason}" for f, e in entries.items()) + ")")
+            continue
         if expect == "fused" and not has_layers and not static:
             # Refused before any layer (the vLLM code not recognised, an anchor missing, an out-of-tree
             # replacement registered): facts of the install and its plugins, not of this process's role.
@@ -234,6 +245,7 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
                 if entry.ran:
                     described += "; its fused path ran"
             (verdict.ok if good else verdict.fail)(described)
+    _one_arm([r for r in records if r.mode is (Mode.AUTO if expect == "fused" else Mode.STOCK)], verdict)
     if expect in ("fused", "stock") and not any_layers and not static:
         verdict.fail("no live process has built a K3 MLA layer (is the model loaded in a process that "
                      "shares this marker directory?)")
@@ -253,6 +265,26 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
                 verdict.fail(f"{fusion}: no process has run its fused path yet (send a request first, "
                              "or pass --no-effective)")
     return verdict
+
+
+# What one arm's processes share: a process of another install or another switch is not this arm,
+# and its evidence (a served batch, a fused layer) must not prove this one.
+ONE_ARM_FIELDS = (("overlay_version", "overlay versions"), ("vllm_version", "vllm versions"),
+                  ("switch", f"{SWITCH} values"))
+
+
+def _one_arm(records: list[MarkerRecord], verdict: Verdict) -> None:
+    """Fail ``verdict`` where ``records`` (the processes in the expected mode: one in another has failed
+    already) differ in overlay version, vLLM version or switch."""
+    for attribute, what in ONE_ARM_FIELDS:
+        seen: dict[str, list[str]] = {}
+        for record in records:
+            value = getattr(record, attribute)
+            seen.setdefault(repr(value) if attribute == "switch" else str(value or "unknown"), []).append(
+                f"host {record.host} pid {record.pid}")
+        if len(seen) > 1:
+            verdict.fail(f"not one deployment: {what} differ: " + "; ".join(
+                f"{value} ({', '.join(where)})" for value, where in seen.items()))
 
 
 @dataclass
@@ -330,13 +362,6 @@ def judge_merge(nodes: list[NodeEvidence], expect: str, fusions: Iterable[str] |
             verdict.fail(f"{name}: its own processes do not prove {expect}: " + "; ".join(dict.fromkeys(failed)))
         else:
             verdict.ok(f"{name}: {len(own)} live process{'es' if len(own) != 1 else ''} prove {expect} there")
-    for what in ("overlay_version", "vllm_version"):
-        seen: dict[str, list[str]] = {}
-        for record in judged:
-            seen.setdefault(str(getattr(record, what) or "unknown"), []).append(record.host)
-        if len(seen) > 1:
-            verdict.fail(f"not one deployment: {what.replace('_', ' ')}s differ: " + "; ".join(
-                f"{version} on {', '.join(sorted(set(hosts)))}" for version, hosts in seen.items()))
     merged = judge(judged, expect, fusions, require_effective, allow_mixed=allow_mixed)
     verdict.lines += merged.lines
     verdict.holds = verdict.holds and merged.holds and bool(nodes)
