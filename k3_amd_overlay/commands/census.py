@@ -35,9 +35,11 @@ on its own, and an empty trace, two traces of one rank or missing ranks satisfy 
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import math
+import os
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay import json_values
 from k3_amd_overlay.commands.verdict import DOES_THE_WORK_OF
 from k3_amd_overlay.kernels.names import (
     ABSORB_FP8_QK_CACHE_KERNEL,
@@ -161,14 +164,30 @@ def trace_files(paths: Iterable[str | Path]) -> list[Path]:
             raise TraceError("an empty path was given (it would scan the current directory): name the traces")
         item = Path(text)
         if item.is_dir():
-            files += sorted(p for p in item.rglob("*") if p.name.endswith((".json", ".json.gz")))
+            files += _traces_under(item)
         elif item.is_file():
             files.append(item)
+        elif item.exists():
+            raise TraceError(f"{item}: not a regular file (a FIFO, a socket or a device): name a trace file")
         else:
             raise TraceError(f"{item}: no such file or directory")
     if not files:
         raise TraceError(f"no .json or .json.gz trace found in {', '.join(map(str, paths))}")
     return files
+
+
+def _traces_under(directory: Path) -> list[Path]:
+    """The trace files (regular files named ``*.json`` or ``*.json.gz``) under ``directory``: never a
+    FIFO (reading one would block), a folder or a device; a folder it cannot list is an error, not an
+    empty census."""
+    found: list[Path] = []
+
+    def refuse(exc: OSError) -> None:
+        raise TraceError(f"{exc.filename or directory}: cannot list ({exc.strerror or exc})")
+
+    for root, _, names in os.walk(directory, onerror=refuse, followlinks=False):
+        found += [Path(root, n) for n in names if n.endswith((".json", ".json.gz")) and Path(root, n).is_file()]
+    return sorted(found)
 
 
 def load_trace(path: Path) -> dict[str, Any]:
@@ -179,6 +198,8 @@ def load_trace(path: Path) -> dict[str, Any]:
         raise TraceError(f"{path}: cannot read ({type(exc).__name__}: {exc}); truncated or not gzip?") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: not JSON ({exc}); a truncated trace?") from None
+    except (RecursionError, ValueError) as exc:  # nested too deeply; an integer of too many digits
+        raise TraceError(f"{path}: not a trace JSON can hold ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise TraceError(f"{path}: JSON without a traceEvents list: not a PyTorch profiler trace")
     return data
@@ -213,6 +234,7 @@ def gpu_names(data: dict[str, Any]) -> set[str]:
 
 
 def read_census(paths: Iterable[str | Path]) -> Census:
+    paths = list(paths)
     census = Census()
     for index, path in enumerate(trace_files(paths)):
         data = load_trace(path)
@@ -232,6 +254,10 @@ def read_census(paths: Iterable[str | Path]) -> Census:
         found, nested = _region_kernels(path, events, gpu)
         census.regions.setdefault(rank, []).extend(found)
         census.nested.setdefault(rank, []).extend(nested)
+    # durations are never negative: where the sum of all is finite, so is every sum the census shows
+    if not math.isfinite(sum(s.total_us for kernels in census.ranks.values() for s in kernels.values())):
+        raise TraceError(f"the kernel durations of {', '.join(map(str, paths))} sum beyond what a float holds: not a "
+                         "profiler trace's times")
     return census
 
 
@@ -246,10 +272,9 @@ def _number(path: Path, event: dict[str, Any], key: str, least: float | None = N
     """A number the census reads from an event (from ``fields``, the event's own by default): missing,
     not a finite number or below ``least``, the file cannot be counted or attributed."""
     fields = event if fields is None else fields
-    value = fields.get(key)
-    if (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            and (least is None or value >= least)):
-        return float(value)
+    value = json_values.finite(fields.get(key))
+    if value is not None and (least is None or value >= least):
+        return value
     raise _bad(path, event, key, fields, "a number" + ("" if least is None else f", {least:g} or more"))
 
 
@@ -284,9 +309,11 @@ def _region_kernels(path: Path, events: list[dict[str, Any]], gpu: list[dict[str
             found.append((name, []))
     if not found:
         return [], []
-    nested = [(found[i][0], found[j][0]) for spans in ranges.values() for start, end, i in spans
-              for other, _, j in spans if j != i and start <= other < end]
+    for spans in ranges.values():
+        spans.sort()
+    nested = [(found[i][0], found[j][0]) for spans in ranges.values() for i, j in _opened_inside(spans)]
     launches = {}
+    starts_of: dict[tuple[Any, Any], list[float]] = {}
     for event in events:
         if str(event.get("cat", "")).lower() not in KERNEL_CATEGORIES:
             corr = _correlation(path, event)
@@ -297,12 +324,32 @@ def _region_kernels(path: Path, events: list[dict[str, Any]], gpu: list[dict[str
         if launch is None:
             continue
         thread, at = launch
-        inside = [(start, i) for start, end, i in ranges.get(thread, []) if start <= at <= end]
-        if inside:
-            found[max(inside)[1]][1].append((at, str(kernel.get("name")), _number(path, kernel, "dur", least=0.0)))
+        spans = ranges.get(thread, [])
+        if thread not in starts_of:
+            starts_of[thread] = [start for start, _, _ in spans]
+        starts = starts_of[thread]
+        # the innermost range holding the launch: of those opened at or before it, the latest still open
+        for index in range(bisect.bisect_right(starts, at) - 1, -1, -1):
+            _, end, i = spans[index]
+            if at <= end:
+                found[i][1].append((at, str(kernel.get("name")), _number(path, kernel, "dur", least=0.0)))
+                break
     for _, kernels in found:
         kernels.sort()
     return found, nested
+
+
+def _opened_inside(spans: list[tuple[float, float, int]]) -> list[tuple[int, int]]:
+    """(outer, inner) for each range of one thread opened inside an earlier-opened one still open
+    (``spans`` sorted by start: (start, end, index)), in one pass: an inner range's outer is the
+    open range reaching furthest."""
+    pairs, reach = [], None  # reach: (end, index) of the range open furthest so far
+    for start, end, index in spans:
+        if reach is not None and start < reach[0]:
+            pairs.append((reach[1], index))
+        if reach is None or end > reach[0]:
+            reach = (end, index)
+    return pairs
 
 
 TABLE_PATTERNS = frozenset(p for kinds in FUSION_KERNELS.values() for kind in kinds.values() for p in kind)
@@ -660,7 +707,27 @@ def _range_problems(baseline: Census, candidate: Census, region: str) -> tuple[l
                                               if has[side] else "none") for side in ("baseline", "candidate"))
         problems.append(f"{region}: only some traces have its ranges ({where}): one arm counted by range and the other "
                         f"by name would credit kernels outside the region; {PROFILE_ALIKE}")
+    if all(full.values()) and not problems:
+        problems += _window_problems(baseline, candidate, region)
     return problems, all(full.values())
+
+
+def _window_problems(baseline: Census, candidate: Census, region: str) -> list[str]:
+    """Where a rank's traces hold a different number of ``region`` ranges in the two arms: one range is
+    one layer's one step, so the arms profiled windows of different lengths and their totals (and
+    the ratio of them) say nothing of the fusion."""
+    def counts(census: Census) -> dict[str, int]:
+        return {rank: sum(name == region for name, _ in census.regions.get(rank, [])) for rank in census.ranks}
+
+    base, cand = counts(baseline), counts(candidate)
+    differ = [rank for rank in sorted(base) if base[rank] != cand.get(rank)]
+    if not differ:
+        return []
+    rank = differ[0]
+    return [f"{region}: the baseline has {base[rank]} of its ranges on rank {rank}, the candidate {cand.get(rank)}"
+            + (f" ({len(differ)} ranks differ)" if len(differ) > 1 else "") + ": one range is one layer's decode "
+            "step, so the arms profiled windows of different lengths and their totals cannot be compared; profile "
+            "the same steps in both arms (the same requests, the same profiler window)"]
 
 
 def _work_shared(fusion: str) -> set[str]:
