@@ -44,7 +44,7 @@ from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.fusions.states import BucketGate
 from k3_amd_overlay.kernels import launch_configs
 from k3_amd_overlay.kernels.launch_configs import device_slug
-from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, __version__
+from k3_amd_overlay.package import ABSORB_QK_CACHE, AUTO, FUSIONS, QK_CACHE, QKV_NORM, __version__
 from k3_amd_overlay.settings import KERNEL_CONFIGS
 
 SCHEMA = 1
@@ -59,6 +59,9 @@ SEEDS = range(2**32)  # inputs' seeds `measure` takes (each bucket's inputs are 
 KV_CACHE_DTYPE = "fp8"  # the cache the fused decode writes, and the one `measure` times it with
 # The fields that decide the fused kernels' speed and bytes: a file measured under others is not used.
 CONDITIONS = ("launch_configs", "torch", "triton", "kv_cache_dtype", "fp8_format")
+# The provider whose launches `measure` times (the overlay's own Triton kernels): a file's verdicts hold
+# for that provider alone; a layer of another provider is not measured, so stock runs there.
+PROVIDER = "triton"
 
 
 class MeasuredError(ValueError):
@@ -164,6 +167,7 @@ class Measurement:
     stock: str  # what the stock sequence was, in words
     seed: int
     rows: tuple[Row, ...]
+    provider: str = PROVIDER  # whose fused launches were timed
 
     def conditions(self) -> dict[str, str]:
         """What it was measured under (``CONDITIONS``; "": not recorded)."""
@@ -174,6 +178,7 @@ class Measurement:
         return {"schema": SCHEMA, "arch": self.arch, "device": self.device, "date": self.date,
                 "overlay_version": self.overlay_version, "torch": self.torch, "triton": self.triton,
                 "launch_configs": self.launch_configs, "stock": self.stock, "seed": self.seed,
+                "provider": self.provider,
                 "shapes": {"heads": heads, "variants": sorted({r.variant for r in self.rows if r.variant}),
                            "buckets": sorted({r.tokens for r in self.rows}), "kv_cache_dtype": self.kv_cache_dtype,
                            "fp8_format": self.fp8_format},
@@ -244,7 +249,8 @@ def parse(data: Any, path: str) -> Measurement:
     if data.get("schema") != SCHEMA:
         raise MeasuredError(f"{path}: field 'schema' is {data.get('schema')!r}; this k3-amd-overlay reads "
                             f"schema {SCHEMA} (`{COMMAND}` writes it)")
-    text = {name: _field(data, name, str, path) for name in ("arch", "device", "date", "overlay_version")}
+    text = {name: _field(data, name, str, path)
+            for name in ("arch", "device", "date", "overlay_version", "provider")}
     shapes = _field(data, "shapes", dict, path)
     results = _field(data, "results", list, path)
     rows = tuple(_row(r, f"{path} results[{i}]") for i, r in enumerate(results))
@@ -405,9 +411,14 @@ def _reason(run: list[Row], low: int) -> str:
 
 
 def gate_for(measurement: Measurement, fusion: str, heads: int | None = None,
-             variant: str | None = None) -> BucketGate:
-    """Where ``fusion`` may run at this shape (qkv_norm: any shape). Consecutive buckets refused for
-    the same kind of reason (slower; not exact) share one reason, spanning them."""
+             variant: str | None = None, provider: str | None = None) -> BucketGate:
+    """Where ``fusion`` may run at this shape (qkv_norm: any shape) with ``provider``'s launch (None:
+    the one measured). Consecutive buckets refused for the same kind of reason (slower; not exact)
+    share one reason, spanning them. Another provider than the one measured runs nowhere: its
+    launches were never timed."""
+    if provider is not None and provider != measurement.provider:
+        return BucketGate((), f"stock: {COMMAND} timed the {measurement.provider} provider's launch on this GPU, "
+                              f"this layer's is {provider}'s: not measured")
     if fusion == QKV_NORM:
         heads = variant = None
     rows = sorted((r for r in measurement.rows if (r.fusion, r.heads, r.variant) == (fusion, heads, variant)),
@@ -427,17 +438,32 @@ def gate_for(measurement: Measurement, fusion: str, heads: int | None = None,
     return BucketGate(buckets, f"stock above {rows[-1].tokens} tokens: not measured on this GPU")
 
 
-def decode_gates(measurement: Measurement | None, heads: int, variant: str) -> dict[str, BucketGate] | None:
-    """The decode plan's gates for a layer of ``heads`` heads per rank and this W_UK absorption
-    (None without a measurement: every batch as the decisions say)."""
+def decode_gates(measurement: Measurement | None, heads: int, variant: str,
+                 providers: Mapping[str, str | None] | None = None) -> dict[str, BucketGate] | None:
+    """The decode plan's gates for a layer of ``heads`` heads per rank and this W_UK absorption, each
+    fusion's for the provider ``providers`` names (None without a measurement: every batch as the
+    decisions say)."""
     if measurement is None:
         return None
-    return {fusion: gate_for(measurement, fusion, heads, variant) for fusion in DECODE_FUSIONS}
+    return {fusion: gate_for(measurement, fusion, heads, variant, (providers or {}).get(fusion))
+            for fusion in DECODE_FUSIONS}
 
 
-def norm_gate(measurement: Measurement | None) -> BucketGate | None:
-    """The qkv_norm site's gate (None without a measurement)."""
-    return None if measurement is None else gate_for(measurement, QKV_NORM)
+def norm_gate(measurement: Measurement | None, provider: str | None = None) -> BucketGate | None:
+    """The qkv_norm site's gate for ``provider``'s launch (None without a measurement)."""
+    return None if measurement is None else gate_for(measurement, QKV_NORM, provider=provider)
+
+
+def measured_first(missing: Mapping[str, str | None], setting: str,
+                   measurement: Measurement | None) -> dict[str, str | None]:
+    """``missing`` (each fused provider: None where it can run here, else why not) as ``auto`` should
+    choose from it: with a measurement, only the provider it timed, whose verdicts are the only ones
+    this GPU has; a provider named by its variable is left to the gate."""
+    if measurement is None or setting != AUTO:
+        return dict(missing)
+    return {name: why if name == measurement.provider else
+            (why or f"not the provider {COMMAND} timed on this GPU ({measurement.provider}), so never measured "
+                    "against stock") for name, why in missing.items()}
 
 
 def marker_entry(loaded: Loaded, gates: Mapping[str, BucketGate | None] | None = None,

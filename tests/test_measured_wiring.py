@@ -24,14 +24,16 @@ ARCH, DEVICE = "sm90", "NVIDIA H200"
 SLOWER = "stock at 65-256 tokens: 0.80x of stock on this GPU"
 
 
-def planted(heads: int) -> dict:
+def planted(heads: int, provider: str = "reference") -> dict:
+    """A result file for this GPU, as if ``measure`` had timed ``provider``'s launches (the tests'
+    installers run the CPU reference provider)."""
     rows = [measured.Row(QKV_NORM, 8, None, None, True, 3.0, 2.0),
             measured.Row(QKV_NORM, 256, None, None, True, 2.0, 3.0),
             measured.Row(ABSORB_QK_CACHE, 64, heads, "bf16", True, 10.0, 4.0),
             measured.Row(QK_CACHE, 64, heads, "bf16", True, 10.0, 6.0),
             measured.Row(QK_CACHE, 256, heads, "bf16", True, 10.0, 12.5)]
     return measured.Measurement(path="", arch=ARCH, device=DEVICE, date="2026-12-02T11:00:00+00:00",
-                                overlay_version=__version__, stock="s", seed=1, rows=tuple(rows),
+                                overlay_version=__version__, stock="s", seed=1, rows=tuple(rows), provider=provider,
                                 **measured.conditions(ARCH, DEVICE)).to_json()
 
 
@@ -136,3 +138,42 @@ def test_a_result_file_beside_the_tuned_configs_is_not_warned_about(tmp_path, ca
         assert launch_configs.tuned_file(str(tmp_path), ARCH, DEVICE) is None
     assert [r.getMessage().split(": ignored ")[1] for r in caplog.records] == [
         "notes.json (only <arch>-<device>.json files, as `k3-amd-overlay tune` names them, are read)"]
+
+
+def test_a_layer_of_another_provider_than_the_one_measured_runs_stock_everywhere(tmp_path, here, gpu_here):  # noqa: F811
+    """The file timed the Triton launches; these layers run the reference provider, named by its
+    variables: no verdict of the file is about them, so stock runs at every batch, saying so (before,
+    the Triton verdicts let them run at 1-64 tokens)."""
+    gpu_here.write_text(json.dumps(planted(heads=8, provider="triton")))
+    inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference", qkv_norm="reference")
+    layer = _layer()
+    norm_site = inst.install_qkv_norm(layer, upstream_fuses=False)
+    plan = inst.install_qk_cache(layer, upstream_fuses=False).plan
+    assert [plan.path_for(batch(t)) for t in (1, 8, 64, 256)] == [None] * 4
+    why = ("stock: k3-amd-overlay measure timed the triton provider's launch on this GPU, this layer's is "
+           "reference's: not measured")
+    assert plan.choose(batch(8)) == (None, f"absorb_qk_cache: {why}; qk_cache: {why}")
+    entry = inst.evidence.record.measurement
+    assert entry["stock"] == {QKV_NORM: [why], QK_CACHE: [why], ABSORB_QK_CACHE: [why]}
+    calls = []
+    q_norm = lambda x: calls.append("stock") or x  # noqa: E731
+    norm_site.normalize(q_norm, q_norm, None, torch.randn(8, 4).bfloat16(), torch.randn(8, 4).bfloat16())
+    assert calls == ["stock", "stock"]
+
+
+def test_auto_takes_the_provider_measured_and_a_named_one_is_left_to_its_gate():
+    found = measured.parse(planted(heads=8, provider="triton"), "f.json")
+    here_too = {"aiter": None, "triton": None}
+    chosen = measured.measured_first(here_too, "auto", found)
+    assert chosen == {"aiter": "not the provider k3-amd-overlay measure timed on this GPU (triton), so never "
+                               "measured against stock", "triton": None}
+    assert measured.measured_first(here_too, "aiter", found) == here_too
+    assert measured.measured_first(here_too, "auto", None) == here_too
+    assert measured.measured_first({"aiter": None, "triton": "no GPU"}, "auto", found)["triton"] == "no GPU"
+
+
+def test_a_file_that_names_no_provider_is_not_used(tmp_path):
+    data = planted(heads=8)
+    del data["provider"]
+    with pytest.raises(measured.MeasuredError, match=r"f\.json: field 'provider' is None, expected str"):
+        measured.parse(data, "f.json")

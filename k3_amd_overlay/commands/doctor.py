@@ -228,9 +228,11 @@ def json_report(value: Any) -> Any:
     return value
 
 
-def fusion_outlook(settings: Any, providers_here: dict[str, dict[str, str | None]]) -> dict[str, dict[str, Any]]:
+def fusion_outlook(settings: Any, providers_here: dict[str, dict[str, str | None]],
+                   measurement: measured.Measurement | None = None) -> dict[str, dict[str, Any]]:
     """Per fusion, what a K3 layer built here would get from the overlay (before the layer's own
-    conditions: fp8 KV cache, heads, vLLM's own fusions, which the marker reports per layer)."""
+    conditions: fp8 KV cache, heads, vLLM's own fusions, which the marker reports per layer): under
+    ``auto`` with this GPU's ``measurement``, the provider it timed, as the server chooses."""
     from k3_amd_overlay.fusions.states import choose_provider
     from k3_amd_overlay.package import FUSED_PROVIDERS
     from k3_amd_overlay.settings import Mode
@@ -242,7 +244,8 @@ def fusion_outlook(settings: Any, providers_here: dict[str, dict[str, str | None
         elif settings.mode is Mode.STOCK:
             outlook[fusion] = {"state": "stock", "provider": None, "why": "stock mode (the unfused A/B baseline)"}
         else:
-            decision = choose_provider(FUSED_PROVIDERS[fusion], settings.provider(fusion), providers_here[fusion])
+            decision = choose_provider(FUSED_PROVIDERS[fusion], settings.provider(fusion), measured.measured_first(
+                providers_here[fusion], settings.provider(fusion), measurement))
             fused = decision.state is FusionState.APPLIED
             outlook[fusion] = {"state": "fused" if fused else "stock", "provider": decision.provider,
                                "why": decision.reason}
@@ -340,7 +343,9 @@ def run_doctor(switch: str | None = None, serve_args: str | None = None) -> tupl
     report["self-test"] = selftest(device)
     if settings.enabled and has_vllm:
         report.update(_activate_here(env))
-    report["fusions"] = fusion_outlook(settings, report["providers here"])
+    arch, device_name = report["launch configs"].get("arch"), report["launch configs"].get("device")
+    measurement = measured.load_here(arch, device_name).measurement if arch and device_name else None
+    report["fusions"] = fusion_outlook(settings, report["providers here"], measurement)
     report["a/b baseline"] = ab_baseline(env, shape, serve_args)
     report["verdict"], healthy = verdict_line(report)
     return report, healthy

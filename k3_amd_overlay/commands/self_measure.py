@@ -24,6 +24,9 @@ CUDA/HIP-graph replay, ``--rounds`` rounds in turn, medians:
 - absorb_qk_cache (batches up to ``package.ABSORB_MAX_TOKENS`` tokens): the same stock sequence against
   the one absorbed launch.
 
+The fused side is the overlay's own Triton launches (``measured.PROVIDER``, recorded in the file): the
+server's gates speak for that provider alone, and with the file ``auto`` chooses it.
+
 It prints the table, writes ``<arch>-<device>.measured.json`` into ``--out`` (default: see measured.py:
 beside the tuned launch configs, else a per-user directory), keeping the rows of other shapes a file
 for this GPU and overlay version holds where they were measured under the same conditions (launch
@@ -301,7 +304,11 @@ def heads_field(config: dict[str, Any]) -> tuple[str | None, Any]:
 
 def check_out_directory(given: str) -> None:
     """--out is a directory, or one the result file's writing can create: no part of it an existing file
-    (checked before measuring, so that no measurement is lost to it)."""
+    (checked before measuring, so that no measurement is lost to it); an empty value (an unset
+    ``"$DIR"``) names none, and is refused rather than read as the default directory."""
+    if not given.strip():
+        raise UsageError(f"--out {given!r} names no directory; leave the option out for the default result "
+                         "directory, or name one")
     path = Path(given)
     for part in (path, *path.parents):
         if not part.exists():

@@ -100,6 +100,11 @@ class LayerInstaller:
                          "batch size", self.measurement.error)
         self.evidence.set_measurement(measured.marker_entry(self.measurement))
 
+    def measured_first(self, fusion: str, missing: dict[str, str | None]) -> dict[str, str | None]:
+        """``missing`` as the provider choice takes it: under ``auto`` with this GPU's measurement, only
+        the provider that measurement timed (measured.measured_first)."""
+        return measured.measured_first(missing, self.settings.provider(fusion), self.measurement.measurement)
+
     def record_gates(self, gates: dict[str, BucketGate | None], shape: str | None) -> None:
         """The marker's record of where each fusion may run and every reason stock runs elsewhere."""
         if self.measurement.measurement is not None:
@@ -153,17 +158,15 @@ class LayerInstaller:
             has_q_norm=has_q,
             upstream_fuses=upstream_fuses,
             provider_setting=self.settings.provider(QKV_NORM),
-            provider_missing=vllm_env.with_vllm_aiter_switch(rmsnorm_pair.provider_missing(
-                layer_device(wrapper),
-                q_norm.variance_epsilon,
-                kv_norm.variance_epsilon,
-            )) if has_q and not self.stock else {},
+            provider_missing=self.measured_first(QKV_NORM, vllm_env.with_vllm_aiter_switch(
+                rmsnorm_pair.provider_missing(layer_device(wrapper), q_norm.variance_epsilon,
+                                              kv_norm.variance_epsilon))) if has_q and not self.stock else {},
             traced_whole=vllm_env.whole_model_compiled(),
         )
         decision = decide_qkv_norm(inputs)
         callback = QkvNormCallback(q_norm, kv_norm, decision.provider) if decision.state is FusionState.APPLIED \
             else None
-        gate = measured.norm_gate(self.measurement.measurement) if callback is not None else None
+        gate = measured.norm_gate(self.measurement.measurement, decision.provider) if callback is not None else None
         site = QkvNormSite(decision, callback,
                            self.evidence.effective_hook(QKV_NORM, wrapper.mla_attn.layer_name),
                            on_failure=self.refuse_failed, on_degraded=self.record_degraded, gate=gate)
@@ -182,8 +185,8 @@ class LayerInstaller:
         return QkCacheInputs(
             stock_mode=self.stock,
             provider_setting=self.settings.provider(QK_CACHE),
-            provider_missing={} if self.stock else vllm_env.with_vllm_aiter_switch(qk_cache.provider_missing(
-                layer_device(wrapper))),
+            provider_missing={} if self.stock else self.measured_first(QK_CACHE, vllm_env.with_vllm_aiter_switch(
+                qk_cache.provider_missing(layer_device(wrapper)))),
             kv_cache_dtype=str(attn.kv_cache_dtype),
             rotation=rotation_kind(wrapper.rotary_emb),
             dcp_world_size=int(getattr(impl, "dcp_world_size", 1) or 1),
@@ -206,16 +209,18 @@ class LayerInstaller:
         decision = decide_qk_cache(inputs) if requested(QK_CACHE) else NOT_REQUESTED
         absorb = NOT_REQUESTED
         if requested(ABSORB_QK_CACHE):
-            missing = {} if self.stock else vllm_env.with_vllm_aiter_switch(absorb_qk_cache.provider_missing(
-                layer_device(wrapper), attn.qk_nope_head_dim, attn.kv_lora_rank, attn.qk_rope_head_dim,
-                fp8_weights=inputs.absorb is AbsorbVariant.FP8, mxfp4_weights=inputs.absorb is AbsorbVariant.FP4))
+            missing = {} if self.stock else self.measured_first(ABSORB_QK_CACHE, vllm_env.with_vllm_aiter_switch(
+                absorb_qk_cache.provider_missing(
+                    layer_device(wrapper), attn.qk_nope_head_dim, attn.kv_lora_rank, attn.qk_rope_head_dim,
+                    fp8_weights=inputs.absorb is AbsorbVariant.FP8, mxfp4_weights=inputs.absorb is AbsorbVariant.FP4)))
             absorb = decide_absorb(inputs, decision, self.settings.provider(ABSORB_QK_CACHE), missing)
         if any(d.state is FusionState.APPLIED and d.provider == "aiter" for d in (decision, absorb)):
             # every table and buffer the fused path reads, built now, never inside a graph capture
             aiter_qk_cache.reserve_zero_positions(layer_device(wrapper), vllm_env.max_batched_tokens())
             aiter_qk_cache.reserve_identity_table(layer_device(wrapper), wrapper.kv_a_layernorm.weight.dtype,
                                                   attn.qk_rope_head_dim)
-        gates = measured.decode_gates(self.measurement.measurement, inputs.num_heads, inputs.absorb.value)
+        gates = measured.decode_gates(self.measurement.measurement, inputs.num_heads, inputs.absorb.value,
+                                      {QK_CACHE: decision.provider, ABSORB_QK_CACHE: absorb.provider})
         plan = DecodePlan(decision, absorb, inputs.absorb, upstream_fuses, measured=gates)
         if gates is not None and plan.overlay_fuses:
             self.record_gates({f: g for f, g in gates.items() if requested(f)},
