@@ -80,10 +80,12 @@ def test_the_norm_site_acts_on_its_decision_alone(state, with_callback):
         assert out == ("fused", TOKENS) and counted == [TOKENS]
     elif state is FusionState.UPSTREAM:
         assert out == ("upstream", TOKENS) and counted == [TOKENS]
-    else:  # stock: each norm on its own, nothing counted as fused
+    elif state is FusionState.FORCED_STOCK:  # stock: each norm on its own, nothing counted as fused
         torch.testing.assert_close(out[0], q_c * 2.0)
         torch.testing.assert_close(out[1], kv_c * 3.0)
         assert counted == []
+    else:  # the overlay's fused norm does not run: vLLM's own method, nothing counted as fused
+        assert out == ("upstream", TOKENS) and counted == []
 
 
 def test_upstream_without_vllms_fused_norm_runs_the_two_norms():
@@ -98,7 +100,8 @@ def test_under_tracing_the_overlays_kernel_stands_down_and_upstream_stays(monkey
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     site, q_norm, kv_norm, counted = _site(FusionState.APPLIED, with_callback=True)
     q_c, kv_c = _inputs()
-    out = site.normalize(q_norm, kv_norm, _upstream, q_c, kv_c)
+    assert site.normalize(q_norm, kv_norm, _upstream, q_c, kv_c) == ("upstream", TOKENS)  # vLLM's own method
+    out = site.normalize(q_norm, kv_norm, None, q_c, kv_c)  # no method of vLLM's own (0.29): the two norms
     torch.testing.assert_close(out[0], q_c * 2.0)
     assert counted == []
     site, q_norm, kv_norm, counted = _site(FusionState.UPSTREAM, with_callback=False)

@@ -1,7 +1,9 @@
 """qkv_norm: the q_a and kv_a RMSNorms of a K3 MLA layer in one launch, as a pure decision.
 
 ``decide_qkv_norm`` decides per layer from what the layer holds (read by targets/installer.py);
-the site acting on it is ``QkvNormSite.normalize`` (targets/norm.py)."""
+the site acting on it is ``QkvNormSite.normalize`` (targets/norm.py). Wherever the overlay's own
+fused norm does not run on a layer (refused, or its kernel failed) vLLM's own ``_normalize_q_kv``
+runs, its fused dual RMSNorm included where vLLM fuses; only stock mode forces the two norms."""
 
 from __future__ import annotations
 
@@ -23,7 +25,12 @@ class QkvNormInputs:
     traced_whole: bool = False  # vLLM compiles the whole model (STOCK_TORCH_COMPILE, fullgraph)
 
 
+UPSTREAM_KEEPS = "; vLLM's own fused q/kv norm keeps the layer"
+
+
 def decide_qkv_norm(inputs: QkvNormInputs) -> LayerDecision:
+    """Stock mode forces the two separate norms; in auto mode a layer vLLM fuses itself stays
+    vLLM's; else a provider. Where the overlay refuses a layer vLLM fuses, vLLM's fused norm keeps it."""
     if inputs.stock_mode:
         return LayerDecision(FusionState.FORCED_STOCK, None, "stock mode: two separate RMSNorms")
     if not inputs.has_q_norm:
@@ -32,4 +39,7 @@ def decide_qkv_norm(inputs: QkvNormInputs) -> LayerDecision:
         return LayerDecision(FusionState.REFUSED, None, TRACED_WHOLE)
     if inputs.upstream_fuses and inputs.provider_setting == AUTO:
         return LayerDecision(FusionState.UPSTREAM, "aiter", "vLLM's AITER dual RMSNorm is on")
-    return choose_provider(FUSED_PROVIDERS[QKV_NORM], inputs.provider_setting, inputs.provider_missing)
+    decision = choose_provider(FUSED_PROVIDERS[QKV_NORM], inputs.provider_setting, inputs.provider_missing)
+    if decision.state is FusionState.REFUSED and inputs.upstream_fuses:
+        return LayerDecision(decision.state, None, decision.reason + UPSTREAM_KEEPS)
+    return decision

@@ -1,8 +1,11 @@
 """The qkv_norm site of one K3 MLA layer: the ``q_kv_norm`` callback (both RMSNorms of the layer
 through one provider launch) and ``QkvNormSite.normalize``, the one site acting on the layer's
 qkv_norm decision (fusions/qkv_norm.py). A fused launch that fails on its config is tried again on
-the arch's safe config; one that still fails refuses qkv_norm for the process and the two stock
-norms run (kernel_failures.py)."""
+the arch's safe config; one that still fails refuses qkv_norm for the process (kernel_failures.py).
+Wherever the overlay's fused norm does not run (refused, failed, a batch its self-measurement sends
+to stock, torch.compile tracing) vLLM's own ``_normalize_q_kv`` runs, exactly as with the overlay
+off: its fused dual RMSNorm where vLLM fuses (0.30+ with AITER on), else the two norms (as on 0.29,
+which has no such method). Only stock mode forces the two separate norms (the A/B baseline)."""
 
 from __future__ import annotations
 
@@ -62,29 +65,35 @@ class QkvNormSite:
 
     def normalize(self, q_norm: Any, kv_norm: Any, upstream: TwoNorms | None,
                   q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The one site acting on the decision, inside the census's profiler range. Under
-        torch.compile tracing the overlay's kernel (not a registered op) stands down to the two
-        separate norms."""
+        """The one site acting on the decision, inside the census's profiler range. ``upstream``:
+        vLLM's own ``_normalize_q_kv`` of this layer (None where vLLM has none: 0.29)."""
         with region(QKV_NORM_REGION):
             return self._normalize(q_norm, kv_norm, upstream, q_c, kv_c)
 
     def _normalize(self, q_norm: Any, kv_norm: Any, upstream: TwoNorms | None,
                    q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         state = self.decision.state
+        if state is FusionState.FORCED_STOCK:  # the A/B baseline: vLLM's own fusion switched off too
+            return q_norm(q_c), kv_norm(kv_c)
         if state is FusionState.APPLIED and self.q_kv_norm is not None and QKV_NORM not in kernel_failures.failed() \
-                and (self.gate is None or self.gate.allows(q_c.shape[0])):
-            if torch.compiler.is_compiling():
-                return q_norm(q_c), kv_norm(kv_c)
-            callback = self.q_kv_norm
+                and (self.gate is None or self.gate.allows(q_c.shape[0])) and not torch.compiler.is_compiling():
+            callback = self.q_kv_norm  # under tracing the overlay's kernel (not a registered op) stands down
             try:
                 normed = kernel_failures.guarded(QKV_NORM, lambda: callback(q_c, kv_c), self.on_degraded)
             except kernel_failures.KernelFailed as failure:
                 kernel_failures.refuse(failure, self.on_failure or (lambda fusion, why: None))
-                return q_norm(q_c), kv_norm(kv_c)
-            self.on_effective(q_c.shape[0])
-            return normed
-        if state is FusionState.UPSTREAM and upstream is not None:
-            if not torch.compiler.is_compiling():
+            else:
                 self.on_effective(q_c.shape[0])
-            return upstream(q_c, kv_c)
-        return q_norm(q_c), kv_norm(kv_c)
+                return normed
+        if state is FusionState.UPSTREAM and upstream is not None and not torch.compiler.is_compiling():
+            self.on_effective(q_c.shape[0])
+        return vllms_own(q_norm, kv_norm, upstream, q_c, kv_c)
+
+
+def vllms_own(q_norm: Any, kv_norm: Any, upstream: TwoNorms | None,
+              q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What vLLM runs with the overlay off: its own ``_normalize_q_kv`` (its fused dual RMSNorm where
+    it fuses), or where it has none (0.29's shared forward) the two norms."""
+    if upstream is not None:
+        return upstream(q_c, kv_c)
+    return q_norm(q_c), kv_norm(kv_c)
