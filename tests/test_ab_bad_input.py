@@ -222,3 +222,40 @@ def test_report_still_reads_recorded_hazards_and_a_nan_metric(lab, capsys):
     assert text.startswith("WARNING, measured with --accept-baseline-hazard: arm A: x\n")
     assert "| 1 | TPOT p50 (ms) |" not in text and "| 1 | TTFT p50 (ms) |" in text
     assert run_id_of(out) == json.loads(summary.read_text())["run_id"]
+
+
+# --- ab-serve report over bench results of 0, nested too deeply, or too far apart for a ratio ---------
+
+@pytest.mark.parametrize("key,value", [("median_tpot_ms", 0), ("output_throughput", -5)])
+def test_report_refuses_a_bench_metric_of_0_or_less(lab, capsys, key, value):
+    """What an arm whose requests all failed records; before, its row was dropped without a word."""
+    out = finished_run(lab, capsys)
+    bench = out / "repeat0-armA" / "bench-c1.json"
+    edit_json(bench, **{key: value})
+    report_refuses(out, capsys, f'{bench} is no bench result the table can read: "{key}" is {value!r}, not a number '
+                                "more than 0 (a latency or throughput; 0 or less is what a bench whose requests all "
+                                "failed records)")
+
+
+def test_report_refuses_a_bench_result_nested_too_deeply(lab, capsys):
+    out = finished_run(lab, capsys)
+    bench = out / "repeat0-armB" / "bench-c1.json"
+    bench.write_text("[" * 100_000 + "]" * 100_000)
+    report_refuses(out, capsys, f"{bench} is unreadable (its JSON is nested too deeply to read)")
+
+
+def test_report_of_a_ratio_beyond_a_float_writes_it_unusable_in_standard_json(lab, capsys):
+    """1e308 ms against 1e-308 ms: before, "ratio": Infinity in summary.json and on stdout."""
+    out = finished_run(lab, capsys)
+    edit_json(out / "repeat0-armA" / "bench-c1.json", median_tpot_ms=1e308)
+    edit_json(out / "repeat0-armB" / "bench-c1.json", median_tpot_ms=1e-308)
+    assert ab_serve.main(["report", str(out), "--json"]) == 0
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in the output")
+
+    printed = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    json.loads((out / "summary.json").read_text(), parse_constant=refuse)
+    (row,) = [r for r in printed["rows"]["B_vs_A"] if r["metric"] == "TPOT p50 (ms)"]
+    assert (row["ratio"], row["ci_low"], row["ci_high"], row["p_value"]) == (None, None, None, None)
+    assert row["verdict"].startswith("unusable: arm A's values [1e+308] and arm B's [1e-308] are too far apart")

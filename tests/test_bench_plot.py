@@ -146,3 +146,73 @@ def test_results_that_are_no_list_of_objects_are_named(bench, fake, capsys):
         bench.write_text(json.dumps({**BENCH, "results": results}))
         assert plot.main([str(bench)]) == 2
         assert capsys.readouterr().err.strip().endswith(f"error: {bench}: {said}")
+
+
+# --- an existing file at --out; times of 0 or less; a panel with nothing to draw ------------------
+
+def test_out_naming_an_existing_file_that_is_no_png_is_refused_and_kept(bench, fake, capsys):
+    """Before, ``--out notes`` (no suffix, so allowed) replaced the notes with the plot."""
+    notes = Path("notes")
+    notes.write_text("my notes\n")
+    assert plot.main([str(bench), "--out", str(notes), "--json"]) == 2
+    printed = capsys.readouterr()
+    message = f"--out {notes}: {notes} exists and is no PNG; it would be overwritten: name a new file (or remove it)"
+    assert json.loads(printed.out)["usage_error"] == message
+    assert printed.err.splitlines()[-1] == f"k3-amd-overlay bench plot: error: {message}"
+    assert notes.read_text() == "my notes\n" and fake.calls == []
+
+
+def test_the_default_png_beside_the_input_is_not_overwritten_where_it_is_no_png(bench, fake, capsys):
+    beside = bench.with_suffix(".png")
+    beside.write_text("not a picture")
+    assert plot.main([str(bench)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"{beside} exists and is no PNG; it would be "
+                                                              "overwritten: name a new file (or remove it)")
+    assert beside.read_text() == "not a picture"
+
+
+def test_an_existing_png_is_replaced_and_stderr_says_so(bench, fake, capsys):
+    png = Path("plots") / "old.png"
+    png.write_bytes(plot.PNG_SIGNATURE + b"an earlier plot")
+    assert plot.main([str(bench), "--out", str(png)]) == 0
+    printed = capsys.readouterr()
+    assert printed.err == f"k3-amd-overlay bench plot: replacing the PNG {png}\n"
+    assert printed.out == f"{png}: 1 panels\n" and png.read_bytes() == b"png"
+
+
+@pytest.mark.parametrize("value", [0, -2.5, 0.0])
+def test_a_time_of_0_or_less_is_named_with_its_result(bench, fake, capsys, value):
+    """A launch takes time, and the axis is logarithmic: before, such a point vanished from the plot."""
+    data = json.loads(bench.read_text())
+    data["results"][1]["fused_us"] = value
+    bench.write_text(json.dumps(data))
+    assert plot.main([str(bench)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: {bench}: results[1] 'fused_us' is {value!r}, expected a time in µs more than 0")
+    assert fake.calls == []
+
+
+def test_an_op_with_no_time_to_draw_is_named_rather_than_drawn_empty(bench, fake, capsys):
+    data = json.loads(bench.read_text())
+    data["results"].append({"op": "mystery", "mode": "graph", "tokens": 4, "other_us": 1.0})
+    bench.write_text(json.dumps(data))
+    assert plot.main([str(bench)]) == 2
+    keys = ", ".join(key for key, _ in plot.SERIES)
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: {bench}: op 'mystery' (1 graph result) has no time to draw: none of {keys}")
+    assert fake.calls == []
+
+
+def test_a_layer_step_is_drawn_from_its_stock_and_overlay_times(bench, fake, capsys):
+    """What `bench` writes for its layer step (bench/layer_step.py): stock_us and overlay_us, and a
+    verdict row without a mode, not drawn."""
+    data = json.loads(bench.read_text())
+    data["results"] += [{"op": "layer_step", "variant": "bf16", "heads": 12, "tokens": t, "mode": "graph",
+                         "overlay_path": "norm pair + absorbed", "parity": "ok", "stock_us": 9.0 * t,
+                         "overlay_us": 6.0 * t, "ratio": 1.5} for t in (1, 8)]
+    data["results"].append({"op": "layer_step_target", "variant": "bf16", "goal": "x", "met": True})
+    bench.write_text(json.dumps(data))
+    assert plot.main([str(bench)]) == 0
+    assert capsys.readouterr().out == f"{bench.with_suffix('.png')}: 2 panels\n"
+    assert plot.panels(data["results"])["layer_step (12 heads)"] == {
+        "overlay's layer step": [(1, 6.0), (8, 48.0)], "stock (vLLM's own launches)": [(1, 9.0), (8, 72.0)]}

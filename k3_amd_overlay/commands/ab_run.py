@@ -93,6 +93,8 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise
+    except RecursionError:
+        raise ForeignResults(f"{path} is unreadable (its JSON is nested too deeply to read)") from None
     except (OSError, ValueError) as exc:
         raise ForeignResults(f"{path} is unreadable ({exc})") from None
 

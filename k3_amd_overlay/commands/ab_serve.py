@@ -213,11 +213,20 @@ def overlay_git_sha(package_dir: Path) -> str | None:
     return _first_line(["git", "-C", str(root), "rev-parse", "HEAD"]) if named else None
 
 
+def _markers_in(directory: Path) -> list[markers.MarkerFile]:
+    """An arm's markers for the summary's versions (none where the folder cannot be listed: the arm's
+    proof read them already, and a summary must not stop on them)."""
+    try:
+        return markers.read_markers(directory)
+    except markers.MarkerDirError:
+        return []
+
+
 def environment(args: argparse.Namespace, arm_list: list[arms.Arm]) -> dict[str, Any]:
     """What ran where, for summary.json: versions (vLLM as the proved arms' markers record it), the
     GPU, the arguments, the overlay's source revision where it is a git checkout."""
     vllm_versions = sorted({m.record.vllm_version for d in args.out.glob("repeat*-arm*/markers") if d.is_dir()
-                            for m in markers.read_markers(d) if m.record and m.record.vllm_version})
+                            for m in _markers_in(d) if m.record and m.record.vllm_version})
     return {
         "overlay_version": __version__,
         "overlay_git_sha": overlay_git_sha(Path(__file__).resolve().parent),

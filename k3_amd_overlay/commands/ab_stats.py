@@ -43,15 +43,21 @@ SERVING_METRICS: tuple[tuple[str, str, bool], ...] = (
 
 def unusable_metric(record: Any) -> str | None:
     """Why a saved bench result cannot enter the table, naming the field, or None where it can: a
-    JSON object whose metrics are numbers (a metric it lacks, or NaN where the bench measured none,
-    is left out of the table; an infinite one has no ratio)."""
+    JSON object whose metrics are numbers more than 0 (a metric it lacks, or NaN where the bench
+    measured none, is left out of the table; an infinite one has no ratio, and 0 or less, what an arm
+    whose requests all failed records, is no latency or throughput)."""
     if not isinstance(record, dict):
         return f"it holds a {type(record).__name__}, not a JSON object"
     for _, key, _ in SERVING_METRICS:
-        value = record.get(key)
+        if key not in record:
+            continue
+        value = record[key]
         number = json_values.as_float(value)
-        if key in record and (number is None or math.isinf(number)):
+        if number is None or math.isinf(number):
             return f'"{key}" is {value!r}, not a finite number'
+        if number <= 0:  # NaN compares false: left out, as above
+            return (f'"{key}" is {value!r}, not a number more than 0 (a latency or throughput; 0 or less is what a '
+                    "bench whose requests all failed records)")
     return None
 
 
@@ -103,18 +109,25 @@ def bootstrap_interval(values: Sequence[float], seed: int = 0) -> tuple[float, f
 
 @dataclass(frozen=True)
 class MetricRow:
+    """One metric at one concurrency, paired by repeat. Where its numbers are not all finite (a ratio
+    of values too far apart for a float), ``unusable`` says so, the numbers that are not are None
+    and the row has no verdict."""
+
     concurrency: int
     metric: str
     repeats: int
-    median_a: float
-    median_b: float
-    ratio: float  # median paired ratio; > 1: arm B is better (lower latency or higher throughput)
-    ci_low: float  # 95% bootstrap interval of the paired ratio (geometric mean)
-    ci_high: float
-    p_value: float  # exact sign-flip test of the paired log-ratios
+    median_a: float | None
+    median_b: float | None
+    ratio: float | None  # median paired ratio; > 1: arm B is better (lower latency or higher throughput)
+    ci_low: float | None  # 95% bootstrap interval of the paired ratio (geometric mean)
+    ci_high: float | None
+    p_value: float | None  # exact sign-flip test of the paired log-ratios
+    unusable: str | None = None  # why the row has no usable ratio; None where it has one
 
     @property
     def verdict(self) -> str:
+        if self.unusable or self.ratio is None or self.p_value is None:
+            return f"unusable: {self.unusable or 'no finite ratio'}"
         if no_verdict_reason(self.repeats):
             return f"no verdict possible at n={self.repeats}"
         if self.p_value < SIGNIFICANCE:
@@ -122,17 +135,41 @@ class MetricRow:
         return "no difference detected at this n"
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "verdict": self.verdict}
+        """The row as summary.json holds it: standard JSON (no NaN or Infinity), its verdict said."""
+        fields = {k: v for k, v in asdict(self).items() if k != "unusable"}
+        return {**fields, "verdict": self.verdict}
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _exp(value: float) -> float:
+    """e ** value; an infinity where that is beyond a float."""
+    try:
+        return math.exp(value)
+    except OverflowError:
+        return math.inf
 
 
 def paired_row(concurrency: int, metric: str, higher_better: bool, a: Sequence[float],
                b: Sequence[float]) -> MetricRow:
-    """One metric at one concurrency from the arms' per-repeat values, paired by repeat."""
+    """One metric at one concurrency from the arms' per-repeat values (each more than 0 and finite),
+    paired by repeat; an unusable row (its verdict says why) where a paired ratio or a median is
+    beyond what a float holds."""
     ratios = [(y / x if higher_better else x / y) for x, y in zip(a, b, strict=True)]
-    logs = [math.log(r) for r in ratios]
-    low, high = bootstrap_interval(logs)
-    return MetricRow(concurrency, metric, len(ratios), statistics.median(a), statistics.median(b),
-                     statistics.median(ratios), math.exp(low), math.exp(high), sign_flip_p(logs))
+    median_a, median_b = statistics.median(a), statistics.median(b)
+    if all(0 < r < math.inf for r in ratios):  # else a ratio overflowed, or underflowed to 0 (no logarithm)
+        logs = [math.log(r) for r in ratios]
+        low, high = bootstrap_interval(logs)
+        ratio, ci_low, ci_high = statistics.median(ratios), _exp(low), _exp(high)
+        if all(math.isfinite(v) for v in (median_a, median_b, ratio, ci_low, ci_high)):
+            return MetricRow(concurrency, metric, len(ratios), median_a, median_b, ratio, ci_low, ci_high,
+                             sign_flip_p(logs))
+    why = (f"arm A's values {list(a)} and arm B's {list(b)} are too far apart for a finite paired ratio or median "
+           "(no bench measures such times)")
+    return MetricRow(concurrency, metric, len(ratios), _finite(median_a), _finite(median_b), None, None, None, None,
+                     why)
 
 
 def serving_rows(results: dict[str, dict[int, list[dict[str, Any]]]], candidate: str = "B",
@@ -152,12 +189,19 @@ def serving_rows(results: dict[str, dict[int, list[dict[str, Any]]]], candidate:
     return rows
 
 
+def _shown(value: float | None, spec: str, unit: str = "") -> str:
+    """A table cell: ``value`` formatted, or n/a where the row has none."""
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
 def render_serving(rows: Sequence[MetricRow]) -> str:
     lines = ["| conc | metric | A median | B median | B vs A (paired) | 95% CI | p | n | verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.concurrency} | {r.metric} | {r.median_a:.2f} | {r.median_b:.2f} | {r.ratio:.3f}x | "
-                     f"{r.ci_low:.3f}-{r.ci_high:.3f}x | {r.p_value:.3f} | {r.repeats} | {r.verdict} |")
+        interval = "n/a" if r.ci_low is None or r.ci_high is None else f"{r.ci_low:.3f}-{r.ci_high:.3f}x"
+        lines.append(f"| {r.concurrency} | {r.metric} | {_shown(r.median_a, '.2f')} | {_shown(r.median_b, '.2f')} | "
+                     f"{_shown(r.ratio, '.3f', 'x')} | {interval} | {_shown(r.p_value, '.3f')} | {r.repeats} | "
+                     f"{r.verdict} |")
     lines += [f"\n{reason}" for reason in sorted({no_verdict_reason(r.repeats) for r in rows} - {None})]
     return "\n".join(lines)
 

@@ -125,7 +125,10 @@ def merged_records(paths: list[str]) -> tuple[list[NodeEvidence], list[str]]:
                 raise ValueError(f"its checked_at is {checked_at!r}, not a time")
             node = NodeEvidence(path, host, data.get("expect"), data.get("holds"),
                                 data.get("marker_dir") is not None and data.get("source", "markers") == "markers",
-                                records, [str(line) for line in data.get("lines", [])], checked_at)
+                                records, node_lines(data), checked_at)
+        except RecursionError:  # json.load of arrays nested thousands deep
+            raise UsageError(f"--merge: {path} is not the output of `k3-amd-overlay check --json`: its JSON is "
+                             "nested too deeply to read") from None
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecordError) as exc:
             detail = f"it has no {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
             raise UsageError(f"--merge: {path} is not the output of `k3-amd-overlay check --json`: {detail}") from None
@@ -135,8 +138,22 @@ def merged_records(paths: list[str]) -> tuple[list[NodeEvidence], list[str]]:
     return nodes, notes
 
 
+def node_lines(data: dict[str, object]) -> list[str]:
+    """A node file's ``lines`` (its check's lines, each as text; none where it has no such key);
+    ValueError naming the value where they are no list (a string would be read a character a line)."""
+    lines = data.get("lines", [])
+    if not isinstance(lines, list):
+        raise ValueError(f"its lines are {lines!r}, not a list of strings")
+    return [str(line) for line in lines]
+
+
 def read_marker_dir(directory: Path) -> list[markers.MarkerFile]:
-    return markers.read_markers(directory) if directory.is_dir() else []
+    """The markers in ``directory`` (none where it is no directory); a UsageError naming it where it
+    cannot be listed (markers.MarkerDirError): no listing is no evidence of no process."""
+    try:
+        return markers.read_markers(directory) if directory.is_dir() else []
+    except markers.MarkerDirError as exc:
+        raise UsageError(f"--marker-dir: {exc}") from None
 
 
 def live_records(directory: Path, prune: bool,

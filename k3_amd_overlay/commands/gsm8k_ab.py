@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay import json_values
 from k3_amd_overlay.commands import ab_run, ab_stats, arms
 from k3_amd_overlay.commands.baseline_hazard import ACCEPT_FLAG
 from k3_amd_overlay.commands.usage import (
@@ -100,13 +101,26 @@ def read_json(path: Path) -> Any:
     """An lm-eval output file's JSON; ArmFailed where it is not JSON."""
     try:
         return json.loads(path.read_text())
+    except RecursionError:
+        raise arms.ArmFailed(f"{path} is not JSON lm-eval writes: nested too deeply to read") from None
     except ValueError as exc:
         raise arms.ArmFailed(f"{path} is not JSON: {exc}") from None
 
 
+def checked_accuracy(path: Path, task: str, metric: str, value: Any) -> float:
+    """lm-eval's ``metric`` of ``task`` read from ``path`` as an accuracy: a finite number from 0 to 1;
+    ArmFailed naming the file and the field where it is not (NaN would pass for a score, and the
+    summary would hold it)."""
+    number = json_values.finite(value)
+    if number is None or not 0 <= number <= 1:
+        raise arms.ArmFailed(f"{path}: results.{task}.{metric} (--metric) is {value!r}, not an accuracy (a finite "
+                             "number from 0 to 1)")
+    return number
+
+
 def accuracy(output_dir: Path, task: str, metric: str) -> tuple[float, int]:
     """``task``'s ``metric`` and the questions it scored, from the newest results file; ArmFailed
-    where lm-eval gave no such number (naming the metrics it did give)."""
+    where lm-eval gave no such number (naming the metrics it did give) or one that is no accuracy."""
     files = sorted(output_dir.rglob("results*.json"))
     if not files:
         raise arms.ArmFailed(f"no lm-eval results*.json under {output_dir}")
@@ -119,10 +133,11 @@ def accuracy(output_dir: Path, task: str, metric: str) -> tuple[float, int]:
         given = sorted(repr(k) for k, v in scores.items() if isinstance(v, (int, float)))
         raise arms.ArmFailed(f"lm-eval gave task {task!r} no metric {metric!r} (--metric); it gave: "
                              f"{', '.join(given) or 'none'} (in {files[-1]})")
+    score = checked_accuracy(files[-1], task, metric, scores[metric])
     try:
         samples = data.get("n-samples", {}).get(task, {})
-        return float(scores[metric]), int(samples.get("effective", samples.get("original", 0)))
-    except (AttributeError, TypeError, ValueError) as exc:
+        return score, int(samples.get("effective", samples.get("original", 0)))
+    except (AttributeError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of an infinity
         raise arms.ArmFailed(f"{files[-1]}: n-samples of task {task!r} is no question count ({exc})") from None
 
 
@@ -139,7 +154,7 @@ def outcomes(output_dir: Path, task: str, metric: str) -> dict[int, bool]:
             row = json.loads(line)
             if not filter_key or row.get("filter") == filter_key:
                 found[int(row["doc_id"])] = float(row[name]) > 0
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise arms.ArmFailed(f"{files[-1]} line {number} gives no {metric!r} outcome of a question "
                                  f"({type(exc).__name__}: {exc})") from None
     if not found:

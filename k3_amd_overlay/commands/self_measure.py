@@ -165,6 +165,8 @@ def merged(new: measured.Measurement, path: Path, out: Callable[[str], None] = p
     keys = {r.key for r in new.rows}
     kept = tuple(r for r in before.rows if r.key not in keys)
     stale = measured.differences(before, new.conditions())
+    if before.provider != new.provider:
+        stale.insert(0, ("provider", before.provider, f"this run timed {new.provider}'s launches"))
     if before.overlay_version != new.overlay_version:
         stale.insert(0, ("overlay_version", before.overlay_version, f"this is k3-amd-overlay {new.overlay_version}"))
     if stale:

@@ -50,13 +50,28 @@ def describe(doc: str | None) -> str:
 
 def wants_json(argv: Iterable[str]) -> bool:
     """Whether ``argv`` asks for --json (or an abbreviation argparse accepts), read before parsing
-    so that a usage error can be JSON too."""
+    so that a usage error can be JSON too: ``--json=VALUE`` asks for it as well (and is that usage
+    error, a flag taking no value)."""
     for arg in argv:
         if arg == "--":
             return False
-        if arg.startswith("--j") and "--json".startswith(arg):
+        name = arg.split("=", 1)[0]
+        if name.startswith("--j") and "--json".startswith(name):
             return True
     return False
+
+
+FLAG_GIVEN_A_VALUE = re.compile(r"argument (--[\w-]+): ignored explicit argument (.*)")  # argparse's words
+
+
+def said_plainly(message: str) -> str:
+    """argparse's usage error in the words of the other usage errors: a flag given ``=VALUE``
+    ("ignored explicit argument") is said to take no value; any other message as it is."""
+    found = FLAG_GIVEN_A_VALUE.fullmatch(message)
+    if found is None:
+        return message
+    flag, value = found.groups()
+    return f"{flag} takes no value (given {value}); give {flag} alone"
 
 
 def said_default(action: argparse.Action) -> str | None:
@@ -134,6 +149,14 @@ class Parser(argparse.ArgumentParser):
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace, extras
 
+    def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
+        """argparse's conversion of one value, refusing a path given empty (an unset ``"$VAR"``):
+        ``Path("")`` is the current directory, which no option means by an empty value."""
+        if isinstance(action.type, type) and issubclass(action.type, PurePath) and not arg_string.strip():
+            raise argparse.ArgumentError(action, f"{arg_string!r} names no path (an empty value: an unset "
+                                                 "variable?); give the path")
+        return super()._get_value(action, arg_string)
+
     def unknown_options(self) -> list[str]:
         """The options given that this parser does not know (nor abbreviate): a misspelt one would
         otherwise hide behind "the following arguments are required"."""
@@ -155,6 +178,7 @@ class Parser(argparse.ArgumentParser):
         return unknown
 
     def error(self, message: str) -> NoReturn:
+        message = said_plainly(message)
         unknown = self.unknown_options() if message.startswith("the following arguments are required") else []
         if unknown:
             message += f"; and unrecognized: {' '.join(unknown)}"

@@ -465,6 +465,16 @@ def check_json_out(given: str) -> None:
         raise UsageError(f"--json-out {given}: cannot be written here (permissions)")
 
 
+def check_absorb_block_n(values: list[int] | None) -> None:
+    """Each --absorb-block-n value is a column block the absorb kernel takes: a power of two (a Triton
+    tile) of at most L (``k3.KV_LORA_RANK``, the latent columns it splits; more would be cut to L, so
+    the table would name a block that never ran)."""
+    for value in values or []:
+        if not (0 < value <= k3.KV_LORA_RANK and value & (value - 1) == 0):
+            raise UsageError(f"--absorb-block-n {value}: a power of two from 1 to {k3.KV_LORA_RANK} (the kernel's "
+                             f"latent columns per program, a Triton tile of the {k3.KV_LORA_RANK} it splits)")
+
+
 def write_json_out(given: str, measured: dict) -> str | None:
     """Write the measurements to --json-out's file; why it could not be (checked before the benchmark,
     so only a change meanwhile), else None."""
@@ -485,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
+        check_absorb_block_n(args.absorb_block_n)
         if args.json_out is not None:
             check_json_out(args.json_out)
     except UsageError as exc:

@@ -23,10 +23,13 @@ from k3_amd_overlay.package import DISTRIBUTION, __version__
 MATPLOTLIB_MISSING = (f"matplotlib is not installed (pip install matplotlib, or the overlay's wheel with its plot "
                       f"extra: pip install '{DISTRIBUTION.replace('-', '_')}-{__version__}-py3-none-any.whl[plot]')")
 
-# (result key, legend) of the series drawn, where a result has them
+# (result key, legend) of the series drawn, where a result has them; a layer step (bench/layer_step.py)
+# times vLLM's stock chain and the overlay's
 SERIES = (("fused_us", "fused (overlay)"), ("baseline_us", "unfused baseline"), ("aiter_fused_us", "AITER fused"),
-          ("aiter_us", "AITER"), ("aiter_provider_us", "overlay's aiter provider"))
+          ("aiter_us", "AITER"), ("aiter_provider_us", "overlay's aiter provider"),
+          ("overlay_us", "overlay's layer step"), ("stock_us", "stock (vLLM's own launches)"))
 PREFERRED_HEADS = 12  # heads per rank drawn for ops measured at several (K3 at TP 8)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"  # the first bytes of every PNG file (the PNG specification)
 
 
 def _value(result: dict[str, Any], index: int, key: str, read: Callable[[Any], Any], wanted: str) -> Any:
@@ -36,9 +39,18 @@ def _value(result: dict[str, Any], index: int, key: str, read: Callable[[Any], A
     return value
 
 
+def _time(result: dict[str, Any], index: int, key: str) -> float:
+    """A drawn time: finite and more than 0 (a launch takes time; the axis is logarithmic)."""
+    value = _value(result, index, key, json_values.finite, "a finite time in µs")
+    if value <= 0:
+        raise ValueError(f"results[{index}] {key!r} is {result[key]!r}, expected a time in µs more than 0")
+    return value
+
+
 def panels(results: list[dict[str, Any]], mode: str = "graph") -> dict[str, dict[str, list[tuple[int, float]]]]:
     """op -> series label -> [(tokens, µs)], for ``mode`` and, per op, one head count; a ValueError
-    naming the result and the field where a drawn value is not a number of its kind."""
+    naming the result and the field where a drawn value is not a number of its kind, or the op where
+    none of its results has a time to draw (its panel would be empty)."""
     if not isinstance(results, list):
         raise ValueError(f"'results' is {type(results).__name__}, expected a list of results")
     by_op: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
@@ -56,9 +68,12 @@ def panels(results: list[dict[str, Any]], mode: str = "graph") -> dict[str, dict
             rows = [(i, r) for i, r in rows if r.get("heads") == pick]
             op = f"{op} ({pick} heads)"
         series = {label: sorted((_value(r, i, "tokens", lambda v: json_values.whole(v, 1), "a whole number >= 1"),
-                                 _value(r, i, key, json_values.finite, "a finite time in µs"))
+                                 _time(r, i, key))
                                 for i, r in rows if key in r) for key, label in SERIES}
         out[op] = {label: points for label, points in series.items() if points}
+        if not out[op]:
+            raise ValueError(f"op {op!r} ({len(rows)} {mode} result{'s' if len(rows) != 1 else ''}) has no time to "
+                             f"draw: none of {', '.join(key for key, _ in SERIES)}")
     return out
 
 
@@ -90,9 +105,21 @@ def read_panels(bench_json: Path, mode: str) -> tuple[dict[str, Any], dict[str, 
     return data, drawn
 
 
+def is_png(path: Path) -> bool:
+    """Whether ``path`` is a regular file that starts as a PNG does (what an earlier plot wrote)."""
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE
+    except OSError:
+        return False
+
+
 def png_path(bench_json: Path, out: Path | None) -> Path:
     """Where the PNG goes: ``out``, ``<input stem>.png`` inside it where it is a directory, or beside
-    the input; a UsageError naming --out where that directory is missing or not writable."""
+    the input; a UsageError naming --out where that directory is missing or not writable, or where
+    a file that is no PNG is there already (it would be overwritten)."""
     png = bench_json.with_suffix(".png")
     path = png if out is None else out / png.name if out.is_dir() else out
     named = f"--out {out}" if out is not None else f"{path} (the default; choose another with --out)"
@@ -102,6 +129,9 @@ def png_path(bench_json: Path, out: Path | None) -> Path:
         raise UsageError(f"{named}: that is the input {bench_json}")
     if not path.parent.is_dir():
         raise UsageError(f"{named}: no directory {path.parent}")
+    if (path.exists() or path.is_symlink()) and not is_png(path):
+        raise UsageError(f"{named}: {path} exists and is no PNG; it would be overwritten: name a new file (or "
+                         "remove it)")
     if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"{named}: {path} cannot be written")
     return path
@@ -161,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = matplotlib_missing()
     if missing:
         return failed(missing)
+    if out.exists():  # png_path let only a PNG through
+        print(f"k3-amd-overlay bench plot: replacing the PNG {out}", file=sys.stderr)
     try:
         count = plot(data, drawn, out, args.mode)
     except OSError as exc:
