@@ -16,7 +16,13 @@ from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import load_settings
 from k3_amd_overlay.targets import sources as src
-from k3_amd_overlay.targets.defects import UPSTREAM_DEFECTS, W_UK_T_BEFORE_LOAD, present_defects, trigger_words
+from k3_amd_overlay.targets.defects import (
+    REAL_POSITIONS_IN_FUSED_DECODE,
+    UPSTREAM_DEFECTS,
+    W_UK_T_BEFORE_LOAD,
+    present_defects,
+    trigger_words,
+)
 from k3_amd_overlay.targets.installer import DECODE_FUSIONS, LayerInstaller
 from k3_amd_overlay.targets.shapes import (
     ATTEND_SEAM,
@@ -134,7 +140,8 @@ def test_the_anchor_descriptions_word_for_word():
 def test_what_each_shape_says_upstream_fuses():
     assert K3_DECODE_WRAPPER.upstream == {
         QKV_NORM: "AITER dual RMSNorm when AITER is on",
-        QK_CACHE: "AITER fused decode when AITER MLA is on, kv_lora_rank*heads >= 2048, no fp8 BMM",
+        QK_CACHE: "AITER fused decode when AITER MLA is on, fp8 KV cache, kv_lora_rank*heads >= 2048, no "
+                  "DCP/PCP/HiSparse/padded heads, and the fp4 BMM (on by default on gfx950) or no fp8 BMM",
         ABSORB_QK_CACHE: ""}
     assert UPSTREAM_DECODE_MIN_LATENT_HEADS == 2048
     assert K3_NORM_WRAPPER.upstream == {QKV_NORM: "AITER dual RMSNorm when AITER is on", QK_CACHE: "",
@@ -319,7 +326,9 @@ def test_the_known_vllm_defect_is_found_in_exactly_the_release_that_has_it(versi
     # vLLM 0.32.0's _fused_qk_prep_supported reads attn.W_UK_T, called from __init__ (before loading);
     # 0.33 no longer reads it there, 0.29-0.31 have no such check.
     found = present_defects(src.VllmSources(tree_of(version)))
-    assert found == ([W_UK_T_BEFORE_LOAD] if minor(version) == "0.32" else [])
+    # 0.32-0.33's _fused_decode hands AITER's fused write the real positions (0.34: zeros)
+    assert found == ([W_UK_T_BEFORE_LOAD] if minor(version) == "0.32" else []) + (
+        [REAL_POSITIONS_IN_FUSED_DECODE] if minor(version) in ("0.32", "0.33") else [])
 
 
 def test_a_source_where_the_check_is_not_called_at_init_has_no_defect(tmp_path):
@@ -364,7 +373,7 @@ def test_the_defect_fires_in_exactly_the_environment_vllm_reads(env, fires):
 
 
 def test_the_defect_is_described_word_for_word():
-    assert UPSTREAM_DEFECTS == (W_UK_T_BEFORE_LOAD,)
+    assert UPSTREAM_DEFECTS == (W_UK_T_BEFORE_LOAD, REAL_POSITIONS_IN_FUSED_DECODE)
     assert W_UK_T_BEFORE_LOAD.describe() == (
         "vllm-k3-fused-qk-prep-reads-W_UK_T-before-load: vLLM's KimiK3MultiHeadLatentAttentionWrapper.__init__ "
         "calls _fused_qk_prep_supported(), which reads attn.W_UK_T before the weights are loaded (W_UK_T does "
@@ -372,8 +381,8 @@ def test_the_defect_is_described_word_for_word():
         "VLLM_ROCM_USE_AITER_FP8BMM on (vLLM then never fuses the decode itself) or use a vLLM whose check "
         "does not read W_UK_T (0.33) (fires when VLLM_ROCM_USE_AITER=1 with AITER MLA on and "
         "VLLM_ROCM_USE_AITER_FP8BMM=0, on a layer with an fp8 KV cache and >= 4 heads per rank where vLLM's fp4 "
-        "BMM is off (it is on only with VLLM_ROCM_USE_AITER_FP4BMM, a gfx950 GPU and a bf16 kv_b_proj: every "
-        "MI300X takes the defect))")
+        "BMM is off (it is on only on a gfx950 GPU, with a bf16 kv_b_proj and VLLM_ROCM_USE_AITER_FP4BMM, on by "
+        "default: every MI300X takes the defect))")
     assert [trigger_words(t) for t in (None, True, False)] == [
         "may fire here: decided per layer when vLLM builds it", "TRIGGERED here", "not triggered here"]
 
@@ -386,3 +395,25 @@ def test_shapes_anchors_and_recognitions_are_frozen(tmp_path):
                         (recognition, "shape"), (W_UK_T_BEFORE_LOAD, "name")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(value, name, None)
+
+
+@pytest.mark.parametrize(("env", "fires"), [
+    ({}, False),  # AITER defaults off: vLLM's fused decode never runs
+    ({"VLLM_ROCM_USE_AITER": "1"}, None),  # per layer: fp8 KV cache, heads, the BMM variant
+    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MLA": "0"}, False),
+])
+def test_the_positions_defect_may_fire_wherever_vllms_fused_decode_may_run(env, fires):
+    assert REAL_POSITIONS_IN_FUSED_DECODE.triggered(env) is fires
+
+
+def test_the_positions_defect_is_the_call_with_real_positions_not_a_mention(tmp_path):
+    """Found only where _fused_decode passes ``positions`` itself to AITER's fused write: vLLM 0.34's
+    zeros, or a name in a comment, are not it."""
+    for where, argument, found in (("real", "positions", True), ("zeros", "self._zero_positions[:n]", False)):
+        _write(tmp_path / where, src.K3_MLA, f"""
+            class {src.K3_WRAPPER}:
+                def _fused_decode(self, q, positions, slot_mapping):
+                    # positions are not clamped by every kernel
+                    fused_qk_rope_concat_and_cache_mla(q, slot_mapping, {argument}, self.cos, self.sin)
+        """)
+        assert (present_defects(src.VllmSources(tmp_path / where)) == [REAL_POSITIONS_IN_FUSED_DECODE]) is found

@@ -400,7 +400,7 @@ def test_deactivate_restores_identical_objects(tmp_path):
         assert all(now[k] is before[k] for k in before)
         assert set(now) == set(before)
     states = {f: e.state for f, e in activation.evidence.record.fusions.items()}
-    assert states == dict.fromkeys(states, FusionState.DISABLED.value)  # and the evidence says so
+    assert states == dict.fromkeys(states, FusionState.REFUSED.value)  # and the evidence says so: no verdict holds
 
 
 # --- absorb_qk_cache: the W_UK absorption folded into the fused launch -------------------------
@@ -617,7 +617,9 @@ def test_aiter_providers_follow_vllms_aiter_switch(tmp_path, monkeypatch, aiter_
 def test_known_vllm_defects_are_recognised_in_the_releases_that_have_them():
     from k3_amd_overlay.versions import installed_vllm_version
 
-    expected = ["vllm-k3-fused-qk-prep-reads-W_UK_T-before-load"] if installed_vllm_version().startswith("0.32") else []
+    version = installed_vllm_version()
+    expected = (["vllm-k3-fused-qk-prep-reads-W_UK_T-before-load"] if version.startswith("0.32") else []) + (
+        ["vllm-k3-fused-decode-passes-real-positions"] if version.startswith(("0.32", "0.33")) else [])
     assert vllm_defects() == expected
 
 
@@ -648,7 +650,8 @@ def test_vllm_032_defect_is_named_not_worsened(switch, tmp_path, monkeypatch, ai
     decode_patched = switch != "qkv_norm"  # qkv_norm alone leaves vLLM's decode check unwrapped
     # before any layer the environment says "may fire"; the wrapped check records that it did
     assert [(d["name"], d["triggered"]) for d in defects] == [("vllm-k3-fused-qk-prep-reads-W_UK_T-before-load",
-                                                               True if decode_patched else None)]
+                                                               True if decode_patched else None),
+                                                              ("vllm-k3-fused-decode-passes-real-positions", None)]
     assert any("a known vLLM defect" in note for note in getattr(failure.value, "__notes__", [])) is decode_patched
 
 

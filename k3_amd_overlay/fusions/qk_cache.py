@@ -110,8 +110,10 @@ def decide_qk_cache(x: QkCacheInputs) -> LayerDecision:
 
 def decide_absorb(x: QkCacheInputs, qk: LayerDecision, provider_setting: str,
                   provider_missing: dict[str, str | None]) -> LayerDecision:
-    """absorb_qk_cache: the qk_cache conditions (a folded W_UK absorption among them) and no vLLM-owned
-    fused decode to defer to (auto mode keeps vLLM's own path where it applies)."""
+    """absorb_qk_cache: the qk_cache conditions (a folded W_UK absorption among them). In auto mode a
+    layer whose qk_cache decision defers to vLLM's own fused decode stays vLLM's; where qk_cache is
+    not asked for (absorb_qk_cache alone) there is no such decision, so the absorbed launch takes
+    its batches and vLLM's fused decode keeps the rest (DecodePlan.upstream_keeps)."""
     if x.stock_mode:
         return LayerDecision(FusionState.FORCED_STOCK, None, "stock mode: the absorption is its own launch")
     refusal = _refusal(x)

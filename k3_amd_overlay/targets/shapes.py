@@ -200,8 +200,9 @@ K3_DECODE_WRAPPER = VllmShape(
     fusion_anchors={QKV_NORM: NORMALIZE_SEAM, QK_CACHE: FUSED_DECODE_SEAM + ATTEND_SEAM[1:2],
                     ABSORB_QK_CACHE: FUSED_DECODE_SEAM + ATTEND_SEAM[1:2]},
     upstream={QKV_NORM: "AITER dual RMSNorm when AITER is on",
-              QK_CACHE: "AITER fused decode when AITER MLA is on, "
-                        f"kv_lora_rank*heads >= {UPSTREAM_DECODE_MIN_LATENT_HEADS}, no fp8 BMM",
+              QK_CACHE: "AITER fused decode when AITER MLA is on, fp8 KV cache, "
+                        f"kv_lora_rank*heads >= {UPSTREAM_DECODE_MIN_LATENT_HEADS}, no DCP/PCP/HiSparse/padded "
+                        "heads, and the fp4 BMM (on by default on gfx950) or no fp8 BMM",
               ABSORB_QK_CACHE: ""},
     build=_build_decode_shape,
 )
