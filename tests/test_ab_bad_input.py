@@ -245,11 +245,12 @@ def test_report_refuses_a_bench_result_nested_too_deeply(lab, capsys):
 
 
 def test_report_of_a_ratio_beyond_a_float_writes_it_unusable_in_standard_json(lab, capsys):
-    """1e308 ms against 1e-308 ms: before, "ratio": Infinity in summary.json and on stdout."""
+    """1e308 ms against 1e-308 ms: before, "ratio": Infinity in summary.json and on stdout, exit 0. A
+    row without a usable ratio answers nothing: the report fails (exit 1), naming the row."""
     out = finished_run(lab, capsys)
     edit_json(out / "repeat0-armA" / "bench-c1.json", median_tpot_ms=1e308)
     edit_json(out / "repeat0-armB" / "bench-c1.json", median_tpot_ms=1e-308)
-    assert ab_serve.main(["report", str(out), "--json"]) == 0
+    assert ab_serve.main(["report", str(out), "--json"]) == 1
 
     def refuse(constant: str) -> None:
         raise AssertionError(f"{constant} in the output")
@@ -259,3 +260,5 @@ def test_report_of_a_ratio_beyond_a_float_writes_it_unusable_in_standard_json(la
     (row,) = [r for r in printed["rows"]["B_vs_A"] if r["metric"] == "TPOT p50 (ms)"]
     assert (row["ratio"], row["ci_low"], row["ci_high"], row["p_value"]) == (None, None, None, None)
     assert row["verdict"].startswith("unusable: arm A's values [1e+308] and arm B's [1e-308] are too far apart")
+    assert not printed["ok"] and printed["error"].startswith(
+        "1 row without a usable ratio: B_vs_A TPOT p50 (ms) at concurrency 1: unusable: arm A's values"), printed

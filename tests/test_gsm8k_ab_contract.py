@@ -279,6 +279,7 @@ def switch_error(value: str) -> str:
     (["--limit", "0"], "--limit 0: at least 1"),
     (["--limit", "-3"], "--limit -3: at least 1"),
     (["--data-file", "{tmp}/no-such.jsonl"], "--data-file {tmp}/no-such.jsonl: no such file"),
+    (["--data-file", "{tmp}"], "--data-file {tmp}: a directory, not a file"),  # said "no such file" before
     (["--arm-a", "fast"], "--arm-a: {switch_error_fast}"),
     (["--arm-b", "fast"], "--arm-b: {switch_error_fast}"),
     (["--arm-a", "stock", "--arm-b", "stock"], "the arms must differ: --arm-a 'stock' and --arm-b 'stock' are the "

@@ -371,14 +371,21 @@ def saved_environment(summary: Path, previous: dict[str, Any]) -> dict[str, Any]
 
 
 def unanswered(summary: dict[str, Any]) -> str | None:
-    """Why the run a summary records did not measure what it set out to: why it was aborted, or
-    that a comparison has no row; None where it did (its exit status and --json's ``error``)."""
+    """Why the run a summary records did not measure what it set out to: why it was aborted, that a
+    comparison has no row, or that a row's numbers are unusable (no ratio a verdict could read); None
+    where it did (its exit status and --json's ``error``)."""
     if summary.get("aborted"):
         return str(summary["aborted"])
     rows = summary.get("rows") or {}
     empty = [name for name, found in rows.items() if not found]
     if empty or not rows:
         return "no repeat completed by both arms: nothing to compare" + (f" ({', '.join(empty)})" if empty else "")
+    unusable = [f"{name} {row.get('metric')} at concurrency {row.get('concurrency')}: {row['verdict']}"
+                for name, found in rows.items() for row in found
+                if isinstance(row, dict) and str(row.get("verdict", "")).startswith("unusable")]
+    if unusable:
+        return f"{len(unusable)} row{'s' if len(unusable) != 1 else ''} without a usable ratio: " + "; ".join(
+            unusable[:3]) + ("; ..." if len(unusable) > 3 else "")
     return None
 
 

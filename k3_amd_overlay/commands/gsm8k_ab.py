@@ -36,6 +36,7 @@ from k3_amd_overlay.commands.usage import (
     check_arm_server_arguments,
     check_baselines,
     check_executables,
+    check_input_file,
     check_switches,
     describe,
     json_result,
@@ -176,8 +177,7 @@ def validate(args: argparse.Namespace) -> None:
     check_arm_server_arguments(args)
     ab_run.check_unused(args.out)
     if args.data_file is not None:
-        if not args.data_file.is_file():
-            raise UsageError(f"--data-file {args.data_file}: no such file")
+        check_input_file("--data-file", args.data_file)
         task_file(args.task)
     switches = (("--arm-a", args.arm_a), ("--arm-b", args.arm_b))
     check_switches(switches)

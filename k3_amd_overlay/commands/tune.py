@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
+from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, check_input_file, describe, json_result
 from k3_amd_overlay.kernels import launch_configs, names
 
 TUNED_KERNELS = (names.RMSNORM_PAIR_KERNEL, names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL,
@@ -292,8 +292,7 @@ def out_path(out: str, arch: str, device: str) -> Path:
 
 def check_compare(given: str) -> None:
     """--compare names a readable launch-config file (checked before any GPU work)."""
-    if not Path(given).is_file():
-        raise UsageError(f"--compare {given}: no such file")
+    check_input_file("--compare", given)
     try:
         launch_configs.load(given)
     except launch_configs.LaunchConfigError as exc:

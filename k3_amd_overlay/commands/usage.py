@@ -251,6 +251,17 @@ def add_arm_server_arguments(parser: argparse.ArgumentParser, arm_a_help: str) -
                         help="seconds for a server to become healthy")
 
 
+def check_input_file(option: str, given: str | os.PathLike[str]) -> None:
+    """A UsageError where ``given`` is no file an option can read, saying what it is instead: missing,
+    a directory, or another kind of entry (a FIFO would block the reader)."""
+    path = os.fspath(given)
+    if os.path.isfile(path):
+        return
+    what = ("a directory, not a file" if os.path.isdir(path) else
+            "not a regular file (a FIFO, a socket or a device)" if os.path.exists(path) else "no such file")
+    raise UsageError(f"{option} {path}: {what}")
+
+
 def check_seconds(option: str, value: float) -> None:
     """A time an option gives: more than 0 and finite (NaN fails both comparisons)."""
     if not 0 < value < float("inf"):
