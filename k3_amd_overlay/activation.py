@@ -35,8 +35,8 @@ class OverlayActivationError(RuntimeError):
 
 NO_SHAPE = "its K3 AMD code matches no shape this overlay knows"
 NO_ANCHORS = "this vLLM lacks anchors of every fusion asked for"
-DEACTIVATED = ("deactivated: every overlay patch reverted in this process (k3_amd_overlay.deactivate()), so vLLM's "
-               "own code runs, neither the overlay's fused path nor its forced stock one")
+DEACTIVATED = ("deactivated (k3_amd_overlay.deactivate()): the overlay's patches reverted in this process; layers "
+               "built before keep the overlay's sites, later ones run vLLM's own code: neither one arm nor the other")
 
 
 def _how_to_proceed(installs_nothing: str | None = None) -> str:

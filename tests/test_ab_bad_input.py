@@ -226,15 +226,16 @@ def test_report_still_reads_recorded_hazards_and_a_nan_metric(lab, capsys):
 
 # --- ab-serve report over bench results of 0, nested too deeply, or too far apart for a ratio ---------
 
-@pytest.mark.parametrize("key,value", [("median_tpot_ms", 0), ("output_throughput", -5)])
-def test_report_refuses_a_bench_metric_of_0_or_less(lab, capsys, key, value):
+@pytest.mark.parametrize("key,value,least", [
+    ("output_throughput", 0, "more than 0 (a throughput; 0 is what a bench whose requests all failed records)"),
+    ("median_tpot_ms", -5, "0 or more (a time)")])
+def test_report_refuses_a_throughput_of_0_or_a_negative_metric(lab, capsys, key, value, least):
     """What an arm whose requests all failed records; before, its row was dropped without a word."""
     out = finished_run(lab, capsys)
     bench = out / "repeat0-armA" / "bench-c1.json"
     edit_json(bench, **{key: value})
     report_refuses(out, capsys, f'{bench} is no bench result the table can read: "{key}" is {value!r}, not a number '
-                                "more than 0 (a latency or throughput; 0 or less is what a bench whose requests all "
-                                "failed records)")
+                                f"{least}")
 
 
 def test_report_refuses_a_bench_result_nested_too_deeply(lab, capsys):

@@ -17,7 +17,7 @@ from kineto_traces import ranged_events
 from k3_amd_overlay.commands import census
 from k3_amd_overlay.commands.cli import main
 
-DECODE = "k3_amd_overlay::mla_decode"
+DECODE, NORM = "k3_amd_overlay::mla_decode", "k3_amd_overlay::qkv_norm"
 STOCK = ["concat_and_cache_mla_kernel", "Cijk_Ailk_Bljk_BBS_BH_MT64x64x64_MI16x16x16x1", "CatArrayBatchedCopy",
          "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_0"]
 
@@ -38,12 +38,26 @@ def test_arms_with_different_numbers_of_layer_steps_give_no_ratio(tmp_path, caps
     code, out = _run(capsys, str(cand), "--baseline", str(base), "--steps", "4")
     assert code == 1 and not out["ok"] and out["comparison"]["sections"] == [], out
     assert out["comparison"]["problems"] == [
-        f"{DECODE}: the baseline has 8 of its ranges on rank 0, the candidate 4: one range is one layer's decode "
+        f"{DECODE}: the baseline has 8 {DECODE} ranges on rank 0, the candidate 4: one range is one layer's decode "
         "step, so the arms profiled windows of different lengths and their totals cannot be compared; profile the "
         "same steps in both arms (the same requests, the same profiler window)"]
     same = _trace(tmp_path / "s_rank0.json", 4, STOCK)
     code, out = _run(capsys, str(cand), "--baseline", str(same), "--steps", "4")
     assert code == 0 and out["comparison"]["holds"], out
+
+
+def test_vllm_029s_two_stock_norm_ranges_per_step_are_one_window_with_the_fused_one(tmp_path):
+    """vLLM 0.29's stock norms open a range each, two per layer step, where the fused pair opens one:
+    the steps are counted by the decode ranges, one per step in both arms, so the windows match."""
+    def arm(path: Path, norms: list[tuple[str, list[str]]], decode: list[str]) -> census.Census:
+        path.write_text(json.dumps({"traceEvents": ranged_events([[*norms, (DECODE, decode)]] * 4, True)}))
+        return census.read_census([path])
+
+    stock = arm(tmp_path / "b_rank0.json", [(NORM, ["rms_norm_kernel"]), (NORM, ["rms_norm_kernel"])], STOCK)
+    fused = arm(tmp_path / "c_rank0.json", [(NORM, ["rmsnorm_pair_kernel"])], ["absorb_qk_cache_kernel"])
+    comparison = census.compare(stock, fused, steps=4, layers=1)
+    assert not any("ranges on rank" in problem for problem in comparison.problems), comparison.problems
+    assert {s.region for s in comparison.sections} == {NORM, DECODE}
 
 
 def _bad_file(tmp_path: Path, text: str) -> str:

@@ -40,8 +40,18 @@ def test_processes_with_other_switches_are_not_one_arm():
     verdict = judge([process(pid=4, host="h", switch="1"), process(pid=5, host="h", switch="qkv_norm")], "fused", None,
                     require_effective=True)
     assert not verdict.holds
-    assert _fails(verdict) == ["FAIL not one deployment: K3_AMD_OVERLAY values differ: '1' (host h pid 4); "
-                               "'qkv_norm' (host h pid 5)"], verdict.lines
+    assert _fails(verdict) == ["FAIL not one deployment: K3_AMD_OVERLAY values differ: auto (qkv_norm, qk_cache, "
+                               "absorb_qk_cache) (host h pid 4: '1'); auto (qkv_norm) (host h pid 5: 'qkv_norm')"], \
+        verdict.lines
+
+
+def test_switches_that_name_one_arm_are_one_arm():
+    """``1`` and every fusion listed, in any order, with spaces, name the same arm (nodes spell it
+    differently): one deployment."""
+    spellings = ["1", "absorb_qk_cache, qk_cache,qkv_norm", " 1"]
+    verdict = judge([process(pid=4 + i, host="h", switch=s) for i, s in enumerate(spellings)], "fused", None,
+                    require_effective=True)
+    assert verdict.holds and not _fails(verdict), verdict.lines
 
 
 def test_another_install_that_served_does_not_prove_the_one_that_did_not():
@@ -51,8 +61,8 @@ def test_another_install_that_served_does_not_prove_the_one_that_did_not():
     assert not verdict.holds
     fails = _fails(verdict)
     assert (f"FAIL host h pid 5 (worker, vLLM 0.31.0): its record was written by k3-amd-overlay 0.2.0, this "
-            f"check is {__version__}: judge it with the check of the server's own install (k3-amd-overlay check "
-            "in the Python vLLM runs in)") in fails, verdict.lines
+            f"check is {__version__}: judge it with the k3-amd-overlay of the install that wrote it (check in the "
+            "Python vLLM runs in; --merge with that version)") in fails, verdict.lines
     assert (f"FAIL not one deployment: overlay versions differ: {__version__} (host h pid 4); 0.2.0 (host h "
             "pid 5)") in fails
     assert "FAIL not one deployment: vllm versions differ: 0.33.0 (host h pid 4); 0.31.0 (host h pid 5)" in fails
@@ -64,8 +74,8 @@ def test_a_record_of_another_overlay_version_fails_alone(version):
     assert not verdict.holds
     assert _fails(verdict) == [
         f"FAIL host h pid 4 (worker, vLLM 0.33.0): its record was written by k3-amd-overlay {version or '(unknown)'}"
-        f", this check is {__version__}: judge it with the check of the server's own install (k3-amd-overlay check "
-        "in the Python vLLM runs in)"], verdict.lines
+        f", this check is {__version__}: judge it with the k3-amd-overlay of the install that wrote it (check in the "
+        "Python vLLM runs in; --merge with that version)"], verdict.lines
 
 
 def test_one_install_one_switch_still_holds():

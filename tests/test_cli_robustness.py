@@ -182,11 +182,25 @@ def test_medians_beyond_a_float_are_unusable_too():
 
 # --- 5. a bench metric of 0 or less ------------------------------------------------------------------
 
-@pytest.mark.parametrize("key,value", [("median_tpot_ms", 0), ("output_throughput", -5), ("p99_itl_ms", -0.0)])
-def test_a_bench_metric_of_0_or_less_is_unusable_naming_the_field(key, value):
-    assert ab_stats.unusable_metric({"median_ttft_ms": 10.0, key: value}) == (
-        f'"{key}" is {value!r}, not a number more than 0 (a latency or throughput; 0 or less is what a bench whose '
-        "requests all failed records)")
+@pytest.mark.parametrize("key,value,least", [
+    ("output_throughput", 0, "more than 0 (a throughput; 0 is what a bench whose requests all failed records)"),
+    ("output_throughput", -5, "more than 0 (a throughput; 0 is what a bench whose requests all failed records)"),
+    ("median_tpot_ms", -1.5, "0 or more (a time)")])
+def test_a_throughput_of_0_or_a_negative_metric_is_unusable_naming_the_field(key, value, least):
+    expected = f'"{key}" is {value!r}, not a number {least}'
+    assert ab_stats.unusable_metric({"median_ttft_ms": 10.0, key: value}) == expected
+
+
+def test_no_request_completed_is_unusable_and_a_latency_of_0_is_left_out():
+    """An arm whose requests all failed records "completed": 0; outputs one token long record a time
+    between tokens of 0 (vLLM's bench: the median of none), a legitimate TTFT-only A/B."""
+    assert ab_stats.unusable_metric({"completed": 0, "output_throughput": 1.0}) == (
+        '"completed" is 0: no request completed (every request of the arm failed?)')
+    one_token = {"completed": 8, "median_ttft_ms": 10.0, "median_tpot_ms": 0.0, "p99_itl_ms": 0,
+                 "output_throughput": 9.0}
+    assert ab_stats.unusable_metric(one_token) is None
+    rows = ab_stats.serving_rows({"A": {1: [one_token] * 6}, "B": {1: [one_token] * 6}})
+    assert {r.metric for r in rows} == {"TTFT p50 (ms)", "out tok/s"}
 
 
 def test_a_nan_metric_is_still_left_out_rather_than_unusable():

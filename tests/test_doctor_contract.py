@@ -345,6 +345,23 @@ def test_fusion_outlook_for_each_switch():
                           "aiter: no AITER)"}}
 
 
+def test_with_a_measurement_the_outlook_chooses_as_the_server_does():
+    """The measurement timed Triton: auto takes Triton where AITER would come first, and a named AITER
+    provider would not fuse (the server's gate runs stock at every batch); before, "fused via aiter"."""
+    from k3_amd_overlay import measured
+
+    found = measured.Measurement(path="", arch="gfx942", device="MI300X", date="d", overlay_version="v",
+                                 launch_configs="", torch="", triton="", kv_cache_dtype="fp8", fp8_format="f",
+                                 stock="s", seed=1, rows=())
+    all_run = {f: {"triton": None, "aiter": None, "vllm": None} for f in FUSIONS}
+    outlook = doctor.fusion_outlook(load_settings({"K3_AMD_OVERLAY": "1"}), all_run, found)
+    assert {f: (o["state"], o["provider"]) for f, o in outlook.items()} == {f: ("fused", "triton") for f in FUSIONS}
+    named = load_settings({"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "aiter"})
+    assert doctor.fusion_outlook(named, all_run, found)[QK_CACHE] == {
+        "state": "stock", "provider": "aiter", "why": "stock: k3-amd-overlay measure timed the triton provider's "
+        "launch on this GPU, this layer's is aiter's: not measured"}
+
+
 # --------------------------------------------------------------------------------------------
 # the verdict line
 

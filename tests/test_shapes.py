@@ -399,8 +399,10 @@ def test_shapes_anchors_and_recognitions_are_frozen(tmp_path):
 
 @pytest.mark.parametrize(("env", "fires"), [
     ({}, False),  # AITER defaults off: vLLM's fused decode never runs
-    ({"VLLM_ROCM_USE_AITER": "1"}, None),  # per layer: fp8 KV cache, heads, the BMM variant
+    ({"VLLM_ROCM_USE_AITER": "1"}, None),  # the fp4 BMM defaults on: per layer (gfx950 only), KV cache, heads
     ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MLA": "0"}, False),
+    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, False),  # the fp8 BMM (default on) only
+    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP4BMM": "0", "VLLM_ROCM_USE_AITER_FP8BMM": "0"}, None),
 ])
 def test_the_positions_defect_may_fire_wherever_vllms_fused_decode_may_run(env, fires):
     assert REAL_POSITIONS_IN_FUSED_DECODE.triggered(env) is fires

@@ -377,6 +377,7 @@ def test_tune_on_a_fake_mi300x_writes_each_kernels_winners_for_this_gpu(fake_gpu
     (["--tokens", "4", "-1"], "error: --tokens [4, -1]: every value must be a positive integer", 2),
     (["--compare", "/nonexistent.json"], "error: --compare /nonexistent.json: no such file", 2),
     (["--compare", "/"], "error: --compare /: a directory, not a file", 2),  # said "no such file" before
+    (["--out", ""], "error: --out '' names no path; leave the option out for the current directory, or name one", 2),
     ([], "no GPU here: tune runs on the GPU it tunes for", 1),
 ])
 def test_bad_arguments_and_no_gpu_are_refused_in_one_line(argv, message, code, capsys, monkeypatch):

@@ -43,21 +43,26 @@ SERVING_METRICS: tuple[tuple[str, str, bool], ...] = (
 
 def unusable_metric(record: Any) -> str | None:
     """Why a saved bench result cannot enter the table, naming the field, or None where it can: a
-    JSON object whose metrics are numbers more than 0 (a metric it lacks, or NaN where the bench
-    measured none, is left out of the table; an infinite one has no ratio, and 0 or less, what an arm
-    whose requests all failed records, is no latency or throughput)."""
+    JSON object with requests completed, a throughput above 0 and latencies of 0 or more. A metric it
+    lacks, NaN where the bench measured none, and a latency of 0 (a time between tokens of outputs
+    one token long) are left out of the table; an infinite one has no ratio; no request completed,
+    or a throughput of 0, is what an arm whose requests all failed records; a negative one is no
+    time."""
     if not isinstance(record, dict):
         return f"it holds a {type(record).__name__}, not a JSON object"
-    for _, key, _ in SERVING_METRICS:
+    if "completed" in record and json_values.whole(record["completed"], least=1) is None:
+        return f'"completed" is {record["completed"]!r}: no request completed (every request of the arm failed?)'
+    for _, key, higher_better in SERVING_METRICS:
         if key not in record:
             continue
         value = record[key]
         number = json_values.as_float(value)
         if number is None or math.isinf(number):
             return f'"{key}" is {value!r}, not a finite number'
-        if number <= 0:  # NaN compares false: left out, as above
-            return (f'"{key}" is {value!r}, not a number more than 0 (a latency or throughput; 0 or less is what a '
-                    "bench whose requests all failed records)")
+        if number < 0 or (higher_better and number == 0):  # NaN compares false: left out, as above
+            least = "more than 0 (a throughput; 0 is what a bench whose requests all failed records)" \
+                if higher_better else "0 or more (a time)"
+            return f'"{key}" is {value!r}, not a number {least}'
     return None
 
 

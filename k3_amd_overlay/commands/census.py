@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import gzip
+import itertools
 import json
 import math
 import os
@@ -313,7 +314,7 @@ def _region_kernels(path: Path, events: list[dict[str, Any]], gpu: list[dict[str
         spans.sort()
     nested = [(found[i][0], found[j][0]) for spans in ranges.values() for i, j in _opened_inside(spans)]
     launches = {}
-    starts_of: dict[tuple[Any, Any], list[float]] = {}
+    starts_of: dict[tuple[Any, Any], tuple[list[float], list[float]]] = {}
     for event in events:
         if str(event.get("cat", "")).lower() not in KERNEL_CATEGORIES:
             corr = _correlation(path, event)
@@ -326,10 +327,14 @@ def _region_kernels(path: Path, events: list[dict[str, Any]], gpu: list[dict[str
         thread, at = launch
         spans = ranges.get(thread, [])
         if thread not in starts_of:
-            starts_of[thread] = [start for start, _, _ in spans]
-        starts = starts_of[thread]
-        # the innermost range holding the launch: of those opened at or before it, the latest still open
+            starts_of[thread] = ([start for start, _, _ in spans],
+                                 list(itertools.accumulate((end for _, end, _ in spans), max)))
+        starts, reach = starts_of[thread]
+        # the innermost range holding the launch: of those opened at or before it, the latest still
+        # open; none once no earlier range reaches the launch (a kernel between ranges: most of them)
         for index in range(bisect.bisect_right(starts, at) - 1, -1, -1):
+            if reach[index] < at:
+                break
             _, end, i = spans[index]
             if at <= end:
                 found[i][1].append((at, str(kernel.get("name")), _number(path, kernel, "dur", least=0.0)))
@@ -713,18 +718,25 @@ def _range_problems(baseline: Census, candidate: Census, region: str) -> tuple[l
 
 
 def _window_problems(baseline: Census, candidate: Census, region: str) -> list[str]:
-    """Where a rank's traces hold a different number of ``region`` ranges in the two arms: one range is
-    one layer's one step, so the arms profiled windows of different lengths and their totals (and
-    the ratio of them) say nothing of the fusion."""
-    def counts(census: Census) -> dict[str, int]:
-        return {rank: sum(name == region for name, _ in census.regions.get(rank, [])) for rank in census.ranks}
+    """Where a rank's traces hold a different number of layer steps in the two arms, so that the arms
+    profiled windows of different lengths and their totals (and the ratio of them) say nothing of the
+    fusion. A step is one decode range where both arms have them on every rank (one per layer step on
+    every release and mode, none nested), else one of ``region``'s own ranges (vLLM 0.29's stock norms
+    open two per step: there the decode ranges count)."""
+    def counts(census: Census, name: str) -> dict[str, int]:
+        return {rank: sum(n == name for n, _ in census.regions.get(rank, [])) for rank in census.ranks}
 
-    base, cand = counts(baseline), counts(candidate)
+    def steps_in_decode(c: Census) -> bool:  # one decode range per step on every rank, none nested
+        return all(counts(c, DECODE_REGION).values()) and not any(
+            DECODE_REGION in pair for pairs in c.nested.values() for pair in pairs)
+
+    by = DECODE_REGION if steps_in_decode(baseline) and steps_in_decode(candidate) else region
+    base, cand = counts(baseline, by), counts(candidate, by)
     differ = [rank for rank in sorted(base) if base[rank] != cand.get(rank)]
     if not differ:
         return []
     rank = differ[0]
-    return [f"{region}: the baseline has {base[rank]} of its ranges on rank {rank}, the candidate {cand.get(rank)}"
+    return [f"{region}: the baseline has {base[rank]} {by} ranges on rank {rank}, the candidate {cand.get(rank)}"
             + (f" ({len(differ)} ranks differ)" if len(differ) > 1 else "") + ": one range is one layer's decode "
             "step, so the arms profiled windows of different lengths and their totals cannot be compared; profile "
             "the same steps in both arms (the same requests, the same profiler window)"]

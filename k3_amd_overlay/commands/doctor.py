@@ -246,9 +246,10 @@ def fusion_outlook(settings: Any, providers_here: dict[str, dict[str, str | None
         else:
             decision = choose_provider(FUSED_PROVIDERS[fusion], settings.provider(fusion), measured.measured_first(
                 providers_here[fusion], settings.provider(fusion), measurement))
-            fused = decision.state is FusionState.APPLIED
-            outlook[fusion] = {"state": "fused" if fused else "stock", "provider": decision.provider,
-                               "why": decision.reason}
+            fused, why = decision.state is FusionState.APPLIED, decision.reason
+            if fused and measurement is not None and decision.provider != measurement.provider:
+                fused, why = False, measured.gate_for(measurement, fusion, provider=decision.provider).unmeasured
+            outlook[fusion] = {"state": "fused" if fused else "stock", "provider": decision.provider, "why": why}
     return outlook
 
 

@@ -302,7 +302,10 @@ def check_compare(given: str) -> None:
 def check_out(given: str) -> None:
     """--out as tune will write it, checked before any GPU work: an existing directory (the file in it,
     named for the GPU, is checked by ``check_out_file`` once the GPU is known), or a file whose directory
-    exists and can be written, which, where it exists, ``check_out_file`` accepts."""
+    exists and can be written, which, where it exists, ``check_out_file`` accepts. An empty value (an
+    unset ``"$DIR"``) names none: refused, not read as the current directory."""
+    if not given.strip():
+        raise UsageError(f"--out {given!r} names no path; leave the option out for the current directory, or name one")
     path = Path(given)
     if not path.is_dir() and not path.suffix:
         what = "not a directory" if path.exists() else "no such directory"

@@ -14,10 +14,10 @@ from typing import Any
 
 from k3_amd_overlay import measured
 from k3_amd_overlay.fusions.states import FusionState
-from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, __version__
+from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, __version__
 from k3_amd_overlay.phases import Phase
 from k3_amd_overlay.record import FusionEntry, MarkerRecord
-from k3_amd_overlay.settings import SWITCH, Mode
+from k3_amd_overlay.settings import SWITCH, Mode, SettingsError, parse_switch
 
 
 @dataclass
@@ -193,8 +193,8 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
             continue
         if record.overlay_version != __version__:
             verdict.fail(f"{name}: its record was written by k3-amd-overlay {record.overlay_version or '(unknown)'}, "
-                         f"this check is {__version__}: judge it with the check of the server's own install "
-                         "(k3-amd-overlay check in the Python vLLM runs in)")
+                         f"this check is {__version__}: judge it with the k3-amd-overlay of the install that wrote it "
+                         "(check in the Python vLLM runs in; --merge with that version)")
         wanted = named if named is not None else [
             f for f, e in entries.items() if e.state is not FusionState.DISABLED]
         has_layers = record.builds_layers()
@@ -273,15 +273,27 @@ ONE_ARM_FIELDS = (("overlay_version", "overlay versions"), ("vllm_version", "vll
                   ("switch", f"{SWITCH} values"))
 
 
+def _switch_meaning(raw: str) -> str:
+    """A switch as the arm it names: ``1`` and the list of every fusion (in any order, with spaces)
+    are one arm; a value no overlay reads stands for itself."""
+    try:
+        mode, fusions = parse_switch(raw)
+    except SettingsError:
+        return repr(raw)
+    return f"{mode.value} ({', '.join(f for f in FUSIONS if f in fusions) or 'no fusion'})"
+
+
 def _one_arm(records: list[MarkerRecord], verdict: Verdict) -> None:
     """Fail ``verdict`` where ``records`` (the processes in the expected mode: one in another has failed
-    already) differ in overlay version, vLLM version or switch."""
+    already) differ in overlay version, vLLM version or the arm their switch names."""
     for attribute, what in ONE_ARM_FIELDS:
         seen: dict[str, list[str]] = {}
         for record in records:
-            value = getattr(record, attribute)
-            seen.setdefault(repr(value) if attribute == "switch" else str(value or "unknown"), []).append(
-                f"host {record.host} pid {record.pid}")
+            value, where = getattr(record, attribute), f"host {record.host} pid {record.pid}"
+            if attribute == "switch":
+                seen.setdefault(_switch_meaning(value), []).append(f"{where}: {value!r}")
+            else:
+                seen.setdefault(str(value or "unknown"), []).append(where)
         if len(seen) > 1:
             verdict.fail(f"not one deployment: {what} differ: " + "; ".join(
                 f"{value} ({', '.join(where)})" for value, where in seen.items()))

@@ -76,24 +76,29 @@ def _fused_decode_passes_positions(s: src.VllmSources) -> bool:
                for n in ast.walk(method or ast.Module(body=[], type_ignores=[])))
 
 
-def _aiter_mla_on(env: Mapping[str, str]) -> bool | None:
-    """vLLM's fused decode runs only with AITER and its MLA on; the rest is decided per layer."""
-    on = _flag(env, "VLLM_ROCM_USE_AITER", False) and _flag(env, "VLLM_ROCM_USE_AITER_MLA", True)
+def _fused_decode_possible(env: Mapping[str, str]) -> bool | None:
+    """vLLM's fused decode runs only with AITER and its MLA on, and with its fp4 BMM on (taken on
+    gfx950 only) or its fp8 BMM off; the rest is decided per layer (the GPU, the KV cache, heads)."""
+    on = (_flag(env, "VLLM_ROCM_USE_AITER", False) and _flag(env, "VLLM_ROCM_USE_AITER_MLA", True)
+          and (_flag(env, "VLLM_ROCM_USE_AITER_FP4BMM", True) or not _flag(env, "VLLM_ROCM_USE_AITER_FP8BMM", True)))
     return None if on else False
 
 
 REAL_POSITIONS_IN_FUSED_DECODE = UpstreamDefect(
     name="vllm-k3-fused-decode-passes-real-positions",
     present=_fused_decode_passes_positions,
-    triggered=_aiter_mla_on,
-    when="VLLM_ROCM_USE_AITER=1 with AITER MLA on, on a layer vLLM's own fused decode takes (K3_AMD_OVERLAY "
-         "unset, stock, or auto deferring to vLLM), with an AITER whose fused write does not clamp positions",
+    triggered=_fused_decode_possible,
+    when="VLLM_ROCM_USE_AITER=1 with AITER MLA on and the fp4 BMM on (gfx950) or the fp8 BMM off, on a layer "
+         "vLLM's own fused decode takes (K3_AMD_OVERLAY unset, or auto deferring to vLLM), with an AITER whose "
+         "fused write does not clamp positions",
     what=(f"vLLM's {K3_WRAPPER}._fused_decode passes each token's real position to AITER's {FUSED_WRITE_OP} "
           "with a one-row cos/sin cache, relying on the kernel clamping it; vLLM 0.34's amd/mla.py records that "
           "AITER v0.1.26's head-grouped kernel does not (cos = sin = 0 past the cache: q_pe and the cached k_pe "
           "zeroed at one head per block, a fault at more), and passes zeros (its account: this overlay has not "
           "reproduced it); naming the overlay's decode provider (K3_AMD_OVERLAY_QK_CACHE_PROVIDER=triton or aiter) "
-          "takes the layer's fused decode batches from vLLM: triton passes no positions, aiter zeros"),
+          "takes from vLLM the batches the overlay fuses (triton passes no positions, aiter zeros; a batch a "
+          "self-measurement sends to stock stays vLLM's), and K3_AMD_OVERLAY=stock turns vLLM's fused decode "
+          "off"),
 )
 
 
