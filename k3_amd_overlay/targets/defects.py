@@ -40,13 +40,17 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     return env.get(name, "1" if default else "0").strip().lower() in ("1", "true")
 
 
+def _aiter_mla_on(env: Mapping[str, str]) -> bool:
+    """AITER on (off by default) with its MLA on (on by default): vLLM's fused decode can run at all."""
+    return _flag(env, "VLLM_ROCM_USE_AITER", False) and _flag(env, "VLLM_ROCM_USE_AITER_MLA", True)
+
+
 def _w_uk_t_possible(env: Mapping[str, str]) -> bool | None:
     """vLLM 0.32's ``_fused_qk_prep_supported`` reads ``W_UK_T`` (before load) only with AITER MLA on
     and its fp8 BMM off; whether it gets there is decided per layer (fp8 KV cache, kv_lora_rank x heads
     >= 2048, no DCP/PCP/HiSparse/padded heads, and its fp4 BMM off: that needs
     VLLM_ROCM_USE_AITER_FP4BMM, on by default, a CDNA 4 (gfx950) GPU and a bf16 kv_b_proj)."""
-    on = (_flag(env, "VLLM_ROCM_USE_AITER", False) and _flag(env, "VLLM_ROCM_USE_AITER_MLA", True)
-          and not _flag(env, "VLLM_ROCM_USE_AITER_FP8BMM", True))
+    on = _aiter_mla_on(env) and not _flag(env, "VLLM_ROCM_USE_AITER_FP8BMM", True)
     return None if on else False
 
 
@@ -79,8 +83,8 @@ def _fused_decode_passes_positions(s: src.VllmSources) -> bool:
 def _fused_decode_possible(env: Mapping[str, str]) -> bool | None:
     """vLLM's fused decode runs only with AITER and its MLA on, and with its fp4 BMM on (taken on
     gfx950 only) or its fp8 BMM off; the rest is decided per layer (the GPU, the KV cache, heads)."""
-    on = (_flag(env, "VLLM_ROCM_USE_AITER", False) and _flag(env, "VLLM_ROCM_USE_AITER_MLA", True)
-          and (_flag(env, "VLLM_ROCM_USE_AITER_FP4BMM", True) or not _flag(env, "VLLM_ROCM_USE_AITER_FP8BMM", True)))
+    on = _aiter_mla_on(env) and (_flag(env, "VLLM_ROCM_USE_AITER_FP4BMM", True)
+                                 or not _flag(env, "VLLM_ROCM_USE_AITER_FP8BMM", True))
     return None if on else False
 
 
