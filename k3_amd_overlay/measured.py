@@ -513,12 +513,14 @@ def summary(entry: Mapping[str, Any]) -> str:
             + ("; ".join(parts) or "no fused path gated in this process"))
 
 
-def doctor_section(arch: str | None, device: str | None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``doctor``'s self-measurement section: the file for this GPU, its verdicts per fusion and
-    shape, or why it is not used, and the recommendation to measure where there is none."""
+def doctor_section(arch: str | None, device: str | None, environ: Mapping[str, str] | None = None,
+                   loaded: Loaded | None = None) -> dict[str, Any]:
+    """``doctor``'s self-measurement section: the file for this GPU (``loaded``, where the caller has
+    read it already), its verdicts per fusion and shape, or why it is not used, and the
+    recommendation to measure where there is none."""
     if arch is None or device is None:
         return {"state": "none", "note": "no GPU: nothing to measure"}
-    loaded = load_here(arch, device, environ)
+    loaded = loaded or load_here(arch, device, environ)
     section: dict[str, Any] = {"file": loaded.path, "state": marker_entry(loaded)["state"]}
     if loaded.error:
         section["error"] = loaded.error

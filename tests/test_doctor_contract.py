@@ -726,7 +726,8 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
     monkeypatch.setattr(vllm_env, "with_vllm_aiter_switch", lambda m: {**m, "aiter": f"AITER off {tag}"})
     configs = {"arch": f"gfx{tag}", "device": f"MI {tag}", "kernels": {}}
     monkeypatch.setattr(doctor, "launch_configs_here", lambda device: seen.append(("configs", device.type)) or configs)
-    monkeypatch.setattr(measured, "doctor_section", lambda arch, device: {"measured": (arch, device)})
+    monkeypatch.setattr(measured, "doctor_section", lambda arch, device, environ=None, loaded=None: {
+        "measured": (arch, device)})
     rows = [{"op": QKV_NORM, "provider": "reference", "ran": True, "pass": True}]
     monkeypatch.setattr(doctor, "selftest", lambda device: seen.append(("selftest", device.type)) or rows)
     monkeypatch.setattr(doctor, "ab_baseline", lambda env, shape_, serve: [f"{env.get('K3_AMD_OVERLAY')} {serve}"]

@@ -339,14 +339,13 @@ def run_doctor(switch: str | None = None, serve_args: str | None = None) -> tupl
 
         report["providers here"] = {f: with_vllm_aiter_switch(m) for f, m in report["providers here"].items()}
     report["launch configs"] = launch_configs_here(device)
-    report["self-measurement"] = measured.doctor_section(report["launch configs"].get("arch"),
-                                                         report["launch configs"].get("device"))
+    arch, device_name = report["launch configs"].get("arch"), report["launch configs"].get("device")
+    loaded = measured.load_here(arch, device_name) if arch and device_name else None  # read once, used twice
+    report["self-measurement"] = measured.doctor_section(arch, device_name, loaded=loaded)
     report["self-test"] = selftest(device)
     if settings.enabled and has_vllm:
         report.update(_activate_here(env))
-    arch, device_name = report["launch configs"].get("arch"), report["launch configs"].get("device")
-    measurement = measured.load_here(arch, device_name).measurement if arch and device_name else None
-    report["fusions"] = fusion_outlook(settings, report["providers here"], measurement)
+    report["fusions"] = fusion_outlook(settings, report["providers here"], loaded.measurement if loaded else None)
     report["a/b baseline"] = ab_baseline(env, shape, serve_args)
     report["verdict"], healthy = verdict_line(report)
     return report, healthy
