@@ -382,7 +382,7 @@ def unanswered(summary: dict[str, Any]) -> str | None:
         return "no repeat completed by both arms: nothing to compare" + (f" ({', '.join(empty)})" if empty else "")
     unusable = [f"{name} {row.get('metric')} at concurrency {row.get('concurrency')}: {row['verdict']}"
                 for name, found in rows.items() for row in found
-                if isinstance(row, dict) and str(row.get("verdict", "")).startswith("unusable")]
+                if isinstance(row, dict) and str(row.get("verdict", "")).startswith(ab_stats.UNUSABLE)]
     if unusable:
         return f"{len(unusable)} row{'s' if len(unusable) != 1 else ''} without a usable ratio: " + "; ".join(
             unusable[:3]) + ("; ..." if len(unusable) > 3 else "")

@@ -112,6 +112,9 @@ def bootstrap_interval(values: Sequence[float], seed: int = 0) -> tuple[float, f
     return means[int(0.025 * BOOTSTRAP_RESAMPLES)], means[int(0.975 * BOOTSTRAP_RESAMPLES) - 1]
 
 
+UNUSABLE = "unusable"  # how a row's verdict starts where it has no ratio to judge (ab_serve.unanswered reads it)
+
+
 @dataclass(frozen=True)
 class MetricRow:
     """One metric at one concurrency, paired by repeat. Where its numbers are not all finite (a ratio
@@ -132,7 +135,7 @@ class MetricRow:
     @property
     def verdict(self) -> str:
         if self.unusable or self.ratio is None or self.p_value is None:
-            return f"unusable: {self.unusable or 'no finite ratio'}"
+            return f"{UNUSABLE}: {self.unusable or 'no finite ratio'}"
         if no_verdict_reason(self.repeats):
             return f"no verdict possible at n={self.repeats}"
         if self.p_value < SIGNIFICANCE:
