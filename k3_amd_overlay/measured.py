@@ -16,15 +16,18 @@ exact against the stock sequence's and it measured at least as fast (stock µs /
 ``MIN_RATIO``); elsewhere, above the largest bucket, and at a shape (heads, W_UK absorption) the file
 does not hold, stock runs, with the reason in the marker.
 
-The file records what decides the fused kernels' speed and bytes (``CONDITIONS``): a sha256 of the
-launch configs this GPU's kernels resolved to, the torch and Triton versions, the KV-cache dtype and
-the fp8 format. A file that cannot be used (malformed, of another GPU, of another overlay version,
-measured under other conditions than this process's, or written before they were recorded) is
-ignored with an ERROR naming the file and the field: the behaviour without it, and the marker says
-why. So is a file of this GPU left in the per-user directory where ``K3_AMD_OVERLAY_KERNEL_CONFIGS``
-names another and that one holds none: ``measure`` ran without the variable the server has. Where
-this process cannot tell a condition of its own (torch not importable, launch configs that do not
-resolve), the file is not used either."""
+The file records what decides the fused kernels' and stock's speed and bytes (``CONDITIONS``): a
+sha256 of the launch configs this GPU's kernels resolved to, the torch and Triton versions, which AITER
+(its version and directory, or none: stock's fp8 absorption is AITER's fp8 BMM), the KV-cache dtype and
+the fp8 format. The vLLM version is not among them: `measure` runs none of vLLM's code (its stock
+sequence is the benchmarks' launches, see self_measure.py). A file that cannot be used (malformed, of
+another GPU, of another overlay version, measured under other conditions than this process's, or
+written before they were recorded) is ignored with an ERROR naming the file and the field: the
+behaviour without it, and the marker says why. So is a file of this GPU left in the per-user directory
+where ``K3_AMD_OVERLAY_KERNEL_CONFIGS`` names another and that one holds none: ``measure`` ran without
+the variable the server has. Where this process cannot tell a condition of its own (torch not
+importable, launch configs that do not resolve, a broken ``aiter`` entry), the file is not used
+either."""
 
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from k3_amd_overlay.kernels import launch_configs
 from k3_amd_overlay.kernels.launch_configs import device_slug
 from k3_amd_overlay.package import ABSORB_QK_CACHE, AUTO, FUSIONS, QK_CACHE, QKV_NORM, __version__
 from k3_amd_overlay.settings import KERNEL_CONFIGS
+from k3_amd_overlay.versions import aiter_identity
 
 SCHEMA = 1
 SUFFIX = ".measured.json"
@@ -58,7 +62,7 @@ COMMAND = "k3-amd-overlay measure"
 SEEDS = range(2**32)  # inputs' seeds `measure` takes (each bucket's inputs are drawn from seed + a small offset)
 KV_CACHE_DTYPE = "fp8"  # the cache the fused decode writes, and the one `measure` times it with
 # The fields that decide the fused kernels' speed and bytes: a file measured under others is not used.
-CONDITIONS = ("launch_configs", "torch", "triton", "kv_cache_dtype", "fp8_format")
+CONDITIONS = ("launch_configs", "torch", "triton", "aiter", "kv_cache_dtype", "fp8_format")
 # The provider whose launches `measure` times (the overlay's own Triton kernels): a file's verdicts hold
 # for that provider alone; a layer of another provider is not measured, so stock runs there.
 PROVIDER = "triton"
@@ -162,6 +166,7 @@ class Measurement:
     launch_configs: str  # configs_fingerprint's ("" read from a file written before it was recorded)
     torch: str
     triton: str
+    aiter: str  # versions.aiter_identity's ("" read from a file written before it was recorded)
     kv_cache_dtype: str
     fp8_format: str
     stock: str  # what the stock sequence was, in words
@@ -177,7 +182,7 @@ class Measurement:
         heads = sorted({r.heads for r in self.rows if r.heads is not None})
         return {"schema": SCHEMA, "arch": self.arch, "device": self.device, "date": self.date,
                 "overlay_version": self.overlay_version, "torch": self.torch, "triton": self.triton,
-                "launch_configs": self.launch_configs, "stock": self.stock, "seed": self.seed,
+                "aiter": self.aiter, "launch_configs": self.launch_configs, "stock": self.stock, "seed": self.seed,
                 "provider": self.provider,
                 "shapes": {"heads": heads, "variants": sorted({r.variant for r in self.rows if r.variant}),
                            "buckets": sorted({r.tokens for r in self.rows}), "kv_cache_dtype": self.kv_cache_dtype,
@@ -264,6 +269,7 @@ def parse(data: Any, path: str) -> Measurement:
     if json_values.whole(seed) is None or seed not in SEEDS:  # `in range` scans a range for a non-int
         raise MeasuredError(f"{path}: field 'seed' is {seed!r}, expected a whole number {SEEDS[0]}-{SEEDS[-1]}")
     return Measurement(path=path, **text, torch=_text(data, "torch", path), triton=_text(data, "triton", path),
+                       aiter=_text(data, "aiter", path),
                        kv_cache_dtype=_text(shapes, "kv_cache_dtype", f"{path} shapes"),
                        fp8_format=_text(shapes, "fp8_format", f"{path} shapes"),
                        stock=_text(data, "stock", path), seed=seed, rows=rows,
@@ -308,7 +314,7 @@ def conditions(arch: str, device: str | None) -> dict[str, str | None]:
     buckets it is gated in were measured right only on that one. The fp8 format is the one vLLM's
     platform and the fused paths use, e4m3fnuz exactly on gfx94x (format_for_gcn_arch, NVIDIA too)."""
     return {"launch_configs": configs_fingerprint(arch, device), "torch": _version("torch"),
-            "triton": _version("triton"), "kv_cache_dtype": KV_CACHE_DTYPE,
+            "triton": _version("triton"), "aiter": aiter_identity(), "kv_cache_dtype": KV_CACHE_DTYPE,
             "fp8_format": format_for_gcn_arch(arch).name}
 
 
@@ -317,7 +323,7 @@ def _stale(path: Path, found: list[tuple[str, str, str]]) -> str:
     process's, in words)."""
     absent = "absent (a file of an older k3-amd-overlay)"
     fields = "; ".join(f"field {name!r} is {repr(value) if value else absent}, {here}" for name, value, here in found)
-    return f"{path}: {fields}: its kernels were not the ones measured; run `{COMMAND}` again"
+    return f"{path}: {fields}: this process does not run the kernels it timed; run `{COMMAND}` again"
 
 
 def differences(measurement: Measurement, here: Mapping[str, str | None]) -> list[tuple[str, str, str]]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from machine import HAS_VLLM
 
-from k3_amd_overlay import k3
+from k3_amd_overlay import k3, versions
 from k3_amd_overlay.commands import doctor
 from k3_amd_overlay.fp8 import FP8_FORMATS
 from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, SUPPORTED_VLLM, __version__
@@ -47,10 +47,12 @@ def test_versions_name_each_distribution_and_fall_back_to_its_other_name(monkeyp
     first = {"vllm": "0.33.1", "triton": "3.5.1", "pytorch-triton-rocm": "3.4.0", "amd-aiter": "0.1.7",
              "aiter": "0.0.1"}
     monkeypatch.setattr(doctor, "metadata", _Metadata(first))
+    monkeypatch.setattr(versions, "metadata", _Metadata(first))
     assert doctor.versions() == {
         "k3-amd-overlay": __version__, "python": "3.12.9", "vllm": "0.33.1", "torch": torch.__version__,
         "triton": "3.5.1", "aiter": "0.1.7", "supported vllm": SUPPORTED_VLLM}
     monkeypatch.setattr(doctor, "metadata", _Metadata({"pytorch-triton-rocm": "3.4.0", "aiter": "0.0.1"}))
+    monkeypatch.setattr(versions, "metadata", _Metadata({"pytorch-triton-rocm": "3.4.0", "aiter": "0.0.1"}))
     assert doctor.versions() == {
         "k3-amd-overlay": __version__, "python": "3.12.9", "vllm": None, "torch": torch.__version__,
         "triton": "3.4.0", "aiter": "0.0.1", "supported vllm": SUPPORTED_VLLM}
@@ -351,7 +353,7 @@ def test_with_a_measurement_the_outlook_chooses_as_the_server_does():
     from k3_amd_overlay import measured
 
     found = measured.Measurement(path="", arch="gfx942", device="MI300X", date="d", overlay_version="v",
-                                 launch_configs="", torch="", triton="", kv_cache_dtype="fp8", fp8_format="f",
+                                 launch_configs="", torch="", triton="", aiter="", kv_cache_dtype="fp8", fp8_format="f",
                                  stock="s", seed=1, rows=())
     all_run = {f: {"triton": None, "aiter": None, "vllm": None} for f in FUSIONS}
     outlook = doctor.fusion_outlook(load_settings({"K3_AMD_OVERLAY": "1"}), all_run, found)

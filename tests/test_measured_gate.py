@@ -2,7 +2,7 @@
 and the reason words the marker shows; a file that is foreign or malformed is refused with a message
 naming the file and the field, and at run time only ignored (never raised); the marker's record of it
 round-trips; ``check`` prints it. A file measured under other conditions than this process's (launch
-configs, torch, Triton, KV-cache dtype, fp8 format), or one that does not record them, is not used;
+configs, torch, Triton, AITER, KV-cache dtype, fp8 format), or one that does not record them, is not used;
 a malformed marker entry is one line, never an exception."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import random
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from k3_amd_overlay.settings import KERNEL_CONFIGS, Mode
 
 ARCH, DEVICE = "gfx942", "AMD Instinct MI300X"
 NAME = "gfx942-AMD_Instinct_MI300X.measured.json"
+RUN_AGAIN = "this process does not run the kernels it timed; run `k3-amd-overlay measure` again"
 
 
 @pytest.fixture(autouse=True)
@@ -187,8 +189,7 @@ def test_not_json_a_foreign_gpu_and_another_overlay_version_are_ignored_with_the
         "'AMD Instinct MI300X'")
     write(tmp_path, measurement(list(planted().rows), version="0.0.1").to_json())
     assert measured.load_here(ARCH, DEVICE, environ).error == (
-        f"{path}: field 'overlay_version' is '0.0.1', this is k3-amd-overlay {__version__}: its kernels were not the "
-        "ones measured; run `k3-amd-overlay measure` again")
+        f"{path}: field 'overlay_version' is '0.0.1', this is k3-amd-overlay {__version__}: {RUN_AGAIN}")
 
 
 def here_is(name: str) -> str:
@@ -206,6 +207,8 @@ def set_shape(name: str, value: str) -> Callable[[dict[str, Any]], object]:
 @pytest.mark.parametrize("change,field,found", [
     pytest.param(lambda d: d.update(torch="2.8.0+rocm6.3"), "torch", "'2.8.0+rocm6.3'", id="torch"),
     pytest.param(lambda d: d.update(triton="3.3.0"), "triton", "'3.3.0'", id="triton"),
+    pytest.param(lambda d: d.update(aiter="0.1.6 at /opt/aiter/aiter"), "aiter", "'0.1.6 at /opt/aiter/aiter'",
+                 id="aiter: stock's fp8 BMM is another"),
     pytest.param(lambda d: d.update(launch_configs="0" * 64), "launch_configs", f"'{'0' * 64}'", id="launch_configs"),
     pytest.param(set_shape("kv_cache_dtype", "auto"), "kv_cache_dtype", "'auto'", id="kv_cache_dtype"),
     pytest.param(set_shape("fp8_format", "e5m2"), "fp8_format", "'e5m2'", id="fp8_format"),
@@ -218,8 +221,7 @@ def test_a_file_measured_under_other_conditions_is_not_used_naming_the_field(tmp
     path = write(tmp_path, data)
     loaded = measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})
     assert loaded.measurement is None and loaded.error == (
-        f"{path}: field {field!r} is {found}, this process's is {here_is(field)}: its kernels were not the ones "
-        "measured; run `k3-amd-overlay measure` again")
+        f"{path}: field {field!r} is {found}, this process's is {here_is(field)}: {RUN_AGAIN}")
     assert measured.marker_entry(loaded)["state"] == "ignored"
     assert measured.doctor_section(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})["error"] == loaded.error
 
@@ -230,7 +232,7 @@ def test_every_field_that_differs_is_named(tmp_path):
     path = write(tmp_path, data)
     assert measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)}).error == (
         f"{path}: field 'torch' is '2.8.0', this process's is {here_is('torch')}; field 'triton' is '3.3.0', this "
-        f"process's is {here_is('triton')}: its kernels were not the ones measured; run `k3-amd-overlay measure` again")
+        f"process's is {here_is('triton')}: {RUN_AGAIN}")
 
 
 def test_a_newly_tuned_launch_config_file_beside_the_measurement_makes_it_unused(tmp_path, monkeypatch):
@@ -252,15 +254,18 @@ def test_a_newly_tuned_launch_config_file_beside_the_measurement_makes_it_unused
     assert measured.configs_fingerprint(ARCH, DEVICE) != before.measurement.launch_configs
     assert after.measurement is None and after.error == (
         f"{path}: field 'launch_configs' is {before.measurement.launch_configs!r}, this process's is "
-        f"{here_is('launch_configs')}: its kernels were not the ones measured; run `k3-amd-overlay measure` again")
+        f"{here_is('launch_configs')}: {RUN_AGAIN}")
 
 
-@pytest.mark.parametrize("field", ["torch", "launch_configs"])
+@pytest.mark.parametrize("field", ["torch", "launch_configs", "aiter"])
 def test_a_condition_this_process_cannot_tell_fails_closed(tmp_path, monkeypatch, field):
     written = planted()
     path = write(tmp_path, written.to_json())
     if field == "torch":
         monkeypatch.setitem(sys.modules, "torch", None)  # a pure-Python process: torch not importable
+    elif field == "aiter":
+        monkeypatch.setitem(sys.modules, "aiter", types.ModuleType("aiter"))  # half-imported: no __spec__
+        sys.modules["aiter"].__spec__ = None
     else:
         def unresolvable(arch, device=None):
             raise launch_configs.LaunchConfigError("the shipped file is bad")
@@ -268,8 +273,7 @@ def test_a_condition_this_process_cannot_tell_fails_closed(tmp_path, monkeypatch
         monkeypatch.setattr(launch_configs, "resolve", unresolvable)
     assert measured.conditions(ARCH, DEVICE)[field] is None
     assert measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)}).error == (
-        f"{path}: field {field!r} is {written.conditions()[field]!r}, this process cannot tell its own: its kernels "
-        "were not the ones measured; run `k3-amd-overlay measure` again")
+        f"{path}: field {field!r} is {written.conditions()[field]!r}, this process cannot tell its own: {RUN_AGAIN}")
 
 
 @pytest.mark.parametrize("entry", [

@@ -117,8 +117,8 @@ def test_a_file_measured_under_other_conditions_is_one_error_at_server_start(tmp
     assert site.plan.measured is None and site.plan.path_for(batch(4096)) is DecodePath.QK_CACHE
     entry = inst.evidence.record.measurement
     assert entry == {"file": str(gpu_here), "state": "ignored", "error": (
-        f"{gpu_here}: field {field!r} is {data[field]!r}, this process's is {now!r}: its kernels were not the ones "
-        "measured; run `k3-amd-overlay measure` again")}
+        f"{gpu_here}: field {field!r} is {data[field]!r}, this process's is {now!r}: this process does not run the "
+        "kernels it timed; run `k3-amd-overlay measure` again")}
     assert [r.levelname for r in caplog.records] == ["ERROR"] and entry["error"] in caplog.records[0].getMessage()
 
 

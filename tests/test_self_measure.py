@@ -21,7 +21,7 @@ import torch
 import triton
 from machine import DEVICE
 
-from k3_amd_overlay import fp8, measured
+from k3_amd_overlay import fp8, measured, versions
 from k3_amd_overlay.commands import self_measure
 from k3_amd_overlay.commands.bench import aiter_peers, layer_step
 from k3_amd_overlay.fp8 import E4M3FN
@@ -172,8 +172,9 @@ def test_writing_keeps_the_rows_of_other_shapes_and_replaces_those_measured_agai
 
 
 @pytest.mark.parametrize("field,old", [("torch", "2.8.0"), ("triton", "3.3.0"), ("launch_configs", "0" * 64),
-                                       ("fp8_format", "e4m3fnuz"), ("kv_cache_dtype", "auto")],
-                         ids=["torch", "triton", "launch_configs", "fp8_format", "kv_cache_dtype"])
+                                       ("aiter", "0.1.6 at /opt/aiter/aiter"), ("fp8_format", "e4m3fnuz"),
+                                       ("kv_cache_dtype", "auto")],
+                         ids=["torch", "triton", "launch_configs", "aiter", "fp8_format", "kv_cache_dtype"])
 def test_rows_measured_under_other_conditions_are_dropped_saying_so(tmp_path, field, old):
     first = [measured.Row(QK_CACHE, 8, 12, "fp8", True, 6.0, 4.0),
              measured.Row(QK_CACHE, 16, 12, "fp8", True, 6.0, 4.0),
@@ -210,7 +211,8 @@ def test_the_result_records_the_conditions_it_measured_under():
     assert got.conditions() == measured.conditions("gfx942", "AMD Instinct MI300X")
     assert got.conditions() == {"launch_configs": measured.configs_fingerprint("gfx942", "AMD Instinct MI300X"),
                                 "torch": torch.__version__, "triton": triton.__version__,
-                                "kv_cache_dtype": "fp8", "fp8_format": "e4m3fnuz"}
+                                "aiter": versions.aiter_identity(), "kv_cache_dtype": "fp8", "fp8_format": "e4m3fnuz"}
+    assert got.to_json()["aiter"] == got.aiter and got.aiter  # recorded, never ""
 
 
 def flags(**given) -> list[str]:

@@ -26,6 +26,7 @@ from k3_amd_overlay.package import (
     __version__,
 )
 from k3_amd_overlay.settings import SWITCH, SettingsError, load_settings
+from k3_amd_overlay.versions import installed_aiter_version, installed_vllm_version
 
 K3_ABSORB_WIDTHS = (k3.QK_NOPE_HEAD_DIM, k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM)  # P, L, R of the absorbed op
 
@@ -41,7 +42,7 @@ def versions() -> dict[str, Any]:
     return {
         "k3-amd-overlay": __version__, "python": platform.python_version(), "vllm": _version("vllm"),
         "torch": torch.__version__, "triton": _version("triton") or _version("pytorch-triton-rocm"),
-        "aiter": _version("amd-aiter") or _version("aiter"), "supported vllm": SUPPORTED_VLLM,
+        "aiter": installed_aiter_version(), "supported vllm": SUPPORTED_VLLM,
     }
 
 
@@ -359,7 +360,6 @@ def ab_baseline(env: dict[str, str], shape: Any, serve_args: str | None = None) 
     baseline_hazard judges them with this environment and ``serve_args`` (None: not known here).
     A warning, not a "not ready": serving itself is what the rest of the report judges."""
     from k3_amd_overlay.commands.baseline_hazard import VllmFacts, baseline_hazard
-    from k3_amd_overlay.versions import installed_vllm_version
 
     facts = VllmFacts(installed_vllm_version(), None if shape is None else bool(shape.upstream.get(QK_CACHE)))
     switches = dict.fromkeys([AB_DEFAULT_BASELINE, env.get(SWITCH, "") or AB_DEFAULT_BASELINE])

@@ -30,7 +30,7 @@ server's gates speak for that provider alone, and with the file ``auto`` chooses
 It prints the table, writes ``<arch>-<device>.measured.json`` into ``--out`` (default: see measured.py:
 beside the tuned launch configs, else a per-user directory), keeping the rows of other shapes a file
 for this GPU and overlay version holds where they were measured under the same conditions (launch
-configs, torch, Triton, KV-cache dtype, fp8 format: ``measured.CONDITIONS``; otherwise it drops them
+configs, torch, Triton, AITER, KV-cache dtype, fp8 format: ``measured.CONDITIONS``; otherwise it drops them
 and says so), and exits 1 where a bucket was not exact (the file is still written: that bucket runs
 stock); with ``--json`` a failed run's object says why in ``error``. It imports no vLLM, touches no
 server state (no marker, no variable) and replaces the result file atomically; its tensors take a few
@@ -391,7 +391,7 @@ def graph_timer() -> Timer:
 def result(rows: Sequence[measured.Row], arch: str, device_name: str, fp8_format: str,
            seed: int) -> measured.Measurement:
     """The measurement of ``rows`` on this machine, now (with this overlay and the conditions it
-    measured under: this process's launch configs, torch and Triton, the fp8 KV cache in
+    measured under: this process's launch configs, torch, Triton and AITER, the fp8 KV cache in
     ``fp8_format``)."""
     here = {**measured.conditions(arch, device_name), "fp8_format": fp8_format}
     return measured.Measurement(
