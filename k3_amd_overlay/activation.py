@@ -80,6 +80,7 @@ class Activation:
     shape: VllmShape | None = None
     engine: PatchEngine = field(default_factory=PatchEngine)
     specs_by_module: dict[str, list[PatchSpec]] = field(default_factory=dict)
+    installer: LayerInstaller | None = None
     live: bool = True
 
     def refuse(self, fusions: list[str] | tuple[str, ...], reason: str) -> None:
@@ -122,7 +123,7 @@ class Activation:
                         f"k3-amd-overlay: {message}; {_how_to_proceed(_nothing_installable(found, requested))}")
                 self.refuse([fusion], message)
                 installable.discard(fusion)
-        installer = LayerInstaller(self.settings, self.evidence)
+        installer = self.installer = LayerInstaller(self.settings, self.evidence)
         specs = found.shape.build(installer, frozenset(installable))
         grouped: dict[str, list[PatchSpec]] = defaultdict(list)
         for spec in specs:
@@ -156,7 +157,10 @@ class Activation:
 
     def stop(self) -> list[str]:
         self.live = False
+        applied = list(self.engine.applied)
         reverted = self.engine.revert_all()
+        if self.installer is not None:  # layers built meanwhile keep their sites' routes
+            self.installer.keep_routes(applied)
         for fusion in self.settings.fusions:
             # refused, not disabled: requested, yet neither the fused path nor the forced stock one runs now
             self.evidence.set_fusion(fusion, FusionState.REFUSED, DEACTIVATED)

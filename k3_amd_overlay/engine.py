@@ -33,6 +33,9 @@ class PatchSpec:
     replace: Callable[[Any], Any] | None = None
     params: tuple[str, ...] | None = None
     guard: Callable[[Any], str | None] | None = None  # a live condition: an error message, or None
+    # The instance attribute holding the per-layer site this wrapper routes by: once the patch is
+    # reverted, a layer that holds one keeps the route (the wrapper bound on the instance).
+    kept_by: str | None = None
 
     @property
     def target(self) -> str:
@@ -40,7 +43,9 @@ class PatchSpec:
 
 
 @dataclass
-class _Applied:
+class Applied:
+    """One patch in place: its spec, where it went, and what it replaced."""
+
     spec: PatchSpec
     parent: Any
     name: str
@@ -88,7 +93,7 @@ def verify(spec: PatchSpec, module: Any) -> None:
 class PatchEngine:
     """The patches this process has in place, in the order applied."""
 
-    applied: list[_Applied] = field(default_factory=list)
+    applied: list[Applied] = field(default_factory=list)
 
     def is_applied(self, spec: PatchSpec) -> bool:
         return any(a.spec.key == spec.key for a in self.applied)
@@ -98,7 +103,7 @@ class PatchEngine:
         pending = [s for s in specs if not self.is_applied(s)]
         for spec in pending:
             verify(spec, module)
-        done: list[_Applied] = []
+        done: list[Applied] = []
         try:
             for spec in pending:
                 done.append(self._apply_one(spec, module))
@@ -109,7 +114,7 @@ class PatchEngine:
         self.applied.extend(done)
         return [r.spec.key for r in done]
 
-    def _apply_one(self, spec: PatchSpec, module: Any) -> _Applied:
+    def _apply_one(self, spec: PatchSpec, module: Any) -> Applied:
         parent, name, original = _resolve(module, spec.attribute)
         had_own = name in vars(parent) if inspect.isclass(parent) else True
         if spec.wrapper is not None:
@@ -117,10 +122,10 @@ class PatchEngine:
         else:
             assert spec.replace is not None
             setattr(parent, name, spec.replace(original))
-        return _Applied(spec, parent, name, original, had_own, vars(parent)[name])
+        return Applied(spec, parent, name, original, had_own, vars(parent)[name])
 
     @staticmethod
-    def _revert_one(record: _Applied) -> None:
+    def _revert_one(record: Applied) -> None:
         if vars(record.parent).get(record.name) is not record.installed:
             raise AnchorError(
                 f"{record.spec.target} was changed by someone else after the overlay patched it; "

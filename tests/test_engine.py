@@ -152,3 +152,37 @@ def test_a_patch_spec_cannot_change_once_made():
     spec = PatchSpec("k", "fake", "helper", ())
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.attribute = "other"  # type: ignore[misc]
+
+
+def test_layers_built_while_patched_keep_their_routes_after_revert():
+    """``deactivate()`` takes the wrappers off the classes; a layer given a site meanwhile keeps the
+    route through it (the wrapper bound around the original on the instance), a layer without one and
+    every later layer run the original, and the class gets back the identical object."""
+    from k3_amd_overlay.evidence import Evidence
+    from k3_amd_overlay.settings import load_settings
+    from k3_amd_overlay.targets.installer import LayerInstaller
+
+    module = make_module()
+    original = vars(module.Wrapper)["_normalize_q_kv"]
+    settings = load_settings({"K3_AMD_OVERLAY": "qkv_norm"})
+    installer = LayerInstaller(settings, Evidence(settings))
+
+    def routed(wrapped, instance, args, kwargs):
+        site = vars(instance).get("_site")
+        return (site, *wrapped(*args, **kwargs)[1:]) if site else wrapped(*args, **kwargs)
+
+    engine = PatchEngine()
+    spec = PatchSpec("w.norm", "fake", "Wrapper._normalize_q_kv", ("qkv_norm",), wrapper=routed, kept_by="_site")
+    engine.apply([spec, PatchSpec("w.fwd", "fake", "Wrapper.forward", ("qkv_norm",), wrapper=tag("x"))], module)
+    with_site, without, child = module.Wrapper(), module.Wrapper(), module.Child()
+    with_site._site = "overlay"
+    child._site = "child's"
+    for layer in (with_site, without, child):
+        installer.layers.add(layer)
+    applied = list(engine.applied)
+    engine.revert_all()
+    installer.keep_routes(applied)
+    assert vars(module.Wrapper)["_normalize_q_kv"] is original
+    assert with_site._normalize_q_kv(1, 2) == ("overlay", 1, 2) and child._normalize_q_kv(3, 4) == ("child's", 3, 4)
+    assert without._normalize_q_kv(1, 2) == ("stock", 1, 2) and module.Wrapper()._normalize_q_kv(1, 2) == ("stock", 1, 2)
+    assert "forward" not in vars(with_site) and with_site.forward(5) == 5  # no kept_by: nothing kept

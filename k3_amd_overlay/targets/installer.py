@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from k3_amd_overlay import kernel_failures, measured
+from k3_amd_overlay.engine import Applied, Wrapper
 from k3_amd_overlay.evidence import Evidence
 from k3_amd_overlay.fusions.qk_cache import (
     AbsorbVariant,
@@ -77,6 +79,31 @@ class LayerInstaller:
     compile_seconds: dict[str, float] = field(default_factory=dict)  # per kernel, this process's installs
     measurement: measured.Loaded = field(default_factory=lambda: measured.Loaded(None))  # this GPU's, if any
     gates: dict[str, BucketGate | None] = field(default_factory=dict)  # per fusion, as the marker records them
+    layers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # every layer given sites, while alive
+
+    def track(self, layer: Any) -> None:
+        """Remember a layer given a site, for ``keep_routes`` (vLLM's layers are torch modules, which
+        take weak references; an object that takes none is no such layer and is not kept)."""
+        try:
+            self.layers.add(layer)
+        except TypeError:
+            pass
+
+    def keep_routes(self, reverted: Iterable[Applied]) -> None:
+        """After ``reverted`` patches are taken off their classes (``k3_amd_overlay.deactivate()``):
+        each layer built meanwhile that holds a site a reverted wrapper routed by keeps that route,
+        the wrapper bound around vLLM's own method on the instance. Without it the layer would keep
+        its sites' decisions and lose their routes: on vLLM 0.32-0.33 ``_fused_qk_prep`` stays True
+        where the overlay extended vLLM's fused decode, and vLLM's own ``_fused_decode`` (AITER's
+        fused write) would run on a layer vLLM itself does not fuse."""
+        for record in reversed(list(reverted)):
+            site, wrapper = record.spec.kept_by, record.spec.wrapper
+            if site is None or wrapper is None:
+                continue
+            for layer in list(self.layers):
+                if isinstance(layer, record.parent) and site in vars(layer):
+                    vars(layer)[record.name] = _bound_route(wrapper, record.original.__get__(layer, type(layer)),
+                                                            layer)
 
     def record_coverage(self, wrapper: Any) -> None:
         """Once per process: what vLLM serves here, and the launch configs this GPU's kernels use (a
@@ -173,6 +200,7 @@ class LayerInstaller:
         if gate is not None:
             self.record_gates({QKV_NORM: gate}, None)
         setattr(wrapper, QKV_NORM_SITE, site)
+        self.track(wrapper)
         self.note(QKV_NORM, decision)
         if callback is not None:
             device, dtype = layer_device(wrapper), kv_norm.weight.dtype
@@ -239,6 +267,7 @@ class LayerInstaller:
         if plan.overlay_fuses or plan.upstream_keeps:
             site.eager_step = eager_step()
         setattr(wrapper, DECODE_SITE, site)
+        self.track(wrapper)
         for fusion, layer_decision in ((QK_CACHE, decision), (ABSORB_QK_CACHE, absorb)):
             if requested(fusion):
                 self.note(fusion, layer_decision)
@@ -249,6 +278,15 @@ class LayerInstaller:
                 self.compile_ahead(fusion, kernel, functools.partial(site.compile_ahead, kernel, device, dtype,
                                                                      inputs.num_heads, block_size))
         return site
+
+
+def _bound_route(wrapper: Wrapper, own: Callable[..., Any], layer: Any) -> Callable[..., Any]:
+    """``wrapper`` around ``own`` (vLLM's method bound to ``layer``), callable as that method."""
+
+    def _k3_overlay_kept_route(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(own, layer, args, kwargs)
+
+    return _k3_overlay_kept_route
 
 
 def install_sites(installer: LayerInstaller, wrapper: Any, fusions: frozenset[str],

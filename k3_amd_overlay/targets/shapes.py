@@ -11,7 +11,9 @@ from k3_amd_overlay.engine import PatchSpec
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.targets import k3_wrapper
 from k3_amd_overlay.targets import sources as src
+from k3_amd_overlay.targets.decode import DECODE_SITE
 from k3_amd_overlay.targets.installer import DECODE_FUSIONS, LayerInstaller
+from k3_amd_overlay.targets.norm import QKV_NORM_SITE
 from k3_amd_overlay.targets.plain_wrapper import k3_wrapper_class
 
 LINEAR_MODULE = "vllm.models.kimi_k3.amd.linear"
@@ -139,7 +141,7 @@ def _report_spec(installer: LayerInstaller, specs: list[PatchSpec]) -> list[Patc
 def _normalize_spec() -> PatchSpec:
     return PatchSpec(key="k3_wrapper.normalize_q_kv", module=K3_MLA_MODULE,
                      attribute=f"{K3_WRAPPER}._normalize_q_kv", fusions=(QKV_NORM,),
-                     wrapper=k3_wrapper.normalize_q_kv_wrapper, params=("q_c", "kv_c"))
+                     wrapper=k3_wrapper.normalize_q_kv_wrapper, params=("q_c", "kv_c"), kept_by=QKV_NORM_SITE)
 
 
 def _build_decode_shape(installer: LayerInstaller, fusions: frozenset[str]) -> list[PatchSpec]:
@@ -154,7 +156,7 @@ def _build_decode_shape(installer: LayerInstaller, fusions: frozenset[str]) -> l
                       wrapper=k3_wrapper.decide_fused_qk_prep(installer), params=()),
             PatchSpec(key="k3_wrapper.fused_decode", module=K3_MLA_MODULE,
                       attribute=f"{K3_WRAPPER}._fused_decode", fusions=decode,
-                      wrapper=k3_wrapper.fused_decode_wrapper, params=FUSED_DECODE_PARAMS),
+                      wrapper=k3_wrapper.fused_decode_wrapper, params=FUSED_DECODE_PARAMS, kept_by=DECODE_SITE),
         ]
     return specs + _report_spec(installer, specs)
 
