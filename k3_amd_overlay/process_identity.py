@@ -24,6 +24,9 @@ CLI_CLIENT_COMMANDS = (("bench", "serve"), ("chat",), ("complete",), ("collect-e
 MODEL_INSPECTION_MODULE_FILE = os.path.join("vllm", "model_executor", "models", "registry.py")
 PROCESS_NAME_ROLES = (("EngineCore", "engine-core"), ("Worker", "worker"), ("ApiServer", "api-server"),
                       ("APIServer", "api-server"))
+# The roles of processes that build (or, offline, are) the engine that runs the model: evidence of what
+# ran comes from them. An API server only tokenises and forwards requests.
+MODEL_ROLES = ("engine-core", "worker", "main")
 
 
 def _vllm_command(argv: list[str]) -> list[str] | None:

@@ -133,20 +133,34 @@ def test_nothing_running_is_no_proof_of_off(tmp_path):
 def test_a_live_off_process_holds_and_its_record_goes_stale_when_it_exits(tmp_path):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("K3_AMD_OVERLAY")}
     environ["K3_AMD_OVERLAY_MARKER_DIR"] = str(tmp_path / "markers")
-    server = subprocess.Popen([sys.executable, "-c", "import sys; sys.argv = ['vllm', 'serve', 'm']\n"
+    server = subprocess.Popen([sys.executable, "-c", "import sys; sys.argv = ['offline_bench.py']\n"
                                "from k3_amd_overlay import plugin; plugin.register(); print('up', flush=True)\n"
                                "sys.stdin.read()"], env=environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
     try:
         assert server.stdout.readline().strip() == "up"
         code, out = check(tmp_path / "markers")
-        assert code == 0 and f"ok   host {socket.gethostname()} pid {server.pid} (api-server, vLLM" in out, out
-        assert f"pid {server.pid} (api-server, vLLM" in out and "HOLDS: expect off (1 process)" in out
+        assert code == 0 and f"ok   host {socket.gethostname()} pid {server.pid} (main, vLLM" in out, out
+        assert "HOLDS: expect off (1 process)" in out
     finally:
         server.stdin.close()
         server.wait(timeout=60)
     code, out = check(tmp_path / "markers")
     assert code == 1 and "1 stale" in out and "no live vLLM process left an off record" in out, out
+
+
+def test_an_api_servers_off_record_alone_proves_nothing_about_the_model():
+    """An API server runs no model: its engine core and workers may have left their records elsewhere
+    (another marker directory, node or Python) or run the overlay; off needs one of theirs."""
+    alone = judge([off_process(pid=3, host="h", role="api-server")], "off", None, require_effective=True)
+    assert not alone.holds and alone.lines == [
+        "ok   host h pid 3 (api-server, vLLM 0.33.0): overlay off",
+        "FAIL only API server processes left an off record: no engine core, worker or offline engine did, so what "
+        "ran the model is not known (its processes may use another K3_AMD_OVERLAY_MARKER_DIR, run on another node "
+        "or another Python, or run with another K3_AMD_OVERLAY)"]
+    for role in ("engine-core", "worker", "main"):
+        assert judge([off_process(pid=3, host="h", role="api-server"), off_process(pid=4, host="h", role=role)],
+                     "off", None, require_effective=True).holds, role
 
 
 def test_a_reused_pid_another_hosts_record_and_mixed_arms_never_hold(tmp_path):

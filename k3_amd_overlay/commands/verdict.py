@@ -16,6 +16,7 @@ from k3_amd_overlay import measured
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, __version__
 from k3_amd_overlay.phases import Phase
+from k3_amd_overlay.process_identity import MODEL_ROLES
 from k3_amd_overlay.record import FusionEntry, MarkerRecord
 from k3_amd_overlay.settings import SWITCH, Mode, SettingsError, parse_switch
 
@@ -123,10 +124,16 @@ NO_OFF_RECORD = ("no live vLLM process left an off record (is the server up, k3-
                  f"(with {SWITCH} unset or 0 its plugin leaves one), the same K3_AMD_OVERLAY_MARKER_DIR?)")
 
 
+NO_MODEL_PROCESS = ("only API server processes left an off record: no engine core, worker or offline engine did, so "
+                    "what ran the model is not known (its processes may use another K3_AMD_OVERLAY_MARKER_DIR, run "
+                    f"on another node or another Python, or run with another {SWITCH})")
+
+
 def _judge_off(records: list[MarkerRecord]) -> Verdict:
-    """``off`` (the A/B baseline of vLLM as it is): at least one live process left an off record
-    (the plugin loaded and patched nothing) and none runs the overlay. Nothing at all proves
-    nothing: the server may be down, or the plugin absent from its Python."""
+    """``off`` (the A/B baseline of vLLM as it is): at least one live process that runs the model
+    (``MODEL_ROLES``) left an off record (the plugin loaded and patched nothing) and none runs the
+    overlay. Nothing at all proves nothing: the server may be down, or the plugin absent from its
+    Python; nor does an API server's record alone (it runs no model)."""
     verdict = Verdict()
     if not records:
         verdict.fail(NO_OFF_RECORD)
@@ -139,6 +146,8 @@ def _judge_off(records: list[MarkerRecord]) -> Verdict:
     if on and on < len(records):
         verdict.fail(f"mixed: {len(records) - on} process{'es' if len(records) - on != 1 else ''} with the overlay "
                      f"off, {on} with it on: not one arm")
+    if records and not any(r.role in MODEL_ROLES for r in records):
+        verdict.fail(NO_MODEL_PROCESS)
     return verdict
 
 
