@@ -252,9 +252,10 @@ def test_every_power_of_two_up_to_the_latent_width_is_an_absorb_block():
 
 # --- 8. --merge lines --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("lines", ["abc", None, {"0": "ok"}, 5])
+@pytest.mark.parametrize("lines", ["abc", None, {"0": "ok"}, 5, ["FAIL x", 5], [["FAIL x"]], ["ok", None]])
 def test_node_lines_that_are_no_list_refuse_the_node_file(tmp_path, capsys, lines):
-    """Before, "abc" was read as the three lines a, b and c."""
+    """Before, "abc" was read as the three lines a, b and c, and an item that is no string was
+    turned into one."""
     node = tmp_path / "node.json"
     node.write_text(json.dumps({"records": [], "lines": lines}))
     code = cli.main(["check", "--expect", "off", "--merge", str(node), "--json"])

@@ -139,12 +139,13 @@ def merged_records(paths: list[str]) -> tuple[list[NodeEvidence], list[str]]:
 
 
 def node_lines(data: dict[str, object]) -> list[str]:
-    """A node file's ``lines`` (its check's lines, each as text; none where it has no such key);
-    ValueError naming the value where they are no list (a string would be read a character a line)."""
+    """A node file's ``lines`` (its check's lines; none where it has no such key); ValueError naming
+    the value where they are no list of strings (a string would be read a character a line; `check`
+    writes no other item, so a file holding one is not its output)."""
     lines = data.get("lines", [])
-    if not isinstance(lines, list):
+    if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
         raise ValueError(f"its lines are {lines!r}, not a list of strings")
-    return [str(line) for line in lines]
+    return lines
 
 
 def read_marker_dir(directory: Path) -> list[markers.MarkerFile]:
