@@ -158,7 +158,7 @@ def node_file(tmp_path: Path, name: str, data: dict[str, Any]) -> str:
 
 
 def test_merged_records_reads_each_node_and_notes_its_count_and_host(tmp_path):
-    two = node_file(tmp_path, "a.json", {"host": "node-a", "expect": "fused", "holds": True, "lines": ["ok", 3],
+    two = node_file(tmp_path, "a.json", {"host": "node-a", "expect": "fused", "holds": True, "lines": ["ok", "3"],
                                          "marker_dir": "/m", "records": [process(pid=1), process(pid=2, host="x")]})
     one = node_file(tmp_path, "b.json", {"host": "node-b", "marker_dir": "/m", "source": "static",
                                          "records": [process(pid=3)]})
@@ -262,8 +262,11 @@ def test_fusions_are_split_trimmed_and_checked():
 
 @pytest.mark.parametrize("blank", ["", "  "])
 def test_a_blank_marker_dir_is_a_usage_error_not_the_default_directory(blank, capsys):
-    assert cli.main(["check", "--expect", "fused", "--marker-dir", blank]) == 2
-    assert f"--marker-dir {blank!r} names no directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["check", "--expect", "fused", "--marker-dir", blank])
+    assert exited.value.code == 2
+    assert (f"argument --marker-dir: {blank!r} names no path (an empty value: an unset variable?); give the path, or "
+            "leave the option out for its default") in capsys.readouterr().err
 
 
 def test_a_marker_dir_option_naming_a_file_is_a_usage_error(tmp_path, capsys):

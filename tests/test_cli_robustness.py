@@ -229,10 +229,20 @@ def test_ab_serve_and_its_report_refuse_an_empty_path(tmp_path, monkeypatch, cap
     assert list(tmp_path.iterdir()) == []
 
 
+OPTIONAL_EMPTY_PATH = EMPTY_PATH.format("{}") + ", or leave the option out for its default"
+
+
 def test_measure_refuses_an_empty_out(capsys):
-    code = self_measure.main(["--heads", "12", "--out", "", "--json"])
-    assert usage_error(capsys, code, "measure") == (
-        "--out '' names no directory; leave the option out for the default result directory, or name one")
+    code = exit_status(self_measure.main, ["--heads", "12", "--out", "", "--json"])
+    assert usage_error(capsys, code, "measure") == OPTIONAL_EMPTY_PATH.format("--out")
+
+
+@pytest.mark.parametrize("argv,command", [(["tune", "--out", " "], "tune"),
+                                          (["check", "--expect", "fused", "--marker-dir", ""], "check")])
+def test_tune_and_check_refuse_an_empty_path_option_in_the_parser(argv, command, capsys):
+    """One home for the empty-path check: tune's --out and check's --marker-dir are typed Path."""
+    code = exit_status(cli.main, [*argv, "--json"])
+    assert usage_error(capsys, code, command) == OPTIONAL_EMPTY_PATH.format(argv[-2]).replace("''", repr(argv[-1]))
 
 
 # --- 7. --absorb-block-n -------------------------------------------------------------------------------

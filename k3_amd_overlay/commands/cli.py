@@ -201,9 +201,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     records: list[MarkerRecord] = []
     notes: list[str] = []
     wanted = _fusions(args.fusions)  # a UsageError: main() says it (as JSON too with --json)
-    if args.marker_dir is not None and not args.marker_dir.strip():  # "$DIR" unset: not the default directory
-        raise UsageError(f"--marker-dir {args.marker_dir!r} names no directory; leave the option out for "
-                         f"${MARKER_DIR} or the per-user directory")
     if args.marker_dir and Path(args.marker_dir).exists() and not Path(args.marker_dir).is_dir():
         raise UsageError(f"--marker-dir {args.marker_dir}: a file, not a directory of markers")
     if sum(map(bool, (args.merge, args.static))) > 1 or (args.prune and (args.merge or args.static)):
@@ -401,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="for --expect fused: do not require that a fused path has run yet")
     check.add_argument("--allow-mixed", action="store_true",
                        help="for --expect fused: accept a process where only some layers took a fusion")
-    check.add_argument("--marker-dir", help=f"where the markers are (default: ${MARKER_DIR} or the per-user "
+    check.add_argument("--marker-dir", type=Path, help=f"where the markers are (default: ${MARKER_DIR} or the per-user "
                                             "directory)")
     check.add_argument("--merge", nargs="+", metavar="FILE",
                        help="judge the processes of several nodes as one deployment: each FILE is one node's "

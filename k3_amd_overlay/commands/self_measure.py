@@ -304,13 +304,10 @@ def heads_field(config: dict[str, Any]) -> tuple[str | None, Any]:
     return None, None
 
 
-def check_out_directory(given: str) -> None:
+def check_out_directory(given: Path) -> None:
     """--out is a directory, or one the result file's writing can create: no part of it an existing file
-    (checked before measuring, so that no measurement is lost to it); an empty value (an unset
-    ``"$DIR"``) names none, and is refused rather than read as the default directory."""
-    if not given.strip():
-        raise UsageError(f"--out {given!r} names no directory; leave the option out for the default result "
-                         "directory, or name one")
+    (checked before measuring, so that no measurement is lost to it). (An empty value the parser
+    refuses: usage.Parser.)"""
     path = Path(given)
     for part in (path, *path.parents):
         if not part.exists():
@@ -337,8 +334,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "vLLM's fp8 W_K, VLLM_ROCM_USE_AITER_FP8BMM, needs AITER's Triton fp8 BMM)")
     parser.add_argument("--buckets", type=int, nargs="+",
                         help="batch buckets in tokens (default vLLM's capture sizes: 1, 2, 4, 8, 16, ..., 512)")
-    parser.add_argument("--out", help="directory for the result file (default: $K3_AMD_OVERLAY_KERNEL_CONFIGS's, "
-                                      "else $XDG_CACHE_HOME/k3-amd-overlay or ~/.cache/k3-amd-overlay)")
+    parser.add_argument("--out", type=Path,
+                        help="directory for the result file (default: $K3_AMD_OVERLAY_KERNEL_CONFIGS's, else "
+                             "$XDG_CACHE_HOME/k3-amd-overlay or ~/.cache/k3-amd-overlay)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"timing rounds, in turn (default {ROUNDS})")
     parser.add_argument("--seed", type=int, help="inputs' seed (default: a fresh one, recorded in the file)")
     parser.add_argument("--json", action="store_true",

@@ -285,7 +285,7 @@ def with_catch_alls(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
 device_slug = launch_configs.device_slug
 
 
-def out_path(out: str, arch: str, device: str) -> Path:
+def out_path(out: Path, arch: str, device: str) -> Path:
     path = Path(out)
     return path / f"{arch}-{device_slug(device)}.json" if path.is_dir() or not path.suffix else path
 
@@ -299,13 +299,11 @@ def check_compare(given: str) -> None:
         raise UsageError(f"--compare {given}: not a usable launch-config file ({exc})") from None
 
 
-def check_out(given: str) -> None:
+def check_out(given: Path) -> None:
     """--out as tune will write it, checked before any GPU work: an existing directory (the file in it,
     named for the GPU, is checked by ``check_out_file`` once the GPU is known), or a file whose directory
-    exists and can be written, which, where it exists, ``check_out_file`` accepts. An empty value (an
-    unset ``"$DIR"``) names none: refused, not read as the current directory."""
-    if not given.strip():
-        raise UsageError(f"--out {given!r} names no path; leave the option out for the current directory, or name one")
+    exists and can be written, which, where it exists, ``check_out_file`` accepts. (An empty value the
+    parser refuses: usage.Parser.)"""
     path = Path(given)
     if not path.is_dir() and not path.suffix:
         what = "not a directory" if path.exists() else "no such directory"
@@ -320,13 +318,13 @@ def check_out(given: str) -> None:
         check_out_file(path, given)
 
 
-def check_out_file(path: Path, given: str) -> None:
+def check_out_file(path: Path, given: Path) -> None:
     """An existing file at ``path`` (what --out ``given`` writes) must be one tune can keep the kernels of or
     replace: a launch-config file whose ``tuned_on``, if any, is an object; a UsageError otherwise (nothing
     tuned yet, nothing lost)."""
     if not path.exists():
         return
-    where = f"--out {given}: {path}" if str(path) != given else f"--out {given}"
+    where = f"--out {given}: {path}" if path != given else f"--out {given}"
     if not path.is_file():
         raise UsageError(f"{where} exists and is not a regular file")
     try:
@@ -343,8 +341,9 @@ def check_out_file(path: Path, given: str) -> None:
 
 def parser() -> Parser:
     p = Parser(prog="k3-amd-overlay tune", description=describe(__doc__))
-    p.add_argument("--out", default=".", help="a file, or a directory for <arch>-<device>.json (default .); "
-                   "an existing file for this arch and GPU keeps the kernels not tuned now")
+    p.add_argument("--out", type=Path, default=Path("."),
+                   help="a file, or a directory for <arch>-<device>.json (default .); an existing file for this arch "
+                        "and GPU keeps the kernels not tuned now")
     p.add_argument("--heads", type=int, nargs="+", help="per-rank query heads (default: the benchmarks')")
     p.add_argument("--tokens", type=int, nargs="+", help="batch sizes (default: the benchmarks')")
     p.add_argument("--kernels", nargs="+", choices=TUNED_KERNELS, default=list(TUNED_KERNELS), metavar="KERNEL",

@@ -150,11 +150,14 @@ class Parser(argparse.ArgumentParser):
         return namespace, extras
 
     def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
-        """argparse's conversion of one value, refusing a path given empty (an unset ``"$VAR"``):
-        ``Path("")`` is the current directory, which no option means by an empty value."""
+        """argparse's conversion of one value, refusing a path given empty or blank (an unset
+        ``"$VAR"``): ``Path("")`` is the current directory, which no option means by an empty value
+        (the one home of this check: every path option is typed ``Path``)."""
         if isinstance(action.type, type) and issubclass(action.type, PurePath) and not arg_string.strip():
+            default = "" if action.required or not action.option_strings else (
+                ", or leave the option out for its default")
             raise argparse.ArgumentError(action, f"{arg_string!r} names no path (an empty value: an unset "
-                                                 "variable?); give the path")
+                                                 f"variable?); give the path{default}")
         return super()._get_value(action, arg_string)
 
     def unknown_options(self) -> list[str]:
