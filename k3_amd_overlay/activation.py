@@ -147,7 +147,7 @@ class Activation:
             self.engine.apply(specs, module)
         except AnchorError as exc:
             self.live = False  # hooks of modules imported later must not patch a half-reverted overlay
-            self.engine.revert_all()
+            self.revert()
             fusions = sorted({f for s in self.specs_by_module.values() for spec in s for f in spec.fusions})
             message = f"live anchor check failed in {module_name}: {exc}; every overlay patch reverted"
             if self.settings.strict:
@@ -155,14 +155,21 @@ class Activation:
                     f"k3-amd-overlay (vLLM {installed_vllm_version()}): {message}; {_how_to_proceed()}") from exc
             self.refuse(fusions, message)
 
-    def stop(self) -> list[str]:
-        self.live = False
+    def revert(self) -> list[str]:
+        """Every patch off its target (the identical originals back); layers built meanwhile keep
+        their sites' routes (LayerInstaller.keep_routes). The keys reverted."""
         applied = list(self.engine.applied)
         reverted = self.engine.revert_all()
-        if self.installer is not None:  # layers built meanwhile keep their sites' routes
+        if self.installer is not None:
             self.installer.keep_routes(applied)
+        return reverted
+
+    def stop(self) -> list[str]:
+        self.live = False
+        reverted = self.revert()
         for fusion in self.settings.fusions:
-            # refused, not disabled: requested, yet neither the fused path nor the forced stock one runs now
+            # refused, not disabled: requested, yet the process is neither arm now (layers built before
+            # keep the overlay's routes, later ones run vLLM's own code)
             self.evidence.set_fusion(fusion, FusionState.REFUSED, DEACTIVATED)
         return reverted
 

@@ -10,6 +10,7 @@ import os
 import sys
 
 API_SERVER_MODULE_FILE = os.path.join("entrypoints", "openai", "api_server.py")
+CLI_MODULE_FILE = os.path.join("vllm", "entrypoints", "cli", "main.py")  # the `vllm` script's module
 # A Ray actor's process (vLLM's Ray executor runs its workers as Ray actors) runs this script.
 RAY_WORKER_SCRIPT = os.path.join("ray", "_private", "workers", "default_worker.py")
 
@@ -30,8 +31,10 @@ MODEL_ROLES = ("engine-core", "worker", "main")
 
 
 def _vllm_command(argv: list[str]) -> list[str] | None:
-    """The arguments after ``vllm`` when this process is the ``vllm`` CLI, else None."""
-    return argv[1:] if argv and os.path.basename(argv[0]) == "vllm" else None
+    """The arguments after ``vllm`` when this process is the ``vllm`` CLI (its script, or its module
+    run as ``python -m vllm.entrypoints.cli.main``), else None."""
+    is_cli = bool(argv) and (os.path.basename(argv[0]) == "vllm" or argv[0].endswith(CLI_MODULE_FILE))
+    return argv[1:] if is_cli else None
 
 
 def is_cli_client(argv: list[str] | None = None) -> bool:

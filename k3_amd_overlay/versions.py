@@ -66,10 +66,10 @@ def aiter_identity() -> str | None:
     distribution."""
     try:
         spec = importlib.util.find_spec("aiter")
-    except (ImportError, ValueError):  # a broken entry in sys.modules or on the path: cannot tell
+        if spec is None:
+            return AITER_ABSENT
+        locations = list(spec.submodule_search_locations or ())
+        where = locations[0] if locations else spec.origin
+        return f"{installed_aiter_version() or 'unversioned'} at {where}" if where else None
+    except Exception:  # a broken entry in sys.modules, a finder that fails: this process cannot tell
         return None
-    if spec is None:
-        return AITER_ABSENT
-    locations = list(spec.submodule_search_locations or ())
-    where = locations[0] if locations else spec.origin
-    return f"{installed_aiter_version() or 'unversioned'} at {where}"

@@ -6,6 +6,7 @@ that AITER), nor where the process cannot tell."""
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import json
 import sys
 import types
@@ -85,6 +86,29 @@ def test_a_broken_aiter_entry_cannot_be_told(monkeypatch):
     half.__spec__ = None
     monkeypatch.setitem(sys.modules, "aiter", half)
     assert versions.aiter_identity() is None
+
+
+class _Failing:
+    """A meta-path finder that fails (a broken import hook): looking for AITER raises."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "aiter":
+            raise RuntimeError("broken finder")
+        return None
+
+
+def test_a_finder_that_fails_or_a_spec_with_no_place_cannot_be_told_and_never_raises(monkeypatch):
+    """The server reads this at its first K3 layer: an exception there would stop the model build."""
+    monkeypatch.delitem(sys.modules, "aiter", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_Failing(), *sys.meta_path])
+    assert versions.aiter_identity() is None
+    assert measured.conditions(ARCH, DEVICE)["aiter"] is None
+    monkeypatch.setattr(sys, "meta_path", sys.meta_path[1:])
+    placeless = types.ModuleType("aiter")
+    placeless.__spec__ = importlib.machinery.ModuleSpec("aiter", None)  # no origin, no search locations
+    monkeypatch.setitem(sys.modules, "aiter", placeless)
+    assert versions.aiter_identity() is None  # not "unversioned at None", which two such processes would share
 
 
 def test_a_file_measured_with_another_aiter_tree_is_not_used(tmp_path, path_of, monkeypatch):

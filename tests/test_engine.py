@@ -3,6 +3,7 @@ identical originals, refuse to revert over someone else's change."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 
@@ -154,35 +155,78 @@ def test_a_patch_spec_cannot_change_once_made():
         spec.attribute = "other"  # type: ignore[misc]
 
 
-def test_layers_built_while_patched_keep_their_routes_after_revert():
-    """``deactivate()`` takes the wrappers off the classes; a layer given a site meanwhile keeps the
-    route through it (the wrapper bound around the original on the instance), a layer without one and
-    every later layer run the original, and the class gets back the identical object."""
+def _kept_setup(module):
     from k3_amd_overlay.evidence import Evidence
     from k3_amd_overlay.settings import load_settings
     from k3_amd_overlay.targets.installer import LayerInstaller
 
-    module = make_module()
-    original = vars(module.Wrapper)["_normalize_q_kv"]
-    settings = load_settings({"K3_AMD_OVERLAY": "qkv_norm"})
-    installer = LayerInstaller(settings, Evidence(settings))
+    settings = load_settings({"K3_AMD_OVERLAY": "qkv_norm", "K3_AMD_OVERLAY_STRICT": "0"})
+    return settings, Evidence(settings), LayerInstaller(settings, Evidence(settings))
 
-    def routed(wrapped, instance, args, kwargs):
+
+def routed(label):
+    """A wrapper routing by the instance's site, as the overlay's K3 wrappers do."""
+    def wrapper(wrapped, instance, args, kwargs):
         site = vars(instance).get("_site")
-        return (site, *wrapped(*args, **kwargs)[1:]) if site else wrapped(*args, **kwargs)
+        return (f"{label}:{site}", *wrapped(*args, **kwargs)) if site else wrapped(*args, **kwargs)
+    return wrapper
 
+
+def test_layers_built_while_patched_keep_their_routes_after_revert():
+    """``deactivate()`` takes the wrappers off the classes; a layer given a site meanwhile keeps the
+    routes through it (the kept wrappers composed as applied, bound on the instance around the
+    original), a layer without one, a layer whose class overrides the method and every later layer
+    run their own method, and the class gets back the identical object."""
+    module = make_module()
+
+    class Own(module.Wrapper):
+        def _normalize_q_kv(self, q_c, kv_c):
+            return ("own", q_c, kv_c)
+
+    original = vars(module.Wrapper)["_normalize_q_kv"]
+    _, _, installer = _kept_setup(module)
     engine = PatchEngine()
-    spec = PatchSpec("w.norm", "fake", "Wrapper._normalize_q_kv", ("qkv_norm",), wrapper=routed, kept_by="_site")
-    engine.apply([spec, PatchSpec("w.fwd", "fake", "Wrapper.forward", ("qkv_norm",), wrapper=tag("x"))], module)
-    with_site, without, child = module.Wrapper(), module.Wrapper(), module.Child()
-    with_site._site = "overlay"
-    child._site = "child's"
-    for layer in (with_site, without, child):
-        installer.layers.add(layer)
+    engine.apply([PatchSpec("w.norm", "fake", "Wrapper._normalize_q_kv", ("qkv_norm",), wrapper=routed("in"),
+                            kept_by="_site"),
+                  PatchSpec("w.fwd", "fake", "Wrapper.forward", ("qkv_norm",), wrapper=tag("x"))], module)
+    engine.apply([PatchSpec("w.norm2", "fake", "Wrapper._normalize_q_kv", ("qkv_norm",), wrapper=routed("out"),
+                            kept_by="_site")], module)
+    with_site, without, child, own = module.Wrapper(), module.Wrapper(), module.Child(), Own()
+    for layer, site in ((with_site, "a"), (without, None), (child, "c"), (own, "o")):
+        if site:
+            layer._site = site
+        installer.track(layer)
+    before = with_site._normalize_q_kv(1, 2)
+    assert before == ("out:a", "in:a", "stock", 1, 2) and own._normalize_q_kv(1, 2) == ("own", 1, 2)
     applied = list(engine.applied)
     engine.revert_all()
     installer.keep_routes(applied)
     assert vars(module.Wrapper)["_normalize_q_kv"] is original
-    assert with_site._normalize_q_kv(1, 2) == ("overlay", 1, 2) and child._normalize_q_kv(3, 4) == ("child's", 3, 4)
+    assert with_site._normalize_q_kv(1, 2) == before and child._normalize_q_kv(3, 4) == ("out:c", "in:c", "stock", 3, 4)
     assert without._normalize_q_kv(1, 2) == module.Wrapper()._normalize_q_kv(1, 2) == ("stock", 1, 2)
+    assert own._normalize_q_kv(1, 2) == ("own", 1, 2) and "_normalize_q_kv" not in vars(own)  # never wrapped
     assert "forward" not in vars(with_site) and with_site.forward(5) == 5  # no kept_by: nothing kept
+    twin = copy.deepcopy(with_site)
+    twin._site = "twin"
+    assert twin._normalize_q_kv(1, 2) == ("out:twin", "in:twin", "stock", 1, 2)  # bound to the copy
+    assert with_site._normalize_q_kv(1, 2) == before
+
+
+def test_a_failed_live_anchor_check_keeps_the_routes_of_layers_built_before(monkeypatch):
+    """The other revert: a module imported later (vLLM's MTP draft model, after the target's layers
+    are built) fails its anchor check, and every patch comes off; the built layers keep their routes."""
+    from k3_amd_overlay.activation import Activation
+
+    module = make_module()
+    settings, evidence, installer = _kept_setup(module)
+    active = Activation(settings, evidence, installer=installer)
+    active.engine.apply([PatchSpec("w.norm", "fake", "Wrapper._normalize_q_kv", ("qkv_norm",), wrapper=routed("in"),
+                                   kept_by="_site")], module)
+    layer = module.Wrapper()
+    layer._site = "a"
+    installer.track(layer)
+    active.specs_by_module = {"later": [PatchSpec("m.x", "later", "Missing.attr", ("qkv_norm",), wrapper=tag("x"))]}
+    active.apply_module("later", types.ModuleType("later"))
+    assert active.engine.applied == [] and vars(module.Wrapper)["_normalize_q_kv"].__name__ == "_normalize_q_kv"
+    assert layer._normalize_q_kv(1, 2) == ("in:a", "stock", 1, 2)
+    assert evidence.fusion("qkv_norm").state.value == "refused"

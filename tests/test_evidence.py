@@ -183,6 +183,10 @@ def test_layer_summary_warns_when_a_requested_fusion_fuses_on_no_layer(tmp_path)
     (["/venv/bin/vllm", "collect-env"], "MainProcess", "cli-client"),
     (["/venv/bin/vllm", "bench", "throughput", "--model", "m"], "MainProcess", "main"),
     (["script.py"], "MainProcess", "main"),
+    # `python -m vllm.entrypoints.cli.main ...`: argv[0] is the module's file
+    (["/venv/lib/python3.11/site-packages/vllm/entrypoints/cli/main.py", "serve", "m"], "MainProcess", "api-server"),
+    (["/venv/lib/python3.11/site-packages/vllm/entrypoints/cli/main.py", "bench", "serve"], "MainProcess",
+     "cli-client"),
 ])
 def test_process_roles(argv, name, role):
     assert process_role(argv, name) == role

@@ -290,7 +290,7 @@ def out_path(out: Path, arch: str, device: str) -> Path:
     return path / f"{arch}-{device_slug(device)}.json" if path.is_dir() or not path.suffix else path
 
 
-def check_compare(given: str) -> None:
+def check_compare(given: Path) -> None:
     """--compare names a readable launch-config file (checked before any GPU work)."""
     check_input_file("--compare", given)
     try:
@@ -348,7 +348,7 @@ def parser() -> Parser:
     p.add_argument("--tokens", type=int, nargs="+", help="batch sizes (default: the benchmarks')")
     p.add_argument("--kernels", nargs="+", choices=TUNED_KERNELS, default=list(TUNED_KERNELS), metavar="KERNEL",
                    help=f"the kernels to tune, of {', '.join(TUNED_KERNELS)} (default: all)")
-    p.add_argument("--compare", metavar="FILE", help="instead of tuning: time FILE's configs against the "
+    p.add_argument("--compare", type=Path, metavar="FILE", help="instead of tuning: time FILE's configs against the "
                    "shipped ones at the benchmarks' shapes; exit 1 where FILE's are slower")
     p.add_argument("--verbose", action="store_true", help="say why each rejected candidate was")
     p.add_argument("--json", action="store_true",
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, values in (("--heads", args.heads), ("--tokens", args.tokens)):
             if values is not None and any(v < 1 for v in values):
                 raise UsageError(f"{name} {values}: every value must be a positive integer")
-        if args.compare:
+        if args.compare is not None:
             check_compare(args.compare)
         else:
             check_out(args.out)
@@ -393,10 +393,10 @@ def run_json(args: argparse.Namespace) -> int:
     except UsageError:
         raise
     except Exception as exc:
-        print(json_result("tune", False, file=args.written, compare=args.compare,
+        print(json_result("tune", False, file=args.written, compare=args.compare and str(args.compare),
                           error=f"{type(exc).__name__}: {' '.join(str(exc).split())} (the traceback is on stderr)"))
         raise
-    print(json_result("tune", code == 0, file=args.written, compare=args.compare))
+    print(json_result("tune", code == 0, file=args.written, compare=args.compare and str(args.compare)))
     return code
 
 
@@ -416,8 +416,8 @@ def run(args: argparse.Namespace) -> int:
     heads = sorted(set(args.heads or shapes.HEADS))
     torch.manual_seed(0)
     print(f"{name} ({where.arch}), torch {torch.__version__}, triton {triton.__version__}")
-    if args.compare:
-        return compare(args.compare, args.kernels, heads, fmt, where.arch, amd)
+    if args.compare is not None:
+        return compare(str(args.compare), args.kernels, heads, fmt, where.arch, amd)
 
     def log(line: str) -> None:
         if args.verbose:

@@ -152,7 +152,7 @@ class Parser(argparse.ArgumentParser):
     def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
         """argparse's conversion of one value, refusing a path given empty or blank (an unset
         ``"$VAR"``): ``Path("")`` is the current directory, which no option means by an empty value
-        (the one home of this check: every path option is typed ``Path``)."""
+        (the one home of this check, for every option typed ``Path``)."""
         if isinstance(action.type, type) and issubclass(action.type, PurePath) and not arg_string.strip():
             default = "" if action.required or not action.option_strings else (
                 ", or leave the option out for its default")

@@ -174,7 +174,8 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
     ``stock`` holds only where every process runs the overlay in stock mode, each fusion forced
     stock and its fused path never run, and some process built K3 MLA layers: an API server alone
     proves nothing about the workers. A process with the overlay off proves neither.
-    ``off`` holds only where some live process left an off record and none runs the overlay.
+    ``off`` holds only where some live process left an off record, one of them a process that runs
+    the model (``MODEL_ROLES``: not an API server alone), and none runs the overlay.
     A process whose layers split (some fused, some not) is not a fused arm unless ``allow_mixed``.
     Every expectation but ``off`` also needs one arm: the processes judged share one overlay version
     (this check's: its rules are the ones that judge the record), one vLLM version and one switch,

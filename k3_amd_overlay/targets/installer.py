@@ -7,7 +7,9 @@ run). Runs in vLLM processes only, as each K3 MLA layer is built."""
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -90,20 +92,28 @@ class LayerInstaller:
             pass
 
     def keep_routes(self, reverted: Iterable[Applied]) -> None:
-        """After ``reverted`` patches are taken off their classes (``k3_amd_overlay.deactivate()``):
-        each layer built meanwhile that holds a site a reverted wrapper routed by keeps that route,
-        the wrapper bound around vLLM's own method on the instance. Without it the layer would keep
-        its sites' decisions and lose their routes: on vLLM 0.32-0.33 ``_fused_qk_prep`` stays True
-        where the overlay extended vLLM's fused decode, and vLLM's own ``_fused_decode`` (AITER's
-        fused write) would run on a layer vLLM itself does not fuse."""
-        for record in reversed(list(reverted)):
-            site, wrapper = record.spec.kept_by, record.spec.wrapper
-            if site is None or wrapper is None:
+        """After ``reverted`` patches (in the order applied) are taken off their classes
+        (``k3_amd_overlay.deactivate()``, or a live anchor check that failed): each layer given sites
+        meanwhile keeps the routes through them, the reverted wrappers that route by a site (``kept_by``,
+        composed as they were applied) bound on the instance around vLLM's own method. Without it the
+        layer would keep its sites' decisions and lose their routes: on vLLM 0.32-0.33
+        ``_fused_qk_prep`` stays True where the overlay extended vLLM's fused decode, and vLLM's own
+        ``_fused_decode`` (AITER's fused write) would run on a layer vLLM itself does not fuse. A layer
+        whose class overrides the method (it never ran the wrapper) is left as it is."""
+        kept: dict[tuple[int, str], tuple[Any, Any, list[Wrapper], set[str]]] = {}
+        for record in reverted:
+            if record.spec.kept_by is None or record.spec.wrapper is None:
                 continue
-            for layer in list(self.layers):
-                if isinstance(layer, record.parent) and site in vars(layer):
-                    vars(layer)[record.name] = _bound_route(wrapper, record.original.__get__(layer, type(layer)),
-                                                            layer)
+            parent, original, wrappers, sites = kept.setdefault(
+                (id(record.parent), record.name), (record.parent, record.original, [], set()))
+            wrappers.append(record.spec.wrapper)
+            sites.add(record.spec.kept_by)
+        for layer in list(self.layers):
+            for (_, name), (parent, original, wrappers, sites) in kept.items():
+                if (isinstance(layer, parent) and sites & set(vars(layer))
+                        and inspect.getattr_static(type(layer), name, None) is original):
+                    vars(layer)[name] = types.MethodType(functools.partial(_kept_route, tuple(wrappers), original),
+                                                         layer)
 
     def record_coverage(self, wrapper: Any) -> None:
         """Once per process: what vLLM serves here, and the launch configs this GPU's kernels use (a
@@ -280,13 +290,17 @@ class LayerInstaller:
         return site
 
 
-def _bound_route(wrapper: Wrapper, own: Callable[..., Any], layer: Any) -> Callable[..., Any]:
-    """``wrapper`` around ``own`` (vLLM's method bound to ``layer``), callable as that method."""
+def _kept_route(wrappers: tuple[Wrapper, ...], original: Any, layer: Any, *args: Any, **kwargs: Any) -> Any:
+    """``wrappers`` (innermost first) around ``original`` bound to ``layer``, called as that method
+    (a bound method of a partial: a copy of the layer binds the copy, and it pickles)."""
+    call = original.__get__(layer, type(layer))
+    for wrapper in wrappers:
+        call = functools.partial(_through, wrapper, call, layer)
+    return call(*args, **kwargs)
 
-    def _k3_overlay_kept_route(*args: Any, **kwargs: Any) -> Any:
-        return wrapper(own, layer, args, kwargs)
 
-    return _k3_overlay_kept_route
+def _through(wrapper: Wrapper, inner: Callable[..., Any], layer: Any, *args: Any, **kwargs: Any) -> Any:
+    return wrapper(inner, layer, args, kwargs)
 
 
 def install_sites(installer: LayerInstaller, wrapper: Any, fusions: frozenset[str],
