@@ -13,26 +13,13 @@ import types
 from pathlib import Path
 
 import pytest
+from installed_distributions import InstalledOnly
 
 from k3_amd_overlay import measured, versions
 from k3_amd_overlay.package import QK_CACHE, __version__
 from k3_amd_overlay.settings import KERNEL_CONFIGS
 
 ARCH, DEVICE = "gfx942", "AMD Instinct MI300X"
-
-
-class _Metadata:
-    """importlib.metadata with these distributions installed and no others."""
-
-    PackageNotFoundError = importlib.metadata.PackageNotFoundError
-
-    def __init__(self, installed: dict[str, str]) -> None:
-        self.installed = installed
-
-    def version(self, dist: str) -> str:
-        if dist not in self.installed:
-            raise self.PackageNotFoundError(dist)
-        return self.installed[dist]
 
 
 def tree(root, name: str = "tree"):
@@ -62,7 +49,7 @@ def test_no_aiter_package_reads_not_installed(tmp_path, path_of):
 
 def test_a_source_tree_without_a_distribution_is_named_by_its_directory_and_not_imported(tmp_path, path_of,
                                                                                          monkeypatch):
-    monkeypatch.setattr(versions, "metadata", _Metadata({}))
+    monkeypatch.setattr(versions, "metadata", InstalledOnly({}))
     package = tree(tmp_path)
     path_of(package.parent)
     assert versions.aiter_identity() == f"unversioned at {package}"
@@ -74,7 +61,7 @@ def test_a_source_tree_without_a_distribution_is_named_by_its_directory_and_not_
                                                ({"aiter": "0.0.1"}, "0.0.1")], ids=["amd-aiter", "aiter"])
 def test_an_installed_distribution_gives_its_version_and_the_package_directory(tmp_path, path_of, monkeypatch,
                                                                                installed, version):
-    monkeypatch.setattr(versions, "metadata", _Metadata(installed))
+    monkeypatch.setattr(versions, "metadata", InstalledOnly(installed))
     package = tree(tmp_path)
     path_of(package.parent)
     assert versions.installed_aiter_version() == version
@@ -114,7 +101,7 @@ def test_a_finder_that_fails_or_a_spec_with_no_place_cannot_be_told_and_never_ra
 def test_a_file_measured_with_another_aiter_tree_is_not_used(tmp_path, path_of, monkeypatch):
     """The stale case: `measure` ran with one AITER tree on the path; the server would load another."""
     monkeypatch.delenv(KERNEL_CONFIGS, raising=False)
-    monkeypatch.setattr(versions, "metadata", _Metadata({}))
+    monkeypatch.setattr(versions, "metadata", InstalledOnly({}))
     first, second = tree(tmp_path, "first"), tree(tmp_path, "second")
     path_of(first.parent)
     written = measured.Measurement(path="", arch=ARCH, device=DEVICE, date="2026-12-05T10:00:00+00:00",

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from installed_distributions import InstalledOnly
 from machine import HAS_VLLM
 
 from k3_amd_overlay import k3, versions
@@ -28,31 +29,17 @@ from k3_amd_overlay.settings import load_settings
 # versions and GPU
 
 
-class _Metadata:
-    """``importlib.metadata`` with only the distributions in ``installed``."""
-
-    PackageNotFoundError = doctor.metadata.PackageNotFoundError
-
-    def __init__(self, installed: dict[str, str]) -> None:
-        self.installed = installed
-
-    def version(self, dist: str) -> str:
-        if dist not in self.installed:
-            raise self.PackageNotFoundError(dist)
-        return self.installed[dist]
-
-
 def test_versions_name_each_distribution_and_fall_back_to_its_other_name(monkeypatch):
     monkeypatch.setattr(doctor.platform, "python_version", lambda: "3.12.9")
     first = {"vllm": "0.33.1", "triton": "3.5.1", "pytorch-triton-rocm": "3.4.0", "amd-aiter": "0.1.7",
              "aiter": "0.0.1"}
-    monkeypatch.setattr(doctor, "metadata", _Metadata(first))
-    monkeypatch.setattr(versions, "metadata", _Metadata(first))
+    monkeypatch.setattr(doctor, "metadata", InstalledOnly(first))
+    monkeypatch.setattr(versions, "metadata", InstalledOnly(first))
     assert doctor.versions() == {
         "k3-amd-overlay": __version__, "python": "3.12.9", "vllm": "0.33.1", "torch": torch.__version__,
         "triton": "3.5.1", "aiter": "0.1.7", "supported vllm": SUPPORTED_VLLM}
-    monkeypatch.setattr(doctor, "metadata", _Metadata({"pytorch-triton-rocm": "3.4.0", "aiter": "0.0.1"}))
-    monkeypatch.setattr(versions, "metadata", _Metadata({"pytorch-triton-rocm": "3.4.0", "aiter": "0.0.1"}))
+    monkeypatch.setattr(doctor, "metadata", InstalledOnly({"pytorch-triton-rocm": "3.4.0", "aiter": "0.0.1"}))
+    monkeypatch.setattr(versions, "metadata", InstalledOnly({"pytorch-triton-rocm": "3.4.0", "aiter": "0.0.1"}))
     assert doctor.versions() == {
         "k3-amd-overlay": __version__, "python": "3.12.9", "vllm": None, "torch": torch.__version__,
         "triton": "3.4.0", "aiter": "0.0.1", "supported vllm": SUPPORTED_VLLM}
