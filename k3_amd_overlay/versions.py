@@ -30,7 +30,13 @@ def installed_vllm_version() -> str | None:
     version = getattr(module, "__version__", None) if module is not None else None
     if isinstance(version, str) and version not in ("", "dev"):
         return version
-    for distribution in VLLM_DISTRIBUTIONS:
+    return first_installed(*VLLM_DISTRIBUTIONS)
+
+
+def first_installed(*distributions: str) -> str | None:
+    """The version of the first of ``distributions`` installed here (a package some builds publish
+    under another name), or None."""
+    for distribution in distributions:
         try:
             return metadata.version(distribution)
         except metadata.PackageNotFoundError:
@@ -50,12 +56,7 @@ def in_supported_range(version: str | None) -> bool:
 
 def installed_aiter_version() -> str | None:
     """The version of the first installed distribution of AITER (``AITER_DISTRIBUTIONS``), if any."""
-    for distribution in AITER_DISTRIBUTIONS:
-        try:
-            return metadata.version(distribution)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+    return first_installed(*AITER_DISTRIBUTIONS)
 
 
 def aiter_identity() -> str | None:

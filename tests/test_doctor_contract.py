@@ -33,12 +33,10 @@ def test_versions_name_each_distribution_and_fall_back_to_its_other_name(monkeyp
     monkeypatch.setattr(doctor.platform, "python_version", lambda: "3.12.9")
     first = {"vllm": "0.33.1", "triton": "3.5.1", "pytorch-triton-rocm": "3.4.0", "amd-aiter": "0.1.7",
              "aiter": "0.0.1"}
-    monkeypatch.setattr(doctor, "metadata", InstalledOnly(first))
     monkeypatch.setattr(versions, "metadata", InstalledOnly(first))
     assert doctor.versions() == {
         "k3-amd-overlay": __version__, "python": "3.12.9", "vllm": "0.33.1", "torch": torch.__version__,
         "triton": "3.5.1", "aiter": "0.1.7", "supported vllm": SUPPORTED_VLLM}
-    monkeypatch.setattr(doctor, "metadata", InstalledOnly({"pytorch-triton-rocm": "3.4.0", "aiter": "0.0.1"}))
     monkeypatch.setattr(versions, "metadata", InstalledOnly({"pytorch-triton-rocm": "3.4.0", "aiter": "0.0.1"}))
     assert doctor.versions() == {
         "k3-amd-overlay": __version__, "python": "3.12.9", "vllm": None, "torch": torch.__version__,

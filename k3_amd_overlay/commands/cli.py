@@ -398,8 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="for --expect fused: do not require that a fused path has run yet")
     check.add_argument("--allow-mixed", action="store_true",
                        help="for --expect fused: accept a process where only some layers took a fusion")
-    check.add_argument("--marker-dir", type=Path, help=f"where the markers are (default: ${MARKER_DIR} or the per-user "
-                                            "directory)")
+    check.add_argument("--marker-dir", type=Path,
+                       help=f"where the markers are (default: ${MARKER_DIR} or the per-user directory)")
     check.add_argument("--merge", nargs="+", metavar="FILE",
                        help="judge the processes of several nodes as one deployment: each FILE is one node's "
                             "`check --json` output (- for standard input); this node's markers are not read")

@@ -292,7 +292,7 @@ class LayerInstaller:
 
 def _kept_route(wrappers: tuple[Wrapper, ...], original: Any, layer: Any, *args: Any, **kwargs: Any) -> Any:
     """``wrappers`` (innermost first) around ``original`` bound to ``layer``, called as that method
-    (a bound method of a partial: a copy of the layer binds the copy, and it pickles)."""
+    (stored as a bound method of a partial: a deep copy of the layer binds the copy)."""
     call = original.__get__(layer, type(layer))
     for wrapper in wrappers:
         call = functools.partial(_through, wrapper, call, layer)
