@@ -15,13 +15,23 @@ from k3_amd_overlay.ops import qk_cache as qk_cache_op
 from k3_amd_overlay.ops import reference
 
 POISON_A, POISON_B = 0xA5, 0x5A
+# Layouts of the GPU arches' rules (sm90.json, gfx942.json, gfx950.json) that the interpreter's own
+# rules (cpu.json: a head's whole latent row, 16 tokens or heads a program) never take, forced where a
+# kernel's bytes are checked on CPU; each leaves a last block part-filled at the shapes the tests use.
+GPU_LAYOUTS = {
+    "rmsnorm_pair": {"ROWS_Q": 2, "ROWS_KV": 4, "num_warps": 4},
+    "qk_cache": {"HEADS": 2, "num_warps": 4},
+    "absorb_one_token": {"BLOCK_N": 128, "BLOCK_T": 1, "num_warps": 1},  # no tensor-core tile: products summed
+    "absorb_column_blocks": {"BLOCK_N": 64, "BLOCK_T": 16, "KV_ROWS": 4, "num_warps": 4},
+}
+ABSORB_GPU_LAYOUTS = ("absorb_one_token", "absorb_column_blocks")
 
 
 def skip_under_interpreter(tokens: int, heads: int, fmt: Fp8Format) -> None:
     """Skip an absorb parity case the Triton interpreter would take too long over (it runs a launch's
     programs one after another): more than 48 token-heads; and at 12 or more heads, one fp8 format
-    each (12: e4m3fn, 16: e4m3fnuz), whose shipped configs launch hundreds of programs, while the
-    format-specific part (the quant) runs in both formats at 1 and 3 heads. A GPU runs them all."""
+    each (12: e4m3fn, 16: e4m3fnuz), while the format-specific part (the quant) runs in both formats
+    at 1 and 3 heads. A GPU runs them all."""
     import pytest
     from machine import HAS_GPU
 

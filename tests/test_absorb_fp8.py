@@ -12,6 +12,8 @@ import pytest
 import torch
 from machine import DEVICE, HAS_GPU
 from parity import (
+    ABSORB_GPU_LAYOUTS,
+    GPU_LAYOUTS,
     POISON_A,
     absorb_graph_replay_problems,
     absorb_problems,
@@ -22,6 +24,7 @@ from parity import (
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
+from k3_amd_overlay.kernels import launch
 from k3_amd_overlay.ops import absorb_qk_cache, aiter_absorb, fused_absorb_fp8_qk_cache, fused_qk_cache
 
 pytestmark = pytest.mark.kernels  # scripts/gpu_check.sh runs these on the GPU
@@ -71,6 +74,14 @@ def test_fp8_absorb_matches_reference(fmt, heads, tokens):
     # under the interpreter the sums are fp32 in the reference's own order: bit-identical there; on a
     # GPU the tensor-core sum order differs from torch's, so a few codes sit one step apart
     assert problems(*fp8_case(tokens, heads, fmt), max_differing=0.005 if HAS_GPU else 0.0) == []
+
+
+@pytest.mark.parametrize("layout", ABSORB_GPU_LAYOUTS)
+def test_fp8_absorb_in_the_gpu_layouts_matches_reference(layout):
+    """One-token programs and several column blocks a head, as the GPU rules launch them (the
+    interpreter's own rules take a head's whole latent row a program)."""
+    with launch.forced(GPU_LAYOUTS[layout]):
+        assert problems(*fp8_case(5, 3, E4M3FN, seed=5), max_differing=0.005 if HAS_GPU else 0.0) == []
 
 
 @pytest.mark.parametrize("fault", ["weight_scale_ignored", "group_scale_ignored", "skipped_kv_write",

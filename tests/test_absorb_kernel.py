@@ -12,7 +12,14 @@ import torch
 import triton
 import triton.language as tl
 from machine import DEVICE
-from parity import POISON_A, absorb_graph_replay_problems, absorb_problems, make_qk_case, skip_under_interpreter
+from parity import (
+    GPU_LAYOUTS,
+    POISON_A,
+    absorb_graph_replay_problems,
+    absorb_problems,
+    make_qk_case,
+    skip_under_interpreter,
+)
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
@@ -56,12 +63,12 @@ def test_absorb_matches_reference(fmt, heads, tokens):
     assert problems(case, q_nope, w) == []
 
 
-ONE_TOKEN = {"BLOCK_N": 16, "BLOCK_T": 1, "num_warps": 1}  # programs of one token: no tensor-core tile
+ONE_TOKEN = GPU_LAYOUTS["absorb_one_token"]  # programs of one token: no tensor-core tile
 
 
 @pytest.mark.parametrize(("tokens", "heads"), [(1, 12), (1, 16), (3, 16), (7, 3)])
 def test_one_token_programs_match_the_reference(tokens, heads):
-    """BLOCK_T 1 (the sm90 rules at one token): the exact bf16 products summed in fp32."""
+    """BLOCK_T 1 (the GPU rules at one token): the exact bf16 products summed in fp32."""
     case, q_nope, w = absorb_case(tokens, heads, E4M3FN, seed=tokens + heads)
     with launch.forced(ONE_TOKEN):
         assert problems(case, q_nope, w) == []

@@ -13,6 +13,8 @@ import torch
 from machine import DEVICE
 from mxfp4_standin import batched_gemm_a16wfp4, dequantize, quantize
 from parity import (
+    ABSORB_GPU_LAYOUTS,
+    GPU_LAYOUTS,
     POISON_A,
     absorb_graph_replay_problems,
     absorb_problems,
@@ -23,6 +25,7 @@ from parity import (
 
 from k3_amd_overlay import k3, mxfp4
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
+from k3_amd_overlay.kernels import launch
 from k3_amd_overlay.ops import absorb_qk_cache, aiter_absorb, fused_absorb_mxfp4_qk_cache, fused_qk_cache, reference
 
 pytestmark = pytest.mark.kernels  # scripts/gpu_check.sh runs these on the GPU
@@ -114,6 +117,14 @@ def test_mxfp4_absorb_matches_reference(fmt, heads, tokens):
     skip_under_interpreter(tokens, heads, fmt)
     # every product is exact and these sums fit fp32: the same bytes in any summation order
     assert problems(*mxfp4_case(tokens, heads, fmt, seed=tokens + heads)) == []
+
+
+@pytest.mark.parametrize("layout", ABSORB_GPU_LAYOUTS)
+def test_mxfp4_absorb_in_the_gpu_layouts_matches_reference(layout):
+    """One-token programs and several column blocks a head, as the GPU rules launch them (the
+    interpreter's own rules take a head's whole latent row a program)."""
+    with launch.forced(GPU_LAYOUTS[layout]):
+        assert problems(*mxfp4_case(5, 3, E4M3FNUZ, seed=5)) == []
 
 
 @pytest.mark.parametrize("fault", ["activation_scale_a_binade_off", "weight_scale_a_binade_off", "nibbles_swapped",

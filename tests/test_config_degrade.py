@@ -217,7 +217,7 @@ def test_the_first_layer_records_an_unusable_file_in_the_marker_and_goes_on(tmp_
     from k3_amd_overlay.targets import installer, vllm_env
 
     path = tmp_path / "mine.json"
-    path.write_text(json.dumps(TUNED))  # gfx942's, on this CPU (the interpreter's sm90 table)
+    path.write_text(json.dumps(TUNED))  # gfx942's, on this CPU (the interpreter's own table)
     monkeypatch.setenv(KERNEL_CONFIGS, str(path))
     monkeypatch.setattr(vllm_env, "model_coverage", lambda: {})
     settings = load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_MARKER_DIR": str(tmp_path)})
@@ -226,5 +226,5 @@ def test_the_first_layer_records_an_unusable_file_in_the_marker_and_goes_on(tmp_
         inst.record_coverage(types.SimpleNamespace(kv_a_layernorm=types.SimpleNamespace(weight=torch.ones(2))))
     recorded = inst.evidence.record.launch_configs
     assert "its configs are for gfx942, this GPU is cpu" in recorded["error"]
-    assert recorded["kernels"][QK]["file"].endswith("configs/sm90.json")
+    assert recorded["kernels"][QK]["file"].endswith("configs/cpu.json")
     assert [r.getMessage() for r in caplog.records] == [f"K3 AMD overlay: {recorded['error']}"]

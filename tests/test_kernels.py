@@ -9,6 +9,7 @@ import pytest
 import torch
 from machine import DEVICE, HAS_GPU
 from parity import (
+    GPU_LAYOUTS,
     absorb_problems,
     make_qk_case,
     qk_cache_problems,
@@ -20,6 +21,7 @@ from parity import (
 
 from k3_amd_overlay import k3
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, FP8_FORMATS
+from k3_amd_overlay.kernels import launch
 from k3_amd_overlay.ops import ProviderUnavailable, fused_q_kv_rmsnorm, fused_qk_cache
 
 pytestmark = pytest.mark.kernels  # scripts/gpu_check.sh runs these on the GPU
@@ -55,6 +57,15 @@ def test_qk_cache_triton_matches_reference(fmt, block_size, heads, tokens):
     _interpreter_budget(tokens, heads, block_size)
     case = make_qk_case(tokens, heads, fmt, block_size=block_size, device=DEVICE)
     assert qk_cache_problems(case, run_provider("triton")) == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_qk_cache_in_a_gpu_layout_matches_reference(fmt):
+    """Several heads a program with the last one part-filled, as the GPU rules launch it (the
+    interpreter's own rules take 16 heads a program)."""
+    case = make_qk_case(7, 3, fmt, device=DEVICE, seed=7)
+    with launch.forced(GPU_LAYOUTS["qk_cache"]):
+        assert qk_cache_problems(case, run_provider("triton")) == []
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -117,6 +128,14 @@ def test_rmsnorm_pair_triton_matches_reference(dtype, tokens):
     got = fused_q_kv_rmsnorm(q, kv, q_w, kv_w, 1e-5, 1e-3, provider="triton")
     assert rmsnorm_problems(got, reference_pair(q, kv, q_w, kv_w, 1e-5, 1e-3)) == []
     assert got[0].is_contiguous() and got[1].is_contiguous()
+
+
+def test_rmsnorm_pair_in_a_gpu_layout_matches_reference():
+    """Two q rows and four kv rows a program, the last ones part-filled, as the GPU rules launch it."""
+    q, kv, q_w, kv_w = rmsnorm_inputs(7, torch.bfloat16, DEVICE)
+    with launch.forced(GPU_LAYOUTS["rmsnorm_pair"]):
+        got = fused_q_kv_rmsnorm(q, kv, q_w, kv_w, 1e-5, 1e-3, provider="triton")
+    assert rmsnorm_problems(got, reference_pair(q, kv, q_w, kv_w, 1e-5, 1e-3)) == []
 
 
 def test_rmsnorm_pair_errors_name_the_value():

@@ -36,7 +36,7 @@ def _fresh(monkeypatch):
     launch_configs._tuned.cache_clear()
 
 
-@pytest.mark.parametrize("arch", launch_configs.SHIPPED_ARCHS)
+@pytest.mark.parametrize("arch", [*launch_configs.SHIPPED_ARCHS, launch_configs.INTERPRETER_ARCH])
 def test_every_shipped_file_parses_and_covers_every_kernel(arch):
     table = launch_configs.shipped(arch)
     assert table.arch == arch and set(table.kernels) == set(launch_configs.KERNEL_PARAMETERS)
@@ -56,7 +56,7 @@ def test_amd_only_options_reach_amd_launches_only():
 
 def test_archs_without_a_file_take_the_nearest_shipped_one():
     assert [launch_configs.shipped_arch(a) for a in ("gfx942", "gfx90a", "sm100", "cpu")] == \
-        ["gfx942", "gfx942", "sm90", "sm90"]
+        ["gfx942", "gfx942", "sm90", "cpu"]
 
 
 def _file(arch="gfx942", device=None, kernels=None):

@@ -1,14 +1,15 @@
 """Launch configurations of the overlay's Triton kernels, per GPU arch, read from JSON.
 
 The package ships one file per arch (``configs/<arch>.json``: sm90, where the original shapes were
-measured, and AMD's gfx942 and gfx950); ``k3-amd-overlay tune`` writes a file for one device, which
-the variable ``K3_AMD_OVERLAY_KERNEL_CONFIGS`` (a file, or a directory of tuned files) puts first. In
-a directory only the file named ``<arch>-<device>.json`` for this GPU is read (other names are
-ignored, with a warning naming them). A tuned file for this GPU that cannot be used (malformed, for
-another arch or GPU) never stops a worker: one ERROR line names the file and the problem, the
-shipped file serves instead, and ``startup_error`` gives ``doctor`` and the marker the same line; a
-shipped file that cannot be used refuses the fused Triton kernels (the first launch raises inside
-the sites' failure containment).
+measured, and AMD's gfx942 and gfx950), and one for Triton's CPU interpreter (``cpu.json``: it runs
+a launch's programs one after another, so its rules take the fewest); ``k3-amd-overlay tune`` writes
+a file for one device, which the variable ``K3_AMD_OVERLAY_KERNEL_CONFIGS`` (a file, or a directory
+of tuned files) puts first. In a directory only the file named ``<arch>-<device>.json`` for this GPU
+is read (other names are ignored, with a warning naming them). A tuned file for this GPU that cannot
+be used (malformed, for another arch or GPU) never stops a worker: one ERROR line names the file and
+the problem, the shipped file serves instead, and ``startup_error`` gives ``doctor`` and the marker
+the same line; a shipped file that cannot be used refuses the fused Triton kernels (the first launch
+raises inside the sites' failure containment).
 
 A config that fails to compile or launch on this GPU is replaced, in every rule of its kernel that
 picks it and only there, by the arch's safe config, defined once (``safe_config``): the catch-all
@@ -48,6 +49,7 @@ logger = logging.getLogger("vllm.k3_amd_overlay")
 CONFIG_DIR = Path(__file__).parent / "configs"
 SCHEMA = 1
 SHIPPED_ARCHS = ("sm90", "gfx942", "gfx950")
+INTERPRETER_ARCH = "cpu"  # Triton's CPU interpreter: its own file, rules for the fewest programs
 AMD_ONLY_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 LAUNCH_OPTIONS = ("num_warps", "num_stages", *AMD_ONLY_OPTIONS)
 # The constexprs each kernel's config must set (num_warps too); tile sizes are powers of two.
@@ -257,9 +259,9 @@ def load(path: str | Path) -> ConfigFile:
 
 
 def shipped_arch(arch: str) -> str:
-    """The shipped file an arch uses: its own, else sm90's for NVIDIA and the CPU interpreter, gfx942's
-    for another AMD arch (both untuned there: ``fallback_note``)."""
-    if arch in SHIPPED_ARCHS:
+    """The shipped file an arch uses: its own (the CPU interpreter's too), else sm90's for NVIDIA,
+    gfx942's for another AMD arch (both untuned there: ``fallback_note``)."""
+    if arch in SHIPPED_ARCHS or arch == INTERPRETER_ARCH:
         return arch
     return "gfx942" if arch.startswith("gfx") else "sm90"
 
@@ -269,7 +271,7 @@ RDNA = re.compile(r"gfx1[0-2]\d")
 
 def fallback_note(arch: str) -> str | None:
     """Why ``arch``'s launches use another arch's file (None: it has its own, or it is the CPU)."""
-    if arch in SHIPPED_ARCHS or arch == "cpu":
+    if arch in SHIPPED_ARCHS or arch == INTERPRETER_ARCH:
         return None
     note = f"no launch-config file for {arch}: {shipped_arch(arch)}'s rules, untuned there"
     if RDNA.match(arch):

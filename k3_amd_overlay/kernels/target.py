@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from k3_amd_overlay.kernels.launch_configs import INTERPRETER_ARCH
+
 HIP = "hip"
 CUDA = "cuda"
 INTERPRETER = "interpreter"
@@ -23,7 +25,7 @@ INTERPRETER = "interpreter"
 @dataclass(frozen=True)
 class Target:
     backend: str  # HIP, CUDA or INTERPRETER
-    arch: str  # gfx942, sm90, ...; "cpu" under the interpreter
+    arch: str  # gfx942, sm90, ...; INTERPRETER_ARCH under the interpreter
 
     @property
     def gpu(self) -> bool:
@@ -61,7 +63,7 @@ def of(device: torch.device) -> Target:
     if session is not None and session.target is not None:
         return session.target
     if device.type != "cuda":
-        return Target(INTERPRETER, "cpu")
+        return Target(INTERPRETER, INTERPRETER_ARCH)
     return Target(HIP if torch.version.hip is not None else CUDA, arch_of(device))
 
 
