@@ -15,9 +15,10 @@ from k3_amd_overlay.ops import qk_cache as qk_cache_op
 from k3_amd_overlay.ops import reference
 
 POISON_A, POISON_B = 0xA5, 0x5A
-# Layouts of the GPU arches' rules (sm90.json, gfx942.json, gfx950.json) that the interpreter's own
-# rules (cpu.json: a head's whole latent row, 16 tokens or heads a program) never take, forced where a
-# kernel's bytes are checked on CPU; each leaves a last block part-filled at the shapes the tests use.
+# The GPU arches' kinds of layout (sm90.json, gfx942.json, gfx950.json: several heads, rows or column
+# blocks a program; one-token programs) that the interpreter's own rules (cpu.json) never take,
+# forced where a kernel's bytes are checked on CPU. The one-token layout takes a wider column block
+# than those files' 8-32 (the same code path, fewer programs under the interpreter).
 GPU_LAYOUTS = {
     "rmsnorm_pair": {"ROWS_Q": 2, "ROWS_KV": 4, "num_warps": 4},
     "qk_cache": {"HEADS": 2, "num_warps": 4},

@@ -78,10 +78,11 @@ def test_fp8_absorb_matches_reference(fmt, heads, tokens):
 
 @pytest.mark.parametrize("layout", ABSORB_GPU_LAYOUTS)
 def test_fp8_absorb_in_the_gpu_layouts_matches_reference(layout):
-    """One-token programs and several column blocks a head, as the GPU rules launch them (the
-    interpreter's own rules take a head's whole latent row a program)."""
+    """One-token programs, and several column blocks a head over two token blocks (the second
+    part-filled), as the GPU rules launch them; the interpreter's own rules never do."""
+    tokens = 5 if layout == "absorb_one_token" else 17
     with launch.forced(GPU_LAYOUTS[layout]):
-        assert problems(*fp8_case(5, 3, E4M3FN, seed=5), max_differing=0.005 if HAS_GPU else 0.0) == []
+        assert problems(*fp8_case(tokens, 3, E4M3FN, seed=5), max_differing=0.005 if HAS_GPU else 0.0) == []
 
 
 @pytest.mark.parametrize("fault", ["weight_scale_ignored", "group_scale_ignored", "skipped_kv_write",

@@ -68,7 +68,7 @@ ONE_TOKEN = GPU_LAYOUTS["absorb_one_token"]  # programs of one token: no tensor-
 
 @pytest.mark.parametrize(("tokens", "heads"), [(1, 12), (1, 16), (3, 16), (7, 3)])
 def test_one_token_programs_match_the_reference(tokens, heads):
-    """BLOCK_T 1 (the GPU rules at one token): the exact bf16 products summed in fp32."""
+    """BLOCK_T 1 (the GPU rules' one-token path): the exact bf16 products summed in fp32."""
     case, q_nope, w = absorb_case(tokens, heads, E4M3FN, seed=tokens + heads)
     with launch.forced(ONE_TOKEN):
         assert problems(case, q_nope, w) == []
