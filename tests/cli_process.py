@@ -1,9 +1,9 @@
 """The overlay's command line in a fresh process, with doctor's self-test run or left out. On CPU
 the self-test runs every fused kernel under the Triton interpreter (4 s with its own launch configs,
-cpu.json; 24 s before them); the tests
-that judge something else (verdict lines, ``check --static``) leave it out, and the test of the
-main job (``doctor --json`` with the overlay on) runs it for real, on every release. And argument
-lists of defaults that a test's own options replace (an option given twice is a usage error)."""
+cpu.json; 24 s before them); the tests that judge something else (verdict lines, ``check --static``)
+leave it out, and the test of the main job (``doctor --json`` with the overlay on) runs it for real,
+on every release. And argument lists of defaults that a test's own options replace (an option given
+twice is a usage error)."""
 
 from __future__ import annotations
 

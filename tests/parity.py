@@ -25,7 +25,9 @@ GPU_LAYOUTS = {
     "absorb_one_token": {"BLOCK_N": 128, "BLOCK_T": 1, "num_warps": 1},  # no tensor-core tile: products summed
     "absorb_column_blocks": {"BLOCK_N": 64, "BLOCK_T": 16, "KV_ROWS": 4, "num_warps": 4},
 }
-ABSORB_GPU_LAYOUTS = ("absorb_one_token", "absorb_column_blocks")
+# The absorb layouts and the tokens each is checked at: column blocks over two token blocks, the second
+# part-filled; one-token programs at fewer tokens (each a program under the interpreter).
+ABSORB_GPU_LAYOUTS = {"absorb_one_token": 5, "absorb_column_blocks": 17}
 
 
 def skip_under_interpreter(tokens: int, heads: int, fmt: Fp8Format) -> None:

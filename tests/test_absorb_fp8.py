@@ -80,9 +80,9 @@ def test_fp8_absorb_matches_reference(fmt, heads, tokens):
 def test_fp8_absorb_in_the_gpu_layouts_matches_reference(layout):
     """One-token programs, and several column blocks a head over two token blocks (the second
     part-filled), as the GPU rules launch them; the interpreter's own rules never do."""
-    tokens = 5 if layout == "absorb_one_token" else 17
     with launch.forced(GPU_LAYOUTS[layout]):
-        assert problems(*fp8_case(tokens, 3, E4M3FN, seed=5), max_differing=0.005 if HAS_GPU else 0.0) == []
+        case = fp8_case(ABSORB_GPU_LAYOUTS[layout], 3, E4M3FN, seed=5)
+        assert problems(*case, max_differing=0.005 if HAS_GPU else 0.0) == []
 
 
 @pytest.mark.parametrize("fault", ["weight_scale_ignored", "group_scale_ignored", "skipped_kv_write",

@@ -123,9 +123,8 @@ def test_mxfp4_absorb_matches_reference(fmt, heads, tokens):
 def test_mxfp4_absorb_in_the_gpu_layouts_matches_reference(layout):
     """One-token programs, and several column blocks a head over two token blocks (the second
     part-filled), as the GPU rules launch them; the interpreter's own rules never do."""
-    tokens = 5 if layout == "absorb_one_token" else 17
     with launch.forced(GPU_LAYOUTS[layout]):
-        assert problems(*mxfp4_case(tokens, 3, E4M3FNUZ, seed=5)) == []
+        assert problems(*mxfp4_case(ABSORB_GPU_LAYOUTS[layout], 3, E4M3FNUZ, seed=5)) == []
 
 
 @pytest.mark.parametrize("fault", ["activation_scale_a_binade_off", "weight_scale_a_binade_off", "nibbles_swapped",

@@ -271,7 +271,7 @@ RDNA = re.compile(r"gfx1[0-2]\d")
 
 def fallback_note(arch: str) -> str | None:
     """Why ``arch``'s launches use another arch's file (None: it has its own, or it is the CPU)."""
-    if arch in SHIPPED_ARCHS or arch == INTERPRETER_ARCH:
+    if shipped_arch(arch) == arch:
         return None
     note = f"no launch-config file for {arch}: {shipped_arch(arch)}'s rules, untuned there"
     if RDNA.match(arch):
