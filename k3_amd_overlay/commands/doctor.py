@@ -25,7 +25,7 @@ from k3_amd_overlay.package import (
     __version__,
 )
 from k3_amd_overlay.settings import SWITCH, SettingsError, load_settings
-from k3_amd_overlay.versions import VLLM_DISTRIBUTIONS, first_installed, installed_aiter_version, installed_vllm_version
+from k3_amd_overlay.versions import first_installed, installed_aiter_version, installed_vllm_version
 
 K3_ABSORB_WIDTHS = (k3.QK_NOPE_HEAD_DIM, k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM)  # P, L, R of the absorbed op
 
@@ -33,7 +33,7 @@ K3_ABSORB_WIDTHS = (k3.QK_NOPE_HEAD_DIM, k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM)  
 def versions() -> dict[str, Any]:
     return {
         "k3-amd-overlay": __version__, "python": platform.python_version(),
-        "vllm": first_installed(*VLLM_DISTRIBUTIONS), "torch": torch.__version__,
+        "vllm": installed_vllm_version(), "torch": torch.__version__,
         "triton": first_installed("triton", "pytorch-triton-rocm"),
         "aiter": installed_aiter_version(), "supported vllm": SUPPORTED_VLLM,
     }
