@@ -64,6 +64,7 @@ def test_absorb_matches_reference(fmt, heads, tokens):
 
 
 ONE_TOKEN = GPU_LAYOUTS["absorb_one_token"]  # programs of one token: no tensor-core tile
+FEW_TOKENS = GPU_LAYOUTS["absorb_few_tokens"]  # programs of two tokens: no tensor-core tile either
 
 
 @pytest.mark.parametrize(("tokens", "heads"), [(1, 12), (1, 16), (3, 16), (7, 3)])
@@ -74,7 +75,16 @@ def test_one_token_programs_match_the_reference(tokens, heads):
         assert problems(case, q_nope, w) == []
 
 
-@pytest.mark.parametrize("config", [None, ONE_TOKEN], ids=["shipped", "one_token"])
+@pytest.mark.parametrize(("tokens", "heads"), [(2, 12), (5, 3), (4, 16)])
+def test_few_token_programs_match_the_reference(tokens, heads):
+    """BLOCK_T 2 (the GPU rules' two-token path): the exact bf16 products summed in fp32, the last
+    token block part-filled at 5 tokens."""
+    case, q_nope, w = absorb_case(tokens, heads, E4M3FN, seed=tokens * heads)
+    with launch.forced(FEW_TOKENS):
+        assert problems(case, q_nope, w) == []
+
+
+@pytest.mark.parametrize("config", [None, ONE_TOKEN, FEW_TOKENS], ids=["shipped", "one_token", "few_tokens"])
 @pytest.mark.parametrize("fault", ["transposed", "heads_swapped", "skipped_head"])
 def test_planted_faults_are_caught(fault, config):
     case, q_nope, w = absorb_case(7, 3, E4M3FNUZ, seed=3)

@@ -91,10 +91,9 @@ def test_every_message_of_the_file_parser_word_for_word():
          f"{at} rule 0: matrix_instr_nonkdim = 8: 0 (Triton's choice) or one of 16, 32"),
         (_one(QK, {"HEADS": 3, "num_warps": 4}), f"{at} rule 0: HEADS = 3 is not a power of two"),
         (_one(QK, {"HEADS": 4, "num_warps": 6}), f"{at} rule 0: num_warps = 6 is not a power of two"),
-        (_one(FP8, {"BLOCK_N": 32, "BLOCK_T": 2, "num_warps": 1}),
-         f"{path} {FP8} rule 0: BLOCK_T = 2: 1 (no dot) or at least 16 (tl.dot's smallest tile)"),
         (_one(FP8, {"BLOCK_N": 32, "BLOCK_T": 8, "num_warps": 1}),
-         f"{path} {FP8} rule 0: BLOCK_T = 8: 1 (no dot) or at least 16 (tl.dot's smallest tile)"),
+         f"{path} {FP8} rule 0: BLOCK_T = 8: at most 4 (no dot: the products summed in fp32) or at least 16 "
+         "(tl.dot's smallest tile)"),
         (_one(names.ABSORB_QK_CACHE_KERNEL, {"BLOCK_N": 32, "BLOCK_T": 1, "K_STEPS": 2, "num_warps": 1}),
          f"{path} {names.ABSORB_QK_CACHE_KERNEL} rule 0: K_STEPS = 2 with BLOCK_T = 1: the sliced product is a "
          "tl.dot, of at least 16 tokens"),
@@ -143,6 +142,17 @@ def test_parsed_values_are_kept_exactly_amd_zero_meaning_the_compilers_choice():
     assert sm90.kernels[FP8][0].config == (("BLOCK_N", 16), ("BLOCK_T", 16), ("num_warps", 8))
 
 
+def test_programs_of_fewer_tokens_than_a_dot_tile_parse_with_any_warps_on_amd():
+    """BLOCK_T 2 and 4 (no dot: the products summed lane by lane) are allowed, and, having no matrix
+    tiles, are not held to one warp per tile; 8 is refused (above)."""
+    for block_t in (2, 4):
+        config = {"BLOCK_N": 16, "BLOCK_T": block_t, "num_warps": 8}
+        assert launch_configs.dot_warps_fit("gfx942", FP8, config)
+        table = launch_configs.parse(_one(FP8, config), "few.json")
+        assert table.kernels[FP8][0].config == (("BLOCK_N", 16), ("BLOCK_T", block_t), ("num_warps", 8))
+    assert not launch_configs.dot_warps_fit("gfx942", FP8, {"BLOCK_N": 16, "BLOCK_T": 16, "num_warps": 8})
+
+
 def test_parsed_tables_are_frozen_and_hashable():
     table = launch_configs.shipped("gfx942")
     rule = table.kernels[QK][0]
@@ -173,10 +183,11 @@ def test_the_matrix_tile_and_the_dot_warps_bound_per_arch():
 
 def test_dot_warps_fit_holds_amd_dot_blocks_only_to_one_warp_per_tile():
     fits = launch_configs.dot_warps_fit
-    assert not fits("gfx942", FP8, {"BLOCK_T": 2, "BLOCK_N": 16, "num_warps": 2})
+    assert not fits("gfx942", FP8, {"BLOCK_T": 16, "BLOCK_N": 16, "num_warps": 2})
     assert not fits("gfx942", FP8, {"BLOCK_T": 16, "BLOCK_N": 64, "num_warps": 8})
     assert fits("gfx942", FP8, {"BLOCK_T": 16, "BLOCK_N": 64, "num_warps": 4})
     assert fits("gfx942", FP8, {"BLOCK_T": 1, "BLOCK_N": 16, "num_warps": 8})  # one token a program: no dot
+    assert fits("gfx942", FP8, {"BLOCK_T": 4, "BLOCK_N": 16, "num_warps": 8})  # nor at four
     assert fits("sm90", FP8, {"BLOCK_T": 16, "BLOCK_N": 16, "num_warps": 8})
     assert fits("gfx942", QK, {"BLOCK_T": 16, "BLOCK_N": 16, "num_warps": 8, "HEADS": 4})
 

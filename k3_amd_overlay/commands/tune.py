@@ -44,6 +44,9 @@ K_STEPS_TRIED = 4
 # One-token programs (BLOCK_T 1, no dot) are also tried this narrow: on the H200 the MXFP4 launch's
 # fastest at one token, 12 heads (docs/benchmarks.md).
 ONE_TOKEN_NARROWEST = 8
+# Programs of fewer tokens than a dot's tile (BLOCK_T 1 to launch_configs.FEW_TOKEN_MOST, no dot) are
+# tried up to that many tokens: on the H200, programs of 2 tokens beat the 16-row tile by 4-8% at 2
+# tokens (docs/benchmarks.md).
 MISMATCH_ALLOWANCE = 1e-3  # extra share of query codes a candidate may have one step off the reference
 
 
@@ -59,8 +62,8 @@ def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> 
         return [{"HEADS": h, "num_warps": w} for h in (1, 2, 4, 8) for w in warps]
     wide = tokens >= WIDE_FROM_TOKENS
     tiles = [t for t in (16, 32, 64, 128) if t == 16 or (t <= tokens and (t < 128 or wide))]
-    if tokens == 1:
-        tiles = [1, *tiles]
+    if tokens <= launch_configs.FEW_TOKEN_MOST:
+        tiles = [t for t in (1 << i for i in range(launch_configs.FEW_TOKEN_MOST.bit_length())) if t <= tokens] + tiles
     widths = (16, 32, 64, 128, 256) if wide else (16, 32, 64, 128)
     found = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in tiles for n in widths for w in warps
              if n * t <= WIDE_TILE_ELEMENTS]

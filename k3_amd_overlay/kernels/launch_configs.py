@@ -73,6 +73,10 @@ OPTIONAL_PARAMETERS: dict[str, dict[str, int]] = {
        for kernel in DOT_TILE_KERNELS},
 }
 DOT_LEAST = 16  # tl.dot's least rows and least K
+# The most tokens a program of an absorb kernel takes without a dot (each product summed in fp32 over a
+# [BLOCK_T, P, BLOCK_N] broadcast): on the H200, programs of 8 tokens ran 1.9-3.1x slower than the
+# 16-row tile at 8 tokens (docs/benchmarks.md).
+FEW_TOKEN_MOST = 4
 MAX_K_STEPS = k3.QK_NOPE_HEAD_DIM // DOT_LEAST
 # The part of the dot's result (rows x columns) one warp's matrix instruction computes. AMD (gfx*):
 # MFMA v_mfma_f32_<M>x<N>x<K>_<type>, M = N = 16 or 32 for every dtype of these kernels on CDNA3 and
@@ -162,8 +166,8 @@ def max_dot_warps(arch: str, config: dict[str, int]) -> int:
 def dot_warps_fit(arch: str, kernel: str, config: dict[str, int]) -> bool:
     """Whether ``config`` keeps ``kernel``'s warps on distinct matrix tiles on ``arch`` (what the loader
     demands; ``tune`` can skip the candidates that do not)."""
-    if kernel not in DOT_TILE_KERNELS or config["BLOCK_T"] <= 1 or not arch.startswith("gfx"):
-        return True
+    if kernel not in DOT_TILE_KERNELS or config["BLOCK_T"] < DOT_LEAST or not arch.startswith("gfx"):
+        return True  # no dot below DOT_LEAST tokens a program: the products are summed lane by lane
     return config["num_warps"] <= max_dot_warps(arch, config)
 
 
@@ -196,9 +200,9 @@ def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tupl
     for key in (*KERNEL_PARAMETERS[kernel], *(k for k in OPTIONAL_PARAMETERS[kernel] if k in values), "num_warps"):
         if values[key] & (values[key] - 1):
             raise LaunchConfigError(f"{where}: {key} = {values[key]} is not a power of two")
-    if kernel in DOT_TILE_KERNELS and 1 < values["BLOCK_T"] < DOT_LEAST:
-        raise LaunchConfigError(f"{where}: BLOCK_T = {values['BLOCK_T']}: 1 (no dot) or at least {DOT_LEAST} "
-                                "(tl.dot's smallest tile)")
+    if kernel in DOT_TILE_KERNELS and FEW_TOKEN_MOST < values["BLOCK_T"] < DOT_LEAST:
+        raise LaunchConfigError(f"{where}: BLOCK_T = {values['BLOCK_T']}: at most {FEW_TOKEN_MOST} (no dot: the "
+                                f"products summed in fp32) or at least {DOT_LEAST} (tl.dot's smallest tile)")
     if values.get("K_STEPS", 1) > MAX_K_STEPS:
         raise LaunchConfigError(f"{where}: K_STEPS = {values['K_STEPS']}: at most {MAX_K_STEPS} (slices of the "
                                 f"{k3.QK_NOPE_HEAD_DIM} q_nope lanes of at least {DOT_LEAST}, tl.dot's least K)")
