@@ -78,8 +78,8 @@ def test_fp8_absorb_matches_reference(fmt, heads, tokens):
 
 @pytest.mark.parametrize("layout", ABSORB_GPU_LAYOUTS)
 def test_fp8_absorb_in_the_gpu_layouts_matches_reference(layout):
-    """One-token programs, and several column blocks a head over two token blocks (the second
-    part-filled), as the GPU rules launch them; the interpreter's own rules never do."""
+    """One-token and two-token programs, and several column blocks a head over two token blocks (the
+    second part-filled), as the GPU rules launch them; the interpreter's own rules never do."""
     with launch.forced(GPU_LAYOUTS[layout]):
         case = fp8_case(ABSORB_GPU_LAYOUTS[layout], 3, E4M3FN, seed=5)
         assert problems(*case, max_differing=0.005 if HAS_GPU else 0.0) == []

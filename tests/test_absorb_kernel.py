@@ -75,12 +75,12 @@ def test_one_token_programs_match_the_reference(tokens, heads):
         assert problems(case, q_nope, w) == []
 
 
-@pytest.mark.parametrize(("tokens", "heads"), [(2, 12), (5, 3), (4, 16)])
-def test_few_token_programs_match_the_reference(tokens, heads):
-    """BLOCK_T 2 (the GPU rules' two-token path): the exact bf16 products summed in fp32, the last
-    token block part-filled at 5 tokens."""
+@pytest.mark.parametrize(("tokens", "heads", "block_t"), [(2, 12, 2), (5, 3, 2), (4, 16, 2), (7, 3, 4)])
+def test_few_token_programs_match_the_reference(tokens, heads, block_t):
+    """BLOCK_T 2 (the GPU rules' two-token path) and 4 (the most without a dot): the exact bf16
+    products summed in fp32, the last token block part-filled at 5 and 7 tokens."""
     case, q_nope, w = absorb_case(tokens, heads, E4M3FN, seed=tokens * heads)
-    with launch.forced(FEW_TOKENS):
+    with launch.forced({**FEW_TOKENS, "BLOCK_T": block_t}):
         assert problems(case, q_nope, w) == []
 
 

@@ -121,8 +121,8 @@ def test_mxfp4_absorb_matches_reference(fmt, heads, tokens):
 
 @pytest.mark.parametrize("layout", ABSORB_GPU_LAYOUTS)
 def test_mxfp4_absorb_in_the_gpu_layouts_matches_reference(layout):
-    """One-token programs, and several column blocks a head over two token blocks (the second
-    part-filled), as the GPU rules launch them; the interpreter's own rules never do."""
+    """One-token and two-token programs, and several column blocks a head over two token blocks (the
+    second part-filled), as the GPU rules launch them; the interpreter's own rules never do."""
     with launch.forced(GPU_LAYOUTS[layout]):
         assert problems(*mxfp4_case(ABSORB_GPU_LAYOUTS[layout], 3, E4M3FNUZ, seed=5)) == []
 

@@ -141,8 +141,9 @@ def test_nvidia_rules_keep_their_measured_warps():
     assert not launch_configs.dot_warps_fit("gfx942", names.ABSORB_FP8_QK_CACHE_KERNEL, config)
 
 
-def test_one_token_programs_have_no_dot_to_bound():
-    config = {"BLOCK_N": 16, "BLOCK_T": 1, "num_warps": 8}
+@pytest.mark.parametrize("block_t", [1, 2, 4])
+def test_programs_of_too_few_tokens_for_a_dot_have_no_dot_to_bound(block_t):
+    config = {"BLOCK_N": 16, "BLOCK_T": block_t, "num_warps": 8}
     launch_configs.parse(_file("gfx950", names.ABSORB_FP8_QK_CACHE_KERNEL, config), "f.json")
 
 
@@ -151,7 +152,7 @@ def test_no_shipped_rule_has_more_warps_than_its_block_has_tiles(arch):
     data = json.loads((launch_configs.CONFIG_DIR / f"{arch}.json").read_text())
     over = [(kernel, i, rule["config"]) for kernel, rules in data["kernels"].items()
             if kernel in launch_configs.DOT_TILE_KERNELS for i, rule in enumerate(rules)
-            if rule["config"]["BLOCK_T"] > 1 and
+            if rule["config"]["BLOCK_T"] >= launch_configs.DOT_LEAST and  # fewer tokens a program: no dot
             rule["config"]["num_warps"] > launch_configs.max_dot_warps(arch, rule["config"])]
     assert over == []
 

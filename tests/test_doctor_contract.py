@@ -707,7 +707,6 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
     tag = random.randrange(10**6)
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(doctor, "versions", lambda: {"v": tag})
     monkeypatch.setattr(doctor, "gpu", lambda: {"g": tag})
     shape = SimpleNamespace(upstream={QK_CACHE: "_fused_decode", QKV_NORM: ""})
     recognised = lambda env: ({"recognised": f"shape {tag}"}, shape)  # noqa: E731
@@ -731,7 +730,15 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
     monkeypatch.setattr(doctor, "selftest", lambda device: seen.append(("selftest", device.type)) or rows)
     monkeypatch.setattr(doctor, "ab_baseline", lambda env, shape_, serve: [f"{env.get('K3_AMD_OVERLAY')} {serve}"]
                         if shape_ is shape else ["wrong shape"])
-    monkeypatch.setattr(doctor, "_activate_here", lambda env: {"patched": [], "evidence": f"on {tag}"})
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+
+    def activate_here(env):  # as the real activation does: it imports vLLM
+        monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__=f"0.33.{tag}"))
+        return {"patched": [], "evidence": f"on {tag}"}
+
+    monkeypatch.setattr(doctor, "_activate_here", activate_here)
+    monkeypatch.setattr(doctor, "versions", lambda: {"v": tag, "vllm": getattr(sys.modules.get("vllm"), "__version__",
+                                                                               None)})
     monkeypatch.delenv("K3_AMD_OVERLAY", raising=False)
 
     report, healthy = doctor.run_doctor(switch="0", serve_args="--enforce-eager")
@@ -744,7 +751,7 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
         "absorb_qk_cache (fp8 W_K)": ("absorb", widths, {"fp8_weights": True}),
         "absorb_qk_cache (MXFP4 W_K)": ("absorb", widths, {"mxfp4_weights": True})}.items()}
     assert report == {
-        "versions": {"v": tag}, "gpu": {"g": tag}, "vllm shape": {"recognised": f"shape {tag}"},
+        "versions": {"v": tag, "vllm": None}, "gpu": {"g": tag}, "vllm shape": {"recognised": f"shape {tag}"},
         "switch": {"K3_AMD_OVERLAY": "0", "mode": "off", "fusions": [], "strict": True,
                    "providers": {f: "auto" for f in FUSIONS}},
         "qk_cache by tensor-parallel size (K3, 96 heads)": doctor.qk_cache_by_tp("_fused_decode"),
@@ -756,6 +763,7 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
 
     report, healthy = doctor.run_doctor(switch="stock")
     assert (report["patched"], report["evidence"]) == ([], f"on {tag}") and report["a/b baseline"] == ["stock None"]
+    assert report["versions"] == {"v": tag, "vllm": f"0.33.{tag}"}  # read again after the activation imported vLLM
     assert list(report) == ["versions", "gpu", "vllm shape", "switch",
                             "qk_cache by tensor-parallel size (K3, 96 heads)", "providers here", "launch configs",
                             "self-measurement", "self-test", "patched", "evidence", "fusions", "a/b baseline",

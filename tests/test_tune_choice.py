@@ -193,7 +193,10 @@ def test_the_candidate_grid_of_each_kernel():
     def tiles(kernel, tokens, amd):
         found = tune.candidates(kernel, tokens, amd)
         widths = (16, 32, 64, 128, 256) if tokens >= 128 else (16, 32, 64, 128)
-        assert {c["BLOCK_N"] for c in found if c["BLOCK_T"] > 1} == set(widths)
+        assert {c["BLOCK_N"] for c in found if c["BLOCK_T"] >= 16} == set(widths)
+        # no dot: BLOCK_T x BLOCK_N at most 128, as in the widest one-token program
+        assert {(c["BLOCK_T"], c["BLOCK_N"]) for c in found if 1 < c["BLOCK_T"] < 16} <= {(2, 16), (2, 32), (2, 64),
+                                                                                        (4, 16), (4, 32)}
         assert {c["BLOCK_N"] for c in found if c["BLOCK_T"] == 1} <= {8, *widths}
         assert {c["num_warps"] for c in found} == {1, 2, 4, 8}
         assert len(found) == len({tuple(sorted(c.items())) for c in found})
@@ -202,7 +205,7 @@ def test_the_candidate_grid_of_each_kernel():
         assert all(c.get("matrix_instr_nonkdim", 16) == 16 for c in found)
         arch = "gfx942" if amd else "sm90"  # only configs the loader accepts there: one warp per matrix tile on AMD
         full = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in plain for n in widths
-                for w in (1, 2, 4, 8) if n * t <= 32768]
+                for w in (1, 2, 4, 8) if n * t <= (32768 if t >= 16 else 128)]
         full += [{"BLOCK_N": 8, "BLOCK_T": 1, "num_warps": w} for w in (1, 2, 4, 8)] if 1 in plain else []
         full += [{**c, "matrix_instr_nonkdim": 16} for c in full if c["BLOCK_T"] >= 16] if amd else []
         sliced = tokens >= 128 and kernel == names.ABSORB_QK_CACHE_KERNEL
@@ -236,7 +239,11 @@ def test_the_shapes_tuned_by_default_and_asked_for():
     assert tune.shapes_of(names.RMSNORM_PAIR_KERNEL, [3, 6], [5, 9]) == [(5, 1), (9, 1)]
     assert tune.shapes_of(names.QK_CACHE_KERNEL, [3, 6], None) == [(t, h) for h in (3, 6)
                                                                   for t in shapes.QK_CACHE_BATCHES]
-    assert tune.shapes_of(names.ABSORB_FP8_QK_CACHE_KERNEL, [16], None) == [(t, 16) for t in shapes.ABSORB_BATCHES]
+    # the absorb kernels also where programs of 2 and 4 tokens compete (vLLM captures those batches)
+    assert tune.shapes_of(names.ABSORB_FP8_QK_CACHE_KERNEL, [16], None) == [(t, 16) for t in (1, 2, 4, 8, 32, 64,
+                                                                                            128, 256)]
+    assert [t for t, _ in tune.shapes_of(names.ABSORB_MXFP4_QK_CACHE_KERNEL, [3], None)] == \
+        sorted({*shapes.ABSORB_BATCHES, *tune.FEW_TOKEN_BATCHES})
     assert tune.shapes_of(names.ABSORB_QK_CACHE_KERNEL, [3, 6], [7]) == [(7, 3), (7, 6)]
     assert shapes.QK_CACHE_BATCHES != shapes.ABSORB_BATCHES  # else the two defaults are not told apart
 

@@ -339,6 +339,7 @@ def run_doctor(switch: str | None = None, serve_args: str | None = None) -> tupl
     report["self-test"] = selftest(device)
     if settings.enabled and has_vllm:
         report.update(_activate_here(env))
+        report["versions"] = versions()  # the activation imported vLLM: name the version the verdict judges
     report["fusions"] = fusion_outlook(settings, report["providers here"], loaded.measurement if loaded else None)
     report["a/b baseline"] = ab_baseline(env, shape, serve_args)
     report["verdict"], healthy = verdict_line(report)

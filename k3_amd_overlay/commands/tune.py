@@ -44,9 +44,13 @@ K_STEPS_TRIED = 4
 # One-token programs (BLOCK_T 1, no dot) are also tried this narrow: on the H200 the MXFP4 launch's
 # fastest at one token, 12 heads (docs/benchmarks.md).
 ONE_TOKEN_NARROWEST = 8
-# Programs of fewer tokens than a dot's tile (BLOCK_T 1 to launch_configs.FEW_TOKEN_MOST, no dot) are
-# tried up to that many tokens: on the H200, programs of 2 tokens beat the 16-row tile by 4-8% at 2
-# tokens (docs/benchmarks.md).
+# Programs of 2 to launch_configs.FEW_TOKEN_MOST tokens (no dot, as programs of one) are tried up to
+# that many tokens, and the absorb kernels are tuned at these batches besides the benchmarks': on the
+# H200, programs of 2 tokens beat the 16-row tile by 4-8% at 2 tokens (docs/benchmarks.md). Their
+# BLOCK_T x BLOCK_N is kept to FEW_TOKEN_WIDEST, the widest one-token program's, so that the
+# [BLOCK_T, P, BLOCK_N] product summed without a dot grows no larger than it.
+FEW_TOKEN_BATCHES = [1 << i for i in range(1, launch_configs.FEW_TOKEN_MOST.bit_length())]
+FEW_TOKEN_WIDEST = 128
 MISMATCH_ALLOWANCE = 1e-3  # extra share of query codes a candidate may have one step off the reference
 
 
@@ -63,10 +67,10 @@ def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> 
     wide = tokens >= WIDE_FROM_TOKENS
     tiles = [t for t in (16, 32, 64, 128) if t == 16 or (t <= tokens and (t < 128 or wide))]
     if tokens <= launch_configs.FEW_TOKEN_MOST:
-        tiles = [t for t in (1 << i for i in range(launch_configs.FEW_TOKEN_MOST.bit_length())) if t <= tokens] + tiles
+        tiles = [t for t in (1, *FEW_TOKEN_BATCHES) if t <= tokens] + tiles
     widths = (16, 32, 64, 128, 256) if wide else (16, 32, 64, 128)
     found = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in tiles for n in widths for w in warps
-             if n * t <= WIDE_TILE_ELEMENTS]
+             if n * t <= (WIDE_TILE_ELEMENTS if t >= launch_configs.DOT_LEAST else FEW_TOKEN_WIDEST)]
     if 1 in tiles:
         found += [{"BLOCK_N": ONE_TOKEN_NARROWEST, "BLOCK_T": 1, "num_warps": w} for w in warps]
     if amd:
@@ -237,12 +241,14 @@ def shipped_rules(arch: str, kernel: str) -> tuple[launch_configs.Rule, ...]:
 
 
 def shapes_of(kernel: str, heads: list[int], tokens: list[int] | None) -> list[tuple[int, int]]:
-    """(tokens, heads) to tune or compare ``kernel`` at: the benchmarks' shapes by default."""
+    """(tokens, heads) to tune or compare ``kernel`` at: the benchmarks' shapes by default, and for the
+    absorb kernels ``FEW_TOKEN_BATCHES`` too."""
     from k3_amd_overlay.commands.bench import shapes
 
     if kernel == names.RMSNORM_PAIR_KERNEL:
         return [(t, 1) for t in tokens or shapes.NORM_TOKENS]
-    batches = tokens or (shapes.QK_CACHE_BATCHES if kernel == names.QK_CACHE_KERNEL else shapes.ABSORB_BATCHES)
+    batches = tokens or (shapes.QK_CACHE_BATCHES if kernel == names.QK_CACHE_KERNEL
+                         else sorted({*shapes.ABSORB_BATCHES, *FEW_TOKEN_BATCHES}))
     return [(t, h) for h in heads for t in batches]
 
 

@@ -7,7 +7,8 @@ Query programs take one head, BLOCK_T tokens and BLOCK_N of the L output columns
 they need (P x BLOCK_N) is read by that program only, so the weight read is spread over many
 programs (one program streaming a head's whole W_UK_T was bound by a single SM's bandwidth); one
 bf16 ``tl.dot`` (at many tokens, where a rule sets K_STEPS, a pipelined loop of dots over slices of P;
-at one token a program, BLOCK_T 1, the exact products summed in fp32 with no tensor-core tile),
+at 1, 2 or 4 tokens a program, BLOCK_T below 16, the exact products summed in fp32 with no
+tensor-core tile),
 then the quant and the store. KV programs write KV_ROWS tokens' latent rows each
 (``write_kv_row`` of ``kernels/qk_cache.py`` for one, ``write_kv_rows`` for more)."""
 

@@ -61,7 +61,7 @@ KERNEL_PARAMETERS: dict[str, tuple[str, ...]] = {
     names.ABSORB_FP8_QK_CACHE_KERNEL: ("BLOCK_N", "BLOCK_T"),
     names.ABSORB_MXFP4_QK_CACHE_KERNEL: ("BLOCK_N", "BLOCK_T"),
 }
-# tl.dot needs 16 rows: the absorb kernels take one token a program (no dot) or at least 16
+# tl.dot needs 16 rows: the absorb kernels take at most FEW_TOKEN_MOST tokens a program (no dot) or at least 16
 DOT_TILE_KERNELS = (names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL,
                     names.ABSORB_MXFP4_QK_CACHE_KERNEL)
 # The constexprs a config may leave out, with the value a launch then takes (a power of two each):
