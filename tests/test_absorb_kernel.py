@@ -80,7 +80,7 @@ def test_few_token_programs_match_the_reference(tokens, heads, block_t):
     """BLOCK_T 2 (the GPU rules' two-token path) and 4 (the most without a dot): the exact bf16
     products summed in fp32, the last token block part-filled at 5 and 7 tokens."""
     case, q_nope, w = absorb_case(tokens, heads, E4M3FN, seed=tokens * heads)
-    with launch.forced({**FEW_TOKENS, "BLOCK_T": block_t}):
+    with launch.forced({**FEW_TOKENS, "BLOCK_T": block_t, "BLOCK_N": FEW_TOKENS["BLOCK_N"] * 2 // block_t}):
         assert problems(case, q_nope, w) == []
 
 

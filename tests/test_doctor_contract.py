@@ -789,6 +789,23 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
     assert report["a/b baseline"] == ["wrong shape"]  # no vLLM: no shape
 
 
+def test_the_doctors_activation_imports_vllm_before_its_range_check(monkeypatch):
+    """As in a vLLM process, vLLM is imported before the activation checks its version, so the check
+    and the evidence read the imported ``vllm.__version__``, as the report's version line does."""
+    from k3_amd_overlay import activation
+
+    order = []
+    monkeypatch.setattr(doctor, "_import_vllm", lambda: order.append("import vllm"))
+
+    def activate(settings):
+        order.append("activate")
+        raise activation.OverlayActivationError("stop here")
+
+    monkeypatch.setattr(activation, "activate", activate)
+    assert doctor._activate_here({"K3_AMD_OVERLAY": "1"}) == {"activation error": "stop here"}
+    assert order == ["import vllm", "activate"]
+
+
 # --------------------------------------------------------------------------------------------
 # vLLM's shape and the A/B baseline warnings
 

@@ -41,11 +41,12 @@ def test_the_help_says_every_option_word_for_word(capsys):
         "--out OUT a file, or a directory for <arch>-<device>.json (default .); an existing file for this arch "
         "and GPU keeps the kernels not tuned now "
         "--heads HEADS [HEADS ...] per-rank query heads (default: the benchmarks') "
-        "--tokens TOKENS [TOKENS ...] batch sizes (default: the benchmarks') "
+        "--tokens TOKENS [TOKENS ...] batch sizes (default: the benchmarks', and 2 and 4 tokens for the absorb "
+        "kernels) "
         "--kernels KERNEL [KERNEL ...] the kernels to tune, of rmsnorm_pair_kernel, qk_cache_kernel, "
         "absorb_qk_cache_kernel, absorb_fp8_qk_cache_kernel, absorb_mxfp4_qk_cache_kernel (default: all) "
-        "--compare FILE instead of tuning: time FILE's configs against the shipped ones at the benchmarks' "
-        "shapes; exit 1 where FILE's are slower "
+        "--compare FILE instead of tuning: time FILE's configs against the shipped ones at the shapes tune tunes "
+        "by default; exit 1 where FILE's are slower "
         "--verbose say why each rejected candidate was "
         "--json one JSON object on stdout on every path (the file written; the table goes to stderr) ")
     assert options in text

@@ -339,7 +339,7 @@ def run_doctor(switch: str | None = None, serve_args: str | None = None) -> tupl
     report["self-test"] = selftest(device)
     if settings.enabled and has_vllm:
         report.update(_activate_here(env))
-        report["versions"] = versions()  # the activation imported vLLM: name the version the verdict judges
+        report["versions"] = versions()  # vLLM is imported now: name the version the verdict judged
     report["fusions"] = fusion_outlook(settings, report["providers here"], loaded.measurement if loaded else None)
     report["a/b baseline"] = ab_baseline(env, shape, serve_args)
     report["verdict"], healthy = verdict_line(report)
@@ -384,6 +384,10 @@ def _vllm_shape(env: dict[str, str]) -> tuple[dict[str, Any], Any]:
     }, shape
 
 
+def _import_vllm() -> None:
+    import vllm  # noqa: F401
+
+
 def _activate_here(env: dict[str, str]) -> dict[str, Any]:
     """Activate in this process as vLLM would (the K3 AMD import fires the hooks), with markers in a
     directory removed afterwards: the doctor is no vLLM process and leaves no marker behind."""
@@ -395,6 +399,7 @@ def _activate_here(env: dict[str, str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="k3ovl-doctor-") as markers:
         os.chmod(markers, 0o700)
         try:
+            _import_vllm()  # first, as in a vLLM process: the activation's range check reads its version
             active = activation.activate(load_settings({**env, MARKER_DIR: markers}))
             import vllm.models.kimi_k3.amd.linear  # noqa: F401  (fires the post-import hooks)
         except activation.OverlayActivationError as exc:
