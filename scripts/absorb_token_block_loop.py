@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from k3_amd_overlay import k3
+from k3_amd_overlay.commands.bench.kernels import bf16_weights, decode_step_inputs
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache, load_rope, store_query, write_kv_program
 from k3_amd_overlay.kernels.qk_cache import fp8_mode, qk_cache
@@ -90,18 +91,12 @@ def token_loop(q_nope, w_uk_t, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale,
 
 
 def inputs(tokens, heads, device):
-    lora, rope, nope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM
-    q = torch.randn(tokens, heads, nope + rope, dtype=torch.bfloat16, device=device)
-    kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16, device=device)
-    k_pe = torch.randn(tokens, 2048, dtype=torch.bfloat16, device=device)[:, -rope:]
-    blocks = max(2, -(-tokens // 1536) * 2)
-    cache = torch.randint(0, 256, (blocks, 1536, lora + rope), dtype=torch.uint8, device=device)
-    slots = torch.randperm(blocks * 1536, device=device)[:tokens].to(torch.int64)
+    """The bench's decode-step inputs and bf16 W_UK_T, in the absorb launcher's argument order, with
+    random cache bytes (rows not written keep their own) and a padding slot every seventh token."""
+    q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(tokens, heads, device)
+    cache.random_(0, 256)
     slots[3::7] = -1  # padding rows: no write
-    w_uk_t = (torch.randn(lora, heads, nope, dtype=torch.bfloat16, device=device) / 8).permute(1, 2, 0)
-    k_scale, q_scale = torch.tensor([1.1], device=device), torch.tensor([0.9], device=device)
-    q_out = torch.empty(tokens, heads, lora + rope, dtype=torch.uint8, device=device)
-    return q[..., :nope], w_uk_t, q[..., nope:], kv_c, k_pe, cache, slots, k_scale, q_scale, q_out
+    return q_nope, bf16_weights(heads, device), q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out
 
 
 def bytes_match(args, ref_cache, ref_out, *config):

@@ -146,21 +146,21 @@ def bench_qk_cache(heads_list: list[int], tokens_list: list[int], bw: float, emp
     return results
 
 
-def decode_step_inputs(tokens: int, heads: int) -> tuple[torch.Tensor, ...]:
+def decode_step_inputs(tokens: int, heads: int, device: str = "cuda") -> tuple[torch.Tensor, ...]:
     """One decode step's absorbed-path inputs at K3 widths, laid out as vLLM hands them over (q_nope and
     q_pe column slices of q, k_pe a slice of the latent row), a block-1536 uint8 cache with random
     slots, and the scales: (q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out)."""
     import torch
 
     lora, rope, nope = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM
-    q = torch.randn(tokens, heads, nope + rope, dtype=torch.bfloat16, device="cuda")
-    kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16, device="cuda")
-    k_pe = torch.randn(tokens, k3.Q_LORA_RANK + lora + rope, dtype=torch.bfloat16, device="cuda")[:, -rope:]
+    q = torch.randn(tokens, heads, nope + rope, dtype=torch.bfloat16, device=device)
+    kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16, device=device)
+    k_pe = torch.randn(tokens, k3.Q_LORA_RANK + lora + rope, dtype=torch.bfloat16, device=device)[:, -rope:]
     blocks = max(2, -(-tokens // 1536) * 2)
-    cache = torch.zeros(blocks, 1536, lora + rope, dtype=torch.uint8, device="cuda")
-    slots = torch.randperm(blocks * 1536, device="cuda")[:tokens].to(torch.int64)
-    k_scale, q_scale = torch.tensor([1.1], device="cuda"), torch.tensor([0.9], device="cuda")
-    q_out = torch.empty(tokens, heads, lora + rope, dtype=torch.uint8, device="cuda")
+    cache = torch.zeros(blocks, 1536, lora + rope, dtype=torch.uint8, device=device)
+    slots = torch.randperm(blocks * 1536, device=device)[:tokens].to(torch.int64)
+    k_scale, q_scale = torch.tensor([1.1], device=device), torch.tensor([0.9], device=device)
+    q_out = torch.empty(tokens, heads, lora + rope, dtype=torch.uint8, device=device)
     return q[..., :nope], q[..., nope:], kv_c, k_pe, cache, slots, k_scale, q_scale, q_out
 
 
@@ -329,12 +329,12 @@ def sweep_absorb_fp8(heads_list: list[int], tokens_list: list[int], fmt: Fp8Form
     return results
 
 
-def bf16_weights(heads: int) -> torch.Tensor:
+def bf16_weights(heads: int, device: str = "cuda") -> torch.Tensor:
     """Random bf16 W_UK_T [H, P, L] (magnitude ~1/8) in vLLM's layout: a permuted view of [L, H, P]."""
     import torch
 
     lora, nope = k3.KV_LORA_RANK, k3.QK_NOPE_HEAD_DIM
-    return (torch.randn(lora, heads, nope, dtype=torch.bfloat16, device="cuda") / 8).permute(1, 2, 0)
+    return (torch.randn(lora, heads, nope, dtype=torch.bfloat16, device=device) / 8).permute(1, 2, 0)
 
 
 def fp8_weights(heads: int, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
