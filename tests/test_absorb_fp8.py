@@ -161,7 +161,7 @@ def test_aiters_fused_kernel_agrees_with_its_own_gemm(aiter_triton):
 # --- CUDA/HIP graphs (GPU) ------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("tokens", "heads"), [(1, 12), (1, 16), (8, 12), (256, 12), (256, 16)])
+@pytest.mark.parametrize(("tokens", "heads"), [(1, 12), (1, 16), (2, 12), (2, 16), (8, 12), (256, 12), (256, 16)])
 def test_fp8_absorb_graph_replay_with_new_inputs(tokens, heads):
     """Captured once, replayed on new inputs, slots, static scales and weights with their scale: one
     token takes the programs without a tensor-core tile, 256 tokens the KV programs of several rows."""

@@ -185,9 +185,9 @@ def graph_replay_problems(tokens: int, heads: int) -> list[str]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("tokens", "heads"), [(1, 12), (32, 12), (256, 12), (256, 16)])
+@pytest.mark.parametrize(("tokens", "heads"), [(1, 12), (2, 12), (2, 16), (32, 12), (256, 12), (256, 16)])
 def test_absorb_graph_replay_with_new_inputs(tokens, heads):
-    """At 256 tokens the rules take KV programs of several rows."""
+    """At 2 tokens the sm90 rules take programs of two tokens (no dot); at 256 KV programs of several rows."""
     assert graph_replay_problems(tokens, heads) == []
 
 

@@ -25,6 +25,9 @@ from k3_amd_overlay.kernels.names import ABSORB_QK_CACHE_KERNEL
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row, write_kv_rows
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
 
+# Fewer tokens a program than this and the absorb kernels sum the products lane by lane (no tl.dot)
+DOT_LEAST = tl.constexpr(launch_configs.DOT_LEAST)
+
 
 def absorb_launch(kernel_name: str, q_nope: torch.Tensor, lora: int, block_n: int | None, num_warps: int | None,
                   block_tokens: int | None) -> tuple[tuple[int], dict[str, int]]:
@@ -166,7 +169,7 @@ def absorb_qk_cache_kernel(
                 pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, num_tokens, token_blocks, P, L,
                 BLOCK_T, BLOCK_N)
             pe, rope = load_rope(column, head, t64, live, q_pe_ptr, s_qp_t, s_qp_h, R)
-            if BLOCK_T < 16:  # too few tokens for a tensor-core tile: the exact bf16 products summed in fp32
+            if BLOCK_T < DOT_LEAST:  # too few tokens for a tensor-core tile: the exact bf16 products summed in fp32
                 ql = summed_products(q_nope, w)
             elif DOT_IN_FP32:  # the CPU interpreter mishandles low-precision dots; same products in fp32
                 ql = tl.dot(q_nope.to(tl.float32), w.to(tl.float32), input_precision="ieee")
