@@ -3,11 +3,12 @@ on this CPU machine: no AMD GPU times them, so each AMD rule takes sm90's rule f
 head bin (measured on the H200 and H100: one-token and two-token programs without a dot, wide column
 blocks and several KV rows a program at 256 tokens), made to build well on the AMD arch:
 
-- a dot block (BLOCK_T >= 16) with both sides at least 32 takes 16-wide MFMA (``matrix_instr_nonkdim``
-  16: Triton would take 32x32 there, with more registers); its warps are cut to one per matrix tile
-  (``launch_configs.max_dot_warps``: the loader refuses more on AMD);
+- ``launch_configs.amd_adapted``: a dot block with both sides at least 32 takes 16-wide MFMA
+  (``matrix_instr_nonkdim`` 16: Triton would take 32x32 there, with more registers); its warps are cut
+  to one per matrix tile (the loader refuses more on AMD);
 - the config is compiled for the arch (``k3-amd-overlay kernels``' own compile: every query dtype vLLM
-  runs the kernel with there, at the rule's batch) and must have no problem the compile report names
+  runs the kernel with there, at the rule's batch and heads, or the largest absorbed batch and K3's most
+  heads a rank where the rule has no bound) and must have no problem the compile report names
   (spills, scratch, fewer than 4 waves per SIMD, a repeated tile); where it has one, the next
   candidate is tried: the largest tile (BLOCK_T x BLOCK_N, each halved at most down to 16 or sm90's
   where smaller) first, sm90's BLOCK_T before a smaller one, then the warps nearest sm90's;
@@ -25,26 +26,24 @@ import json
 import os
 import sys
 
+from k3_amd_overlay import k3, package
 from k3_amd_overlay.commands import compile_report
 from k3_amd_overlay.kernels import launch_configs
 
 SOURCE_ARCH = "sm90"
-CATCH_ALL_TOKENS = 512  # the batch a rule without a token bound is compiled at
-CATCH_ALL_HEADS = 16
-LEAST_BLOCK_N = 16
+# A rule without a bound is compiled at the largest absorbed batch and the most heads a rank of K3 has
+CATCH_ALL_TOKENS = package.ABSORB_MAX_TOKENS
+CATCH_ALL_HEADS = max(k3.HEADS_PER_RANK.values())
+LEAST_BLOCK_N = launch_configs.DOT_LEAST
 WARPS = (1, 2, 4, 8)
 
 
 def amd_start(arch: str, kernel: str, config: dict[str, int]) -> tuple[dict[str, int], list[str]]:
-    """sm90's ``config`` made legal on ``arch``, and what was changed."""
-    config, changed = dict(config), []
-    if config["BLOCK_T"] >= launch_configs.DOT_LEAST and min(config["BLOCK_T"], config["BLOCK_N"]) >= 32:
-        config["matrix_instr_nonkdim"] = 16
-    if not launch_configs.dot_warps_fit(arch, kernel, config):
-        most = launch_configs.max_dot_warps(arch, config)
-        changed.append(f"num_warps {config['num_warps']} -> {most} (one a matrix tile)")
-        config["num_warps"] = most
-    return config, changed
+    """sm90's ``config`` as ``arch`` takes it (``launch_configs.amd_adapted``), and what was changed."""
+    adapted = launch_configs.amd_adapted(arch, kernel, config)
+    changed = [] if adapted["num_warps"] == config["num_warps"] else [
+        f"num_warps {config['num_warps']} -> {adapted['num_warps']} (one a matrix tile)"]
+    return adapted, changed
 
 
 def halvings(value: int, least: int) -> list[int]:
@@ -85,7 +84,8 @@ def compile_problems(arch: str, kernel: str, config: dict[str, int], tokens: int
             try:
                 probe.launch_at(kernel, torch.device("cpu"), getattr(torch, dtype), tokens, heads, fmt)
             except Exception as exc:  # the compiler's message is the finding
-                found.append(f"{dtype}: {type(exc).__name__}: {exc}".splitlines()[0])
+                lines = str(exc).strip().splitlines()  # the compiler's message is its last line
+                found.append(f"{dtype}: {type(exc).__name__}: {lines[-1] if lines else ''}")
                 continue
         name, options, compiled = session.compiled[-1]
         entry = compile_report.describe(compiled, name, options, arch, dtype)
@@ -112,8 +112,11 @@ def derive(arch: str, kernel: str, rules: list[dict]) -> list[dict]:
         derived.append({**out, "config": config, "note": note})
         print(json.dumps(derived[-1]), *(f"\n    tried {t}" for t in tried), flush=True)
     merged: list[dict] = []
-    for rule in derived:  # a rule's neighbour after it with the same head bound, config and note covers it
-        if merged and all(merged[-1].get(key) == rule.get(key) for key in ("heads", "config", "note")):
+    for rule in derived:  # a rule's neighbour after it, of the same head bound, config and note and a
+        # token bound at least as large, serves every batch the rule served
+        wider = rule.get("tokens") is None or (merged and merged[-1].get("tokens") is not None
+                                               and rule["tokens"] >= merged[-1]["tokens"])
+        if merged and wider and all(merged[-1].get(key) == rule.get(key) for key in ("heads", "config", "note")):
             merged[-1] = rule
             continue
         merged.append(rule)

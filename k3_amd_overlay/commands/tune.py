@@ -74,7 +74,7 @@ def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> 
     if 1 in tiles:
         found += [{"BLOCK_N": ONE_TOKEN_NARROWEST, "BLOCK_T": 1, "num_warps": w} for w in warps]
     if amd:
-        found += [{**c, "matrix_instr_nonkdim": 16} for c in found if c["BLOCK_T"] >= 16]
+        found += [{**c, "matrix_instr_nonkdim": 16} for c in found if c["BLOCK_T"] >= launch_configs.DOT_LEAST]
     if wide and kernel == names.ABSORB_QK_CACHE_KERNEL:
         found += [{**c, "K_STEPS": K_STEPS_TRIED} for c in found if c["BLOCK_T"] >= 64 and c["BLOCK_N"] >= 128]
     if tokens >= KV_ROWS_FROM_TOKENS:

@@ -171,6 +171,18 @@ def dot_warps_fit(arch: str, kernel: str, config: dict[str, int]) -> bool:
     return config["num_warps"] <= max_dot_warps(arch, config)
 
 
+def amd_adapted(arch: str, kernel: str, config: dict[str, int]) -> dict[str, int]:
+    """An NVIDIA (sm90) config as the AMD ``arch`` takes it (scripts/derive_amd_rules.py starts each AMD
+    rule here): a dot block with both sides at least 32 on 16-wide MFMA (``matrix_instr_nonkdim`` 16;
+    Triton's 32x32 there needs more registers), its warps at most one per matrix tile."""
+    adapted = dict(config)
+    if kernel in DOT_TILE_KERNELS and min(adapted["BLOCK_T"], adapted["BLOCK_N"]) >= 32:
+        adapted["matrix_instr_nonkdim"] = AMD_MATRIX_SIZES[0]
+    if not dot_warps_fit(arch, kernel, adapted):
+        adapted["num_warps"] = max_dot_warps(arch, adapted)
+    return adapted
+
+
 def _check_dot_warps(arch: str, config: dict[str, int], where: str) -> None:
     allowed = max_dot_warps(arch, config)
     if config["num_warps"] > allowed:
