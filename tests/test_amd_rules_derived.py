@@ -44,6 +44,26 @@ def noted(rule: dict) -> tuple[dict[str, int], list[tuple[str, int, int]]] | Non
     return source, [(key, int(old), int(new)) for key, old, new in changes]
 
 
+def config_problem(arch: str, kernel: str, want: dict[str, int], changes: list[tuple[str, int, int]],
+                   got: dict[str, int]) -> str | None:
+    """Why ``got`` is not sm90's ``want`` as ``arch`` takes it (``amd_adapted``, whose warp cut the note
+    names first, exactly where it cuts) with the note's further ``changes`` applied in turn, each from
+    the value the config holds then (None: it is)."""
+    config = launch_configs.amd_adapted(arch, kernel, want)
+    if config["num_warps"] != want["num_warps"]:
+        cut = ("num_warps", want["num_warps"], config["num_warps"])
+        if changes[:1] != [cut]:
+            return f"the note does not name amd_adapted's warp cut {cut[1]} -> {cut[2]} first"
+        changes = changes[1:]
+    for key, old, new in changes:
+        if config.get(key) != old:
+            return f"the note's change {key} {old} -> {new} does not apply: the config holds {config.get(key)}"
+        config[key] = new
+    if config != got:
+        return f"the AMD config {got}, sm90's as {arch} takes it with the note's changes {config}"
+    return None
+
+
 def drift(source: list[dict], derived: list[dict], kernel: str, arch: str) -> list[str]:
     """Each batch and head count whose derived rule names another config than sm90's rule there, or
     whose config is not sm90's as the arch takes it with the note's changes."""
@@ -56,16 +76,9 @@ def drift(source: list[dict], derived: list[dict], kernel: str, arch: str) -> li
             if note is None or note[0] != want:
                 found.append(f"{tokens} tokens, {heads} heads: sm90 {want}, the AMD rule's note {rule.get('note')!r}")
                 continue
-            config = launch_configs.amd_adapted(arch, kernel, want)
-            for key, old, new in note[1]:
-                if key == "num_warps" and new == config[key] and old == want[key]:
-                    continue  # amd_adapted's own cut, which the note names first
-                if config.get(key) != old:
-                    break
-                config[key] = new
-            if config != rule["config"]:
-                found.append(f"{tokens} tokens, {heads} heads: the AMD config {rule['config']}, sm90's as {arch} "
-                             f"takes it with the note's changes {config}")
+            problem = config_problem(arch, kernel, want, note[1], rule["config"])
+            if problem:
+                found.append(f"{tokens} tokens, {heads} heads: {problem}")
     return found
 
 
@@ -100,3 +113,32 @@ def test_an_amd_config_edited_under_its_note_is_caught():
     problems = drift(raw_rules(SOURCE, kernel), derived, kernel, "gfx942")
     where = {re.match(r"(\d+) tokens, (\d+) heads:", p).groups() for p in problems}
     assert where == {(str(t), str(h)) for t in range(129, 257) for h in HEADS if 6 < h <= 12}
+
+
+@pytest.mark.parametrize(("change", "config"), [
+    ("num_warps 2 -> 8", {"num_warps": 4}),  # a wrong note over a config the derivation rejected
+    ("BLOCK_N 512 -> 256", {}),  # a change from a value the config never held
+    ("waves_per_eu 2 -> 1", {}),  # a change of a key the rule does not set
+])
+def test_a_note_change_that_does_not_apply_is_caught(change, config):
+    """Planted fault: the 256-token, 12-head bf16 rule's note given a change that cannot have been
+    made (its config edited to match where one is given): every batch it serves is named."""
+    kernel = names.ABSORB_QK_CACHE_KERNEL
+    derived = json.loads(json.dumps(raw_rules("gfx942", kernel)))
+    edited = next(rule for rule in derived if rule.get("tokens") == 256 and rule.get("heads") == 12)
+    edited["note"] = f"{edited['note'].split(';')[0]}; {change}"
+    edited["config"].update(config)
+    problems = drift(raw_rules(SOURCE, kernel), derived, kernel, "gfx942")
+    where = {re.match(r"(\d+) tokens, (\d+) heads:", p).groups() for p in problems}
+    assert where == {(str(t), str(h)) for t in range(129, 257) for h in HEADS if 6 < h <= 12}
+
+
+def test_a_note_without_the_warp_cut_is_caught():
+    """Planted fault: the 8-token, 3-head bf16 rule's note without amd_adapted's cut (4 -> 1 warps)."""
+    kernel = names.ABSORB_QK_CACHE_KERNEL
+    derived = json.loads(json.dumps(raw_rules("gfx942", kernel)))
+    edited = next(rule for rule in derived if rule.get("tokens") == 8 and rule.get("heads") == 3)
+    assert "; num_warps 4 -> 1 (one a matrix tile)" in edited["note"]
+    edited["note"] = edited["note"].split(";")[0]
+    problems = drift(raw_rules(SOURCE, kernel), derived, kernel, "gfx942")
+    assert problems and all("does not name amd_adapted's warp cut 4 -> 1" in p for p in problems)
