@@ -72,24 +72,10 @@ def candidates(arch: str, kernel: str, config: dict[str, int]) -> list[tuple[dic
 def compile_problems(arch: str, kernel: str, config: dict[str, int], tokens: int, heads: int) -> list[str]:
     """What the compile report finds wrong with ``config`` on ``arch`` at this batch, over every query dtype
     vLLM runs ``kernel`` with there (bf16 where the arch runs none: it is compiled for the file all the same)."""
-    import torch
-
-    from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ
-    from k3_amd_overlay.kernels import launch, probe, target
-
-    fmt = E4M3FNUZ if compile_report.FP8_FORMAT[arch] == "e4m3fnuz" else E4M3FN
     found = []
     for dtype in compile_report.query_dtypes(kernel, arch) or ("bfloat16",):
-        with target.compile_only(arch) as session, launch.forced(dict(config)):
-            try:
-                probe.launch_at(kernel, torch.device("cpu"), getattr(torch, dtype), tokens, heads, fmt)
-            except Exception as exc:  # the compiler's message is the finding
-                lines = str(exc).strip().splitlines()  # the compiler's message is its last line
-                found.append(f"{dtype}: {type(exc).__name__}: {lines[-1] if lines else ''}")
-                continue
-        name, options, compiled = session.compiled[-1]
-        entry = compile_report.describe(compiled, name, options, arch, dtype)
-        found += [f"{dtype}: {p}" for p in compile_report.problems(entry, arch)]
+        entry = compile_report.compile_config(kernel, arch, config, dtype, tokens, heads)
+        found += [f"{dtype}: {p}" + (f" ({entry.error})" if entry.error else "") for p in entry.problems]
     return found
 
 

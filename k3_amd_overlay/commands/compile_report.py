@@ -275,39 +275,51 @@ def unchecked(arch: str, device_name: str | None) -> list[str]:
     return found
 
 
-def compile_arch(arch: str, device_name: str | None = None) -> dict[str, Any]:
-    """Compile everything for ``arch``, at the configs a GPU named ``device_name`` uses, in this
-    process (its Triton driver is replaced)."""
-    os.environ.pop("TRITON_INTERPRET", None)
+def compile_config(kernel: str, arch: str, config: launch_configs.Config | dict[str, int], dtype: str, tokens: int,
+                   heads: int) -> Entry:
+    """``kernel`` built for ``arch`` at ``config`` for one launch of ``tokens`` tokens and ``heads`` heads
+    with ``dtype`` queries, read from its code object, with its problems (Triton's active driver must
+    answer ``arch``: ``AotDriver``)."""
     import torch
-    import triton
-    from triton.runtime import driver
 
     from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ
     from k3_amd_overlay.kernels import launch, probe, target
 
-    driver.set_active(AotDriver(arch))
     fmt = E4M3FNUZ if FP8_FORMAT[arch] == "e4m3fnuz" else E4M3FN
+    # forced: a launch for a named arch resolves no GPU name, so it would take the shipped config
+    with target.compile_only(arch) as session, launch.forced(dict(config)):
+        try:
+            probe.launch_at(kernel, torch.device("cpu"), getattr(torch, dtype), tokens, heads, fmt)
+            error = None
+        except Exception as exc:  # the compiler's own message is the report
+            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    if error is not None or not session.compiled:
+        entry = Entry(kernel=kernel, config=dict(config), compiled=False, dtype=dtype,
+                      error=error or "nothing was compiled")
+    else:
+        name, options, compiled = session.compiled[-1]
+        entry = describe(compiled, name, options, arch, dtype)
+    entry.problems = problems(entry, arch)
+    return entry
+
+
+def compile_arch(arch: str, device_name: str | None = None) -> dict[str, Any]:
+    """Compile everything for ``arch``, at the configs a GPU named ``device_name`` uses, in this
+    process (its Triton driver is replaced)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from triton.runtime import driver
+
+    from k3_amd_overlay.kernels import probe
+
+    driver.set_active(AotDriver(arch))
     entries = []
     for kernel in KERNEL_ORDER:
         for dtype in query_dtypes(kernel, arch):
             for config, samples, labels in probe.reachable(kernel, arch, device_name=device_name):
                 tokens, heads = samples[0]
-                # forced: a launch for a named arch resolves no GPU name, so it would take the shipped config
-                with target.compile_only(arch) as session, launch.forced(dict(config)):
-                    try:
-                        probe.launch_at(kernel, torch.device("cpu"), getattr(torch, dtype), tokens, heads, fmt)
-                        error = None
-                    except Exception as exc:  # the compiler's own message is the report
-                        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-                if error is not None or not session.compiled:
-                    entry = Entry(kernel=kernel, config=dict(config), compiled=False, dtype=dtype,
-                                  error=error or "nothing was compiled")
-                else:
-                    name, options, compiled = session.compiled[-1]
-                    entry = describe(compiled, name, options, arch, dtype)
+                entry = compile_config(kernel, arch, config, dtype, tokens, heads)
                 entry.shapes = labels
-                entry.problems = problems(entry, arch)
                 entries.append(asdict(entry))
     sources = launch_configs.sources(arch, device_name)
     return {"arch": arch, "triton": triton.__version__, "fp8_format": FP8_FORMAT[arch], "device": device_name,
