@@ -10,8 +10,12 @@ the H200: 2.18 against 1.52 µs in ``w_read_floor.py``). One kernel, parts added
 - ``r5_query``: the products instead of the column sums (every query-program part, no KV program);
 - ``r6_full``: and the KV program: the shipped kernel's work (bytes checked against the shipped launch).
 
-Each under CUDA-graph replay (median; graphs of 20 and of 64 launches), two rounds in turn, beside the
-shipped launch, an empty launch and a one-load launch.
+Beside them ``floor``: ``w_read_floor.py``'s own read-only kernel in the same layout (BLOCK_N 16, one
+warp, one program per head and column block), so that the floor of 2026-12-03 and ``r0_read`` are
+compared in one call on one GPU.
+
+Each under CUDA-graph replay (median; graphs of 64 launches; ``--graphs 20 64`` for both sizes), three
+rounds in turn, beside the shipped launch, an empty launch and a one-load launch.
 
     PYTHONPATH=$PWD python scripts/absorb_one_token_ladder.py OUT.json      (a GPU, torch, Triton)
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python scripts/absorb_one_token_ladder.py --check   (CPU: bytes only)
@@ -123,8 +127,12 @@ def main() -> None:
             sums = torch.empty(heads * 512, dtype=torch.float32)
             print("r6_full bytes identical to the shipped launch:", full_bytes_match(args, sums))
         return
+    from w_read_floor import w_read_kernel
+
     from k3_amd_overlay.commands.bench.baselines import _empty_kernel, _one_load_kernel
     from k3_amd_overlay.commands.bench.timing import graph_us
+
+    graphs = [int(n) for n in sys.argv[sys.argv.index("--graphs") + 1:]] if "--graphs" in sys.argv else [64]
 
     x = torch.randn(1024, device="cuda")
     y = torch.empty_like(x)
@@ -136,10 +144,18 @@ def main() -> None:
         args = inputs(1, heads, "cuda")
         sums = torch.empty(heads * 512, dtype=torch.float32, device="cuda")
         row = {"H": heads, "B": 1, "r6_full_bytes_identical": full_bytes_match(args, sums)}
-        for per_graph in (20, 64):
-            for rnd in range(2):
+        w = args[1]
+
+        def floor():
+            w_read_kernel[(heads * (w.shape[-1] // BLOCK_N),)](w, sums, w.stride(0), w.stride(1), w.stride(2),
+                                                              P=w.shape[1], L=w.shape[-1], BLOCK_N=BLOCK_N, SPLIT=1,
+                                                              num_warps=WARPS)
+
+        for per_graph in graphs:
+            for rnd in range(3):
                 row[f"shipped_g{per_graph}_{rnd}"] = round(graph_us(lambda: absorb_qk_cache(*args, E4M3FN),
                                                                     per_graph=per_graph), 3)
+                row[f"floor_g{per_graph}_{rnd}"] = round(graph_us(floor, per_graph=per_graph), 3)
                 for rung in RUNGS:
                     row[f"{rung}_g{per_graph}_{rnd}"] = round(graph_us(
                         lambda r=rung: ladder(r, *args, sums, E4M3FN), per_graph=per_graph), 3)

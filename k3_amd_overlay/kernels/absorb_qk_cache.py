@@ -83,8 +83,23 @@ def query_operands(pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, 
 @triton.jit
 def summed_products(a, w):
     """a [BLOCK_T, K] @ w [K, BLOCK_N] for programs of too few tokens for a tensor-core tile: each product
-    (of bf16, fp8 or MXFP4 values: exact in fp32) summed in fp32 over K."""
+    (of bf16, fp8 or MXFP4 values: exact in fp32) summed in fp32 over K. At one or two tokens (the GPU
+    rules' few-token programs) one token's row at a time against w in w's own layout, summed over K
+    by warp shuffles; a [BLOCK_T, K, BLOCK_N] broadcast instead moved w through shared memory (on
+    sm90 ldmatrix and a barrier, 128 registers at one token against 62; on gfx942 4 KiB of LDS against
+    0.5). Four tokens (a ``tune`` candidate only) keep the broadcast."""
+    if a.shape[0] == 1:
+        return row_products(tl.reshape(a, [a.shape[1]]), w)[None, :]
+    elif a.shape[0] == 2:
+        first, second = tl.split(tl.trans(a))
+        return tl.trans(tl.join(row_products(first, w), row_products(second, w)))
     return tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
+def row_products(a, w):
+    """One token's a [K] @ w [K, BLOCK_N], the products summed in fp32 over K."""
+    return tl.sum(a.to(tl.float32)[:, None] * w.to(tl.float32), axis=0)
 
 
 @triton.jit
