@@ -2,7 +2,7 @@
 two tokens, no tensor-core tile) as a [BLOCK_T, P, BLOCK_N] broadcast summed over P (before), against
 one [P, BLOCK_N] product per token summed over P in the W slice's own layout (now). Compiled for sm90,
 the broadcast moved the W slice through shared memory (stmatrix / ldmatrix and a barrier; 128
-registers at one token), the per-token form sums it with warp shuffles (62 registers). Each kernel
+registers at one token), the per-token form sums it with warp shuffles (64 registers). Each kernel
 (bf16, fp8, MXFP4 ``W_UK``) at its shipped one- and two-token rules, the kernel as it was (a copy of
 the kernel whose ``summed_products`` is the broadcast) beside the kernel as it is, CUDA-graph replay
 medians of 64 launches, three rounds in turn; the bytes of both compared (cache identical; query

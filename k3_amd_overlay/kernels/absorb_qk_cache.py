@@ -86,8 +86,8 @@ def summed_products(a, w):
     (of bf16, fp8 or MXFP4 values: exact in fp32) summed in fp32 over K. At one or two tokens (the GPU
     rules' few-token programs) one token's row at a time against w in w's own layout, summed over K
     by warp shuffles; a [BLOCK_T, K, BLOCK_N] broadcast instead moved w through shared memory (on
-    sm90 ldmatrix and a barrier, 128 registers at one token against 62; on gfx942 4 KiB of LDS against
-    0.5). Four tokens (a ``tune`` candidate only) keep the broadcast."""
+    sm90 ldmatrix and a barrier, 128 registers at one token against 64; on gfx942 4 KiB of LDS against
+    0.25). Four tokens (a ``tune`` candidate only) keep the broadcast."""
     if a.shape[0] == 1:
         return row_products(tl.reshape(a, [a.shape[1]]), w)[None, :]
     elif a.shape[0] == 2:
