@@ -32,11 +32,9 @@ GROUP = 128  # vLLM quantises q_nope in groups of 128 (``triton_fp8_bmm(..., gro
 
 @triton.jit
 def absorb_fp8_qk_cache_kernel(
-    q_nope_ptr, w_ptr, w_scale_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_scale_ptr,
-    q_out_ptr,
-    s_qn_t, s_qn_h, s_w_h, s_w_n, s_w_k, s_qp_t, s_qp_h, s_kv_t, s_kpe_t, s_c_blk, s_c_row,
-    s_qo_t, s_qo_h,
-    num_tokens, num_heads, block_size, fmax,
+    w_ptr, q_nope_ptr, num_heads, num_tokens, s_w_h, s_w_n, s_w_k, s_qn_t, s_qn_h,
+    w_scale_ptr, q_scale_ptr, q_pe_ptr, s_qp_t, s_qp_h, q_out_ptr, s_qo_t, s_qo_h, fmax,
+    kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size,
     P: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_ROWS: tl.constexpr, W_FMAX: tl.constexpr, FP8_MODE: tl.constexpr, W_FP8_MODE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr,
@@ -93,11 +91,12 @@ def absorb_fp8_qk_cache(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torc
     grid, config = absorb_launch(ABSORB_FP8_QK_CACHE_KERNEL, q_nope, lora, block_n, num_warps, block_tokens)
     launch(
         absorb_fp8_qk_cache_kernel, grid,
-        q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,
-        q_nope.stride(0), q_nope.stride(1), w_k.stride(0), w_k.stride(1), w_k.stride(2),
-        q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0),
-        cache_bytes.stride(1), q_out_bytes.stride(0), q_out_bytes.stride(1),
-        num_tokens, num_heads, cache_bytes.shape[1], fmt.fmax,
+        w_k, q_nope, num_heads, num_tokens, w_k.stride(0), w_k.stride(1), w_k.stride(2),
+        q_nope.stride(0), q_nope.stride(1),
+        w_k_scale, q_scale, q_pe, q_pe.stride(0), q_pe.stride(1), q_out_bytes, q_out_bytes.stride(0),
+        q_out_bytes.stride(1), fmt.fmax,
+        kv_c, k_pe, cache_bytes, slot_mapping, k_scale, kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0),
+        cache_bytes.stride(1), cache_bytes.shape[1],
         W_FMAX=format_of(w_k.dtype).fmax, P=nope, L=lora, R=rope,
         FP8_MODE=fp8_mode(fmt, q_nope.device), W_FP8_MODE=fp8_mode(format_of(w_k.dtype), q_nope.device),
         DOT_IN_FP32=not target.of(q_nope.device).gpu, EMULATE_BF16=emulate_bf16(q_nope.device), **config,

@@ -75,11 +75,9 @@ def e2m1_value(code):
 
 @triton.jit
 def absorb_mxfp4_qk_cache_kernel(
-    q_nope_ptr, w_ptr, w_scale_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_scale_ptr,
-    q_out_ptr,
-    s_qn_t, s_qn_h, s_w_h, s_w_n, s_w_k, s_ws_h, s_ws_n, s_ws_k, s_qp_t, s_qp_h, s_kv_t, s_kpe_t, s_c_blk,
-    s_c_row, s_qo_t, s_qo_h,
-    num_tokens, num_heads, block_size, fmax,
+    w_ptr, q_nope_ptr, num_heads, num_tokens, s_w_h, s_w_n, s_w_k, s_qn_t, s_qn_h,
+    w_scale_ptr, s_ws_h, s_ws_n, s_ws_k, q_scale_ptr, q_pe_ptr, s_qp_t, s_qp_h, q_out_ptr, s_qo_t, s_qo_h, fmax,
+    kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size,
     P: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_ROWS: tl.constexpr, GROUP: tl.constexpr, AMAX_ROUND_BITS: tl.constexpr, EXPONENT_OFFSET: tl.constexpr,
     E2M1_MAX: tl.constexpr, FP8_MODE: tl.constexpr, DOT_IN_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr,
@@ -134,12 +132,12 @@ def absorb_mxfp4_qk_cache(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: to
     grid, config = absorb_launch(ABSORB_MXFP4_QK_CACHE_KERNEL, q_nope, lora, block_n, num_warps, block_tokens)
     launch(
         absorb_mxfp4_qk_cache_kernel, grid,
-        q_nope, w_k, w_k_scale, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,
-        q_nope.stride(0), q_nope.stride(1), w_k.stride(0), w_k.stride(1), w_k.stride(2),
-        w_k_scale.stride(0), w_k_scale.stride(1), w_k_scale.stride(2),
-        q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0),
-        cache_bytes.stride(1), q_out_bytes.stride(0), q_out_bytes.stride(1),
-        num_tokens, num_heads, cache_bytes.shape[1], fmt.fmax,
+        w_k, q_nope, num_heads, num_tokens, w_k.stride(0), w_k.stride(1), w_k.stride(2),
+        q_nope.stride(0), q_nope.stride(1),
+        w_k_scale, w_k_scale.stride(0), w_k_scale.stride(1), w_k_scale.stride(2), q_scale, q_pe, q_pe.stride(0),
+        q_pe.stride(1), q_out_bytes, q_out_bytes.stride(0), q_out_bytes.stride(1), fmt.fmax,
+        kv_c, k_pe, cache_bytes, slot_mapping, k_scale, kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0),
+        cache_bytes.stride(1), cache_bytes.shape[1],
         P=nope, L=lora, R=rope, GROUP=mxfp4.GROUP,
         AMAX_ROUND_BITS=mxfp4.AMAX_ROUND_BITS, EXPONENT_OFFSET=mxfp4.SCALE_EXPONENT_OFFSET,
         E2M1_MAX=mxfp4.E2M1_MAX, FP8_MODE=fp8_mode(fmt, q_nope.device),

@@ -162,13 +162,17 @@ def write_kv_program(kv_pid, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr
                       k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size, fmax, L, R, KV_ROWS, FP8_MODE)
 
 
+# The arguments come in the order a query program first reads them (the W and q_nope pointers, the
+# counts of its program-range test, the W and q_nope strides; the KV program's last). Each launch's
+# arguments are read cold: with num_heads at the end of the list, the range test's read and then the W
+# pointer's and strides' were two constant-cache misses in a row before the W load. On an H200 this
+# order made the one-token launch 5-9% faster (docs/benchmarks.md, 2026-12-06). The fp8 and MXFP4
+# kernels follow it.
 @triton.jit
 def absorb_qk_cache_kernel(
-    q_nope_ptr, w_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_scale_ptr,
-    q_out_ptr,
-    s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, s_qp_t, s_qp_h, s_kv_t, s_kpe_t, s_c_blk, s_c_row,
-    s_qo_t, s_qo_h,
-    num_tokens, num_heads, block_size, fmax,
+    w_ptr, q_nope_ptr, num_heads, num_tokens, s_w_h, s_w_k, s_w_n, s_qn_t, s_qn_h,
+    q_pe_ptr, s_qp_t, s_qp_h, q_scale_ptr, q_out_ptr, s_qo_t, s_qo_h, fmax,
+    kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t, s_kpe_t, s_c_blk, s_c_row, block_size,
     P: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_ROWS: tl.constexpr, K_STEPS: tl.constexpr, FP8_MODE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
@@ -218,11 +222,12 @@ def absorb_qk_cache(q_nope: torch.Tensor, w_uk_t: torch.Tensor, q_pe: torch.Tens
     grid, config = absorb_launch(ABSORB_QK_CACHE_KERNEL, q_nope, lora, block_n, None, None)
     launch(
         absorb_qk_cache_kernel, grid,
-        q_nope, w_uk_t, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,
-        q_nope.stride(0), q_nope.stride(1), w_uk_t.stride(0), w_uk_t.stride(1), w_uk_t.stride(2),
-        q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0),
-        cache_bytes.stride(1), q_out_bytes.stride(0), q_out_bytes.stride(1),
-        num_tokens, num_heads, cache_bytes.shape[1], fmt.fmax,
+        w_uk_t, q_nope, num_heads, num_tokens, w_uk_t.stride(0), w_uk_t.stride(1), w_uk_t.stride(2),
+        q_nope.stride(0), q_nope.stride(1),
+        q_pe, q_pe.stride(0), q_pe.stride(1), q_scale, q_out_bytes, q_out_bytes.stride(0), q_out_bytes.stride(1),
+        fmt.fmax,
+        kv_c, k_pe, cache_bytes, slot_mapping, k_scale, kv_c.stride(0), k_pe.stride(0), cache_bytes.stride(0),
+        cache_bytes.stride(1), cache_bytes.shape[1],
         P=nope, L=lora, R=rope, FP8_MODE=fp8_mode(fmt, q_nope.device),
         DOT_IN_FP32=not target.of(q_nope.device).gpu or q_nope.dtype == torch.float32,
         EMULATE_BF16=emulate_bf16(q_nope.device), **config,
