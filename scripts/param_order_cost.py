@@ -1,23 +1,25 @@
 """Experiment (issue 28): does where a kernel's arguments sit in its parameter block cost time under
 CUDA-graph replay? ``launch_params_cost.py`` showed that 24 unused arguments cost nothing, yet the
 one-token ladder's bare read (``r0``) took 0.16 µs more than ``w_read_floor.py``'s kernel with
-near-identical sm90 code. What differs: ``r0`` first tests ``pid`` against ``num_heads``, an argument
-at offset 0x298 of the parameter bank, and only then reads the W pointer and strides at 0x218-0x270.
-Each launch of a graph has its own parameter block, so the first program on an SM misses in the
-constant cache; a branch on one missed line before the W load's address lines are read makes two
-misses in a row. The shipped absorb kernels do the same (``num_heads`` at 0x298, then W at 0x218 and
-0x26c-0x270).
+near-identical sm90 code, whose main difference is that ``r0`` first tests ``pid`` against
+``num_heads``, an argument near the end of the parameter bank, and only then reads the W pointer and
+strides near its start. The absorb kernels in their order before 2026-12-06 (``BEFORE``) did the same:
+compiled for sm90 at one token (bf16, 12 heads), ``num_heads`` at offset 0x290, the branch, then the W
+and q_nope pointers at 0x210-0x218 and the strides at 0x260-0x268. Each launch of a graph has its own
+parameter block, read through the constant cache, so the first program on an SM misses; the guess
+being tested is that a branch on one missed line before the W arguments' line is read costs a second
+miss in a row. The shipped kernels now take their arguments in ``QUERY`` + ``OUTPUT`` + ``KV`` order.
 
 Timed side by side, three rounds in turn (medians of 64-launch graphs):
 - ``read``: ``w_read_floor.py``'s read-only kernel (BLOCK_N 16, one warp), arguments at 0x210-0x228;
 - ``read_pad``: the same behind 16 unused pointer arguments (its arguments on another line, no branch);
 - ``read_guard_near`` / ``read_guard_far``: the same behind ``if pid < n * column blocks``, with ``n``
   on the W arguments' line or 24 arguments further on;
-- each absorb kernel (bf16, fp8 ``W_UK``) as shipped beside wrapper kernels taking the same arguments
-  in other orders (``orders``: the W and query pointers, ``num_heads``, ``num_tokens`` and the W and
-  query strides first, and variations), launched through the shipped launcher (same grid and config),
-  at 1-256 tokens, 12 and 16 heads; the norm pair as shipped beside one with ``num_tokens`` first, at
-  1-256 tokens. Every wrapper's outputs are checked against the shipped launch's, what it must write
+- each absorb kernel (bf16, fp8 ``W_UK``) as shipped beside wrapper kernels (the shipped kernel called
+  inline) taking the same arguments in other orders (``orders``: the order before, the shipped order
+  itself as a control of the wrapper, and three variations), launched through the shipped launcher
+  (same grid and config), at 1-256 tokens, 12 and 16 heads; the norm pair as shipped beside one with
+  ``num_tokens`` first (and its shipped order through a wrapper), at 1-256 tokens. Every wrapper's outputs are checked against the shipped launch's, what it must write
   poisoned first (a wrapper launched with two strides swapped fails the check).
 
     PYTHONPATH=$PWD python scripts/param_order_cost.py OUT.json        (a GPU, torch, Triton)
@@ -72,7 +74,8 @@ def read_guard_far(w_ptr, out_ptr, s_w_h, s_w_k, s_w_n, p1, p2, p3, p4, p5, p6, 
 # Argument orders tried, by the shipped kernels' argument names (the constexprs follow, as shipped).
 # "query_first": what the query programs read first (the W and q_nope pointers, the counts the
 # program-range test uses, the W and q_nope strides), then the rope, scale and output arguments, the KV
-# program's last; "counts_first": the two counts, then as query_first; "counts_then_before": the two
+# program's last (the shipped order since 2026-12-06: through a wrapper, the control); "counts_first":
+# the two counts, then as query_first; "counts_then_before": the two
 # counts, then the order before; "kv_before_rope": query_first with the KV program's arguments before
 # the rope, scale and output ones.
 QUERY = {"bf16": ["w_ptr", "q_nope_ptr", "num_heads", "num_tokens", "s_w_h", "s_w_k", "s_w_n", "s_qn_t", "s_qn_h"],

@@ -164,10 +164,9 @@ def write_kv_program(kv_pid, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr
 
 # The arguments come in the order a query program first reads them (the W and q_nope pointers, the
 # counts of its program-range test, the W and q_nope strides; the KV program's last). Each launch's
-# arguments are read cold: with num_heads at the end of the list, the range test's read and then the W
-# pointer's and strides' were two constant-cache misses in a row before the W load. On an H200 this
-# order made the one-token launch 5-9% faster (docs/benchmarks.md, 2026-12-06). The fp8 and MXFP4
-# kernels follow it.
+# arguments are read cold under graph replay; with num_heads at the end of the list the range test read
+# it before the W arguments at the start. On an H200 this order made the one-token launch 5-9% faster
+# (docs/benchmarks.md, 2026-12-06). The fp8 and MXFP4 kernels follow it.
 @triton.jit
 def absorb_qk_cache_kernel(
     w_ptr, q_nope_ptr, num_heads, num_tokens, s_w_h, s_w_k, s_w_n, s_qn_t, s_qn_h,
