@@ -22,7 +22,7 @@ Timed side by side, three rounds in turn (medians of 64-launch graphs):
   ``num_tokens`` first (and its shipped order through a wrapper), at 1-256 tokens. Every wrapper's outputs are checked against the shipped launch's, what it must write
   poisoned first (a wrapper launched with two strides swapped fails the check).
 
-    PYTHONPATH=$PWD python scripts/param_order_cost.py OUT.json        (a GPU, torch, Triton)
+    PYTHONPATH=$PWD python scripts/param_order_cost.py OUT.json [--shapes 12x1,16x8]   (a GPU, torch, Triton)
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python scripts/param_order_cost.py --check   (CPU: bytes only)
 
 Results in docs/benchmarks.md."""
@@ -46,7 +46,6 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from w_read_floor import w_read_kernel
 
 BLOCK_N = 16
-NORM_TOKENS = [(0, 1), (0, 8), (0, 64), (0, 256)]
 SHAPES = [(12, 1), (16, 1), (12, 2), (16, 2), (12, 8), (16, 8), (12, 64), (12, 256), (16, 256)]
 
 
@@ -267,8 +266,11 @@ def main() -> None:
         row = {"H": heads, **timed(runs)}
         results["reads"].append(row)
         print(json.dumps(row), flush=True)
+    shapes = SHAPES
+    if "--shapes" in sys.argv:  # e.g. --shapes 12x1,16x8 (the norm pair takes their token counts)
+        shapes = [tuple(int(v) for v in hb.split("x")) for hb in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
     for kind in KERNELS:
-        for heads, tokens in (NORM_TOKENS if kind == "norm" else SHAPES):
+        for heads, tokens in ([(0, b) for b in sorted({b for _, b in shapes})] if kind == "norm" else shapes):
             run, outputs = runner(kind, heads, tokens, "cuda")
             outs = outputs(False)
             runs = {"shipped": lambda: run(outs)}
