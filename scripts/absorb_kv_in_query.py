@@ -129,7 +129,7 @@ def main() -> None:
         bad = bytes_match(args, ref, lambda a: kv_in_query(a, *tile, True, kv_each=8))
         print("planted, rows skipped: bytes identical:", bad)
         return
-    from k3_amd_overlay.commands.bench.timing import graph_us
+    from k3_amd_overlay.commands.bench.timing import graphs_in_turn, per_round
 
     rows = []
     for (heads, tokens), tiles in SHAPES.items():
@@ -145,10 +145,9 @@ def main() -> None:
             row = {"H": heads, "B": tokens, "BLOCK_N": bn, "BLOCK_T": bt, "warps": warps, "K_STEPS": k_steps}
             for name, run in runs.items():
                 row[f"{name}_exact"] = bytes_match(args, ref, run)
-            for rnd in range(2):
-                row[f"shipped_{rnd}"] = round(graph_us(lambda: absorb_qk_cache(*args, E4M3FN), per_graph=64), 3)
-                for name, run in runs.items():
-                    row[f"{name}_{rnd}"] = round(graph_us(lambda r=run: r(args), per_graph=64), 3)
+            timed = {"shipped": lambda: absorb_qk_cache(*args, E4M3FN),
+                     **{name: (lambda r=run: r(args)) for name, run in runs.items()}}
+            row |= per_round(graphs_in_turn(timed, rounds=2))
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(sys.argv[1], "w") as f:

@@ -130,7 +130,7 @@ def main() -> None:
     from w_read_floor import w_read_kernel
 
     from k3_amd_overlay.commands.bench.baselines import _empty_kernel, _one_load_kernel
-    from k3_amd_overlay.commands.bench.timing import graph_us
+    from k3_amd_overlay.commands.bench.timing import graph_us, graphs_in_turn, per_round
 
     graphs = [int(n) for n in sys.argv[sys.argv.index("--graphs") + 1:]] if "--graphs" in sys.argv else [64]
 
@@ -151,14 +151,10 @@ def main() -> None:
                                                               P=w.shape[1], L=w.shape[-1], BLOCK_N=BLOCK_N, SPLIT=1,
                                                               num_warps=WARPS)
 
+        runs = {"shipped": lambda: absorb_qk_cache(*args, E4M3FN), "floor": floor,
+                **{rung: (lambda r=rung: ladder(r, *args, sums, E4M3FN)) for rung in RUNGS}}
         for per_graph in graphs:
-            for rnd in range(3):
-                row[f"shipped_g{per_graph}_{rnd}"] = round(graph_us(lambda: absorb_qk_cache(*args, E4M3FN),
-                                                                    per_graph=per_graph), 3)
-                row[f"floor_g{per_graph}_{rnd}"] = round(graph_us(floor, per_graph=per_graph), 3)
-                for rung in RUNGS:
-                    row[f"{rung}_g{per_graph}_{rnd}"] = round(graph_us(
-                        lambda r=rung: ladder(r, *args, sums, E4M3FN), per_graph=per_graph), 3)
+            row |= per_round(graphs_in_turn(runs, per_graph=per_graph), f"_g{per_graph}")
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(sys.argv[1], "w") as f:

@@ -20,7 +20,7 @@ import triton.language as tl
 from k3_amd_overlay import k3
 from k3_amd_overlay.commands.bench.baselines import _empty_kernel
 from k3_amd_overlay.commands.bench.kernels import bf16_weights, decode_step_inputs
-from k3_amd_overlay.commands.bench.timing import graph_us
+from k3_amd_overlay.commands.bench.timing import graphs_in_turn, per_round
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels.absorb_qk_cache import absorb_qk_cache
 
@@ -66,11 +66,9 @@ def main(out_path: str) -> None:
             "shipped": lambda: absorb_qk_cache(q_nope, w, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out,
                                                E4M3FN),
         }
-        row = {"H": heads}
-        for rnd in range(3):
-            for name, run in runs.items():
-                row[f"{name}_{rnd}"] = round(graph_us(run, per_graph=64), 3)
-        row["medians"] = {name: round(statistics.median(row[f"{name}_{r}"] for r in range(3)), 3) for name in runs}
+        readings = graphs_in_turn(runs)
+        row = {"H": heads, **per_round(readings),
+               "medians": {name: round(statistics.median(times), 3) for name, times in readings.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(out_path, "w") as f:

@@ -239,14 +239,10 @@ def main() -> None:
                 print(kind, order_name, heads, tokens, "bytes identical:",
                       bytes_identical(kind, order_name, heads, tokens, "cpu"), flush=True)
         return
-    from k3_amd_overlay.commands.bench.timing import graph_us
+    from k3_amd_overlay.commands.bench.timing import graphs_in_turn
 
     def timed(runs: dict) -> dict:
-        got = {name: [] for name in runs}
-        for _ in range(3):
-            for name, run in runs.items():
-                got[name].append(round(graph_us(run, per_graph=64), 3))
-        return {name: {"rounds": t, "median": statistics.median(t)} for name, t in got.items()}
+        return {name: {"rounds": t, "median": statistics.median(t)} for name, t in graphs_in_turn(runs).items()}
 
     pointers = [torch.empty(16, device="cuda") for _ in range(16)]
     integers = list(range(3, 19))

@@ -96,7 +96,7 @@ def code_rank(codes: torch.Tensor) -> torch.Tensor:
 
 
 def main(out_path: str) -> None:
-    from k3_amd_overlay.commands.bench.timing import graph_us
+    from k3_amd_overlay.commands.bench.timing import graphs_in_turn, per_round
 
     rows = []
     for name, (module, attribute) in KERNELS.items():
@@ -112,10 +112,12 @@ def main(out_path: str) -> None:
             row = {"kernel": name, "H": heads, "B": tokens, "cache_identical": torch.equal(now_cache, was_cache),
                    "q_codes_differing": int(differ.sum()), "q_codes_more_than_one_step": int(far.sum()),
                    "q_codes": now_out.numel(), "q_written": bool((now_out != 0xAB).any(-1).all())}
-            for rnd in range(3):
+
+            def launch_before(launch=launch, module=module, attribute=attribute, before=before):
                 with kernel_swapped(module, attribute, before):
-                    row[f"before_{rnd}"] = round(graph_us(launch, per_graph=64), 3)
-                row[f"now_{rnd}"] = round(graph_us(launch, per_graph=64), 3)
+                    launch()
+
+            row |= per_round(graphs_in_turn({"before": launch_before, "now": launch}))
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(out_path, "w") as f:

@@ -79,3 +79,17 @@ def test_bandwidth_counts_the_read_and_the_write_of_a_gibibyte_copy(cuda, monkey
     monkeypatch.setattr(timing, "eager_us", lambda fn: fn() or 1000.0)
     assert timing.bandwidth_bytes_per_us() == 2 * (1 << 30) / 1000.0
     assert log == [f"copy {1 << 30} uint8 on cuda"]  # a GiB of bytes, on the GPU
+
+
+def test_scripts_time_their_arms_in_turn_each_round_rounded_and_recorded_per_round(monkeypatch):
+    calls = []
+    readings = iter([1.23449, 2.0, 1.5, 2.5, 1.1, 2.2])
+    monkeypatch.setattr(timing, "graph_us", lambda fn, per_graph: calls.append((fn(), per_graph)) or next(readings))
+    got = timing.graphs_in_turn({"a": lambda: "a", "b": lambda: "b"}, per_graph=32)
+    assert calls == [("a", 32), ("b", 32)] * 3
+    assert got == {"a": [1.234, 1.5, 1.1], "b": [2.0, 2.5, 2.2]}
+    assert timing.per_round(got, "_g32") == {"a_g32_0": 1.234, "a_g32_1": 1.5, "a_g32_2": 1.1,
+                                             "b_g32_0": 2.0, "b_g32_1": 2.5, "b_g32_2": 2.2}
+    calls.clear()
+    readings = iter([4.0])
+    assert timing.graphs_in_turn({"a": lambda: "a"}, rounds=1) == {"a": [4.0]} and calls == [("a", 64)]

@@ -197,11 +197,10 @@ def interleaved_us(run: Callable[[], None], configs: list[dict[str, int] | None]
     """Each config's median µs over ``rounds`` rounds taken in turn (drift hits all alike)."""
     import statistics
 
-    times: list[list[float]] = [[] for _ in configs]
-    for _ in range(rounds):
-        for i, config in enumerate(configs):
-            times[i].append(time_us(run, config))
-    return [statistics.median(t) for t in times]
+    from k3_amd_overlay.commands.bench.timing import in_turn
+
+    readings = in_turn({i: (lambda config=config: time_us(run, config)) for i, config in enumerate(configs)}, rounds)
+    return [statistics.median(readings[i]) for i in range(len(configs))]
 
 
 def tune_case(case: Case, shipped: dict[str, int], tried: Iterable[dict[str, int]],
