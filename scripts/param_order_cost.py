@@ -124,10 +124,6 @@ def parameter_names(kind: str, constexpr: bool) -> list[str]:
     return [p.name for p in parameters if (p.annotation in (tl.constexpr, "tl.constexpr")) == constexpr]
 
 
-def runtime_names(kind: str) -> list[str]:
-    return parameter_names(kind, False)
-
-
 def build_wrappers(directory: str) -> dict:
     """One wrapper kernel per (kind, order), written to a module file (Triton's jit reads a kernel's
     source) and imported: its arguments in that order, its body the shipped kernel called with them."""
@@ -136,7 +132,7 @@ def build_wrappers(directory: str) -> dict:
     made = {}
     for kind, (_module, name) in KERNELS.items():
         constexprs = parameter_names(kind, True)
-        shipped = runtime_names(kind)
+        shipped = parameter_names(kind, False)
         for order_name, order in orders(kind).items():
             assert sorted(order) == sorted(shipped), (kind, order_name)
             fn = f"{kind}_{order_name}"
