@@ -21,7 +21,7 @@ import triton.language as tl
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels import launch
 from k3_amd_overlay.kernels.absorb_qk_cache import (
-    DOT_LEAST,
+    FEW_TOKEN_MOST,
     absorb_qk_cache,
     load_rope,
     product_in_steps,
@@ -61,7 +61,7 @@ def kv_in_query_kernel(
             pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, num_tokens, token_blocks, P, L, BLOCK_T,
             BLOCK_N)
         pe, rope = load_rope(column, head, t64, live, q_pe_ptr, s_qp_t, s_qp_h, R)
-        if BLOCK_T < DOT_LEAST:
+        if BLOCK_T <= FEW_TOKEN_MOST:
             ql = summed_products(q_nope, w)
         elif DOT_IN_FP32:
             ql = tl.dot(q_nope.to(tl.float32), w.to(tl.float32), input_precision="ieee")

@@ -41,8 +41,9 @@ WARPS = (1, 2, 4, 8)
 def amd_start(arch: str, kernel: str, config: dict[str, int]) -> tuple[dict[str, int], list[str]]:
     """sm90's ``config`` as ``arch`` takes it (``launch_configs.amd_adapted``), and what was changed."""
     adapted = launch_configs.amd_adapted(arch, kernel, config)
-    changed = [] if adapted["num_warps"] == config["num_warps"] else [
-        f"num_warps {config['num_warps']} -> {adapted['num_warps']} (one a matrix tile)"]
+    why = {"BLOCK_T": "AMD's least dot rows", "num_warps": "one a matrix tile"}
+    changed = [f"{key} {config[key]} -> {adapted[key]} ({reason})" for key, reason in why.items()
+               if adapted[key] != config[key]]
     return adapted, changed
 
 

@@ -25,11 +25,13 @@ GPU_LAYOUTS = {
     "absorb_one_token": {"BLOCK_N": 128, "BLOCK_T": 1, "num_warps": 1},  # no tensor-core tile: products summed
     "absorb_few_tokens": {"BLOCK_N": 64, "BLOCK_T": 2, "num_warps": 2},  # two tokens a program, no tile either
     "absorb_column_blocks": {"BLOCK_N": 64, "BLOCK_T": 16, "KV_ROWS": 4, "num_warps": 4},
+    "absorb_eight_token_dot": {"BLOCK_N": 64, "BLOCK_T": 8, "num_warps": 4},  # a dot of 8 rows (padded on NVIDIA)
 }
 # The absorb layouts and the tokens each is checked at: column blocks over two token blocks, the second
 # part-filled; one-token programs at fewer tokens (each a program under the interpreter); two-token
-# programs over three token blocks, the last part-filled.
-ABSORB_GPU_LAYOUTS = {"absorb_one_token": 5, "absorb_column_blocks": 17, "absorb_few_tokens": 5}
+# programs over three token blocks, the last part-filled; eight-token dots over two, the second part-filled.
+ABSORB_GPU_LAYOUTS = {"absorb_one_token": 5, "absorb_column_blocks": 17, "absorb_few_tokens": 5,
+                      "absorb_eight_token_dot": 11}
 
 
 def skip_under_interpreter(tokens: int, heads: int, fmt: Fp8Format) -> None:

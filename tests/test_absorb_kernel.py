@@ -65,6 +65,7 @@ def test_absorb_matches_reference(fmt, heads, tokens):
 
 ONE_TOKEN = GPU_LAYOUTS["absorb_one_token"]  # programs of one token: no tensor-core tile
 FEW_TOKENS = GPU_LAYOUTS["absorb_few_tokens"]  # programs of two tokens: no tensor-core tile either
+EIGHT_TOKENS = GPU_LAYOUTS["absorb_eight_token_dot"]  # programs of eight tokens: a dot of 8 rows
 
 
 @pytest.mark.parametrize(("tokens", "heads"), [(1, 12), (1, 16), (3, 16), (7, 3)])
@@ -84,7 +85,17 @@ def test_few_token_programs_match_the_reference(tokens, heads, block_t):
         assert problems(case, q_nope, w) == []
 
 
-@pytest.mark.parametrize("config", [None, ONE_TOKEN, FEW_TOKENS], ids=["shipped", "one_token", "few_tokens"])
+@pytest.mark.parametrize(("tokens", "heads"), [(8, 4), (11, 3), (3, 16)])
+def test_eight_token_dots_match_the_reference(tokens, heads):
+    """BLOCK_T 8 (sm90's 8-token path): a dot of 8 rows, which Triton pads onto the tensor cores; one
+    token block part-filled at 3 tokens, the second at 11."""
+    case, q_nope, w = absorb_case(tokens, heads, E4M3FN, seed=tokens + 2 * heads)
+    with launch.forced(EIGHT_TOKENS):
+        assert problems(case, q_nope, w) == []
+
+
+@pytest.mark.parametrize("config", [None, ONE_TOKEN, FEW_TOKENS, EIGHT_TOKENS],
+                         ids=["shipped", "one_token", "few_tokens", "eight_tokens"])
 @pytest.mark.parametrize("fault", ["transposed", "heads_swapped", "skipped_head"])
 def test_planted_faults_are_caught(fault, config):
     case, q_nope, w = absorb_case(7, 3, E4M3FNUZ, seed=3)

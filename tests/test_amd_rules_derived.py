@@ -50,11 +50,12 @@ def config_problem(arch: str, kernel: str, want: dict[str, int], changes: list[t
     names first, exactly where it cuts) with the note's further ``changes`` applied in turn, each from
     the value the config holds then (None: it is)."""
     config = launch_configs.amd_adapted(arch, kernel, want)
-    if config["num_warps"] != want["num_warps"]:
-        cut = ("num_warps", want["num_warps"], config["num_warps"])
-        if changes[:1] != [cut]:
-            return f"the note does not name amd_adapted's warp cut {cut[1]} -> {cut[2]} first"
-        changes = changes[1:]
+    for key, what in (("BLOCK_T", "rows"), ("num_warps", "warp cut")):  # amd_adapted's changes, in this order
+        if config[key] != want[key]:
+            cut = (key, want[key], config[key])
+            if changes[:1] != [cut]:
+                return f"the note does not name amd_adapted's {what} {cut[1]} -> {cut[2]} first"
+            changes = changes[1:]
     for key, old, new in changes:
         if config.get(key) != old:
             return f"the note's change {key} {old} -> {new} does not apply: the config holds {config.get(key)}"

@@ -92,8 +92,8 @@ def test_every_message_of_the_file_parser_word_for_word():
         (_one(QK, {"HEADS": 3, "num_warps": 4}), f"{at} rule 0: HEADS = 3 is not a power of two"),
         (_one(QK, {"HEADS": 4, "num_warps": 6}), f"{at} rule 0: num_warps = 6 is not a power of two"),
         (_one(FP8, {"BLOCK_N": 32, "BLOCK_T": 8, "num_warps": 1}),
-         f"{path} {FP8} rule 0: BLOCK_T = 8: at most 4 (no dot: the products summed in fp32) or at least 16 "
-         "(tl.dot's smallest tile)"),
+         f"{path} {FP8} rule 0: BLOCK_T = 8 on gfx942: at most 4 (no dot: the products summed in fp32) or at "
+         "least 16 (the fewest rows of a tl.dot there)"),
         (_one(names.ABSORB_QK_CACHE_KERNEL, {"BLOCK_N": 32, "BLOCK_T": 1, "K_STEPS": 2, "num_warps": 1}),
          f"{path} {names.ABSORB_QK_CACHE_KERNEL} rule 0: K_STEPS = 2 with BLOCK_T = 1: the sliced product is a "
          "tl.dot, of at least 16 tokens"),

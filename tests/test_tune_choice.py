@@ -195,8 +195,11 @@ def test_the_candidate_grid_of_each_kernel():
         widths = (16, 32, 64, 128, 256) if tokens >= 128 else (16, 32, 64, 128)
         assert {c["BLOCK_N"] for c in found if c["BLOCK_T"] >= 16} == set(widths)
         # no dot: BLOCK_T x BLOCK_N at most 128, as in the widest one-token program
-        assert {(c["BLOCK_T"], c["BLOCK_N"]) for c in found if 1 < c["BLOCK_T"] < 16} <= {(2, 16), (2, 32), (2, 64),
-                                                                                        (4, 16), (4, 32)}
+        assert {(c["BLOCK_T"], c["BLOCK_N"]) for c in found if 1 < c["BLOCK_T"] <= 4} <= {(2, 16), (2, 32), (2, 64),
+                                                                                       (4, 16), (4, 32)}
+        # off AMD, programs of 8 tokens (a padded dot) at 5-15 tokens, every width
+        assert {c["BLOCK_N"] for c in found if c["BLOCK_T"] == 8} == (set() if amd or not 4 < tokens < 16
+                                                                      else set(widths))
         assert {c["BLOCK_N"] for c in found if c["BLOCK_T"] == 1} <= {8, *widths}
         assert {c["num_warps"] for c in found} == {1, 2, 4, 8}
         assert len(found) == len({tuple(sorted(c.items())) for c in found})
@@ -205,7 +208,7 @@ def test_the_candidate_grid_of_each_kernel():
         assert all(c.get("matrix_instr_nonkdim", 16) == 16 for c in found)
         arch = "gfx942" if amd else "sm90"  # only configs the loader accepts there: one warp per matrix tile on AMD
         full = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in plain for n in widths
-                for w in (1, 2, 4, 8) if n * t <= (32768 if t >= 16 else 128)]
+                for w in (1, 2, 4, 8) if n * t <= (32768 if t > 4 else 128)]
         full += [{"BLOCK_N": 8, "BLOCK_T": 1, "num_warps": w} for w in (1, 2, 4, 8)] if 1 in plain else []
         full += [{**c, "matrix_instr_nonkdim": 16} for c in full if c["BLOCK_T"] >= 16] if amd else []
         sliced = tokens >= 128 and kernel == names.ABSORB_QK_CACHE_KERNEL
@@ -225,7 +228,11 @@ def test_the_candidate_grid_of_each_kernel():
     assert tiles(names.ABSORB_QK_CACHE_KERNEL, 3, False) == ({1, 2, 16}, set())
     assert tiles(names.ABSORB_MXFP4_QK_CACHE_KERNEL, 4, True) == ({1, 2, 4, 16}, {16})
     assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 5, True) == ({16}, {16})
-    assert tiles(names.ABSORB_QK_CACHE_KERNEL, 8, False) == ({16}, set())
+    assert tiles(names.ABSORB_QK_CACHE_KERNEL, 8, False) == ({8, 16}, set())
+    assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 5, False) == ({8, 16}, set())
+    assert tiles(names.ABSORB_MXFP4_QK_CACHE_KERNEL, 15, False) == ({8, 16}, set())
+    assert tiles(names.ABSORB_MXFP4_QK_CACHE_KERNEL, 8, True) == ({16}, {16})
+    assert tiles(names.ABSORB_QK_CACHE_KERNEL, 16, False) == ({16}, set())
     assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 31, True) == ({16}, {16})
     assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 32, True) == ({16, 32}, {16, 32})
     assert tiles(names.ABSORB_QK_CACHE_KERNEL, 64, False) == ({16, 32, 64}, set())

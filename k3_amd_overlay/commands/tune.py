@@ -51,6 +51,8 @@ ONE_TOKEN_NARROWEST = 8
 # [BLOCK_T, P, BLOCK_N] product summed without a dot grows no larger than it.
 FEW_TOKEN_BATCHES = [1 << i for i in range(1, launch_configs.FEW_TOKEN_MOST.bit_length())]
 FEW_TOKEN_WIDEST = 128
+# Between those and 16 tokens, off AMD, programs of launch_configs.PADDED_DOT_ROWS tokens (a dot Triton
+# pads) are tried too: on an H100 they beat the 16-row tile at 8 tokens by 7-11% (docs/benchmarks.md).
 MISMATCH_ALLOWANCE = 1e-3  # extra share of query codes a candidate may have one step off the reference
 
 
@@ -68,9 +70,11 @@ def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> 
     tiles = [t for t in (16, 32, 64, 128) if t == 16 or (t <= tokens and (t < 128 or wide))]
     if tokens <= launch_configs.FEW_TOKEN_MOST:
         tiles = [t for t in (1, *FEW_TOKEN_BATCHES) if t <= tokens] + tiles
+    elif tokens < launch_configs.DOT_LEAST and not amd:
+        tiles = [launch_configs.PADDED_DOT_ROWS, *tiles]
     widths = (16, 32, 64, 128, 256) if wide else (16, 32, 64, 128)
     found = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in tiles for n in widths for w in warps
-             if n * t <= (WIDE_TILE_ELEMENTS if t >= launch_configs.DOT_LEAST else FEW_TOKEN_WIDEST)]
+             if n * t <= (WIDE_TILE_ELEMENTS if t > launch_configs.FEW_TOKEN_MOST else FEW_TOKEN_WIDEST)]
     if 1 in tiles:
         found += [{"BLOCK_N": ONE_TOKEN_NARROWEST, "BLOCK_T": 1, "num_warps": w} for w in warps]
     if amd:

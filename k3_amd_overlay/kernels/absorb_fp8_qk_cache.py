@@ -14,7 +14,7 @@ import triton.language as tl
 from k3_amd_overlay.fp8 import Fp8Format, format_of
 from k3_amd_overlay.kernels import target
 from k3_amd_overlay.kernels.absorb_qk_cache import (
-    DOT_LEAST,
+    FEW_TOKEN_MOST,
     absorb_launch,
     load_rope,
     query_operands,
@@ -61,7 +61,7 @@ def absorb_fp8_qk_cache_kernel(
             q8 = _fp8_bits(q_nope.to(tl.float32), a_recip, W_FMAX, W_FP8_MODE).to(w_ptr.dtype.element_ty, bitcast=True)
         else:
             q8 = tl.clamp(q_nope.to(tl.float32) * a_recip, -W_FMAX, W_FMAX).to(w_ptr.dtype.element_ty)
-        if BLOCK_T < DOT_LEAST:  # too few tokens for a tensor-core tile: exact fp8 products summed in fp32
+        if BLOCK_T <= FEW_TOKEN_MOST:  # too few tokens for a tensor-core tile: exact fp8 products summed in fp32
             ql = summed_products(q8, w)
         elif DOT_IN_FP32:  # the CPU interpreter mishandles fp8 dots: the same exact products in fp32
             ql = tl.dot(q8.to(tl.float32), w.to(tl.float32), input_precision="ieee")

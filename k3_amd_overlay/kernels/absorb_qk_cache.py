@@ -7,8 +7,8 @@ Query programs take one head, BLOCK_T tokens and BLOCK_N of the L output columns
 they need (P x BLOCK_N) is read by that program only, so the weight read is spread over many
 programs (one program streaming a head's whole W_UK_T was bound by a single SM's bandwidth); one
 bf16 ``tl.dot`` (at many tokens, where a rule sets K_STEPS, a pipelined loop of dots over slices of P;
-at 1, 2 or 4 tokens a program, BLOCK_T below 16, the exact products summed in fp32 with no
-tensor-core tile),
+at 1, 2 or 4 tokens a program, the exact products summed in fp32 with no tensor-core tile; at 8 off
+AMD, a dot whose rows Triton pads onto the tensor cores),
 then the quant and the store. KV programs write KV_ROWS tokens' latent rows each
 (``write_kv_row`` of ``kernels/qk_cache.py`` for one, ``write_kv_rows`` for more)."""
 
@@ -25,8 +25,8 @@ from k3_amd_overlay.kernels.names import ABSORB_QK_CACHE_KERNEL
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row, write_kv_rows
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
 
-# Fewer tokens a program than this and the absorb kernels sum the products lane by lane (no tl.dot)
-DOT_LEAST = tl.constexpr(launch_configs.DOT_LEAST)
+# Programs of at most this many tokens sum the products lane by lane (no tl.dot)
+FEW_TOKEN_MOST = tl.constexpr(launch_configs.FEW_TOKEN_MOST)
 
 
 def absorb_launch(kernel_name: str, q_nope: torch.Tensor, lora: int, block_n: int | None, num_warps: int | None,
@@ -82,7 +82,7 @@ def query_operands(pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, 
 
 @triton.jit
 def summed_products(a, w):
-    """a [BLOCK_T, K] @ w [K, BLOCK_N] for programs of too few tokens for a tensor-core tile: each product
+    """a [BLOCK_T, K] @ w [K, BLOCK_N] for programs of at most FEW_TOKEN_MOST tokens: each product
     (of bf16, fp8 or MXFP4 values: exact in fp32) summed in fp32 over K. At one or two tokens (the GPU
     rules' few-token programs) one token's row at a time against w in w's own layout, summed over K
     by warp shuffles; a [BLOCK_T, K, BLOCK_N] broadcast instead moved w through shared memory (on
@@ -187,7 +187,7 @@ def absorb_qk_cache_kernel(
                 pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, num_tokens, token_blocks, P, L,
                 BLOCK_T, BLOCK_N)
             pe, rope = load_rope(column, head, t64, live, q_pe_ptr, s_qp_t, s_qp_h, R)
-            if BLOCK_T < DOT_LEAST:  # too few tokens for a tensor-core tile: the exact bf16 products summed in fp32
+            if BLOCK_T <= FEW_TOKEN_MOST:  # too few tokens for a tensor-core tile: the exact products summed in fp32
                 ql = summed_products(q_nope, w)
             elif DOT_IN_FP32:  # the CPU interpreter mishandles low-precision dots; same products in fp32
                 ql = tl.dot(q_nope.to(tl.float32), w.to(tl.float32), input_precision="ieee")

@@ -61,7 +61,8 @@ KERNEL_PARAMETERS: dict[str, tuple[str, ...]] = {
     names.ABSORB_FP8_QK_CACHE_KERNEL: ("BLOCK_N", "BLOCK_T"),
     names.ABSORB_MXFP4_QK_CACHE_KERNEL: ("BLOCK_N", "BLOCK_T"),
 }
-# tl.dot needs 16 rows: the absorb kernels take at most FEW_TOKEN_MOST tokens a program (no dot) or at least 16
+# The absorb kernels sum the products lane by lane in programs of at most FEW_TOKEN_MOST tokens and take a
+# tl.dot in larger ones: of at least DOT_LEAST tokens on AMD, PADDED_DOT_ROWS or more elsewhere
 DOT_TILE_KERNELS = (names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL,
                     names.ABSORB_MXFP4_QK_CACHE_KERNEL)
 # The constexprs a config may leave out, with the value a launch then takes (a power of two each):
@@ -72,11 +73,18 @@ OPTIONAL_PARAMETERS: dict[str, dict[str, int]] = {
     **{kernel: {"KV_ROWS": 1, **({"K_STEPS": 1} if kernel == names.ABSORB_QK_CACHE_KERNEL else {})}
        for kernel in DOT_TILE_KERNELS},
 }
-DOT_LEAST = 16  # tl.dot's least rows and least K
+DOT_LEAST = 16  # tl.dot's least K, and the least rows of a dot on AMD (AMD_MATRIX_SIZES)
 # The most tokens a program of an absorb kernel takes without a dot (each product summed in fp32 over a
 # [BLOCK_T, P, BLOCK_N] broadcast): on the H200, programs of 8 tokens ran 1.9-3.1x slower than the
 # 16-row tile at 8 tokens (docs/benchmarks.md).
 FEW_TOKEN_MOST = 4
+# Programs of 8 tokens take a dot of 8 rows off AMD: Triton's NVIDIA backend pads a dot's rows onto the
+# tensor cores from Triton 3.5 (its min_dot_size: (1, 1, 16) for 16-bit operands, (1, 1, 32) for 8-bit;
+# (16, 16, 16) in 3.4 and before, where such a config would fail its compile at load and its bucket take
+# the safe config). On an H100 they beat the 16-row tile at 8 tokens by 7-11%, bytes identical
+# (docs/benchmarks.md, 2026-12-06). AMD files keep 16 rows at least: Triton's AMD backend computes a
+# dot no MFMA instruction fits with FMA, and the AMD tile rules below assume 16 or 32 rows.
+PADDED_DOT_ROWS = 8
 MAX_K_STEPS = k3.QK_NOPE_HEAD_DIM // DOT_LEAST
 # The part of the dot's result (rows x columns) one warp's matrix instruction computes. AMD (gfx*):
 # MFMA v_mfma_f32_<M>x<N>x<K>_<type>, M = N = 16 or 32 for every dtype of these kernels on CDNA3 and
@@ -167,15 +175,18 @@ def dot_warps_fit(arch: str, kernel: str, config: dict[str, int]) -> bool:
     """Whether ``config`` keeps ``kernel``'s warps on distinct matrix tiles on ``arch`` (what the loader
     demands; ``tune`` can skip the candidates that do not)."""
     if kernel not in DOT_TILE_KERNELS or config["BLOCK_T"] < DOT_LEAST or not arch.startswith("gfx"):
-        return True  # no dot below DOT_LEAST tokens a program: the products are summed lane by lane
+        return True  # on AMD no dot below DOT_LEAST tokens a program (the loader refuses 5-15 there)
     return config["num_warps"] <= max_dot_warps(arch, config)
 
 
 def amd_adapted(arch: str, kernel: str, config: dict[str, int]) -> dict[str, int]:
     """An NVIDIA (sm90) config as the AMD ``arch`` takes it (scripts/derive_amd_rules.py starts each AMD
-    rule here): a dot block with both sides at least 32 on 16-wide MFMA (``matrix_instr_nonkdim`` 16;
-    Triton's 32x32 there needs more registers), its warps at most one per matrix tile."""
+    rule here): a dot of fewer than DOT_LEAST rows (sm90's padded 8) on DOT_LEAST; a dot block with both
+    sides at least 32 on 16-wide MFMA (``matrix_instr_nonkdim`` 16; Triton's 32x32 there needs more
+    registers); its warps at most one per matrix tile."""
     adapted = dict(config)
+    if kernel in DOT_TILE_KERNELS and FEW_TOKEN_MOST < adapted["BLOCK_T"] < DOT_LEAST:
+        adapted["BLOCK_T"] = DOT_LEAST  # a padded dot on NVIDIA: AMD's least tile
     if kernel in DOT_TILE_KERNELS and min(adapted["BLOCK_T"], adapted["BLOCK_N"]) >= 32:
         adapted["matrix_instr_nonkdim"] = AMD_MATRIX_SIZES[0]
     if not dot_warps_fit(arch, kernel, adapted):
@@ -212,9 +223,11 @@ def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tupl
     for key in (*KERNEL_PARAMETERS[kernel], *(k for k in OPTIONAL_PARAMETERS[kernel] if k in values), "num_warps"):
         if values[key] & (values[key] - 1):
             raise LaunchConfigError(f"{where}: {key} = {values[key]} is not a power of two")
-    if kernel in DOT_TILE_KERNELS and FEW_TOKEN_MOST < values["BLOCK_T"] < DOT_LEAST:
-        raise LaunchConfigError(f"{where}: BLOCK_T = {values['BLOCK_T']}: at most {FEW_TOKEN_MOST} (no dot: the "
-                                f"products summed in fp32) or at least {DOT_LEAST} (tl.dot's smallest tile)")
+    least_dot = DOT_LEAST if arch.startswith("gfx") else PADDED_DOT_ROWS
+    if kernel in DOT_TILE_KERNELS and FEW_TOKEN_MOST < values["BLOCK_T"] < least_dot:
+        raise LaunchConfigError(f"{where}: BLOCK_T = {values['BLOCK_T']} on {arch}: at most {FEW_TOKEN_MOST} (no "
+                                f"dot: the products summed in fp32) or at least {least_dot} (the fewest rows "
+                                f"of a tl.dot there)")
     if values.get("K_STEPS", 1) > MAX_K_STEPS:
         raise LaunchConfigError(f"{where}: K_STEPS = {values['K_STEPS']}: at most {MAX_K_STEPS} (slices of the "
                                 f"{k3.QK_NOPE_HEAD_DIM} q_nope lanes of at least {DOT_LEAST}, tl.dot's least K)")
