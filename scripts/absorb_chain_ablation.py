@@ -41,6 +41,7 @@ from k3_amd_overlay.commands.bench.timing import bandwidth_bytes_per_us, graph_u
 from k3_amd_overlay.fp8 import E4M3FN
 from k3_amd_overlay.kernels import launch
 from k3_amd_overlay.kernels.absorb_qk_cache import (
+    FEW_TOKEN_MOST,
     absorb_launch,
     absorb_qk_cache,
     load_rope,
@@ -95,7 +96,7 @@ def ablated_kernel(q_nope_ptr, w_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, s
                          other=0.0).to(tl.float32)
         else:
             w = tl.load(w_ptr + head.to(tl.int64) * s_w_h + offs_k[:, None] * s_w_k + offs_n[None, :] * s_w_n)
-            if W == 1 and BLOCK_T < 16:
+            if W == 1 and BLOCK_T <= FEW_TOKEN_MOST:
                 ql = summed_products(q_nope, w)
             elif W == 1 and EMULATE_BF16:  # Triton's CPU interpreter: the same products in fp32
                 ql = tl.dot(q_nope.to(tl.float32), w.to(tl.float32), input_precision="ieee")

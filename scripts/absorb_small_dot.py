@@ -2,9 +2,10 @@
 
 Triton 3.6's NVIDIA backend takes ``tl.dot`` operands of any M and N (``min_dot_size`` returns
 (1, 1, 16) for 16-bit and (1, 1, 32) for 8-bit operands: small tiles are padded onto the tensor cores);
-the shipped kernels assume 16 rows at least and, below that, sum the products lane by lane. At eight
-tokens the shipped rule pads a 16-row tile, at one and two tokens it sums lane by lane. Tried here,
-each a copy of the shipped kernel's query program with its product replaced (``MODE``):
+the kernels assumed 16 rows at least and, below that, summed the products lane by lane: at eight
+tokens their rule padded a 16-row tile, at one and two tokens it summed lane by lane. Tried here
+against the shipped launch, each a copy of the shipped kernel's query program with its product
+replaced (``MODE``; what won, the plain dot of 8 rows at 3-8 tokens, shipped on 2026-12-06):
 
 - ``dot``: ``tl.dot(q [BLOCK_T, P], W [P, BLOCK_N])`` with BLOCK_T of 1-8 (Triton pads the rows);
 - ``swapped``: ``tl.trans(tl.dot(tl.trans(W) [BLOCK_N, P], tl.trans(q) [P, BLOCK_T]))``: the latent

@@ -3,7 +3,8 @@ on this CPU machine: no AMD GPU times them, so each AMD rule takes sm90's rule f
 head bin (measured on the H200 and H100: one-token and two-token programs without a dot, wide column
 blocks and several KV rows a program at 256 tokens), made to build well on the AMD arch:
 
-- ``launch_configs.amd_adapted``: a dot block with both sides at least 32 takes 16-wide MFMA
+- ``launch_configs.amd_adapted``: a dot of sm90's 8 rows takes AMD's 16 (sm90's BLOCK_N kept; not
+  timed at 16 rows); a dot block with both sides at least 32 takes 16-wide MFMA
   (``matrix_instr_nonkdim`` 16: Triton would take 32x32 there, with more registers); its warps are cut
   to one per matrix tile (the loader refuses more on AMD);
 - the config is compiled for the arch (``k3-amd-overlay kernels``' own compile: every query dtype vLLM

@@ -72,10 +72,10 @@ def _file(arch="gfx942", device=None, kernels=None):
     ({names.QK_CACHE_KERNEL: [{"config": {"HEADS": 3, "num_warps": 4}}]}, "HEADS = 3 is not a power of two"),
     ({names.QK_CACHE_KERNEL: [{"config": {"HEADS": 4, "num_warps": "4"}}]}, "'4' is not a positive integer"),
     ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 8, "num_warps": 4}}]},
-     "BLOCK_T = 8 on gfx942: at most 4 (no dot: the products summed in fp32) or at least 16 (the fewest rows "
-     "of a tl.dot there)"),
+     "BLOCK_T = 8 on gfx942: at most 4 (no dot: the products summed in fp32) or at least 16 (AMD's smallest "
+     "matrix tile; Triton computes a smaller dot there with FMA)"),
     ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 1, "K_STEPS": 2, "num_warps": 4}}]},
-     "K_STEPS = 2 with BLOCK_T = 1: the sliced product is a tl.dot"),
+     "K_STEPS = 2 with BLOCK_T = 1: the product in slices is for programs of at least 16"),
     ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 16, "K_STEPS": 16, "num_warps": 4}}]},
      "K_STEPS = 16: at most 8 (slices of the 128 q_nope lanes of at least 16"),
     ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 16, "K_STEPS": 3, "num_warps": 4}}]},

@@ -93,10 +93,10 @@ def test_every_message_of_the_file_parser_word_for_word():
         (_one(QK, {"HEADS": 4, "num_warps": 6}), f"{at} rule 0: num_warps = 6 is not a power of two"),
         (_one(FP8, {"BLOCK_N": 32, "BLOCK_T": 8, "num_warps": 1}),
          f"{path} {FP8} rule 0: BLOCK_T = 8 on gfx942: at most 4 (no dot: the products summed in fp32) or at "
-         "least 16 (the fewest rows of a tl.dot there)"),
+         "least 16 (AMD's smallest matrix tile; Triton computes a smaller dot there with FMA)"),
         (_one(names.ABSORB_QK_CACHE_KERNEL, {"BLOCK_N": 32, "BLOCK_T": 1, "K_STEPS": 2, "num_warps": 1}),
-         f"{path} {names.ABSORB_QK_CACHE_KERNEL} rule 0: K_STEPS = 2 with BLOCK_T = 1: the sliced product is a "
-         "tl.dot, of at least 16 tokens"),
+         f"{path} {names.ABSORB_QK_CACHE_KERNEL} rule 0: K_STEPS = 2 with BLOCK_T = 1: the product in slices "
+         "is for programs of at least 16 tokens"),
         # the dot-warps bound on AMD: one warp per matrix tile, 16x16 below 32 on either side, 32x32 from 32
         (_one(FP8, {"BLOCK_N": 64, "BLOCK_T": 16, "num_warps": 8}),
          f"{path} {FP8} rule 0: num_warps = 8 on a 16x64 block (BLOCK_T x BLOCK_N) of 16x16 matrix tiles on gfx942: "

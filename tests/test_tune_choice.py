@@ -197,8 +197,8 @@ def test_the_candidate_grid_of_each_kernel():
         # no dot: BLOCK_T x BLOCK_N at most 128, as in the widest one-token program
         assert {(c["BLOCK_T"], c["BLOCK_N"]) for c in found if 1 < c["BLOCK_T"] <= 4} <= {(2, 16), (2, 32), (2, 64),
                                                                                        (4, 16), (4, 32)}
-        # off AMD, programs of 8 tokens (a padded dot) at 5-15 tokens, every width
-        assert {c["BLOCK_N"] for c in found if c["BLOCK_T"] == 8} == (set() if amd or not 4 < tokens < 16
+        # off AMD, programs of 8 tokens (a padded dot) at 3-15 tokens, every width
+        assert {c["BLOCK_N"] for c in found if c["BLOCK_T"] == 8} == (set() if amd or not 3 <= tokens < 16
                                                                       else set(widths))
         assert {c["BLOCK_N"] for c in found if c["BLOCK_T"] == 1} <= {8, *widths}
         assert {c["num_warps"] for c in found} == {1, 2, 4, 8}
@@ -225,7 +225,9 @@ def test_the_candidate_grid_of_each_kernel():
     assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 1, True) == ({1, 16}, {16})
     assert tiles(names.ABSORB_MXFP4_QK_CACHE_KERNEL, 1, False) == ({1, 16}, set())
     assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 2, True) == ({1, 2, 16}, {16})
-    assert tiles(names.ABSORB_QK_CACHE_KERNEL, 3, False) == ({1, 2, 16}, set())
+    assert tiles(names.ABSORB_QK_CACHE_KERNEL, 3, False) == ({1, 2, 8, 16}, set())
+    assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 2, False) == ({1, 2, 16}, set())
+    assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 4, False) == ({1, 2, 4, 8, 16}, set())
     assert tiles(names.ABSORB_MXFP4_QK_CACHE_KERNEL, 4, True) == ({1, 2, 4, 16}, {16})
     assert tiles(names.ABSORB_FP8_QK_CACHE_KERNEL, 5, True) == ({16}, {16})
     assert tiles(names.ABSORB_QK_CACHE_KERNEL, 8, False) == ({8, 16}, set())

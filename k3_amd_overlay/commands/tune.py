@@ -51,8 +51,10 @@ ONE_TOKEN_NARROWEST = 8
 # [BLOCK_T, P, BLOCK_N] product summed without a dot grows no larger than it.
 FEW_TOKEN_BATCHES = [1 << i for i in range(1, launch_configs.FEW_TOKEN_MOST.bit_length())]
 FEW_TOKEN_WIDEST = 128
-# Between those and 16 tokens, off AMD, programs of launch_configs.PADDED_DOT_ROWS tokens (a dot Triton
-# pads) are tried too: on an H100 they beat the 16-row tile at 8 tokens by 7-11% (docs/benchmarks.md).
+# Off AMD, programs of launch_configs.PADDED_DOT_ROWS tokens (a dot Triton pads) are tried too from this
+# many tokens, the least the sm90 file's 8-token rules serve, up to tl.dot's 16 rows (docs/benchmarks.md,
+# 2026-12-06: they won at 4 and 8 tokens and lost at 32 and 64).
+PADDED_FROM_TOKENS = 3
 MISMATCH_ALLOWANCE = 1e-3  # extra share of query codes a candidate may have one step off the reference
 
 
@@ -67,11 +69,12 @@ def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> 
     if kernel == names.QK_CACHE_KERNEL:
         return [{"HEADS": h, "num_warps": w} for h in (1, 2, 4, 8) for w in warps]
     wide = tokens >= WIDE_FROM_TOKENS
-    tiles = [t for t in (16, 32, 64, 128) if t == 16 or (t <= tokens and (t < 128 or wide))]
+    least = launch_configs.DOT_LEAST
+    tiles = [t for t in (least, 32, 64, 128) if t == least or (t <= tokens and (t < 128 or wide))]
+    if not amd and PADDED_FROM_TOKENS <= tokens < least:
+        tiles = [launch_configs.PADDED_DOT_ROWS, *tiles]
     if tokens <= launch_configs.FEW_TOKEN_MOST:
         tiles = [t for t in (1, *FEW_TOKEN_BATCHES) if t <= tokens] + tiles
-    elif tokens < launch_configs.DOT_LEAST and not amd:
-        tiles = [launch_configs.PADDED_DOT_ROWS, *tiles]
     widths = (16, 32, 64, 128, 256) if wide else (16, 32, 64, 128)
     found = [{"BLOCK_N": n, "BLOCK_T": t, "num_warps": w} for t in tiles for n in widths for w in warps
              if n * t <= (WIDE_TILE_ELEMENTS if t > launch_configs.FEW_TOKEN_MOST else FEW_TOKEN_WIDEST)]

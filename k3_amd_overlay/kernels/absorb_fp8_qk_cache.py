@@ -61,7 +61,7 @@ def absorb_fp8_qk_cache_kernel(
             q8 = _fp8_bits(q_nope.to(tl.float32), a_recip, W_FMAX, W_FP8_MODE).to(w_ptr.dtype.element_ty, bitcast=True)
         else:
             q8 = tl.clamp(q_nope.to(tl.float32) * a_recip, -W_FMAX, W_FMAX).to(w_ptr.dtype.element_ty)
-        if BLOCK_T <= FEW_TOKEN_MOST:  # too few tokens for a tensor-core tile: exact fp8 products summed in fp32
+        if BLOCK_T <= FEW_TOKEN_MOST:  # few tokens: the exact fp8 products summed in fp32 beat a padded dot
             ql = summed_products(q8, w)
         elif DOT_IN_FP32:  # the CPU interpreter mishandles fp8 dots: the same exact products in fp32
             ql = tl.dot(q8.to(tl.float32), w.to(tl.float32), input_precision="ieee")

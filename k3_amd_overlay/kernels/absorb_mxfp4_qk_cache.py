@@ -101,7 +101,7 @@ def absorb_mxfp4_qk_cache_kernel(
         scale = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # e8m0 and fp32 share the bias 127
         w_low = e2m1_value(packed & 0xF) * scale
         w_high = e2m1_value(packed >> 4) * scale
-        if BLOCK_T <= FEW_TOKEN_MOST:  # too few tokens for a tensor-core tile: the exact products summed in fp32
+        if BLOCK_T <= FEW_TOKEN_MOST:  # few tokens: the exact products summed in fp32 beat a padded dot
             ql = summed_products(even, w_low) + summed_products(odd, w_high)
         elif DOT_IN_FP32:  # the CPU interpreter: the same exact products in fp32
             ql = tl.dot(odd, w_high, acc=tl.dot(even, w_low, input_precision="ieee"), input_precision="ieee")

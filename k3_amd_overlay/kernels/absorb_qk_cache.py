@@ -187,7 +187,7 @@ def absorb_qk_cache_kernel(
                 pid, q_nope_ptr, w_ptr, s_qn_t, s_qn_h, s_w_h, s_w_k, s_w_n, num_tokens, token_blocks, P, L,
                 BLOCK_T, BLOCK_N)
             pe, rope = load_rope(column, head, t64, live, q_pe_ptr, s_qp_t, s_qp_h, R)
-            if BLOCK_T <= FEW_TOKEN_MOST:  # too few tokens for a tensor-core tile: the exact products summed in fp32
+            if BLOCK_T <= FEW_TOKEN_MOST:  # few tokens: the exact products summed in fp32 beat a padded dot
                 ql = summed_products(q_nope, w)
             elif DOT_IN_FP32:  # the CPU interpreter mishandles low-precision dots; same products in fp32
                 ql = tl.dot(q_nope.to(tl.float32), w.to(tl.float32), input_precision="ieee")

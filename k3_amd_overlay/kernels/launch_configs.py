@@ -79,9 +79,9 @@ DOT_LEAST = 16  # tl.dot's least K, and the least rows of a dot on AMD (AMD_MATR
 # 16-row tile at 8 tokens (docs/benchmarks.md).
 FEW_TOKEN_MOST = 4
 # Programs of 8 tokens take a dot of 8 rows off AMD: Triton's NVIDIA backend pads a dot's rows onto the
-# tensor cores from Triton 3.5 (its min_dot_size: (1, 1, 16) for 16-bit operands, (1, 1, 32) for 8-bit;
-# (16, 16, 16) in 3.4 and before, where such a config would fail its compile at load and its bucket take
-# the safe config). On an H100 they beat the 16-row tile at 8 tokens by 7-11%, bytes identical
+# tensor cores from Triton 3.5 (min_dot_size in the 3.5.0-3.9.0 wheels: (1, 1, 16) for 16-bit operands,
+# (1, 1, 32) for 8-bit; 3.4.0's is (16, 16, 16), and there such a config would fail its compile at load
+# and its bucket take the safe config). On an H100 they beat the 16-row tile at 4 and 8 tokens, bytes identical
 # (docs/benchmarks.md, 2026-12-06). AMD files keep 16 rows at least: Triton's AMD backend computes a
 # dot no MFMA instruction fits with FMA, and the AMD tile rules below assume 16 or 32 rows.
 PADDED_DOT_ROWS = 8
@@ -223,17 +223,16 @@ def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tupl
     for key in (*KERNEL_PARAMETERS[kernel], *(k for k in OPTIONAL_PARAMETERS[kernel] if k in values), "num_warps"):
         if values[key] & (values[key] - 1):
             raise LaunchConfigError(f"{where}: {key} = {values[key]} is not a power of two")
-    least_dot = DOT_LEAST if arch.startswith("gfx") else PADDED_DOT_ROWS
-    if kernel in DOT_TILE_KERNELS and FEW_TOKEN_MOST < values["BLOCK_T"] < least_dot:
+    if kernel in DOT_TILE_KERNELS and arch.startswith("gfx") and FEW_TOKEN_MOST < values["BLOCK_T"] < DOT_LEAST:
         raise LaunchConfigError(f"{where}: BLOCK_T = {values['BLOCK_T']} on {arch}: at most {FEW_TOKEN_MOST} (no "
-                                f"dot: the products summed in fp32) or at least {least_dot} (the fewest rows "
-                                f"of a tl.dot there)")
+                                f"dot: the products summed in fp32) or at least {DOT_LEAST} (AMD's smallest matrix "
+                                "tile; Triton computes a smaller dot there with FMA)")
     if values.get("K_STEPS", 1) > MAX_K_STEPS:
         raise LaunchConfigError(f"{where}: K_STEPS = {values['K_STEPS']}: at most {MAX_K_STEPS} (slices of the "
                                 f"{k3.QK_NOPE_HEAD_DIM} q_nope lanes of at least {DOT_LEAST}, tl.dot's least K)")
     if values.get("K_STEPS", 1) > 1 and values["BLOCK_T"] < DOT_LEAST:
         raise LaunchConfigError(f"{where}: K_STEPS = {values['K_STEPS']} with BLOCK_T = {values['BLOCK_T']}: the "
-                                f"sliced product is a tl.dot, of at least {DOT_LEAST} tokens")
+                                f"product in slices is for programs of at least {DOT_LEAST} tokens")
     if not dot_warps_fit(arch, kernel, values):
         _check_dot_warps(arch, values, where)
     return tuple(sorted(values.items()))
