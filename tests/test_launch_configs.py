@@ -215,14 +215,33 @@ def test_the_kernels_command_needs_an_arch_where_there_is_no_amd_gpu(capsys):
     assert "no AMD GPU here: pass --arch gfx942 or gfx950" in capsys.readouterr().err
 
 
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:3])
+
+
+def _oldest_gate_triton() -> tuple[int, ...]:
+    """The oldest Triton release the CI compile gate builds the AMD files with (scripts/compile-tritons.txt)."""
+    with open(f"{__file__.rsplit('/', 2)[0]}/scripts/compile-tritons.txt") as f:
+        lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    return min(_release(line) for line in lines if line != "newest")
+
+
 @pytest.mark.kernels
 def test_the_report_compiles_every_kernel_for_mi300x_with_the_fields_promised():
-    """The report of gfx942 with this venv's Triton (CI runs it for both archs and three Tritons)."""
+    """The report of gfx942 with this venv's Triton (CI runs it for both archs and three Tritons). The
+    shipped AMD files are held to no shortfall from the oldest Triton the compile gate builds with on;
+    with an older one (the GPU machine's 3.6.0 gave two gfx942 fp8 configs 3 waves per SIMD) every
+    kernel must still compile and the report say what falls short."""
     proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--arch", "gfx942",
                            "--json"],
                           capture_output=True, text=True, timeout=600)
     report = json.loads(proc.stdout)
-    assert proc.returncode == 0, [e for e in report["kernels"] if e["problems"]]
+    short = [e for e in report["kernels"] if e["problems"]]
+    if _release(report["triton"]) >= _oldest_gate_triton():
+        assert proc.returncode == 0, short
+    else:
+        assert all(e["compiled"] and e["error"] is None for e in report["kernels"]), short
+        assert proc.returncode == (1 if short else 0) and bool(short) == ("error" in report), report.get("error")
     assert report["arch"] == "gfx942" and report["triton"]
     fields = ["kernel", "config", "compiled", "error", "target", "vgpr", "agpr", "sgpr", "lds_bytes", "vgpr_spill",
               "sgpr_spill", "scratch_bytes", "waves_per_simd"]
