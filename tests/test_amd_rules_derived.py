@@ -47,8 +47,8 @@ def noted(rule: dict) -> tuple[dict[str, int], list[tuple[str, int, int]]] | Non
 def config_problem(arch: str, kernel: str, want: dict[str, int], changes: list[tuple[str, int, int]],
                    got: dict[str, int]) -> str | None:
     """Why ``got`` is not sm90's ``want`` as ``arch`` takes it (``amd_adapted``, whose rows and warp cut
-    the note names first, exactly where it makes them) with the note's further ``changes`` applied in turn, each from
-    the value the config holds then (None: it is)."""
+    the note names first, exactly where it makes them) with the note's further ``changes`` applied in
+    turn, each from the value the config holds then (None: it is)."""
     config = launch_configs.amd_adapted(arch, kernel, want)
     for key, what in (("BLOCK_T", "rows"), ("num_warps", "warp cut")):  # amd_adapted's changes, in this order
         if config[key] != want[key]:

@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+from packaging.version import Version
 
 from k3_amd_overlay import kernel_failures
 from k3_amd_overlay.commands import compile_report, tune
@@ -215,15 +216,11 @@ def test_the_kernels_command_needs_an_arch_where_there_is_no_amd_gpu(capsys):
     assert "no AMD GPU here: pass --arch gfx942 or gfx950" in capsys.readouterr().err
 
 
-def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split("+")[0].split(".")[:3])
-
-
-def _oldest_gate_triton() -> tuple[int, ...]:
+def _oldest_gate_triton() -> Version:
     """The oldest Triton release the CI compile gate builds the AMD files with (scripts/compile-tritons.txt)."""
     with open(f"{__file__.rsplit('/', 2)[0]}/scripts/compile-tritons.txt") as f:
         lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
-    return min(_release(line) for line in lines if line != "newest")
+    return min(Version(line) for line in lines if line != "newest")
 
 
 @pytest.mark.kernels
@@ -237,7 +234,7 @@ def test_the_report_compiles_every_kernel_for_mi300x_with_the_fields_promised():
                           capture_output=True, text=True, timeout=600)
     report = json.loads(proc.stdout)
     short = [e for e in report["kernels"] if e["problems"]]
-    if _release(report["triton"]) >= _oldest_gate_triton():
+    if Version(report["triton"]) >= _oldest_gate_triton():
         assert proc.returncode == 0, short
     else:
         assert all(e["compiled"] and e["error"] is None for e in report["kernels"]), short

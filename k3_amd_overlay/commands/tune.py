@@ -68,11 +68,12 @@ def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> 
                 for w in warps if w >= 2]
     if kernel == names.QK_CACHE_KERNEL:
         return [{"HEADS": h, "num_warps": w} for h in (1, 2, 4, 8) for w in warps]
+    arch = arch or ("gfx942" if amd else "sm90")
     wide = tokens >= WIDE_FROM_TOKENS
     least = launch_configs.DOT_LEAST
     tiles = [t for t in (least, 32, 64, 128) if t == least or (t <= tokens and (t < 128 or wide))]
-    if not amd and PADDED_FROM_TOKENS <= tokens < least:
-        tiles = [launch_configs.PADDED_DOT_ROWS, *tiles]
+    if PADDED_FROM_TOKENS <= tokens < least and launch_configs.least_dot_rows(arch) < least:
+        tiles = [launch_configs.least_dot_rows(arch), *tiles]
     if tokens <= launch_configs.FEW_TOKEN_MOST:
         tiles = [t for t in (1, *FEW_TOKEN_BATCHES) if t <= tokens] + tiles
     widths = (16, 32, 64, 128, 256) if wide else (16, 32, 64, 128)
@@ -86,7 +87,6 @@ def candidates(kernel: str, tokens: int, amd: bool, arch: str | None = None) -> 
         found += [{**c, "K_STEPS": K_STEPS_TRIED} for c in found if c["BLOCK_T"] >= 64 and c["BLOCK_N"] >= 128]
     if tokens >= KV_ROWS_FROM_TOKENS:
         found += [{**c, "KV_ROWS": KV_ROWS_TRIED} for c in found]
-    arch = arch or ("gfx942" if amd else "sm90")
     return [c for c in found if launch_configs.dot_warps_fit(arch, kernel, c)]
 
 

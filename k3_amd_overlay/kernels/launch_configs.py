@@ -81,10 +81,18 @@ FEW_TOKEN_MOST = 4
 # Programs of 8 tokens take a dot of 8 rows off AMD: Triton's NVIDIA backend pads a dot's rows onto the
 # tensor cores from Triton 3.5 (min_dot_size in the 3.5.0-3.9.0 wheels: (1, 1, 16) for 16-bit operands,
 # (1, 1, 32) for 8-bit; 3.4.0's is (16, 16, 16), and there such a config would fail its compile at load
-# and its bucket take the safe config). On an H100 they beat the 16-row tile at 4 and 8 tokens, bytes identical
-# (docs/benchmarks.md, 2026-12-06). AMD files keep 16 rows at least: Triton's AMD backend computes a
+# and its bucket take the safe config). On an H100 they beat the 16-row tile at 4 and 8 tokens, bytes
+# identical (docs/benchmarks.md, 2026-12-06). AMD files keep 16 rows at least: Triton's AMD backend computes a
 # dot no MFMA instruction fits with FMA, and the AMD tile rules below assume 16 or 32 rows.
 PADDED_DOT_ROWS = 8
+
+
+def least_dot_rows(arch: str) -> int:
+    """The fewest tokens a program of an absorb kernel takes a tl.dot with on ``arch`` (programs of at
+    most FEW_TOKEN_MOST sum the products without one; the loader refuses the sizes between)."""
+    return DOT_LEAST if arch.startswith("gfx") else PADDED_DOT_ROWS
+
+
 MAX_K_STEPS = k3.QK_NOPE_HEAD_DIM // DOT_LEAST
 # The part of the dot's result (rows x columns) one warp's matrix instruction computes. AMD (gfx*):
 # MFMA v_mfma_f32_<M>x<N>x<K>_<type>, M = N = 16 or 32 for every dtype of these kernels on CDNA3 and
@@ -185,8 +193,8 @@ def amd_adapted(arch: str, kernel: str, config: dict[str, int]) -> dict[str, int
     sides at least 32 on 16-wide MFMA (``matrix_instr_nonkdim`` 16; Triton's 32x32 there needs more
     registers); its warps at most one per matrix tile."""
     adapted = dict(config)
-    if kernel in DOT_TILE_KERNELS and FEW_TOKEN_MOST < adapted["BLOCK_T"] < DOT_LEAST:
-        adapted["BLOCK_T"] = DOT_LEAST  # a padded dot on NVIDIA: AMD's least tile
+    if kernel in DOT_TILE_KERNELS and FEW_TOKEN_MOST < adapted["BLOCK_T"] < least_dot_rows(arch):
+        adapted["BLOCK_T"] = least_dot_rows(arch)  # a padded dot on NVIDIA: AMD's least tile
     if kernel in DOT_TILE_KERNELS and min(adapted["BLOCK_T"], adapted["BLOCK_N"]) >= 32:
         adapted["matrix_instr_nonkdim"] = AMD_MATRIX_SIZES[0]
     if not dot_warps_fit(arch, kernel, adapted):
@@ -223,7 +231,7 @@ def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tupl
     for key in (*KERNEL_PARAMETERS[kernel], *(k for k in OPTIONAL_PARAMETERS[kernel] if k in values), "num_warps"):
         if values[key] & (values[key] - 1):
             raise LaunchConfigError(f"{where}: {key} = {values[key]} is not a power of two")
-    if kernel in DOT_TILE_KERNELS and arch.startswith("gfx") and FEW_TOKEN_MOST < values["BLOCK_T"] < DOT_LEAST:
+    if kernel in DOT_TILE_KERNELS and FEW_TOKEN_MOST < values["BLOCK_T"] < least_dot_rows(arch):
         raise LaunchConfigError(f"{where}: BLOCK_T = {values['BLOCK_T']} on {arch}: at most {FEW_TOKEN_MOST} (no "
                                 f"dot: the products summed in fp32) or at least {DOT_LEAST} (AMD's smallest matrix "
                                 "tile; Triton computes a smaller dot there with FMA)")
