@@ -5,7 +5,10 @@ memory right after W's load (Triton places the ``local_alloc`` of a dot operand 
 load) and waits at a barrier for it; the shipped kernels load the rope lanes and the scales after
 ``query_operands``, so in the SASS those loads are issued after that barrier, once W has arrived: a
 second memory round trip, overlapped only by the dot. Here the same query programs load the rope
-lanes and the scales first, then q_nope and W (``early_bf16_kernel``, ``early_fp8_kernel``), launched
+lanes and the scales first, then a barrier (``EARLY_BARRIER``; without it ptxas sinks those loads
+below the W tile's store again, and loading W first with the barrier after the small loads does not
+help either: Triton places W's ``local_alloc``, its shared-memory store, right after W's load, before
+the barrier), then q_nope and W (``early_bf16_kernel``, ``early_fp8_kernel``), launched
 with the shipped launcher's arguments and configs, at 8-256 tokens (the dot configs; fewer tokens sum
 the products without a dot and have no such barrier), 12 and 16 heads.
 
