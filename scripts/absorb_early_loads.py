@@ -43,6 +43,7 @@ from k3_amd_overlay.kernels.qk_cache import _fp8_bits
 from k3_amd_overlay.kernels.rounding import to_dtype_rne
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from absorb_pipeline_sweep import kind_shapes
 from absorb_small_dot import Shape  # the same inputs, shipped launch and bytes check
 
 SHAPES = [(kind, heads, tokens) for kind in ("bf16", "fp8") for tokens in (8, 32, 64, 256) for heads in (12, 16)]
@@ -165,12 +166,7 @@ def main() -> None:
         return
     from k3_amd_overlay.commands.bench.timing import graphs_in_turn
 
-    shapes = SHAPES
-    if "--shapes" in sys.argv:
-        shapes = []
-        for spec in sys.argv[sys.argv.index("--shapes") + 1].split(","):
-            kind, hb = spec.split(":")
-            shapes.append((kind, *(int(v) for v in hb.split("x"))))
+    shapes = kind_shapes(sys.argv, SHAPES)
     results = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": []}
     for kind, heads, tokens in shapes:
         shape = Early(kind, heads, tokens, "cuda")

@@ -106,6 +106,17 @@ def candidates(kind: str, tokens: int, device: str) -> list[dict]:
     return found
 
 
+def kind_shapes(argv: list[str], default: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """(kind, heads, tokens) from ``--shapes bf16:12x8,fp8:16x64`` in ``argv``, else ``default``."""
+    if "--shapes" not in argv:
+        return default
+    found = []
+    for spec in argv[argv.index("--shapes") + 1].split(","):
+        kind, hb = spec.split(":")
+        found.append((kind, *(int(v) for v in hb.split("x"))))
+    return found
+
+
 def name(config: dict) -> str:
     return "_".join(f"{key}{value}" for key, value in config.items())
 
@@ -143,12 +154,7 @@ def main() -> None:
         return
     from k3_amd_overlay.commands.bench.timing import graph_us, graphs_in_turn
 
-    shapes = SHAPES
-    if "--shapes" in sys.argv:
-        shapes = []
-        for spec in sys.argv[sys.argv.index("--shapes") + 1].split(","):
-            kind, hb = spec.split(":")
-            shapes.append((kind, *(int(v) for v in hb.split("x"))))
+    shapes = kind_shapes(sys.argv, SHAPES)
     results = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": []}
     for kind, heads, tokens in shapes:
         shape = Sweep(kind, heads, tokens, "cuda")
