@@ -9,8 +9,9 @@ lanes and the scales first, then a barrier (``EARLY_BARRIER``; without it ptxas 
 below the W tile's store again, and loading W first with the barrier after the small loads does not
 help either: Triton places W's ``local_alloc``, its shared-memory store, right after W's load, before
 the barrier), then q_nope and W (``early_bf16_kernel``, ``early_fp8_kernel``), launched
-with the shipped launcher's arguments and configs, at 8-256 tokens (the dot configs; fewer tokens sum
-the products without a dot and have no such barrier), 12 and 16 heads.
+with the shipped launcher's arguments and configs, at 1-256 tokens, 12 and 16 heads (at 1 and 2 tokens
+the shipped programs sum the products without a dot and have no such store: what the variant's
+barrier costs by itself).
 
 Every variant's q_out and cache bytes are compared with the shipped launch's (what it must write
 poisoned first); the shipped and early launches are timed in five rounds taken in turn (medians of
@@ -46,7 +47,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from absorb_pipeline_sweep import kind_shapes
 from absorb_small_dot import Shape  # the same inputs, shipped launch and bytes check
 
-SHAPES = [(kind, heads, tokens) for kind in ("bf16", "fp8") for tokens in (8, 32, 64, 256) for heads in (12, 16)]
+SHAPES = [(kind, heads, tokens) for kind in ("bf16", "fp8") for tokens in (1, 2, 8, 32, 64, 256) for heads in (12, 16)]
 
 
 @triton.jit
