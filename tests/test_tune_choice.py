@@ -378,7 +378,8 @@ def test_tune_on_a_fake_mi300x_writes_each_kernels_winners_for_this_gpu(fake_gpu
     import triton
 
     lines = out.splitlines()
-    assert lines[:3] == [f"AMD Instinct MI300X (gfx942), torch {torch.__version__}, triton {triton.__version__}",
+    assert lines[:4] == [f"AMD Instinct MI300X (gfx942), torch {torch.__version__}, triton {triton.__version__}",
+                         tune.plan_line("gfx942", tune.plan(kernels, [3, 6], [1, 8], "gfx942")),
                          "| kernel | T | H | shipped µs | tuned µs | shipped / tuned | tuned config |",
                          "|---|---|---|---|---|---|---|"]
     assert set(CommandCase.seeds) == {0}  # every case's random inputs from seed 0: a rerun tunes the same bytes

@@ -35,7 +35,7 @@ def test_the_help_says_every_option_word_for_word(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert text.startswith("usage: k3-amd-overlay tune [-h] [--out OUT] [--heads HEADS [HEADS ...]] "
                            "[--tokens TOKENS [TOKENS ...]] [--kernels KERNEL [KERNEL ...]] [--compare FILE] "
-                           "[--verbose] [--json] ")
+                           "[--plan] [--arch {sm90,gfx942,gfx950}] [--verbose] [--json] ")
     options = (
         "options: -h, --help show this help message and exit "
         "--out OUT a file, or a directory for <arch>-<device>.json (default .); an existing file for this arch "
@@ -47,10 +47,104 @@ def test_the_help_says_every_option_word_for_word(capsys):
         "absorb_qk_cache_kernel, absorb_fp8_qk_cache_kernel, absorb_mxfp4_qk_cache_kernel (default: all) "
         "--compare FILE instead of tuning: time FILE's configs against the shipped ones at the shapes tune tunes "
         "by default; exit 1 where FILE's are slower "
+        "--plan instead of tuning: print how many candidates a run with these options would compile and time, per "
+        "kernel and in all; nothing is written "
+        "--arch {sm90,gfx942,gfx950} with --plan: the arch to count for (default: this GPU's; with it no GPU is "
+        "needed) "
         "--verbose say why each rejected candidate was "
         "--json one JSON object on stdout on every path (the file written; the table goes to stderr) ")
     assert options in text
     assert ", ".join(tune.TUNED_KERNELS) in text  # the list is the kernels tune takes, in their order
+
+
+# ---- --plan: what a run would time ---------------------------------------------------------------
+
+def _plan_total(arch, heads=None, tokens=None, kernels=tune.TUNED_KERNELS):
+    return sum(found for _, _, found in tune.plan(kernels, heads or list(shapes.HEADS), tokens, arch))
+
+
+def test_the_plan_counts_each_shapes_candidates_of_the_kernels_run_on_that_arch():
+    rows = tune.plan(tune.TUNED_KERNELS, [12], [1, 256], "gfx942")
+    assert [kernel for kernel, _, _ in rows] == [k for k in tune.TUNED_KERNELS
+                                                 if k != names.ABSORB_MXFP4_QK_CACHE_KERNEL]  # CDNA4 only
+    for kernel, shapes_counted, found in rows:
+        shape_list = tune.shapes_of(kernel, [12], [1, 256])
+        assert shapes_counted == len(shape_list) == 2
+        assert found == sum(len(tune.candidates(kernel, t, True, "gfx942")) for t, _ in shape_list) > 2
+    assert [k for k, _, _ in tune.plan(tune.TUNED_KERNELS, [12], None, "gfx950")] == list(tune.TUNED_KERNELS)
+
+
+def test_the_durations_told_in_the_help_and_readme_are_the_plans_counts():
+    from pathlib import Path
+
+    totals = {arch: _plan_total(arch) for arch in launch_configs.SHIPPED_ARCHS}
+    help_text = " ".join(tune.__doc__.split())
+    assert (f"{totals['gfx942']} candidates on gfx942, {totals['gfx950']} on gfx950 ({totals['sm90']} on sm90)"
+            in help_text)
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert f"{totals['gfx942']} candidates on gfx942 and {totals['gfx950']} on gfx950" in readme
+    assert f"times {_plan_total('gfx942', heads=[12])} of the {totals['gfx942']} on gfx942" in readme
+
+
+def test_plan_with_an_arch_needs_no_gpu_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("--plan --arch asked for a GPU"))
+    assert tune.main(["--plan", "--arch", "gfx942", "--heads", "12", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = tune.plan(tune.TUNED_KERNELS, [12], None, "gfx942")
+    assert lines[0] == tune.plan_line("gfx942", rows)
+    assert lines[0].startswith(f"{_plan_total('gfx942', heads=[12])} candidates at {sum(r[1] for r in rows)} "
+                               "shapes on gfx942, each compiled and timed (rmsnorm_pair_kernel 144 at 6, ")
+    assert lines[1:] == ["| kernel | shapes | candidates |", "|---|---|---|",
+                         *(f"| {k} | {n} | {c} |" for k, n, c in rows)]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_without_an_arch_counts_for_this_gpus(fake_h200, monkeypatch, capsys):
+    monkeypatch.setattr(tune, "run", lambda args: pytest.fail("--plan tuned"))
+    assert tune.main(["--plan", "--json", "--kernels", names.QK_CACHE_KERNEL, "--tokens", "8", "1", "8"]) == 0
+    heads = sorted(shapes.HEADS)
+    assert json.loads(capsys.readouterr().out) == {
+        "command": "tune", "ok": True, "exit_status": 0,
+        "plan": {"arch": "sm90", "heads": heads, "candidates": 2 * len(heads) * 16, "shapes": 2 * len(heads),
+                 "kernels": [{"kernel": names.QK_CACHE_KERNEL, "shapes": 2 * len(heads),
+                              "candidates": 2 * len(heads) * 16}]}}
+
+
+@pytest.mark.parametrize(("argv", "message", "code"), [
+    (["--arch", "gfx942"], "error: --arch gfx942: only with --plan (a run tunes the GPU it runs on)", 2),
+    (["--plan", "--compare", "x.json"], "error: --plan and --compare: give one of them", 2),
+    (["--plan"], "no GPU here: --plan counts for this GPU's arch unless --arch names one (sm90, gfx942, gfx950)", 1),
+])
+def test_plan_misused_is_refused_in_one_line(argv, message, code, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune.main(argv) == code
+    assert capsys.readouterr().err.splitlines()[-1] == f"k3-amd-overlay tune: {message}"
+
+
+def test_plan_refuses_an_arch_without_a_shipped_file(capsys):
+    with pytest.raises(SystemExit) as exited:
+        tune.main(["--plan", "--arch", "gfx90a"])
+    assert exited.value.code == 2
+    assert "argument --arch: invalid choice: 'gfx90a'" in capsys.readouterr().err
+
+
+def test_a_run_says_how_many_candidates_it_will_time_before_its_first_shape(fake_h200, monkeypatch, tmp_path):
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    seen = []
+
+    def tune_case(case, shipped, tried, log):
+        seen.append((terminal.shown, len(list(tried))))
+        return shipped, 8.0, 10.0
+
+    monkeypatch.setattr(tune, "tune_case", tune_case)
+    kernels = [names.QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL]
+    assert tune.main(["--out", str(tmp_path), "--kernels", *kernels, "--tokens", "2", "256", "--heads", "12"]) == 0
+    line = tune.plan_line("sm90", tune.plan(kernels, [12], [2, 256], "sm90"))
+    assert line.startswith(f"{sum(n for _, n in seen)} candidates at 4 shapes on sm90, ")
+    assert terminal.shown.splitlines()[1] == line
+    assert line in seen[0][0].splitlines()  # shown before the first shape is tuned
 
 
 # ---- the command on a fake H200 ------------------------------------------------------------------

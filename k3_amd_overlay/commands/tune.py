@@ -3,6 +3,8 @@ batch size and per-rank head count, and write them as a launch-config file for t
 
     k3-amd-overlay tune [--out FILE|DIR] [--heads H ...] [--tokens T ...] [--kernels K ...]
     k3-amd-overlay tune --compare FILE    (FILE's configs against the shipped ones, side by side)
+    k3-amd-overlay tune --plan [--arch ARCH] [--heads H ...] [--tokens T ...] [--kernels K ...]
+                                          (how many candidates a run would time; no GPU needed with --arch)
 
 For each kernel, batch and head count, every candidate config is launched once on fresh random
 inputs and its bytes checked against the stock path's (the reference providers: the KV-cache rows
@@ -16,7 +18,8 @@ How long: every candidate is compiled and timed. By default that is 7480 candida
 on gfx950 (7840 on sm90), most of them at 128 and 256 tokens; on an H100 a candidate took about 0.3 s
 at 8 tokens and over 1.9 s at 256 tokens, so the default run takes hours. Name this deployment's
 per-rank heads (``--heads``; the heads are the query heads over the tensor-parallel size): one head
-count is about a quarter of the default run. The file is written after each kernel, so an
+count is about a quarter of the default run. ``--plan`` prints the count per kernel for the options
+given, and a run prints it before its first shape. The file is written after each kernel, so an
 interrupted run keeps the kernels it finished."""
 
 from __future__ import annotations
@@ -269,6 +272,32 @@ def reachable_here(kernel: str, arch: str, amd: bool) -> bool:
     return not (kernel == names.ABSORB_MXFP4_QK_CACHE_KERNEL and amd and arch != "gfx950")  # CDNA4 only in vLLM
 
 
+def plan(kernels: Iterable[str], heads: list[int], tokens: list[int] | None, arch: str) -> list[tuple[str, int, int]]:
+    """(kernel, shapes, candidates) of a run on ``arch`` with these options, the kernels it tunes there in
+    their order (each shape's candidates include the shipped config, which is timed once, not as one)."""
+    amd = arch.startswith("gfx")
+    rows = []
+    for kernel in kernels:
+        if reachable_here(kernel, arch, amd):
+            shapes = shapes_of(kernel, heads, tokens)
+            rows.append((kernel, len(shapes), sum(len(candidates(kernel, t, amd, arch)) for t, _ in shapes)))
+    return rows
+
+
+def plan_line(arch: str, rows: list[tuple[str, int, int]]) -> str:
+    counts = ", ".join(f"{kernel} {found} at {shapes}" for kernel, shapes, found in rows)
+    return (f"{sum(r[2] for r in rows)} candidates at {sum(r[1] for r in rows)} shapes on {arch}, each compiled "
+            f"and timed ({counts})")
+
+
+def print_plan(arch: str, rows: list[tuple[str, int, int]]) -> None:
+    print(plan_line(arch, rows))
+    print("| kernel | shapes | candidates |")
+    print("|---|---|---|")
+    for kernel, shapes, found in rows:
+        print(f"| {kernel} | {shapes} | {found} |")
+
+
 def compare(path: str, kernels: list[str], heads: list[int], fmt: Any, arch: str, amd: bool) -> int:
     """Time ``path``'s config against the shipped one at every shape, interleaved; 1 where any of
     ``path``'s is slower by more than ``MIN_GAIN``."""
@@ -376,6 +405,10 @@ def parser() -> Parser:
                    help=f"the kernels to tune, of {', '.join(TUNED_KERNELS)} (default: all)")
     p.add_argument("--compare", type=Path, metavar="FILE", help="instead of tuning: time FILE's configs against the "
                    "shipped ones at the shapes tune tunes by default; exit 1 where FILE's are slower")
+    p.add_argument("--plan", action="store_true", help="instead of tuning: print how many candidates a run with "
+                   "these options would compile and time, per kernel and in all; nothing is written")
+    p.add_argument("--arch", choices=launch_configs.SHIPPED_ARCHS, help="with --plan: the arch to count for "
+                   "(default: this GPU's; with it no GPU is needed)")
     p.add_argument("--verbose", action="store_true", help="say why each rejected candidate was")
     p.add_argument("--json", action="store_true",
                    help="one JSON object on stdout on every path (the file written; the table goes to stderr)")
@@ -389,24 +422,52 @@ def main(argv: list[str] | None = None) -> int:
         for name, values in (("--heads", args.heads), ("--tokens", args.tokens)):
             if values is not None and any(v < 1 for v in values):
                 raise UsageError(f"{name} {values}: every value must be a positive integer")
+        if args.arch is not None and not args.plan:
+            raise UsageError(f"--arch {args.arch}: only with --plan (a run tunes the GPU it runs on)")
+        if args.plan and args.compare is not None:
+            raise UsageError("--plan and --compare: give one of them")
         if args.compare is not None:
             check_compare(args.compare)
-        else:
+        elif not args.plan:  # --plan writes nothing
             check_out(args.out)
     except UsageError as exc:
         return p.usage_error(exc)
+    if args.plan and args.arch is not None:
+        return planned(args, args.arch)
     import torch
 
     if not torch.cuda.is_available():  # a machine that cannot run it: a failure, not a usage error
         message = "no GPU here: tune runs on the GPU it tunes for"
+        if args.plan:
+            arches = ", ".join(launch_configs.SHIPPED_ARCHS)
+            message = f"no GPU here: --plan counts for this GPU's arch unless --arch names one ({arches})"
         if args.json:
             print(json_result("tune", False, error=message))
         print(f"k3-amd-overlay tune: {message}", file=sys.stderr)
         return EXIT_FAILED
+    if args.plan:
+        from k3_amd_overlay.kernels import target
+
+        return planned(args, target.of(torch.device("cuda", torch.cuda.current_device())).arch)
     try:
         return run(args) if not args.json else run_json(args)
     except UsageError as exc:  # found once the GPU is known (the file named for it), before any tuning
         return p.usage_error(exc)
+
+
+def planned(args: argparse.Namespace, arch: str) -> int:
+    """--plan: the candidates a run with ``args`` would time on ``arch``, as a table (or one JSON object)."""
+    from k3_amd_overlay.commands.bench import shapes
+
+    heads = sorted(set(args.heads or shapes.HEADS))
+    rows = plan(args.kernels, heads, sorted(set(args.tokens)) if args.tokens else None, arch)
+    if args.json:
+        print(json_result("tune", True, plan={
+            "arch": arch, "heads": heads, "candidates": sum(r[2] for r in rows), "shapes": sum(r[1] for r in rows),
+            "kernels": [{"kernel": k, "shapes": n, "candidates": c} for k, n, c in rows]}))
+    else:
+        print_plan(arch, rows)
+    return 0
 
 
 def run_json(args: argparse.Namespace) -> int:
@@ -451,19 +512,21 @@ def run(args: argparse.Namespace) -> int:
 
     path = out_path(args.out, where.arch, name)
     check_out_file(path, args.out)
+    tokens = sorted(set(args.tokens)) if args.tokens else None
+    print(plan_line(where.arch, plan(args.kernels, heads, tokens, where.arch)), flush=True)
     print("| kernel | T | H | shipped µs | tuned µs | shipped / tuned | tuned config |")
     print("|---|---|---|---|---|---|---|")
     for kernel in args.kernels:
         if not reachable_here(kernel, where.arch, amd):
             continue
         rules = []
-        for tokens, heads_here in shapes_of(kernel, heads, sorted(set(args.tokens)) if args.tokens else None):
-            case = Case(kernel, tokens, heads_here, fmt)
-            shipped = dict(launch_configs.rule_for(shipped_rules(where.arch, kernel), tokens, heads_here).config)
-            config, us, shipped_us = tune_case(case, shipped, candidates(kernel, tokens, amd, where.arch), log)
-            print(f"| {kernel} | {tokens} | {heads_here} | {shipped_us:.2f} | {us:.2f} | {shipped_us / us:.2f} | "
+        for batch, heads_here in shapes_of(kernel, heads, tokens):
+            case = Case(kernel, batch, heads_here, fmt)
+            shipped = dict(launch_configs.rule_for(shipped_rules(where.arch, kernel), batch, heads_here).config)
+            config, us, shipped_us = tune_case(case, shipped, candidates(kernel, batch, amd, where.arch), log)
+            print(f"| {kernel} | {batch} | {heads_here} | {shipped_us:.2f} | {us:.2f} | {shipped_us / us:.2f} | "
                   f"{config} |", flush=True)
-            rule: dict[str, Any] = {"tokens": tokens, "config": config, "note": f"{us:.2f} us"}
+            rule: dict[str, Any] = {"tokens": batch, "config": config, "note": f"{us:.2f} us"}
             if kernel != names.RMSNORM_PAIR_KERNEL:
                 rule["heads"] = heads_here
             rules.append(rule)
