@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay.commands import tune_compile
 from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, check_input_file, describe, json_result
 from k3_amd_overlay.kernels import launch_configs, names
 
@@ -409,6 +410,10 @@ def parser() -> Parser:
                    "these options would compile and time, per kernel and in all; nothing is written")
     p.add_argument("--arch", choices=launch_configs.SHIPPED_ARCHS, help="with --plan: the arch to count for "
                    "(default: this GPU's; with it no GPU is needed)")
+    p.add_argument("--jobs", type=int, default=tune_compile.default_jobs(), metavar="N",
+                   help="compile each shape's candidates in N worker processes on this GPU before timing them "
+                        f"(default: the CPU cores, at most {tune_compile.DEFAULT_MOST_JOBS}; 1: each is compiled at "
+                        "its first launch)")
     p.add_argument("--verbose", action="store_true", help="say why each rejected candidate was")
     p.add_argument("--json", action="store_true",
                    help="one JSON object on stdout on every path (the file written; the table goes to stderr)")
@@ -422,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, values in (("--heads", args.heads), ("--tokens", args.tokens)):
             if values is not None and any(v < 1 for v in values):
                 raise UsageError(f"{name} {values}: every value must be a positive integer")
+        if args.jobs < 1:
+            raise UsageError(f"--jobs {args.jobs}: give a positive number of worker processes (1: none)")
         if args.arch is not None and not args.plan:
             raise UsageError(f"--arch {args.arch}: only with --plan (a run tunes the GPU it runs on)")
         if args.plan and args.compare is not None:
@@ -516,22 +523,25 @@ def run(args: argparse.Namespace) -> int:
     print(plan_line(where.arch, plan(args.kernels, heads, tokens, where.arch)), flush=True)
     print("| kernel | T | H | shipped µs | tuned µs | shipped / tuned | tuned config |")
     print("|---|---|---|---|---|---|---|")
-    for kernel in args.kernels:
-        if not reachable_here(kernel, where.arch, amd):
-            continue
-        rules = []
-        for batch, heads_here in shapes_of(kernel, heads, tokens):
-            case = Case(kernel, batch, heads_here, fmt)
-            shipped = dict(launch_configs.rule_for(shipped_rules(where.arch, kernel), batch, heads_here).config)
-            config, us, shipped_us = tune_case(case, shipped, candidates(kernel, batch, amd, where.arch), log)
-            print(f"| {kernel} | {batch} | {heads_here} | {shipped_us:.2f} | {us:.2f} | {shipped_us / us:.2f} | "
-                  f"{config} |", flush=True)
-            rule: dict[str, Any] = {"tokens": batch, "config": config, "note": f"{us:.2f} us"}
-            if kernel != names.RMSNORM_PAIR_KERNEL:
-                rule["heads"] = heads_here
-            rules.append(rule)
-        write(path, where.arch, name, {kernel: with_catch_alls(rules)}, torch.__version__, triton.__version__)
-        args.written = str(path)
+    with tune_compile.Compiler(args.jobs, device.index) as compiler:
+        for kernel in args.kernels:
+            if not reachable_here(kernel, where.arch, amd):
+                continue
+            rules = []
+            for batch, heads_here in shapes_of(kernel, heads, tokens):
+                shipped = dict(launch_configs.rule_for(shipped_rules(where.arch, kernel), batch, heads_here).config)
+                tried = candidates(kernel, batch, amd, where.arch)
+                compiler.compile(kernel, batch, heads_here, [shipped, *(c for c in tried if c != shipped)])
+                case = Case(kernel, batch, heads_here, fmt)
+                config, us, shipped_us = tune_case(case, shipped, tried, log)
+                print(f"| {kernel} | {batch} | {heads_here} | {shipped_us:.2f} | {us:.2f} | {shipped_us / us:.2f} | "
+                      f"{config} |", flush=True)
+                rule: dict[str, Any] = {"tokens": batch, "config": config, "note": f"{us:.2f} us"}
+                if kernel != names.RMSNORM_PAIR_KERNEL:
+                    rule["heads"] = heads_here
+                rules.append(rule)
+            write(path, where.arch, name, {kernel: with_catch_alls(rules)}, torch.__version__, triton.__version__)
+            args.written = str(path)
     print(f"wrote {path}; the overlay uses it with {launch_configs.KERNEL_CONFIGS}={path} (or its directory)")
     return 0
 
