@@ -17,7 +17,7 @@ import torch
 from fakes_gpu import ScriptedTimer, config_key
 
 from k3_amd_overlay import fp8
-from k3_amd_overlay.commands import tune, tune_compile
+from k3_amd_overlay.commands import tune
 from k3_amd_overlay.commands.bench import shapes
 from k3_amd_overlay.kernels import launch, launch_configs, names, target
 
@@ -334,7 +334,6 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     gpu = torch.device("cuda", 2)
-    monkeypatch.setattr(tune_compile, "default_jobs", lambda: 1)  # no compile workers on a fake GPU
 
     def on_gpu(answer):
         return lambda device: answer if device == gpu else pytest.fail(f"asked about {device}, not {gpu}")

@@ -157,18 +157,17 @@ def test_a_run_compiles_each_shapes_candidates_shipped_first_before_checking_the
             c for c in tried if c != shipped)])) and len(configs) == len({str(c) for c in configs})
 
 
+def test_a_run_starts_no_worker_unless_asked(fake_gpu, monkeypatch, tmp_path):
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", lambda *a, **k: pytest.fail("a worker started"))
+    monkeypatch.setattr(tune, "Case", lambda kernel, tokens, heads, fmt: None)
+    monkeypatch.setattr(tune, "tune_case", lambda case, shipped, tried, log: (shipped, 8.0, 10.0))
+    assert tune.main(["--out", str(tmp_path), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "8", "--heads",
+                      "12"]) == 0
+
+
 @pytest.mark.parametrize("jobs", ["0", "-2"])
 def test_jobs_below_one_is_refused_before_any_gpu_work(jobs, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("asked for a GPU"))
     assert tune.main(["--jobs", jobs]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"k3-amd-overlay tune: error: --jobs {jobs}: give a positive number of worker processes (1: none)")
-
-
-def test_the_default_jobs_are_the_cores_up_to_the_most(monkeypatch):
-    monkeypatch.setattr(tune_compile.os, "cpu_count", lambda: 64)
-    assert tune_compile.default_jobs() == tune_compile.DEFAULT_MOST_JOBS
-    monkeypatch.setattr(tune_compile.os, "cpu_count", lambda: 2)
-    assert tune_compile.default_jobs() == 2
-    monkeypatch.setattr(tune_compile.os, "cpu_count", lambda: None)
-    assert tune_compile.default_jobs() == 1

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from k3_amd_overlay import fp8, k3
-from k3_amd_overlay.commands import tune, tune_compile
+from k3_amd_overlay.commands import tune
 from k3_amd_overlay.commands.bench import shapes
 from k3_amd_overlay.kernels import launch, launch_configs, names, target
 from k3_amd_overlay.ops import reference
@@ -51,8 +51,8 @@ def test_the_help_says_every_option_word_for_word(capsys):
         "kernel and in all; nothing is written "
         "--arch {sm90,gfx942,gfx950} with --plan: the arch to count for (default: this GPU's; with it no GPU is "
         "needed) "
-        "--jobs N compile each shape's candidates in N worker processes on this GPU before timing them (default: "
-        "the CPU cores, at most 8; 1: each is compiled at its first launch) "
+        "--jobs N compile each shape's candidates in N worker processes on this GPU before timing them (default 1: "
+        "no workers, each is compiled at its first launch; not yet run on a GPU, see docs/verification.md) "
         "--verbose say why each rejected candidate was "
         "--json one JSON object on stdout on every path (the file written; the table goes to stderr) ")
     assert options in text
@@ -166,7 +166,6 @@ def fake_h200(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     gpu = torch.device("cuda", 1)
-    monkeypatch.setattr(tune_compile, "default_jobs", lambda: 1)  # no compile workers on a fake GPU
 
     def on_gpu(answer):
         return lambda device: answer if device == gpu else pytest.fail(f"asked about {device}, not {gpu}")

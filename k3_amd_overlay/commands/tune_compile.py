@@ -12,15 +12,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
-import os
 from collections.abc import Sequence
 from typing import Any
-
-DEFAULT_MOST_JOBS = 8  # each worker holds a GPU context (some hundred MiB) beside the tuning process's
-
-
-def default_jobs() -> int:
-    return max(1, min(DEFAULT_MOST_JOBS, os.cpu_count() or 1))
 
 
 def shares(configs: Sequence[dict[str, int]], jobs: int) -> list[list[dict[str, int]]]:
@@ -58,8 +51,8 @@ def compile_share(kernel: str, tokens: int, heads: int, device_index: int, confi
 
 
 class Compiler:
-    """A pool of ``jobs`` spawned workers on GPU ``device_index`` (none for one job: the tuning process
-    compiles as it launches)."""
+    """A pool of ``jobs`` spawned workers on GPU ``device_index``, each holding a GPU context beside the
+    tuning process's (none for one job: the tuning process compiles as it launches)."""
 
     def __init__(self, jobs: int, device_index: int) -> None:
         self.device_index = device_index
