@@ -462,12 +462,18 @@ def main(argv: list[str] | None = None) -> int:
         return p.usage_error(exc)
 
 
-def planned(args: argparse.Namespace, arch: str) -> int:
-    """--plan: the candidates a run with ``args`` would time on ``arch``, as a table (or one JSON object)."""
+def asked(args: argparse.Namespace) -> tuple[list[int], list[int] | None]:
+    """The head counts (the benchmarks' by default) and batch sizes (None: each kernel's default) asked
+    for, each once and in order."""
     from k3_amd_overlay.commands.bench import shapes
 
-    heads = sorted(set(args.heads or shapes.HEADS))
-    rows = plan(args.kernels, heads, sorted(set(args.tokens)) if args.tokens else None, arch)
+    return sorted(set(args.heads or shapes.HEADS)), sorted(set(args.tokens)) if args.tokens else None
+
+
+def planned(args: argparse.Namespace, arch: str) -> int:
+    """--plan: the candidates a run with ``args`` would time on ``arch``, as a table (or one JSON object)."""
+    heads, tokens = asked(args)
+    rows = plan(args.kernels, heads, tokens, arch)
     if args.json:
         print(json_result("tune", True, plan={
             "arch": arch, "heads": heads, "candidates": sum(r[2] for r in rows), "shapes": sum(r[1] for r in rows),
@@ -499,7 +505,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import triton
 
-    from k3_amd_overlay.commands.bench import shapes
     from k3_amd_overlay.fp8 import device_format
     from k3_amd_overlay.kernels import target
     from k3_amd_overlay.kernels.launch import device_name
@@ -507,7 +512,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     where, name, fmt = target.of(device), device_name(device), device_format(device)
     amd = where.backend == target.HIP
-    heads = sorted(set(args.heads or shapes.HEADS))
+    heads, tokens = asked(args)
     torch.manual_seed(0)
     print(f"{name} ({where.arch}), torch {torch.__version__}, triton {triton.__version__}")
     if args.compare is not None:
@@ -519,7 +524,6 @@ def run(args: argparse.Namespace) -> int:
 
     path = out_path(args.out, where.arch, name)
     check_out_file(path, args.out)
-    tokens = sorted(set(args.tokens)) if args.tokens else None
     print(plan_line(where.arch, plan(args.kernels, heads, tokens, where.arch)), flush=True)
     print("| kernel | T | H | shipped µs | tuned µs | shipped / tuned | tuned config |")
     print("|---|---|---|---|---|---|---|")
