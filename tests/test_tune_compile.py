@@ -65,14 +65,16 @@ def test_a_worker_compiles_each_config_of_its_share_on_its_gpu_and_counts_what_b
 class FakePool:
     """An executor that runs each share in this process and records it."""
 
-    def __init__(self, broken=False):
-        self.submitted, self.broken, self.shut = [], broken, False
+    def __init__(self, broken=False, failing_share=None):
+        self.submitted, self.broken, self.shut, self.failing_share = [], broken, False, failing_share
 
     def submit(self, fn, *args):
         self.submitted.append(args)
         future = concurrent.futures.Future()
         if self.broken:
             future.set_exception(concurrent.futures.process.BrokenProcessPool("a worker died"))
+        elif len(self.submitted) - 1 == self.failing_share:
+            future.set_exception(torch.OutOfMemoryError("CUDA out of memory"))
         else:
             future.set_result(len(args[-1]) - 1)
         return future
@@ -106,6 +108,16 @@ def test_a_broken_pool_leaves_the_compiles_to_the_tuning_process(monkeypatch):
         assert compiler.pool is None and pool.shut is True
         assert compiler.compile(names.QK_CACHE_KERNEL, 8, 12, [{"HEADS": 1}]) is None  # no pool started again
     assert len(pool.submitted) == 2
+
+
+def test_a_share_that_fails_in_its_worker_is_left_to_the_tuning_process_and_the_pool_kept(monkeypatch):
+    pool = FakePool(failing_share=0)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", lambda jobs, mp_context: pool)
+    configs = [{"HEADS": h, "num_warps": 2} for h in (1, 2, 4, 8)]
+    with tune_compile.Compiler(2, 0) as compiler:
+        assert compiler.compile(names.QK_CACHE_KERNEL, 8, 12, configs) == 2 - 1  # the second share's count
+        assert compiler.pool is pool and pool.shut is False
+    assert pool.shut is True
 
 
 @pytest.fixture

@@ -63,16 +63,22 @@ class Compiler:
 
     def compile(self, kernel: str, tokens: int, heads: int, configs: Sequence[dict[str, int]]) -> int | None:
         """Compile ``configs`` across the workers and wait for them: how many compiled (None without
-        workers, or where the pool broke: the tuning process compiles them itself)."""
+        workers, or where the pool broke). What a worker did not compile, the tuning process compiles
+        itself at its first launch."""
         if self.pool is None:
             return None
         futures = [self.pool.submit(compile_share, kernel, tokens, heads, self.device_index, share)
                    for share in shares(configs, self.jobs)]
-        try:
-            return sum(future.result() for future in futures)
-        except concurrent.futures.process.BrokenProcessPool:
-            self.close()
-            return None
+        built = 0
+        for future in futures:
+            try:
+                built += future.result()
+            except concurrent.futures.process.BrokenProcessPool:
+                self.close()
+                return None
+            except Exception:  # a share whose inputs the worker could not build (its GPU memory, say)
+                continue
+        return built
 
     def close(self) -> None:
         if self.pool is not None:
