@@ -29,8 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from k3_amd_overlay.kernels import absorb_fp8_qk_cache as fp8_module
-from k3_amd_overlay.kernels import absorb_qk_cache as bf16_module
 from k3_amd_overlay.kernels.absorb_qk_cache import (
     FEW_TOKEN_MOST,
     load_rope,
@@ -144,18 +142,7 @@ class Early(Shape):
     """``Shape`` whose variant is the early-load kernel on the shipped launcher's grid and config."""
 
     def variant(self, config: dict, cache: torch.Tensor, q_out: torch.Tensor) -> None:
-        module = bf16_module if self.kind == "bf16" else fp8_module
-        kernel = early_bf16_kernel if self.kind == "bf16" else early_fp8_kernel
-        shipped_launch = module.launch
-
-        def launch(_kernel, grid, *args, **options):
-            kernel[grid](*args, **options, **config)
-
-        module.launch = launch
-        try:
-            self.shipped(cache, q_out)
-        finally:
-            module.launch = shipped_launch
+        self.launched_as(early_bf16_kernel if self.kind == "bf16" else early_fp8_kernel, config, cache, q_out)
 
 
 def main() -> None:

@@ -25,21 +25,19 @@ turn (medians of 64-launch graphs, 200 replays).
 Results in docs/benchmarks.md."""
 import itertools
 import json
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from k3_amd_overlay.kernels import absorb_fp8_qk_cache as fp8_module
 from k3_amd_overlay.kernels import absorb_qk_cache as bf16_module
 from k3_amd_overlay.kernels.absorb_qk_cache import load_rope, query_block, store_query, write_kv_program
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits
 from k3_amd_overlay.kernels.rounding import to_dtype_rne
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from absorb_small_dot import Shape  # the same inputs, shipped launch and bytes check
+from absorb_small_dot import Shape, sweep  # the same inputs, shipped launch, bytes check and sweep
 
 SHAPES = [("bf16", 12, 8), ("bf16", 16, 8), ("fp8", 12, 8), ("fp8", 16, 8), ("bf16", 12, 256),
           ("bf16", 16, 256)]
@@ -125,21 +123,8 @@ class Sweep(Shape):
     """``Shape`` whose variant is the shipped bf16 kernel, or ``steps_fp8_kernel``, with ``config``."""
 
     def variant(self, config: dict, cache: torch.Tensor, q_out: torch.Tensor) -> None:
-        module = bf16_module if self.kind == "bf16" else fp8_module
         kernel = bf16_module.absorb_qk_cache_kernel if self.kind == "bf16" else steps_fp8_kernel
-        shipped_launch = module.launch
-
-        def launch(_kernel, _grid, *args, **options):
-            options = {**options, "KV_ROWS": 1, **config}
-            programs = (self.heads * triton.cdiv(self.tokens, options["BLOCK_T"]) * (512 // options["BLOCK_N"])
-                        + triton.cdiv(self.tokens, options["KV_ROWS"]))
-            kernel[(programs,)](*args, **options)
-
-        module.launch = launch
-        try:
-            self.shipped(cache, q_out)
-        finally:
-            module.launch = shipped_launch
+        self.launched_as(kernel, config, cache, q_out)
 
 
 def main() -> None:
@@ -152,36 +137,13 @@ def main() -> None:
                     print(kind, heads, tokens, name(config), "bytes identical:",
                           Sweep(kind, heads, tokens, "cpu").identical(config), flush=True)
         return
-    from k3_amd_overlay.commands.bench.timing import graph_us, graphs_in_turn
-
     shapes = kind_shapes(sys.argv, SHAPES)
     results = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": []}
     for kind, heads, tokens in shapes:
-        shape = Sweep(kind, heads, tokens, "cuda")
-        cache, q_out = shape.outputs(False)
-        first = {"shipped": round(graph_us(lambda: shape.shipped(cache, q_out), per_graph=64, reps=50), 3)}
-        failed = {}
         tried = candidates(kind, tokens, "cuda")
-        for config in tried:
-            try:
-                if not shape.identical(config):
-                    failed[name(config)] = "bytes differ"
-                    continue
-                first[name(config)] = round(graph_us(lambda c=config: shape.variant(c, cache, q_out),
-                                                     per_graph=64, reps=50), 3)
-            except Exception as error:  # a config that does not compile is a result here
-                failed[name(config)] = f"{type(error).__name__}: {str(error)[:160]}"
-        best = sorted((us, n) for n, us in first.items() if n != "shipped")[:3]
-        by_name = {name(c): c for c in tried}
-        runs = {"shipped": lambda: shape.shipped(cache, q_out)}
-        runs.update({n: (lambda c=by_name[n]: shape.variant(c, cache, q_out)) for _, n in best})
-        rounds = graphs_in_turn(runs)
-        medians = {n: statistics.median(t) for n, t in rounds.items()}
-        row = {"kind": kind, "H": heads, "B": tokens, "first_round": first, "failed": failed, "rounds": rounds,
-               "medians": medians,
-               "ratios": {n: round(medians["shipped"] / us, 3) for n, us in medians.items() if n != "shipped"}}
+        row = sweep(Sweep(kind, heads, tokens, "cuda"), tried, name, first_reps=50)
         results["rows"].append(row)
-        print(json.dumps({k: row[k] for k in ("kind", "H", "B", "medians", "ratios")}), f"{len(failed)} failed",
+        print(json.dumps({k: row[k] for k in ("kind", "H", "B", "medians", "ratios")}), f"{len(row['failed'])} failed",
               f"of {len(tried)}", flush=True)
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)

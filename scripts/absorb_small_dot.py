@@ -22,9 +22,11 @@ in turn (medians of 64-launch CUDA graphs).
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python scripts/absorb_small_dot.py --check   (CPU: bytes only)
 
 Results in docs/benchmarks.md."""
+import contextlib
 import json
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 import triton
@@ -41,6 +43,7 @@ from k3_amd_overlay.kernels.absorb_qk_cache import (
     summed_products,
     write_kv_program,
 )
+from k3_amd_overlay.kernels.launch import forced
 from k3_amd_overlay.kernels.qk_cache import _fp8_bits
 from k3_amd_overlay.kernels.rounding import to_dtype_rne
 
@@ -171,25 +174,26 @@ class Shape:
             fp8_module.absorb_fp8_qk_cache(self.q_nope, self.w, self.w_scale, self.q_pe, self.kv_c, self.k_pe, cache,
                                            self.slots, self.k_scale, self.q_scale, q_out, E4M3FN)
 
-    def variant(self, config: dict, cache: torch.Tensor, q_out: torch.Tensor) -> None:
-        """The shipped launcher's own arguments and options, its kernel replaced by the experiment's and
-        its config by ``config``."""
-        module, kernel = MODULES[self.kind]
+    def launched_as(self, kernel: object, config: dict, cache: torch.Tensor, q_out: torch.Tensor) -> None:
+        """The shipped launcher's own arguments, its kernel replaced by ``kernel``; its grid and options
+        those of ``config`` (the shipped rule's where empty; an absorb kernel's optional parameters
+        default to one KV row a program and one slice)."""
+        module = MODULES[self.kind][0]
         shipped_launch = module.launch
 
-        def launch(_kernel, _grid, *args, **options):
-            options = {**options, **config, "KV_ROWS": 1}
-            if self.kind == "bf16":
-                options["K_STEPS"] = 1
-            programs = (self.heads * triton.cdiv(self.tokens, options["BLOCK_T"]) * (512 // options["BLOCK_N"])
-                        + self.tokens)
-            kernel[(programs,)](*args, **options)
+        def launch(_kernel, grid, *args, **options):
+            kernel[grid](*args, **options)
 
         module.launch = launch
         try:
-            self.shipped(cache, q_out)
+            with forced(config) if config else contextlib.nullcontext():
+                self.shipped(cache, q_out)
         finally:
             module.launch = shipped_launch
+
+    def variant(self, config: dict, cache: torch.Tensor, q_out: torch.Tensor) -> None:
+        """The experiment's kernel launched with ``config``."""
+        self.launched_as(MODULES[self.kind][1], config, cache, q_out)
 
     def outputs(self, poisoned: bool) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.cache.clone()
@@ -206,6 +210,35 @@ class Shape:
         return all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 
+def sweep(shape: Shape, tried: list[dict], name: Callable[[dict], str], first_reps: int = 200) -> dict:
+    """One shape's row: each candidate of ``tried`` checked for the shipped launch's bytes and timed
+    once (64-launch graphs, ``first_reps`` replays; one that fails to build is a result), then the
+    shipped launch and the three fastest exact candidates timed in three rounds taken in turn."""
+    from k3_amd_overlay.commands.bench.timing import graph_us, graphs_in_turn
+
+    cache, q_out = shape.outputs(False)
+    first = {"shipped": round(graph_us(lambda: shape.shipped(cache, q_out), per_graph=64, reps=first_reps), 3)}
+    failed = {}
+    for config in tried:
+        try:
+            if not shape.identical(config):
+                failed[name(config)] = "bytes differ"
+                continue
+            first[name(config)] = round(graph_us(lambda c=config: shape.variant(c, cache, q_out), per_graph=64,
+                                                 reps=first_reps), 3)
+        except Exception as error:  # a config that does not compile is a result here
+            failed[name(config)] = f"{type(error).__name__}: {str(error)[:160]}"
+    best = sorted((us, n) for n, us in first.items() if n != "shipped")[:3]
+    by_name = {name(c): c for c in tried}
+    runs = {"shipped": lambda: shape.shipped(cache, q_out)}
+    runs.update({n: (lambda c=by_name[n]: shape.variant(c, cache, q_out)) for _, n in best})
+    rounds = graphs_in_turn(runs)
+    medians = {n: statistics.median(t) for n, t in rounds.items()}
+    return {"kind": shape.kind, "H": shape.heads, "B": shape.tokens, "first_round": first, "failed": failed,
+            "rounds": rounds, "medians": medians,
+            "ratios": {n: round(medians["shipped"] / us, 3) for n, us in medians.items() if n != "shipped"}}
+
+
 def name(config: dict) -> str:
     mode = {v: k for k, v in MODES.items()}[config["MODE"]]
     return f"{mode}_t{config['BLOCK_T']}_n{config['BLOCK_N']}_w{config['num_warps']}"
@@ -219,39 +252,16 @@ def main() -> None:
                     print(kind, heads, tokens, name(config), "bytes identical:",
                           Shape(kind, heads, tokens, "cpu").identical(config), flush=True)
         return
-    from k3_amd_overlay.commands.bench.timing import graph_us, graphs_in_turn
-
     shapes = SHAPES
     if "--shapes" in sys.argv:
         shapes = [tuple(int(v) for v in hb.split("x")) for hb in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
     results = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": []}
     for kind in MODULES:
         for heads, tokens in shapes:
-            shape = Shape(kind, heads, tokens, "cuda")
-            cache, q_out = shape.outputs(False)
-            first = {"shipped": round(graph_us(lambda: shape.shipped(cache, q_out), per_graph=64), 3)}
-            failed = {}
-            for config in candidates(tokens, "cuda"):
-                try:
-                    if not shape.identical(config):
-                        failed[name(config)] = "bytes differ"
-                        continue
-                    first[name(config)] = round(graph_us(lambda c=config: shape.variant(c, cache, q_out),
-                                                         per_graph=64), 3)
-                except Exception as error:  # a config that does not compile is a result here
-                    failed[name(config)] = f"{type(error).__name__}: {str(error)[:160]}"
-            best = sorted((us, n) for n, us in first.items() if n != "shipped")[:3]
-            by_name = {name(c): c for c in candidates(tokens, "cuda")}
-            runs = {"shipped": lambda: shape.shipped(cache, q_out)}
-            runs.update({n: (lambda c=by_name[n]: shape.variant(c, cache, q_out)) for _, n in best})
-            rounds = graphs_in_turn(runs)
-            medians = {n: statistics.median(t) for n, t in rounds.items()}
-            row = {"kind": kind, "H": heads, "B": tokens, "first_round": first, "failed": failed, "rounds": rounds,
-                   "medians": medians,
-                   "ratios": {n: round(medians["shipped"] / us, 3) for n, us in medians.items() if n != "shipped"}}
+            row = sweep(Shape(kind, heads, tokens, "cuda"), candidates(tokens, "cuda"), name)
             results["rows"].append(row)
             print(json.dumps({k: row[k] for k in ("kind", "H", "B", "medians", "ratios")}),
-                  f"{len(failed)} failed", flush=True)
+                  f"{len(row['failed'])} failed", flush=True)
     with open(sys.argv[1], "w") as f:
         json.dump(results, f, indent=1)
 
