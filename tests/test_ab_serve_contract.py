@@ -23,6 +23,7 @@ import pytest
 from cli_process import with_defaults
 from test_ab import STANDINS
 
+import k3_amd_overlay
 from k3_amd_overlay import markers
 from k3_amd_overlay.commands import ab_run, ab_serve, arms
 from k3_amd_overlay.commands import ab_stats as stats
@@ -220,7 +221,7 @@ def expected_text(results: dict, candidates: list[tuple[str, str]], switch_a: st
 def expected_environment(lab: Lab, summary_env: dict, arm_switches: dict[str, tuple[str, str]], **overrides) -> dict:
     env = {
         "overlay_version": __version__,
-        "overlay_git_sha": ab_serve.overlay_git_sha(Path(ab_serve.__file__).resolve().parent),
+        "overlay_git_sha": ab_serve.overlay_git_sha(Path(k3_amd_overlay.__file__).resolve().parent),
         "vllm_versions": ["0.32.1", "0.33.0"],
         "gpu": None,
         "model": "k3", "served_model_name": "k3", "serve_args": "", "bench_args": BENCH_ARGS,

@@ -127,6 +127,25 @@ def test_without_torch_json_is_one_object_saying_what_is_missing(blocked):
     assert out["ok"] is False and out["missing"] == "torch" and "pip install torch" in out["error"]
 
 
+def test_without_torch_check_json_still_gives_its_verdict_keys(blocked):
+    """A script reading ``holds`` from ``check --json`` finds it on this path too, false, as on a usage
+    error; without the fix the object had only the common keys."""
+    proc = _run(sys.executable, ["check", "--expect", "fused", "--static", "--json"], blocked)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["missing"] == "torch" and out["holds"] is False and out["records"] == []
+    assert out["lines"] == [f"FAIL missing torch: {out['error']}"]
+    assert out["overlay_version"] == k3_amd_overlay.__version__
+
+
+def test_without_torch_tune_plan_for_a_named_arch_counts(blocked):
+    """``tune --plan --arch`` needs no GPU, torch or triton: it counts (before, the CLI asked for torch)."""
+    proc = _run(sys.executable, ["tune", "--plan", "--arch", "gfx942", "--heads", "12", "--json"], blocked)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert json.loads(proc.stdout)["plan"]["candidates"] == 1978
+    assert _run(sys.executable, ["tune", "--plan", "--heads", "12"], blocked).returncode == 1  # this GPU's arch: torch
+
+
 def test_a_missing_triton_alone_is_named(tmp_path):
     """torch present (as in CI's CPU venvs), triton absent: the tools that compile say triton."""
     pytest.importorskip("torch")

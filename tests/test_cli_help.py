@@ -139,6 +139,17 @@ def test_overlay_git_sha_only_from_the_overlays_own_checkout(tmp_path):
     assert ab_serve.overlay_git_sha(nested) is None
 
 
+def test_the_run_records_the_sha_of_the_package_directory_itself():
+    """What a run records is looked up from the package's own directory (``k3_amd_overlay/``), whose
+    parent is the checkout's top level; from ``commands/`` the sha was never found."""
+    import inspect
+
+    import k3_amd_overlay
+
+    default = inspect.signature(ab_serve.overlay_git_sha).parameters["package_dir"].default
+    assert default == Path(k3_amd_overlay.__file__).resolve().parent
+
+
 def test_check_names_a_file_as_a_file_and_a_missing_key_in_words(capsys, tmp_path):
     not_a_dir = tmp_path / "markers"
     not_a_dir.write_text("x")

@@ -198,7 +198,10 @@ def _first_line(command: list[str]) -> str | None:
     return out.splitlines()[0].strip() if out else None
 
 
-def overlay_git_sha(package_dir: Path) -> str | None:
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # k3_amd_overlay/, this module being in its commands/
+
+
+def overlay_git_sha(package_dir: Path = PACKAGE_DIR) -> str | None:
     """The commit of the overlay's own checkout that ``package_dir`` is in: its parent is the top
     level of a git work tree whose pyproject.toml names k3-amd-overlay; else None (an installed
     copy inside some other repository, a venv in a project's checkout, says nothing of the overlay)."""
@@ -229,7 +232,7 @@ def environment(args: argparse.Namespace, arm_list: list[arms.Arm]) -> dict[str,
                             for m in _markers_in(d) if m.record and m.record.vllm_version})
     return {
         "overlay_version": __version__,
-        "overlay_git_sha": overlay_git_sha(Path(__file__).resolve().parent),
+        "overlay_git_sha": overlay_git_sha(),
         "vllm_versions": vllm_versions,
         "gpu": _first_line(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
         or _first_line(["amd-smi", "static", "--asic", "--csv"]) or _first_line(["rocm-smi", "--showproductname"]),

@@ -369,16 +369,22 @@ TOOLS = {
 SUBTOOLS = {("bench", "plot"): "k3_amd_overlay.commands.bench.plot"}
 # What each tool needs from the image, looked for after its arguments are parsed and before it runs
 # (``kernels`` compiles in a child process, whose missing import would otherwise reach the user as
-# the child's traceback).
+# the child's traceback), unless the tool's ``needs_image(args)`` says this run needs none.
 TOOL_NEEDS: dict[str, tuple[str, ...]] = {"bench": ("torch", "triton"), "kernels": ("torch", "triton"),
                                           "tune": ("torch", "triton"), "measure": ("torch", "triton")}
 
 
-def _check_json_error(message: str) -> dict[str, object]:
-    """check's --json usage error: its own keys, as on every other path, and the common ones."""
-    return {**json_usage_error("check", message), "expect": None, "holds": False, "lines": [f"FAIL usage: {message}"],
-            "notes": [], "host": socket.gethostname(), "source": None, "marker_dir": None, "checked_at": time.time(),
+def _check_unjudged(common: dict[str, object], line: str) -> dict[str, object]:
+    """check's --json object where it judged nothing: its own keys, as on every other path (``holds``
+    false), and the ``common`` ones."""
+    return {**common, "expect": None, "holds": False, "lines": [f"FAIL {line}"], "notes": [],
+            "host": socket.gethostname(), "source": None, "marker_dir": None, "checked_at": time.time(),
             "overlay_version": __version__, "records": []}
+
+
+def _check_json_error(message: str) -> dict[str, object]:
+    """check's --json usage error."""
+    return _check_unjudged(json_usage_error("check", message), f"usage: {message}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -457,8 +463,8 @@ def _run_tool(command: str, argv: list[str]) -> int:
         return int(importlib.import_module(SUBTOOLS[(command, *sub)]).main(argv[1:]))
     module = importlib.import_module(TOOLS[command][0])
     if TOOL_NEEDS.get(command):  # --help and usage errors exit here, before the image is looked at
-        module.parser().parse_args(getattr(module, "legacy_argv", list)(argv))
-        for needed in TOOL_NEEDS[command]:
+        args = module.parser().parse_args(getattr(module, "legacy_argv", list)(argv))
+        for needed in TOOL_NEEDS[command] if getattr(module, "needs_image", bool)(args) else ():
             if importlib.util.find_spec(needed) is None:
                 raise ModuleNotFoundError(f"No module named {needed!r}", name=needed)
     return int(module.main(argv))
@@ -508,8 +514,10 @@ def _main(argv: list[str]) -> int:
             raise
         message = _missing_message(command, missing, exc)
         if wants_json(argv):
-            print(json.dumps({"command": command, "ok": False, "exit_status": EXIT_FAILED, "missing": missing,
-                              "error": message}, indent=1))
+            data: dict[str, object] = {"command": command, "ok": False, "exit_status": EXIT_FAILED, "missing": missing,
+                                       "error": message}
+            print(json.dumps(_check_unjudged(data, f"missing {missing}: {message}") if command == "check" else data,
+                             indent=1))
         print(message, file=sys.stderr)
         return EXIT_FAILED
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a shell tool does

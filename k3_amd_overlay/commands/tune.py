@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             check_out(args.out)
     except UsageError as exc:
         return p.usage_error(exc)
-    if args.plan and args.arch is not None:
+    if not needs_image(args):
         return planned(args, args.arch)
     import torch
 
@@ -460,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
         return run(args) if not args.json else run_json(args)
     except UsageError as exc:  # found once the GPU is known (the file named for it), before any tuning
         return p.usage_error(exc)
+
+
+def needs_image(args: argparse.Namespace) -> bool:
+    """Whether this run needs the image's torch and triton (and a GPU): all but ``--plan --arch``, which
+    only counts."""
+    return not (args.plan and args.arch is not None)
 
 
 def asked(args: argparse.Namespace) -> tuple[list[int], list[int] | None]:
