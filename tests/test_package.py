@@ -218,3 +218,22 @@ def test_the_runtime_never_imports_the_commands_package():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_release_files_hold_every_minor_release_of_the_declared_range_and_the_next():
+    """scripts/vllm-versions.txt says it holds every release of SUPPORTED_VLLM's range (one per minor)
+    and scripts/beyond-range-vllm.txt the first above it: both checked against package.py's range."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    from releases import MATRIX
+
+    from k3_amd_overlay.package import SUPPORTED_VLLM
+
+    spec = Requirement(SUPPORTED_VLLM).specifier
+    inside = [f"0.{m}" for m in range(100) if Version(f"0.{m}.0") in spec]
+    assert [".".join(v.split(".")[:2]) for v in MATRIX] == inside, (MATRIX, SUPPORTED_VLLM)
+    assert all(Version(v) in spec for v in MATRIX), MATRIX
+    beyond = [line.strip() for line in (Path(__file__).resolve().parents[1] / "scripts/beyond-range-vllm.txt")
+              .read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert len(beyond) == 1 and Version(beyond[0]) not in spec
+    assert Version(beyond[0]).release[:2] == (0, int(inside[-1].split(".")[1]) + 1), beyond

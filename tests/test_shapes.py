@@ -141,7 +141,8 @@ def test_what_each_shape_says_upstream_fuses():
     assert K3_DECODE_WRAPPER.upstream == {
         QKV_NORM: "AITER dual RMSNorm when AITER is on",
         QK_CACHE: "AITER fused decode when AITER MLA is on, fp8 KV cache, kv_lora_rank*heads >= 2048, no "
-                  "DCP/PCP/HiSparse/padded heads, and the fp4 BMM (on by default on gfx950) or no fp8 BMM",
+                  "DCP/PCP/HiSparse/padded heads, and the fp4 BMM (taken on gfx950 only; on by default in 0.32, "
+                  "off in 0.33) or no fp8 BMM",
         ABSORB_QK_CACHE: ""}
     assert UPSTREAM_DECODE_MIN_LATENT_HEADS == 2048
     assert K3_NORM_WRAPPER.upstream == {QKV_NORM: "AITER dual RMSNorm when AITER is on", QK_CACHE: "",

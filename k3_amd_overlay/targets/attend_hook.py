@@ -1,4 +1,4 @@
-"""The decode hook for vLLMs whose K3 wrapper has no fused-decode helper of its own (0.29-0.31), and
+"""The decode hook for vLLMs whose K3 wrapper has no fused-decode helper of its own (0.27-0.31), and
 in stock mode on every release (where it only opens the census's decode range):
 the layer's MLAAttention instance is given a K3-only subclass whose ``forward`` asks the layer's
 qk_cache site first. The shared MLAAttention class itself is never touched."""

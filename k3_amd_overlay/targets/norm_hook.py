@@ -1,4 +1,4 @@
-"""The qkv_norm range for vLLMs whose K3 layer runs the shared wrapper's own forward (0.29, stock
+"""The qkv_norm range for vLLMs whose K3 layer runs the shared wrapper's own forward (0.27-0.29, stock
 mode, and any layer the overlay's front end does not take): the layer's q_a and kv_a RMSNorm
 instances are given a K3-only subclass whose ``forward`` calls the stock ``forward`` inside the
 census's qkv_norm range, one range per norm call. Nothing else changes: the shared RMSNorm class

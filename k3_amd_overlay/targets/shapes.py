@@ -204,7 +204,8 @@ K3_DECODE_WRAPPER = VllmShape(
     upstream={QKV_NORM: "AITER dual RMSNorm when AITER is on",
               QK_CACHE: "AITER fused decode when AITER MLA is on, fp8 KV cache, "
                         f"kv_lora_rank*heads >= {UPSTREAM_DECODE_MIN_LATENT_HEADS}, no DCP/PCP/HiSparse/padded "
-                        "heads, and the fp4 BMM (on by default on gfx950) or no fp8 BMM",
+                        "heads, and the fp4 BMM (taken on gfx950 only; on by default in 0.32, off in 0.33) or "
+                        "no fp8 BMM",
               ABSORB_QK_CACHE: ""},
     build=_build_decode_shape,
 )
