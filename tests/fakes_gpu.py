@@ -1,7 +1,8 @@
 """Fakes for the decisions the overlay makes only on a GPU, so a CPU test can reach them: a CUDA
 runtime that answers device names and indices (and counts the questions), a Triton JIT function
 that records its launches and compiles (and fails those a test plants), a timer whose answers are
-scripted per config, and a CUDA graph and events whose elapsed times are scripted."""
+scripted per config, and a CUDA graph and events whose elapsed times are scripted. And
+``no_compile_workers``: a ``tune`` run on a faked GPU starts no spawned compile worker by default."""
 
 from __future__ import annotations
 
@@ -115,3 +116,10 @@ class FakeGraph:
 
     def replay(self) -> None:
         self.log.append("replay")
+
+
+def no_compile_workers(monkeypatch: Any) -> None:
+    """``tune``'s default ``--jobs`` as 1 (its workers would meet no GPU here, only cost a spawn)."""
+    from k3_amd_overlay.commands import tune_compile
+
+    monkeypatch.setattr(tune_compile, "default_jobs", lambda: 1)

@@ -14,7 +14,7 @@ import typing
 
 import pytest
 import torch
-from fakes_gpu import ScriptedTimer, config_key
+from fakes_gpu import ScriptedTimer, config_key, no_compile_workers
 
 from k3_amd_overlay import fp8
 from k3_amd_overlay.commands import tune
@@ -343,6 +343,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(fp8, "device_format", on_gpu(fp8.E4M3FNUZ))
     CommandCase.made, CommandCase.seeds = [], []
     monkeypatch.setattr(tune, "Case", CommandCase)
+    no_compile_workers(monkeypatch)
 
 
 def test_tune_on_a_fake_mi300x_writes_each_kernels_winners_for_this_gpu(fake_gpu, monkeypatch, tmp_path, capsys):

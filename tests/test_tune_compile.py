@@ -11,6 +11,7 @@ import typing
 
 import pytest
 import torch
+from fakes_gpu import no_compile_workers
 
 from k3_amd_overlay import fp8
 from k3_amd_overlay.commands import tune, tune_compile
@@ -100,14 +101,23 @@ def test_the_shares_go_to_the_workers_and_their_counts_add_up(monkeypatch):
     assert pool.shut is True and compiler.pool is None
 
 
-def test_a_broken_pool_leaves_the_compiles_to_the_tuning_process(monkeypatch):
+def test_a_broken_pool_leaves_the_compiles_to_the_tuning_process_and_says_so(monkeypatch):
     pool = FakePool(broken=True)
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", lambda jobs, mp_context: pool)
-    with tune_compile.Compiler(2, 0) as compiler:
+    said = []
+    with tune_compile.Compiler(2, 0, warn=said.append) as compiler:
         assert compiler.compile(names.QK_CACHE_KERNEL, 8, 12, [{"HEADS": 1}, {"HEADS": 2}]) is None
         assert compiler.pool is None and pool.shut is True
         assert compiler.compile(names.QK_CACHE_KERNEL, 8, 12, [{"HEADS": 1}]) is None  # no pool started again
     assert len(pool.submitted) == 2
+    assert len(said) == 1 and said[0].startswith("k3-amd-overlay tune: the compile workers stopped (")
+    assert said[0].endswith("the candidates compile in this process from here on, one at a time")
+
+
+@pytest.mark.parametrize(("cores", "jobs"), [(1, 1), (2, 2), (16, 16), (128, 16)])
+def test_the_default_is_the_cores_this_process_may_use_at_most_sixteen(cores, jobs, monkeypatch):
+    monkeypatch.setattr(tune_compile.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert tune_compile.default_jobs() == jobs
 
 
 def test_a_share_that_fails_in_its_worker_is_left_to_the_tuning_process_and_the_pool_kept(monkeypatch):
@@ -127,6 +137,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(target, "of", lambda device: target.Target(target.CUDA, "sm90"))
     monkeypatch.setattr(launch, "device_name", lambda device: "NVIDIA H200")
     monkeypatch.setattr(fp8, "device_format", lambda device: fp8.E4M3FN)
+    no_compile_workers(monkeypatch)
 
 
 def test_a_run_compiles_each_shapes_candidates_shipped_first_before_checking_them(fake_gpu, monkeypatch, tmp_path):
@@ -169,12 +180,24 @@ def test_a_run_compiles_each_shapes_candidates_shipped_first_before_checking_the
             c for c in tried if c != shipped)])) and len(configs) == len({str(c) for c in configs})
 
 
-def test_a_run_starts_no_worker_unless_asked(fake_gpu, monkeypatch, tmp_path):
+def test_a_run_of_one_job_starts_no_worker(fake_gpu, monkeypatch, tmp_path):
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", lambda *a, **k: pytest.fail("a worker started"))
     monkeypatch.setattr(tune, "Case", lambda kernel, tokens, heads, fmt: None)
     monkeypatch.setattr(tune, "tune_case", lambda case, shipped, tried, log: (shipped, 8.0, 10.0))
     assert tune.main(["--out", str(tmp_path), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "8", "--heads",
+                      "12", "--jobs", "1"]) == 0
+
+
+def test_a_run_without_jobs_starts_the_default_count_of_workers(fake_gpu, monkeypatch, tmp_path):
+    started = []
+    monkeypatch.setattr(tune_compile, "default_jobs", lambda: 7)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor",
+                        lambda jobs, mp_context: started.append(jobs) or FakePool())
+    monkeypatch.setattr(tune, "Case", lambda kernel, tokens, heads, fmt: None)
+    monkeypatch.setattr(tune, "tune_case", lambda case, shipped, tried, log: (shipped, 8.0, 10.0))
+    assert tune.main(["--out", str(tmp_path), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "8", "--heads",
                       "12"]) == 0
+    assert started == [7]
 
 
 @pytest.mark.parametrize("jobs", ["0", "-2"])

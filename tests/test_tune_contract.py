@@ -14,9 +14,10 @@ import typing
 
 import pytest
 import torch
+from fakes_gpu import no_compile_workers
 
 from k3_amd_overlay import fp8, k3
-from k3_amd_overlay.commands import tune
+from k3_amd_overlay.commands import tune, tune_compile
 from k3_amd_overlay.commands.bench import shapes
 from k3_amd_overlay.kernels import launch, launch_configs, names, target
 from k3_amd_overlay.ops import reference
@@ -51,8 +52,9 @@ def test_the_help_says_every_option_word_for_word(capsys):
         "kernel and in all; nothing is written "
         "--arch {sm90,gfx942,gfx950} with --plan: the arch to count for (default: this GPU's; with it no GPU is "
         "needed) "
-        "--jobs N compile each shape's candidates in N worker processes on this GPU before timing them (default 1: "
-        "no workers, each is compiled at its first launch; not yet run on a GPU, see docs/verification.md) "
+        "--jobs N compile each shape's candidates in N worker processes on this GPU before timing them (default: "
+        f"this machine's cores, at most 16, here {tune_compile.default_jobs()}; 1: no workers, each is compiled at "
+        "its first launch) "
         "--verbose say why each rejected candidate was "
         "--json one JSON object on stdout on every path (the file written; the table goes to stderr) ")
     assert options in text
@@ -175,6 +177,7 @@ def fake_h200(monkeypatch):
     monkeypatch.setattr(fp8, "device_format", on_gpu(fp8.E4M3FN))
     LightCase.made = []
     monkeypatch.setattr(tune, "Case", LightCase)
+    no_compile_workers(monkeypatch)
 
 
 class Terminal(io.TextIOBase):

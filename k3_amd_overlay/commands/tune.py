@@ -410,10 +410,10 @@ def parser() -> Parser:
                    "these options would compile and time, per kernel and in all; nothing is written")
     p.add_argument("--arch", choices=launch_configs.SHIPPED_ARCHS, help="with --plan: the arch to count for "
                    "(default: this GPU's; with it no GPU is needed)")
-    p.add_argument("--jobs", type=int, default=1, metavar="N",
+    p.add_argument("--jobs", type=int, default=tune_compile.default_jobs(), metavar="N",
                    help="compile each shape's candidates in N worker processes on this GPU before timing them "
-                        "(default 1: no workers, each is compiled at its first launch; not yet run on a GPU, see "
-                        "docs/verification.md)")
+                        f"(default: this machine's cores, at most {tune_compile.DEFAULT_JOBS_MAX}, here "
+                        "%(default)s; 1: no workers, each is compiled at its first launch)")
     p.add_argument("--verbose", action="store_true", help="say why each rejected candidate was")
     p.add_argument("--json", action="store_true",
                    help="one JSON object on stdout on every path (the file written; the table goes to stderr)")
