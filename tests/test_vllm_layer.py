@@ -567,6 +567,41 @@ def test_fp4_bmm_layer_absorbed_decode_matches_stock(fusion, provider, tmp_path,
     assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
 
 
+@pytest.mark.parametrize("plant", ["fp8", "fp4"])
+def test_the_bmm_layer_parity_catches_a_planted_scale_fault(plant, tmp_path, layer_pair, monkeypatch):
+    """The two tests above, once each with a fault planted in the fused layer after load (so their
+    equality could fail): its fp8 W_K_scale 1% high; one of its MXFP4 W_K_scale exponents one step
+    high (that group's weights doubled)."""
+    from vllm._aiter_ops import rocm_aiter_ops
+    from vllm.model_executor.layers.quantization.quark import utils as quark_utils
+
+    if plant == "fp8":
+        monkeypatch.setattr(rocm_aiter_ops, "is_fp8bmm_enabled", classmethod(lambda cls: True))
+        monkeypatch.setattr(rocm_aiter_ops, "triton_fp8_bmm",
+                            staticmethod(with_real_signature(rocm_aiter_ops.triton_fp8_bmm, aiter_fp8_bmm)))
+    else:
+        monkeypatch.setattr(rocm_aiter_ops, "is_fp4bmm_enabled", classmethod(lambda cls: True))
+        monkeypatch.setattr(rocm_aiter_ops, "batched_gemm_a16wfp4",
+                            staticmethod(with_real_signature(rocm_aiter_ops.batched_gemm_a16wfp4, vllm_fp4_bmm)))
+        monkeypatch.setattr(quark_utils, "quark_quantize_weight_to_mxfp4",
+                            with_real_signature(quark_utils.quark_quantize_weight_to_mxfp4, quark_mxfp4))
+        mxfp4_standin.install_gemm_module(monkeypatch)
+    spec = harness.LayerSpec(kv_cache_dtype="fp8", **K3_LAYER)
+    stock, fused, _ = layer_pair(spec, {"K3_AMD_OVERLAY": "absorb_qk_cache",
+                                        "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": "reference"})
+    scale = fused.attn.W_K_scale
+    with torch.no_grad():
+        if plant == "fp8":
+            scale.mul_(1.01)
+        else:
+            scale[(0,) * scale.dim()] += 1
+    batch = harness.decode_batch([stock, fused], [5, 17, 30], padding=1)
+    out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+    n = batch.num_tokens
+    assert not torch.equal(out_fused[:n], out_stock[:n])
+    assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)  # the fault is in the query, not the KV write
+
+
 def test_large_decode_batches_take_the_qk_cache_path(tmp_path, layer_pair):
     """Above ABSORB_MAX_TOKENS the absorbed launch is not the faster one: the same layer runs the
     stock absorption and the qk_cache launch instead, bit-identical to stock."""
