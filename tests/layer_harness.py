@@ -210,8 +210,12 @@ def _replace_attention_core(layer: Layer, fp8: bool) -> None:
     spec = layer.spec
     fmt = fp8_format() if fp8 else None
 
-    def forward_mqa(self: Any, q: Any, cache: torch.Tensor, attn_metadata: Any,
-                    _layer: Any) -> tuple[torch.Tensor, None]:
+    mqa_signature = inspect.signature(impl.forward_mqa)
+
+    def forward_mqa(self: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        # bound against this release's own signature, as do_kv_cache_update below
+        given = mqa_signature.bind(*args, **kwargs).arguments
+        q, cache, attn_metadata = given["q"], given["kv_c_and_k_pe_cache"], given["attn_metadata"]
         layer.mqa_calls += 1
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)

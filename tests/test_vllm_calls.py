@@ -107,3 +107,15 @@ def test_the_check_catches_the_call_that_broke_vllm_029():
     except TypeError:
         bound = False
     assert bound is not required_y
+
+
+def test_the_fused_decode_wrappers_argument_reader_takes_vllms_own_parameters():
+    """``k3_wrapper._fused_decode_args`` reads the arguments vLLM passes its own ``_fused_decode``
+    (0.32+): its parameters are that method's, name for name and in order, on this release."""
+    from k3_amd_overlay.targets import k3_wrapper, shapes
+
+    wrapper = getattr(importlib.import_module(shapes.K3_MLA_MODULE), shapes.K3_WRAPPER, None)
+    if wrapper is None or not hasattr(wrapper, "_fused_decode"):
+        pytest.skip("this release's K3 wrapper has no _fused_decode (0.32+)")
+    real = list(inspect.signature(wrapper._fused_decode).parameters)[1:]  # self dropped
+    assert list(inspect.signature(k3_wrapper._fused_decode_args).parameters) == real
