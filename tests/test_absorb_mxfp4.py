@@ -6,6 +6,7 @@ Triton kernels are importable, on inputs they handle there; planted faults caugh
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import pytest
@@ -78,6 +79,31 @@ def problems(case, q_nope, w_k, w_k_scale, provider="triton", want=None, max_dif
     want = want or run(case, q_nope, w_k, w_k_scale, "reference", POISON_A)
     return absorb_problems(case, lambda poison: run(case, q_nope, w_k, w_k_scale, provider, poison), want,
                            max_differing)
+
+
+# AITER's signatures of the two functions the stand-in replaces (parameter names and defaults), read
+# from aiter/ops/triton/gemm/batched/batched_gemm_a16wfp4.py and aiter/ops/triton/quant/quant.py at
+# AITER commit e4048607a5; vLLM calls both into AITER, which the CPU has not.
+_REQUIRED = inspect.Parameter.empty
+AITER_SIGNATURES = {
+    "batched_gemm_a16wfp4": [("x", _REQUIRED), ("w", _REQUIRED), ("w_scales", _REQUIRED), ("dtype", torch.bfloat16),
+                             ("y", None), ("config", None), ("transpose_bm", False), ("prequant", True),
+                             ("y_scale", None)],
+    "dynamic_mxfp4_quant": [("x", _REQUIRED), ("scaling_mode", "even")],
+}
+
+
+@pytest.mark.parametrize("name", sorted(AITER_SIGNATURES))
+def test_the_standin_is_no_more_lenient_than_aiter(name):
+    """Each stand-in takes AITER's parameters in AITER's order with AITER's defaults, or stops short of
+    an optional one (a call passing it then fails here, loudly): no default AITER lacks, no parameter
+    it has not."""
+    import mxfp4_standin
+
+    taken = [(p.name, p.default) for p in inspect.signature(getattr(mxfp4_standin, name)).parameters.values()]
+    aiters = AITER_SIGNATURES[name]
+    assert taken == aiters[: len(taken)], (taken, aiters)
+    assert all(default is not _REQUIRED for _, default in aiters[len(taken):])
 
 
 def test_reference_quant_agrees_with_aiters_bit_procedure():
