@@ -493,17 +493,36 @@ def aiter_fp8_bmm(x, wq, w_scale, group_size=128, bias=None, dtype=torch.bfloat1
     return y
 
 
+def fp8_bmm_on(monkeypatch) -> None:
+    """vLLM's fp8 W_UK absorption on, AITER's fp8 batched GEMM stood in (behind vLLM's signature)."""
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    monkeypatch.setattr(rocm_aiter_ops, "is_fp8bmm_enabled", classmethod(lambda cls: True))
+    monkeypatch.setattr(rocm_aiter_ops, "triton_fp8_bmm",
+                        staticmethod(with_real_signature(rocm_aiter_ops.triton_fp8_bmm, aiter_fp8_bmm)))
+
+
+def fp4_bmm_on(monkeypatch) -> None:
+    """vLLM's MXFP4 W_UK absorption on: AITER's MXFP4 GEMM and quant stood in (behind vLLM's
+    signatures), and AITER's GEMM module importable for the code that imports it directly."""
+    from vllm._aiter_ops import rocm_aiter_ops
+    from vllm.model_executor.layers.quantization.quark import utils as quark_utils
+
+    monkeypatch.setattr(rocm_aiter_ops, "is_fp4bmm_enabled", classmethod(lambda cls: True))
+    monkeypatch.setattr(rocm_aiter_ops, "batched_gemm_a16wfp4",
+                        staticmethod(with_real_signature(rocm_aiter_ops.batched_gemm_a16wfp4, vllm_fp4_bmm)))
+    monkeypatch.setattr(quark_utils, "quark_quantize_weight_to_mxfp4",
+                        with_real_signature(quark_utils.quark_quantize_weight_to_mxfp4, quark_mxfp4))
+    mxfp4_standin.install_gemm_module(monkeypatch)
+
+
 @pytest.mark.parametrize("fusion", ["absorb_qk_cache", "qk_cache"])  # qk_cache: vLLM's GEMM, then one launch
 @pytest.mark.parametrize("provider", ["reference", "triton"])
 def test_fp8_bmm_layer_absorbed_decode_matches_stock(fusion, provider, tmp_path, layer_pair, monkeypatch):
     """vLLM's fp8 W_UK absorption (VLLM_ROCM_USE_AITER_FP8BMM): the real layer quantises its own
     W_K / W_V at load; stock decodes through ``triton_fp8_bmm`` (stood in above), the overlay folds it
     into its one launch from the same W_K / W_K_scale: same output bytes and cache bytes."""
-    from vllm._aiter_ops import rocm_aiter_ops
-
-    monkeypatch.setattr(rocm_aiter_ops, "is_fp8bmm_enabled", classmethod(lambda cls: True))
-    monkeypatch.setattr(rocm_aiter_ops, "triton_fp8_bmm",
-                        staticmethod(with_real_signature(rocm_aiter_ops.triton_fp8_bmm, aiter_fp8_bmm)))
+    fp8_bmm_on(monkeypatch)
     spec = harness.LayerSpec(kv_cache_dtype="fp8", **K3_LAYER)
     stock, fused, activation = layer_pair(
         spec, {"K3_AMD_OVERLAY": fusion, f"K3_AMD_OVERLAY_{fusion.upper()}_PROVIDER": provider})
@@ -542,15 +561,7 @@ def test_fp4_bmm_layer_absorbed_decode_matches_stock(fusion, provider, tmp_path,
     W_K / W_V at load (their transposed views kept); stock decodes through ``batched_gemm_a16wfp4``
     with ``y_scale = q_scale`` (stood in above), the overlay folds it into its one launch from the
     same W_K / W_K_scale: same output bytes and cache bytes (at the harness's q_scale, 1.37)."""
-    from vllm._aiter_ops import rocm_aiter_ops
-    from vllm.model_executor.layers.quantization.quark import utils as quark_utils
-
-    monkeypatch.setattr(rocm_aiter_ops, "is_fp4bmm_enabled", classmethod(lambda cls: True))
-    monkeypatch.setattr(rocm_aiter_ops, "batched_gemm_a16wfp4",
-                        staticmethod(with_real_signature(rocm_aiter_ops.batched_gemm_a16wfp4, vllm_fp4_bmm)))
-    monkeypatch.setattr(quark_utils, "quark_quantize_weight_to_mxfp4",
-                        with_real_signature(quark_utils.quark_quantize_weight_to_mxfp4, quark_mxfp4))
-    mxfp4_standin.install_gemm_module(monkeypatch)
+    fp4_bmm_on(monkeypatch)
     spec = harness.LayerSpec(kv_cache_dtype="fp8", **K3_LAYER)
     stock, fused, activation = layer_pair(
         spec, {"K3_AMD_OVERLAY": fusion, f"K3_AMD_OVERLAY_{fusion.upper()}_PROVIDER": provider})
@@ -572,20 +583,7 @@ def test_the_bmm_layer_parity_catches_a_planted_scale_fault(plant, tmp_path, lay
     """The two tests above, once each with a fault planted in the fused layer after load (so their
     equality could fail): its fp8 W_K_scale 1% high; one of its MXFP4 W_K_scale exponents one step
     high (that group's weights doubled)."""
-    from vllm._aiter_ops import rocm_aiter_ops
-    from vllm.model_executor.layers.quantization.quark import utils as quark_utils
-
-    if plant == "fp8":
-        monkeypatch.setattr(rocm_aiter_ops, "is_fp8bmm_enabled", classmethod(lambda cls: True))
-        monkeypatch.setattr(rocm_aiter_ops, "triton_fp8_bmm",
-                            staticmethod(with_real_signature(rocm_aiter_ops.triton_fp8_bmm, aiter_fp8_bmm)))
-    else:
-        monkeypatch.setattr(rocm_aiter_ops, "is_fp4bmm_enabled", classmethod(lambda cls: True))
-        monkeypatch.setattr(rocm_aiter_ops, "batched_gemm_a16wfp4",
-                            staticmethod(with_real_signature(rocm_aiter_ops.batched_gemm_a16wfp4, vllm_fp4_bmm)))
-        monkeypatch.setattr(quark_utils, "quark_quantize_weight_to_mxfp4",
-                            with_real_signature(quark_utils.quark_quantize_weight_to_mxfp4, quark_mxfp4))
-        mxfp4_standin.install_gemm_module(monkeypatch)
+    (fp8_bmm_on if plant == "fp8" else fp4_bmm_on)(monkeypatch)
     spec = harness.LayerSpec(kv_cache_dtype="fp8", **K3_LAYER)
     stock, fused, _ = layer_pair(spec, {"K3_AMD_OVERLAY": "absorb_qk_cache",
                                         "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": "reference"})
