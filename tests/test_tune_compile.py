@@ -180,15 +180,9 @@ def test_a_run_compiles_each_shapes_candidates_shipped_first_before_checking_the
             c for c in tried if c != shipped)])) and len(configs) == len({str(c) for c in configs})
 
 
-def test_a_run_of_one_job_starts_no_worker(fake_gpu, monkeypatch, tmp_path):
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", lambda *a, **k: pytest.fail("a worker started"))
-    monkeypatch.setattr(tune, "Case", lambda kernel, tokens, heads, fmt: None)
-    monkeypatch.setattr(tune, "tune_case", lambda case, shipped, tried, log: (shipped, 8.0, 10.0))
-    assert tune.main(["--out", str(tmp_path), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "8", "--heads",
-                      "12", "--jobs", "1"]) == 0
-
-
-def test_a_run_without_jobs_starts_the_default_count_of_workers(fake_gpu, monkeypatch, tmp_path):
+@pytest.mark.parametrize(("jobs", "pools"), [(["--jobs", "1"], []), ([], [7])], ids=["one job", "default"])
+def test_a_run_starts_the_workers_asked_for_and_the_default_count_without_jobs(jobs, pools, fake_gpu, monkeypatch,
+                                                                               tmp_path):
     started = []
     monkeypatch.setattr(tune_compile, "default_jobs", lambda: 7)
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor",
@@ -196,8 +190,8 @@ def test_a_run_without_jobs_starts_the_default_count_of_workers(fake_gpu, monkey
     monkeypatch.setattr(tune, "Case", lambda kernel, tokens, heads, fmt: None)
     monkeypatch.setattr(tune, "tune_case", lambda case, shipped, tried, log: (shipped, 8.0, 10.0))
     assert tune.main(["--out", str(tmp_path), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "8", "--heads",
-                      "12"]) == 0
-    assert started == [7]
+                      "12", *jobs]) == 0
+    assert started == pools
 
 
 @pytest.mark.parametrize("jobs", ["0", "-2"])

@@ -464,7 +464,7 @@ def _run_tool(command: str, argv: list[str]) -> int:
     module = importlib.import_module(TOOLS[command][0])
     if TOOL_NEEDS.get(command):  # --help and usage errors exit here, before the image is looked at
         args = module.parser().parse_args(getattr(module, "legacy_argv", list)(argv))
-        for needed in TOOL_NEEDS[command] if getattr(module, "needs_image", bool)(args) else ():
+        for needed in TOOL_NEEDS[command] if getattr(module, "needs_image", lambda _args: True)(args) else ():
             if importlib.util.find_spec(needed) is None:
                 raise ModuleNotFoundError(f"No module named {needed!r}", name=needed)
     return int(module.main(argv))
