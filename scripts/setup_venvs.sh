@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build one virtual environment per supported vLLM release, on a CPU-only machine, with the
 # "light" recipe: the CPU torch wheel, vLLM's own non-GPU requirements, then vLLM itself with
-# --no-deps. Each venv is rebuilt when absent or incomplete (no .complete stamp).
+# --no-deps. Each venv is rebuilt when absent or incomplete (no .complete stamp); one whose build fails
+# is built once more, alone, and fails the setup if it fails again.
 #
 #   scripts/setup_venvs.sh [VERSION ...]      default: the versions in scripts/vllm-versions.txt
 #
@@ -109,17 +110,28 @@ PY
 
 # Builds run two at a time (K3OVL_SETUP_JOBS): pip spends much of each build waiting on one core.
 setup_jobs=${K3OVL_SETUP_JOBS:-2}
-pids=(); logs=()
+pids=(); logs=(); built=()
 for v in "${versions[@]}"; do
   if [ -f "$venv_root/vllm-$v/.complete" ]; then echo "[setup] vllm $v: $venv_root/vllm-$v ready"; continue; fi
   while [ "$(jobs -rp | wc -l)" -ge "$setup_jobs" ]; do sleep 1; done
   log="$venv_root/setup-$v.log"
   (set -e; build "$v") > "$log" 2>&1 &
-  pids+=($!); logs+=("$log")
+  pids+=($!); logs+=("$log"); built+=("$v")
 done
-status=0
+status=0; failed=()
 for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" || status=1
+  wait "${pids[$i]}" || failed+=("$i")
+  cat "${logs[$i]}"
+done
+# A build that failed runs once more, alone: a download cut short or an index that did not answer
+# passes on a second try; a real error fails again, with its log printed, and fails the setup.
+for i in "${failed[@]}"; do
+  v=${built[$i]}
+  free_mb=$(df -Pm "$venv_root" | awk 'NR == 2 {print $4}')
+  echo "[setup] vllm $v: failed; building it once more ($free_mb MB free under $venv_root)"
+  # in the background, as above: bash ignores set -e in a subshell whose status a condition tests
+  (set -e; build "$v") > "${logs[$i]}" 2>&1 &
+  wait $! || status=1
   cat "${logs[$i]}"
 done
 exit $status

@@ -237,3 +237,20 @@ def test_the_release_files_hold_every_minor_release_of_the_declared_range_and_th
               .read_text().splitlines() if line.strip() and not line.startswith("#")]
     assert len(beyond) == 1 and Version(beyond[0]) not in spec
     assert Version(beyond[0]).release[:2] == (0, int(inside[-1].split(".")[1]) + 1), beyond
+
+
+def test_a_venv_build_that_fails_again_fails_the_setup_and_is_never_marked_complete(tmp_path: Path):
+    """scripts/setup_venvs.sh builds a failed venv once more (a download cut short passes then); a build
+    that fails twice fails the setup, with no .complete stamp that would let the next run skip it."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho \"python $*\" >> \"$(dirname \"$0\")/calls\"\nexit 1\n")
+    python.chmod(0o755)
+    script = Path(__file__).resolve().parents[1] / "scripts/setup_venvs.sh"
+    env = {**os.environ, "PYTHON": str(python), "K3OVL_INSTALLER": "pip",
+           "K3OVL_VENV_ROOT": str(tmp_path / "venvs"), "K3OVL_WHEEL_CACHE": str(tmp_path / "wheels")}
+    proc = subprocess.run(["bash", str(script), "0.32.0"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0, proc.stdout
+    assert proc.stdout.count("[setup] vllm 0.32.0: building") == 2, proc.stdout
+    assert "failed; building it once more" in proc.stdout, proc.stdout
+    assert (tmp_path / "calls").read_text().count("-m venv") == 2
+    assert not (tmp_path / "venvs/vllm-0.32.0/.complete").exists()
