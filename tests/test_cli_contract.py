@@ -393,6 +393,30 @@ def test_check_json_has_exactly_its_keys_in_order_one_space_indented(tmp_path, c
     assert "error" not in json.loads(_held_check(tmp_path, capsys))
 
 
+@pytest.mark.parametrize("how", ["usage error", "missing torch"])
+def test_an_unjudged_check_json_has_a_judged_ones_keys_in_order_and_the_time_of_the_check(
+        how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Where check judged nothing (a usage error; torch missing under the doctor of ``--static``) its
+    --json object still has every key of a judged check's, in the same order among its own, and
+    ``checked_at`` is the time of this check: a script reading check's keys reads them on every path."""
+    from k3_amd_overlay.commands import doctor
+
+    def run_doctor(switch: str | None = None) -> None:
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    monkeypatch.setattr(doctor, "run_doctor", run_doctor)
+    monkeypatch.setenv("K3_AMD_OVERLAY", "1")
+    not_a_dir = tmp_path / "markers"
+    not_a_dir.write_text("x")
+    argv, code, own = {"usage error": (["--marker-dir", str(not_a_dir)], 2, "usage_error"),
+                       "missing torch": (["--static"], 1, "missing")}[how]
+    before = time.time()
+    assert cli.main(["check", "--expect", "fused", *argv, "--json"]) == code
+    data = json.loads(capsys.readouterr().out)
+    assert [k for k in data if k in CHECK_KEYS] == CHECK_KEYS and own in data and data["exit_status"] == code
+    assert before <= data["checked_at"] <= time.time()
+
+
 def _held_check(tmp_path: Path, capsys: Any) -> str:
     from k3_amd_overlay import markers
 

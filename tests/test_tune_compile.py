@@ -120,6 +120,29 @@ def test_the_default_is_the_cores_this_process_may_use_at_most_sixteen(cores, jo
     assert tune_compile.default_jobs() == jobs
 
 
+def test_the_default_counts_the_cores_of_this_process_not_of_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default asks for this process's own affinity (pid 0): the cores ``taskset`` or a container's
+    CPU set left it, not another process's (init's, pid 1, may hold every core of the machine)."""
+    asked: list[int] = []
+
+    def sched_getaffinity(pid: int) -> set[int]:
+        asked.append(pid)
+        return set(range(3 if pid == 0 else 64))
+
+    monkeypatch.setattr(tune_compile.os, "sched_getaffinity", sched_getaffinity, raising=False)
+    assert tune_compile.default_jobs() == 3 and asked == [0]
+
+
+@pytest.mark.parametrize(("count", "jobs"), [(None, 1), (1, 1), (8, 8), (64, 16)])
+def test_without_affinity_the_default_is_the_cpu_count_at_most_sixteen_or_one_where_unknown(
+        count: int | None, jobs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the OS has no CPU affinity (macOS, Windows) the default is ``os.cpu_count()`` capped at
+    sixteen, and one job (no workers) where even that is unknown (``None``)."""
+    monkeypatch.delattr(tune_compile.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(tune_compile.os, "cpu_count", lambda: count)
+    assert tune_compile.default_jobs() == jobs
+
+
 def test_a_share_that_fails_in_its_worker_is_left_to_the_tuning_process_and_the_pool_kept(monkeypatch):
     pool = FakePool(failing_share=0)
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", lambda jobs, mp_context: pool)
