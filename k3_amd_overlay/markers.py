@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from k3_amd_overlay import json_files
 from k3_amd_overlay.record import MarkerRecord, RecordError, is_pid
 
 MARKER_SUFFIX = ".json"
@@ -140,9 +141,6 @@ def unreadable_of_live_processes(found: list[MarkerFile]) -> list[tuple[MarkerFi
     return [(m, pid) for m, pid in named if is_pid(pid) and is_running(pid)]
 
 
-NOT_REGULAR = "not a regular file (a FIFO, socket, device or folder; a marker is a file): not read"
-
-
 def marker_paths(directory: Path) -> list[Path]:
     """The entries of ``directory`` named as markers (``*.json``), sorted (none where it is gone);
     MarkerDirError naming the directory where it cannot be listed (``Path.glob`` would list nothing,
@@ -157,25 +155,14 @@ def marker_paths(directory: Path) -> list[Path]:
     return sorted(directory / name for name in names)
 
 
-def read_regular(path: Path) -> str:
-    """The text of ``path`` where it is a regular file; OSError (NOT_REGULAR) where it is not. Opened
-    without blocking and checked before any read: a FIFO named like a marker never hangs the reader."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(NOT_REGULAR)
-    with os.fdopen(fd, "rb") as handle:
-        return handle.read().decode()
-
-
 def read_markers(directory: Path) -> list[MarkerFile]:
     """Every marker in ``directory``, read: those that cannot be (not JSON, not a record, not a
     regular file) with their error. MarkerDirError where the directory cannot be listed."""
     found = []
     for path in marker_paths(directory):
         try:
-            record = MarkerRecord.from_json(json.loads(read_regular(path)))
-        except (OSError, ValueError, RecursionError, RecordError) as exc:
+            record = MarkerRecord.from_json(json_files.load(path))
+        except (OSError, ValueError, RecordError) as exc:
             found.append(MarkerFile(path, None, f"unreadable marker: {exc}", False))
             continue
         found.append(MarkerFile(path, record, None, is_alive(record.pid, record.start_ticks)))

@@ -33,6 +33,7 @@ RELEASE_INDEPENDENT_MODULES = frozenset({
     "test_engine.py",
     "test_evidence.py",
     "test_gsm8k_ab_contract.py",
+    "test_json_files.py",
     "test_kernel_failures_containment.py",
     "test_launch_configs.py",
     "test_launch_dispatch.py",

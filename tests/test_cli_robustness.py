@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_gsm8k_ab_contract import Harness, planned
 
-from k3_amd_overlay import markers
+from k3_amd_overlay import json_files, markers
 from k3_amd_overlay.commands import ab_run, ab_stats, arms, cli, gsm8k_ab, self_measure
 from k3_amd_overlay.commands.bench import kernels
 from k3_amd_overlay.commands.usage import wants_json
@@ -94,13 +94,13 @@ def test_a_fifo_named_as_a_marker_is_set_aside_unread_without_blocking(tmp_path)
         rescue.cancel()
     assert time.monotonic() - started < 2.0
     assert [(m.path.name, m.error) for m in found] == [
-        ("4242.json", f"unreadable marker: {markers.NOT_REGULAR}"), ("7.json", None)]
+        ("4242.json", f"unreadable marker: {json_files.NOT_REGULAR}"), ("7.json", None)]
 
 
 def test_a_folder_named_as_a_marker_is_set_aside_as_not_a_regular_file(tmp_path):
     (tmp_path / "5.json").mkdir()
     (found,) = markers.read_markers(tmp_path)
-    assert (found.record, found.error, found.live) == (None, f"unreadable marker: {markers.NOT_REGULAR}", False)
+    assert (found.record, found.error, found.live) == (None, f"unreadable marker: {json_files.NOT_REGULAR}", False)
 
 
 def test_a_marker_directory_that_cannot_be_listed_is_an_error_naming_it(tmp_path, monkeypatch, capsys):
