@@ -42,6 +42,8 @@ WITHOUT_TORCH = [
     (["tune"], 1, "needs torch"),
     (["bench"], 1, "needs torch"),
     (["check", "--expect", "fused", "--static"], 1, "needs torch"),
+    (["tune", "--out", "/no/such/dir/x.json"], 2, "the directory /no/such/dir does not exist"),
+    (["tune", "--jobs", "0"], 2, "--jobs 0: give a positive number"),
     (["census"], 2, "the following arguments are required: traces"),
     (["check"], 2, "the following arguments are required: --expect"),
 ]

@@ -453,8 +453,9 @@ def _missing_message(command: str, missing: str, exc: ModuleNotFoundError) -> st
 
 
 def _run_tool(command: str, argv: list[str]) -> int:
-    """A tool: its arguments parsed (help and usage errors need nothing from the image), then what it
-    needs from the image looked for, then the run."""
+    """A tool: its arguments parsed and checked (help and usage errors need nothing from the image:
+    the tool's ``check_args(args)``, where it has one, raises UsageError), then what it needs from the
+    image looked for, then the run."""
     import importlib
     import importlib.util
 
@@ -463,7 +464,12 @@ def _run_tool(command: str, argv: list[str]) -> int:
         return int(importlib.import_module(SUBTOOLS[(command, *sub)]).main(argv[1:]))
     module = importlib.import_module(TOOLS[command][0])
     if TOOL_NEEDS.get(command):  # --help and usage errors exit here, before the image is looked at
-        args = module.parser().parse_args(getattr(module, "legacy_argv", list)(argv))
+        parser = module.parser()
+        args = parser.parse_args(getattr(module, "legacy_argv", list)(argv))
+        try:  # the tool's own checks of its arguments that need nothing from the image
+            getattr(module, "check_args", lambda _args: None)(args)
+        except UsageError as exc:
+            return int(parser.usage_error(exc))
         for needed in TOOL_NEEDS[command] if getattr(module, "needs_image", lambda _args: True)(args) else ():
             if importlib.util.find_spec(needed) is None:
                 raise ModuleNotFoundError(f"No module named {needed!r}", name=needed)

@@ -420,23 +420,29 @@ def parser() -> Parser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The checks of tune's arguments that need no torch (the CLI runs them before it looks for it):
+    UsageError naming the value and what is allowed."""
+    for name, values in (("--heads", args.heads), ("--tokens", args.tokens)):
+        if values is not None and any(v < 1 for v in values):
+            raise UsageError(f"{name} {values}: every value must be a positive integer")
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: give a positive number of worker processes (1: none)")
+    if args.arch is not None and not args.plan:
+        raise UsageError(f"--arch {args.arch}: only with --plan (a run tunes the GPU it runs on)")
+    if args.plan and args.compare is not None:
+        raise UsageError("--plan and --compare: give one of them")
+    if args.compare is not None:
+        check_compare(args.compare)
+    elif not args.plan:  # --plan writes nothing
+        check_out(args.out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
-        for name, values in (("--heads", args.heads), ("--tokens", args.tokens)):
-            if values is not None and any(v < 1 for v in values):
-                raise UsageError(f"{name} {values}: every value must be a positive integer")
-        if args.jobs < 1:
-            raise UsageError(f"--jobs {args.jobs}: give a positive number of worker processes (1: none)")
-        if args.arch is not None and not args.plan:
-            raise UsageError(f"--arch {args.arch}: only with --plan (a run tunes the GPU it runs on)")
-        if args.plan and args.compare is not None:
-            raise UsageError("--plan and --compare: give one of them")
-        if args.compare is not None:
-            check_compare(args.compare)
-        elif not args.plan:  # --plan writes nothing
-            check_out(args.out)
+        check_args(args)
     except UsageError as exc:
         return p.usage_error(exc)
     if not needs_image(args):
