@@ -33,22 +33,68 @@ def ensure_marker_dir(path: str | os.PathLike[str] | None) -> Path:
     directory = Path(path) if path else default_marker_dir()
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except FileExistsError:
+        pass  # something that is no directory: _refusal says what
     except OSError as exc:
         raise MarkerDirError(f"cannot create marker directory {directory}: {exc}") from exc
-    info = os.lstat(directory)
-    if stat.S_ISLNK(info.st_mode):
-        raise MarkerDirError(f"marker directory {directory} is a symlink; refusing to follow it")
-    if info.st_uid != os.getuid():
-        raise MarkerDirError(
-            f"marker directory {directory} is owned by uid {info.st_uid}, not this user "
-            f"({os.getuid()}); set K3_AMD_OVERLAY_MARKER_DIR to a directory you own"
-        )
-    if info.st_mode & 0o022:
-        raise MarkerDirError(
-            f"marker directory {directory} is writable by group or others "
-            f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 700 it"
-        )
+    refusal = _refusal(directory, os.lstat(directory))
+    if refusal:
+        raise MarkerDirError(refusal)
     return directory
+
+
+def marker_dir_refusal(path: str | os.PathLike[str] | None) -> str | None:
+    """Why ``ensure_marker_dir(path)`` would refuse the directory, so that a vLLM process writes no marker
+    there; None where it is usable, or missing and would be created so. Creates nothing."""
+    directory = Path(path) if path else default_marker_dir()
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return _uncreatable(directory)
+    except OSError as exc:  # a part of the path is no directory, or cannot be searched
+        return f"cannot create marker directory {directory}: {exc.strerror or exc}"
+    return _refusal(directory, info)
+
+
+def _uncreatable(directory: Path) -> str | None:
+    """Why the missing ``directory`` could not be made (with its missing parents), or None."""
+    parent = directory.parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        parent = parent.parent
+    if not os.path.isdir(parent):
+        return f"cannot create marker directory {directory}: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create marker directory {directory}: {parent} is not writable by this user"
+    return None
+
+
+def forgeable(directory: Path) -> str | None:
+    """Why markers read from ``directory`` could have been written by anyone: it is a symlink, or
+    writable by group or others, so no process of this overlay wrote there (``ensure_marker_dir``
+    refuses it) and another user could have; None otherwise, and where it does not exist. Another
+    owner is no reason: root checks the markers of the user vLLM runs as."""
+    try:
+        info = os.lstat(directory)
+    except OSError:
+        return None
+    if stat.S_ISLNK(info.st_mode) or (stat.S_ISDIR(info.st_mode) and info.st_mode & 0o022):
+        return _refusal(directory, info)
+    return None
+
+
+def _refusal(directory: Path, info: os.stat_result) -> str | None:
+    """Why the existing ``directory`` (``info``: its lstat) is unsafe as the marker directory, or None."""
+    if stat.S_ISLNK(info.st_mode):
+        return f"marker directory {directory} is a symlink; refusing to follow it"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"marker directory {directory} is not a directory"
+    if info.st_uid != os.getuid():
+        return (f"marker directory {directory} is owned by uid {info.st_uid}, not this user "
+                f"({os.getuid()}); set K3_AMD_OVERLAY_MARKER_DIR to a directory you own")
+    if info.st_mode & 0o022:
+        return (f"marker directory {directory} is writable by group or others "
+                f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 700 it")
+    return None
 
 
 def write_marker(directory: Path, pid: int, record: dict[str, Any]) -> Path:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay import json_values
+from k3_amd_overlay import json_files, json_values
 from k3_amd_overlay.fp8 import format_for_gcn_arch
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.fusions.states import BucketGate
@@ -278,8 +278,8 @@ def parse(data: Any, path: str) -> Measurement:
 
 def load(path: str | Path) -> Measurement:
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError, RecursionError) as exc:
+        data = json_files.load(path)
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8 JSON, or nested past the parser's limit
         raise MeasuredError(f"cannot read the self-measurement {path}: {exc}") from None
     try:
         return parse(data, str(path))

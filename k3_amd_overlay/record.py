@@ -4,6 +4,8 @@ are these field names (schema 2)."""
 
 from __future__ import annotations
 
+import enum
+import reprlib
 import socket
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -72,42 +74,90 @@ class FusionEntry:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> FusionEntry:
-        """The entry a marker holds; RecordError where a field is not of its kind (a count that is not
-        a whole number >= 0, a flag that is not true or false): such evidence proves nothing."""
+    def from_json(cls, data: Any, name: str = "?") -> FusionEntry:
+        """The entry a marker holds for the fusion ``name``; RecordError naming the fusion, the field and
+        what it holds (or that it is missing) and what is allowed, where a field is not of its kind (a
+        state that is none, a count that is not a whole number >= 0, a flag that is not true or false):
+        such evidence proves nothing."""
+        if not isinstance(data, dict):
+            raise RecordError(f"fusion {name!r} is {_kind_of(data)}, expected an object (state, provider, reason, ...)")
         try:
             provider, reason = data.get("provider"), data.get("reason", "")
             if not isinstance(provider, (str, type(None))) or not isinstance(reason, str):
-                raise RecordError(f"'provider' {provider!r} and 'reason' {reason!r}: expected a string (provider: "
-                                  "or null)")
+                raise RecordError(f"'provider' {_said(provider)} and 'reason' {_said(reason)}: expected a string "
+                                  "(provider: or null)")
             effective = data.get("effective", False)
             if not isinstance(effective, bool):
-                raise RecordError(f"'effective' is {effective!r}, expected true or false")
+                raise RecordError(f"'effective' is {_said(effective)}, expected true or false")
             sizes = data.get("captured_sizes", [])
             if not isinstance(sizes, list):
-                raise RecordError(f"'captured_sizes' is {sizes!r}, expected a list of graph sizes")
+                raise RecordError(f"'captured_sizes' is {_said(sizes)}, expected a list of graph sizes")
+            tallies = _mapping(data, "layer_states", "state: {layers, reason}")
             return cls(
-                state=FusionState(data["state"]),
+                state=_member(FusionState, data.get("state", MISSING), "state"),
                 provider=provider,
                 reason=reason,
                 layers=_count(data.get("layers", 0), "layers"),
-                layer_states={FusionState(s): LayerTally(_count(t["layers"], f"layer_states.{s}.layers"),
-                                                         str(t.get("reason", "")))
-                              for s, t in (data.get("layer_states") or {}).items()},
+                layer_states={_member(FusionState, s, "layer_states", key=True): _tally(t, f"layer_states.{s}")
+                              for s, t in tallies.items()},
                 effective=effective,
                 effective_layers=_count(data.get("effective_layers", 0), "effective_layers"),
-                runs={**_no_runs(), **{Phase(p): _count(n, f"runs.{p}") for p, n in (data.get("runs") or {}).items()}},
+                runs={**_no_runs(), **{_member(Phase, p, "runs", key=True): _count(n, f"runs.{p}")
+                                       for p, n in _mapping(data, "runs", "phase: count").items()}},
                 captured_sizes=[_count(n, "captured_sizes") for n in sizes],
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # RecordError is a ValueError
-            raise RecordError(f"fusion entry {data!r}: {exc}") from None
+        except RecordError as exc:
+            raise RecordError(f"fusion {name!r}: {exc}") from None
+
+
+MISSING: Any = object()  # a field the JSON object does not hold
+
+
+def _said(value: Any) -> str:
+    """A value read from a marker as an error names it: ``missing``, or its repr cut short (a marker
+    written by hand may hold anything, at any length)."""
+    return "missing" if value is MISSING else reprlib.repr(value)
+
+
+def _kind_of(value: Any) -> str:
+    """A JSON value's kind in words (``a JSON list``)."""
+    return {dict: "a JSON object", list: "a JSON list", str: "a JSON string", bool: "true or false",
+            type(None): "null"}.get(type(value), "a JSON number")
+
+
+def _member(kind: type[enum.Enum], value: Any, field_name: str, key: bool = False) -> Any:
+    """``value`` as a member of the enum ``kind`` (a state, a phase, a mode); RecordError naming the field,
+    the value (as a key of that field's object where ``key``) and the values allowed."""
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(m.value for m in kind)
+        said = f"has a key {_said(value)}" if key else f"is {_said(value)}"
+        raise RecordError(f"{field_name!r} {said}; allowed: {allowed}") from None
+
+
+def _mapping(data: dict[str, Any], field_name: str, shape: str) -> dict[str, Any]:
+    """The object ``data[field_name]`` holds (missing or null: empty); RecordError saying its shape otherwise."""
+    value = data.get(field_name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RecordError(f"{field_name!r} is {_said(value)}, expected an object of {shape}")
+    return value
+
+
+def _tally(value: Any, field_name: str) -> LayerTally:
+    """One ``layer_states`` entry: an object of ``layers`` (a whole number >= 0) and ``reason``."""
+    if not isinstance(value, dict):
+        raise RecordError(f"{field_name!r} is {_said(value)}, expected an object of layers and reason")
+    return LayerTally(_count(value.get("layers", MISSING), f"{field_name}.layers"), str(value.get("reason", "")))
 
 
 def _count(value: Any, name: str, least: int = 0) -> int:
     """A whole number >= ``least`` as the marker holds it (not a bool, a float or a string)."""
     number = json_values.whole(value, least)
     if number is None:
-        raise RecordError(f"{name!r} is {value!r}, expected a whole number >= {least}")
+        raise RecordError(f"{name!r} is {_said(value)}, expected a whole number >= {least}")
     return number
 
 
@@ -153,7 +203,7 @@ class MarkerRecord:
     def from_json(cls, data: Any) -> MarkerRecord:
         """The record a marker file holds; RecordError naming what is missing or wrong."""
         if not isinstance(data, dict):
-            raise RecordError(f"not a JSON object: {type(data).__name__}")
+            raise RecordError(f"a record is a JSON object (pid, mode, fusions, ...), not {_kind_of(data)}")
         known = {f.name for f in fields(cls)}
         if data.get("schema", SCHEMA) != SCHEMA:
             raise RecordError(f"marker schema {data['schema']!r}; this k3-amd-overlay reads schema {SCHEMA} "
@@ -167,15 +217,13 @@ class MarkerRecord:
             _count(ticks, "start_ticks")
         if json_values.finite(updated) is None:
             raise RecordError(f"marker field 'updated' is {updated!r}, expected a finite time in seconds")
+        values = {k: v for k, v in data.items() if k in known}
+        values["pid"] = _pid(data.get("pid", MISSING))
         try:
-            values = {k: v for k, v in data.items() if k in known}
-            values["pid"] = _pid(data["pid"])
-            values["mode"] = Mode(data["mode"])
-            values["fusions"] = {str(n): FusionEntry.from_json(e) for n, e in (data.get("fusions") or {}).items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            if isinstance(exc, RecordError):
-                raise
+            values["mode"] = _member(Mode, data.get("mode", MISSING), "mode")
+        except RecordError as exc:
             raise RecordError(f"marker field {exc}") from None
+        values["fusions"] = {str(n): FusionEntry.from_json(e, str(n)) for n, e in (data.get("fusions") or {}).items()}
         return cls(**values)
 
 
@@ -188,7 +236,7 @@ def is_pid(value: object) -> bool:
 
 def _pid(value: Any) -> int:
     if not is_pid(value):
-        raise RecordError(f"marker field 'pid' is {value!r}, expected a process id (1-{MAX_PID})")
+        raise RecordError(f"marker field 'pid' is {_said(value)}, expected a process id (1-{MAX_PID})")
     return value
 
 

@@ -57,6 +57,7 @@ class OverlaySettings:
     fusions: frozenset[str] = frozenset()
     strict: bool = True
     marker_dir: str | None = None
+    kernel_configs: str | None = None
     providers: Mapping[str, str] = field(default_factory=dict)
     raw: str = ""
     unknown_variables: tuple[str, ...] = ()
@@ -113,9 +114,20 @@ def _parse_strict(raw: str | None) -> bool:
     raise SettingsError(f"{STRICT}={raw!r} is not valid; allowed: '1' (default, raise) or '0' (warn)")
 
 
-def _parse_marker_dir(raw: str | None) -> str | None:
+def parse_marker_dir(raw: str | None) -> str | None:
+    """K3_AMD_OVERLAY_MARKER_DIR's directory (None: unset or empty, the per-user default); SettingsError
+    for a blank value, which would name a directory of spaces relative to each process's own."""
     if raw and not raw.strip():
         raise SettingsError(f"{MARKER_DIR}={raw!r} names no directory; unset it for the per-user directory")
+    return raw or None
+
+
+def parse_kernel_configs(raw: str | None) -> str | None:
+    """K3_AMD_OVERLAY_KERNEL_CONFIGS's file or directory (None: unset or empty, the shipped configs);
+    SettingsError for a blank value."""
+    if raw and not raw.strip():
+        raise SettingsError(f"{KERNEL_CONFIGS}={raw!r} names no file or directory; unset it for the shipped "
+                            "launch configs")
     return raw or None
 
 
@@ -152,7 +164,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> OverlaySettings:
         mode=mode,
         fusions=fusions,
         strict=_parse_strict(env.get(STRICT)),
-        marker_dir=_parse_marker_dir(env.get(MARKER_DIR)),
+        marker_dir=parse_marker_dir(env.get(MARKER_DIR)),
+        kernel_configs=parse_kernel_configs(env.get(KERNEL_CONFIGS)),
         providers={f: _parse_provider(f, env.get(provider_variable(f))) for f in FUSIONS},
         raw=raw,
         unknown_variables=unknown,

@@ -21,6 +21,7 @@ RELEASE_INDEPENDENT_MODULES = frozenset({
     "test_ab_bad_input.py",
     "test_ab_serve_contract.py",
     "test_amd_rules_derived.py",
+    "test_bench_args.py",
     "test_bench_json_out.py",
     "test_bench_layer_step.py",
     "test_census.py",

@@ -1,20 +1,30 @@
 """Bad input to the A/B tools, each refused with a message that names the value and what is
 allowed, exit 2 and, under --json, exactly one JSON object on stdout: two arms that are one
 setting however spelt, a timeout or window that is no finite positive number, a concurrency given
-twice, and an ``ab-serve report`` directory whose bench results or summary a run did not write
-that way (nothing rewritten)."""
+twice, an overlay variable in the environment that an arm's server would stop on, an option given
+empty, and an ``ab-serve report`` directory whose bench results or summary a run did not write
+that way (nothing rewritten). A FIFO where a run reads a file it or a tool wrote fails that read
+without blocking."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from test_ab_serve_contract import Lab, run_id_of
 from test_gsm8k_ab_contract import Harness
 
+from k3_amd_overlay import json_files
 from k3_amd_overlay.commands import ab_serve, arms, gsm8k_ab
 from k3_amd_overlay.commands.usage import UsageError
+from k3_amd_overlay.settings import MARKER_DIR, PROVIDER_SETTINGS, SWITCH, SettingsError, load_settings
 
 ALL_FUSIONS = "qkv_norm,qk_cache,absorb_qk_cache"
 
@@ -94,6 +104,107 @@ def test_arms_of_different_settings_pass(switches):
 def test_the_same_setting_check_reads_the_overlays_own_parse():
     with pytest.raises(UsageError, match="'qk_cache, qkv_norm' and arm 1 'qkv_norm,qk_cache' are the same"):
         arms.check_distinct([("arm 0", "qk_cache, qkv_norm"), ("arm 1", "qkv_norm,qk_cache")])
+
+
+# --- an overlay variable an arm's server would stop on ---------------------------------------------
+
+def overlay_environment(monkeypatch: pytest.MonkeyPatch, variables: dict[str, str]) -> None:
+    """This process's K3_AMD_OVERLAY* variables (any case) are exactly ``variables``."""
+    for name in list(os.environ):
+        if name.upper().startswith(SWITCH):
+            monkeypatch.delenv(name)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+
+
+def stops(arm: str, switch: str, variables: dict[str, str]) -> str:
+    """The usage error naming ``arm``: the overlay loader's own words for the environment its server gets."""
+    with pytest.raises(SettingsError) as caught:
+        load_settings({**variables, SWITCH: switch, MARKER_DIR: "markers"})
+    return f"{arm} ({SWITCH}={switch!r}) would stop its server at start on the environment it inherits: {caught.value}"
+
+
+STRICT_MAYBE = {"K3_AMD_OVERLAY_STRICT": "maybe"}
+MISSPELT = {"K3_AMD_OVERLAY_STRCT": "0"}
+# (variables, arms given, the arm whose server would stop first and its switch); the off arm only
+# warns of a misspelt name, so the arm on is the one named
+STOPPING = [
+    (STRICT_MAYBE, (), "arm A", "0"),
+    ({"K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "cuda"}, (), "arm A", "0"),
+    (MISSPELT, (), "arm B", "1"),
+    ({"k3_amd_overlay_strict": "0"}, (), "arm B", "1"),
+    (MISSPELT, ("--arm-a", "0", "--arm-b", "stock"), "arm B", "stock"),
+    ({**STRICT_MAYBE, **MISSPELT, "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "cuda"}, (), "arm A", "0"),  # the audit's
+]
+
+
+@pytest.mark.parametrize("variables,given,arm,switch", STOPPING)
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ab_serve_refuses_a_variable_an_arms_server_would_stop_on(lab, monkeypatch, capsys, variables, given, arm,
+                                                                   switch, as_json):
+    """Before, the run got past its checks and the first server stopped on it, after a model load."""
+    overlay_environment(monkeypatch, variables)
+    assert lab.main(*given, *(["--json"] if as_json else [])) == 2
+    assert refused(capsys.readouterr(), "ab-serve", as_json) == stops(arm, switch, variables)
+    assert not lab.out.exists() and lab.serves == []
+
+
+def test_ab_serve_names_the_stock_arm_where_only_it_would_stop(lab, monkeypatch, capsys):
+    """Arms A and B off and fused parse a misspelt name as the loader does; the stock arm C is checked too."""
+    overlay_environment(monkeypatch, MISSPELT)
+    assert lab.main("--arm-b", "1", "--with-stock") == 2
+    assert refused(capsys.readouterr(), "ab-serve", False) == stops("arm B", "1", MISSPELT)
+    with pytest.raises(UsageError) as caught:
+        arms.check_environments([("arm A", "0"), ("arm C", "stock")])
+    assert str(caught.value) == stops("arm C", "stock", MISSPELT)
+
+
+@pytest.mark.parametrize("variables,given,arm,switch", STOPPING)
+@pytest.mark.parametrize("as_json", [False, True])
+def test_gsm8k_ab_refuses_a_variable_an_arms_server_would_stop_on(harness, monkeypatch, capsys, variables, given, arm,
+                                                                  switch, as_json):
+    overlay_environment(monkeypatch, variables)
+    assert gsm8k_ab.main(harness.argv(*given, *(["--json"] if as_json else []))) == 2
+    assert refused(capsys.readouterr(), "gsm8k-ab", as_json) == stops(arm, switch, variables)
+    assert not harness.out.exists() and harness.servers == [] and harness.calls() == []
+
+
+def test_variables_every_arms_server_starts_with_pass(monkeypatch):
+    """A valid strictness and provider pass; so does a blank marker folder, which no arm's server
+    inherits (each gets its own)."""
+    provider = PROVIDER_SETTINGS["qk_cache"][-1]
+    overlay_environment(monkeypatch, {"K3_AMD_OVERLAY_STRICT": "0", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": provider,
+                                      MARKER_DIR: " "})
+    arms.check_environments([("arm A", "0"), ("arm B", "1"), ("arm C", "stock")])
+    assert arms.environment("1", "/m")[MARKER_DIR] == "/m"
+
+
+# --- an option given empty (an unset "$VAR") --------------------------------------------------------
+
+def names_nothing(option: str, value: str, default: str | None) -> str:
+    leave = f", or leave it out for its default ({default})" if default else ""
+    return f"{option} {value!r} names nothing (an empty value: an unset variable?); give a value{leave}"
+
+
+@pytest.mark.parametrize("option,value,default", [("--model", "", None), ("--model", "  ", None),
+                                                  ("--served-model-name", "", "the --model value"),
+                                                  ("--tokenizer", " ", "the model")])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ab_serve_refuses_an_empty_value(lab, capsys, option, value, default, as_json):
+    """Before, ``--model ''`` started arm A's server with no model."""
+    assert lab.main(option, value, *(["--json"] if as_json else [])) == 2
+    assert refused(capsys.readouterr(), "ab-serve", as_json) == names_nothing(option, value, default)
+    assert not lab.out.exists() and lab.serves == []
+
+
+@pytest.mark.parametrize("option,value,default", [("--model", "", None), ("--served-model-name", " ", "the --model "
+                                                  "value"), ("--task", "", "gsm8k"), ("--task", "\t", "gsm8k")])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_gsm8k_ab_refuses_an_empty_value(harness, capsys, option, value, default, as_json):
+    """Before, ``--task ''`` started arm A's server and ran lm-eval on no task."""
+    assert gsm8k_ab.main(harness.argv(option, value, *(["--json"] if as_json else []))) == 2
+    assert refused(capsys.readouterr(), "gsm8k-ab", as_json) == names_nothing(option, value, default)
+    assert not harness.out.exists() and harness.servers == [] and harness.calls() == []
 
 
 # --- numbers that are no finite positive number ---------------------------------------------------
@@ -242,7 +353,7 @@ def test_report_refuses_a_bench_result_nested_too_deeply(lab, capsys):
     out = finished_run(lab, capsys)
     bench = out / "repeat0-armB" / "bench-c1.json"
     bench.write_text("[" * 100_000 + "]" * 100_000)
-    report_refuses(out, capsys, f"{bench} is unreadable (its JSON is nested too deeply to read)")
+    report_refuses(out, capsys, f"{bench} is unreadable (JSON nested too deep to read)")
 
 
 def test_report_of_a_ratio_beyond_a_float_writes_it_unusable_in_standard_json(lab, capsys):
@@ -263,3 +374,81 @@ def test_report_of_a_ratio_beyond_a_float_writes_it_unusable_in_standard_json(la
     assert row["verdict"].startswith("unusable: arm A's values [1e+308] and arm B's [1e-308] are too far apart")
     assert not printed["ok"] and printed["error"].startswith(
         "1 row without a usable ratio: B_vs_A TPOT p50 (ms) at concurrency 1: unusable: arm A's values"), printed
+
+
+# --- a FIFO where a run reads a file ----------------------------------------------------------------
+
+RESCUE_S = 5.0
+
+
+def fifo_at(path: Path) -> Path:
+    """``path``, replaced by a FIFO."""
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+@contextlib.contextmanager
+def rescued(fifo: Path) -> Iterator[Path]:
+    """The block must end before a writer opens and closes ``fifo`` (where it is one by then), after
+    RESCUE_S: code that blocks reading it then reads nothing and fails the test, rather than hangs it."""
+    def unblock() -> None:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO where no reader waits: nothing to do
+        except OSError:
+            pass
+
+    rescue = threading.Timer(RESCUE_S, unblock)
+    rescue.start()
+    started = time.monotonic()
+    try:
+        yield fifo
+    finally:
+        rescue.cancel()
+    assert time.monotonic() - started < RESCUE_S
+
+
+@pytest.mark.parametrize("name", ["run.json", "repeat0-armB/bench-c1.json"])
+def test_report_refuses_a_fifo_as_a_record_unread(lab, capsys, name):
+    """Before, the report blocked reading it."""
+    out = finished_run(lab, capsys)
+    with rescued(fifo_at(out / name)) as fifo:
+        assert ab_serve.main(["report", str(out), "--json"]) == 2
+    assert refused(capsys.readouterr(), "ab-serve report", True) == f"{fifo} is unreadable ({json_files.NOT_REGULAR})"
+
+
+def test_report_takes_a_fifo_as_a_run_id_for_no_run_id(lab, capsys):
+    """Before, the report blocked reading it."""
+    out = finished_run(lab, capsys)
+    with rescued(fifo_at(out / "repeat0-armA" / "run-id")):
+        assert ab_serve.main(["report", str(out)]) == 2
+    assert refused(capsys.readouterr(), "ab-serve report", False) == (
+        f"results not written by run {run_id_of(out)}: repeat0-armA (no run id); a summary never mixes runs: move "
+        "them out, or give each run its own --out")
+
+
+def test_a_bench_that_leaves_a_fifo_fails_its_arm_unread(lab, tmp_path, capsys):
+    """The bench stand-in makes a FIFO where its result goes; before, the run blocked reading it."""
+    fifo_bench = tmp_path / "fifo_bench.py"
+    fifo_bench.write_text("import os, sys\n\na = sys.argv\n"
+                          "os.mkfifo(os.path.join(a[a.index('--result-dir') + 1],\n"
+                          "                       a[a.index('--result-filename') + 1]))\n")
+    result = lab.out / "repeat0-armA" / "bench-c1.json"
+    with rescued(result):
+        code = lab.main("--repeats", "1", "--concurrency", "1", "--bench-cmd", f"{sys.executable} {fifo_bench}")
+    assert code == 1
+    assert (f"ABORTED: arm A: bench at concurrency 1 wrote {result}, which cannot be read ({json_files.NOT_REGULAR}); "
+            f"log: {result.with_suffix('.log')}") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("read", ["results", "samples"])
+def test_an_lm_eval_file_that_is_a_fifo_fails_the_arm_unread(tmp_path, read):
+    """``gsm8k-ab`` reads lm-eval's newest results file and its samples file; a FIFO is neither."""
+    (tmp_path / "model").mkdir()
+    name = "results_2026-12-01T11.json" if read == "results" else "samples_gsm8k_2026-12-01T11.jsonl"
+    with rescued(fifo_at(tmp_path / "model" / name)) as fifo, pytest.raises(arms.ArmFailed) as failed:
+        if read == "results":
+            gsm8k_ab.accuracy(tmp_path, "gsm8k", "exact_match,strict-match")
+        else:
+            gsm8k_ab.outcomes(tmp_path, "gsm8k", "exact_match,strict-match")
+    assert str(failed.value) == f"{fifo} cannot be read: {json_files.NOT_REGULAR}"

@@ -6,13 +6,17 @@ tests/engine/test_tools_extra.py."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from k3_amd_overlay import json_files
 from k3_amd_overlay.commands.bench import plot
 from k3_amd_overlay.package import __version__
 
@@ -141,11 +145,48 @@ def test_a_drawn_value_of_the_wrong_kind_is_named_with_its_result(bench, fake, c
 
 
 def test_results_that_are_no_list_of_objects_are_named(bench, fake, capsys):
-    for results, said in (({"a": 1}, "'results' is dict, expected a list of results"),
+    for results, said in (({"a": 1}, "'results' is an object, expected a list of results"),
                           ([1], "results[0] is 1, expected an object")):
         bench.write_text(json.dumps({**BENCH, "results": results}))
         assert plot.main([str(bench)]) == 2
         assert capsys.readouterr().err.strip().endswith(f"error: {bench}: {said}")
+
+
+@pytest.mark.parametrize("data,kind", [([BENCH], "a list"), ("results", "a string"), (3, "a number"),
+                                       (None, "null")])
+def test_a_bench_json_that_is_no_object_says_what_bench_writes(bench, fake, capsys, data, kind):
+    """Before, a list was "not what bench --json-out writes (list indices must be integers or slices,
+    not str)": Python's words, and no word of what the file should hold."""
+    bench.write_text(json.dumps(data))
+    assert plot.main([str(bench), "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["usage_error"] == (
+        f"{bench}: its JSON is {kind}, not what bench --json-out writes (an object whose 'results' is a list of "
+        "measurements, each an object with 'op', 'mode', 'tokens' and times in µs such as 'fused_us')")
+    assert fake.calls == []
+
+
+def test_a_fifo_named_as_the_bench_json_is_refused_without_blocking(bench, fake, capsys):
+    """Before, bench plot opened the FIFO and waited for a writer for ever (here: 3 s, then one comes,
+    so that the old code fails this test rather than hanging it)."""
+    fifo = Path("plots") / "fifo.json"
+    os.mkfifo(fifo)
+
+    def unblock() -> None:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO where no reader waits: nothing to do
+        except OSError:
+            pass
+
+    rescue = threading.Timer(3.0, unblock)
+    rescue.start()
+    started = time.monotonic()
+    try:
+        code = plot.main([str(fifo), "--json"])
+    finally:
+        rescue.cancel()
+    assert time.monotonic() - started < 2.0 and code == 2
+    assert json.loads(capsys.readouterr().out)["usage_error"] == f"{fifo}: {json_files.NOT_REGULAR}"
+    assert fake.calls == []
 
 
 # --- an existing file at --out; times of 0 or less; a panel with nothing to draw ------------------

@@ -31,9 +31,9 @@ def test_graph_replayed_gpu_kernels_are_counted():
 
 
 def test_ranks_from_names_plain_and_gzip(tmp_path):
-    for rank in (0, 1, 2):
+    for rank in (0, 1, 2):  # each rank's trace names itself, as the profiler writes it
         target = tmp_path / f"profiler_out_rank{rank}.pt.trace.json"
-        target.write_bytes(gzip.decompress(FUSED.read_bytes()))
+        target.write_text(json.dumps({**json.loads(gzip.decompress(FUSED.read_bytes())), "traceName": str(target)}))
     shutil.copy(FUSED, tmp_path / "extra_rank3.pt.trace.json.gz")
     result = census.read_census([tmp_path])
     assert sorted(result.ranks) == ["0", "1", "2", "3"]
@@ -371,7 +371,8 @@ def test_launches_are_compared_per_rank_of_each_side(tmp_path):
     base = census.read_census([
         kernel_trace(tmp_path / f"b_rank{r}.json", {"void vllm::rms_norm_kernel<x>": 4 + 2 * r}) for r in range(2)])
     fused = census.read_census([
-        kernel_trace(tmp_path / f"f_rank{r}.json", {"rmsnorm_pair_kernel": 1}) for r in range(2)])
+        kernel_trace(tmp_path / f"f_rank{r}.json", {"rmsnorm_pair_kernel": 1}, traceName=f"f_rank{r}.json")
+        for r in range(2)])
     text = census.render_comparison(base, fused, steps=None, layers=2)
     assert "per MLA layer" not in text
     assert text.endswith("\nkernel launches per rank: 5 -> 1 (-4, -80.0%)")

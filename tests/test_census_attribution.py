@@ -41,7 +41,7 @@ def _trace(path: Path, layers: list[str], ranges: bool = True, nest: bool = Fals
     if nest:
         outer = next(e for e in events if e["name"] == DECODE)
         events.append({**outer, "ts": outer["ts"] + 4, "dur": outer["dur"] - 8})
-    path.write_text(json.dumps({"traceEvents": events}))
+    path.write_text(json.dumps({"traceEvents": events, "traceName": str(path)}))  # as each rank's own names it
     return path
 
 

@@ -46,7 +46,7 @@ def _arm(path: Path, layers: list[tuple[str, str]], steps: int = 1, extra: int =
     if nest:
         outer = next(e for e in events if e["name"] == nest)
         events.append({**outer, "ts": outer["ts"] + 1, "dur": outer["dur"] - 2})
-    path.write_text(json.dumps({"traceEvents": events}))
+    path.write_text(json.dumps({"traceEvents": events, "traceName": str(path)}))  # as each rank's own names it
     return census.read_census([path])
 
 

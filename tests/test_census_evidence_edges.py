@@ -1,9 +1,11 @@
 """The census's evidence checks at their edges: a world size of 1 is a whole deployment, GPU names
 gathered over every rank of an arm (not the last file read), ``deviceProperties`` entries that name
-no GPU, and a number it cannot read on an event that carries no ``cat``."""
+no GPU, a number it cannot read on an event that carries no ``cat``, one file named twice, a copy of
+a trace given as another rank's, and ``--steps`` without a comparison to divide."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from kineto_traces import kernel_trace
 
 from k3_amd_overlay.commands import census
 from k3_amd_overlay.commands.cli import main
+from k3_amd_overlay.commands.usage import UsageError
 
 DECODE = "k3_amd_overlay::mla_decode"
 MI300X, H200 = "AMD Instinct MI300X", "NVIDIA H200"
@@ -20,7 +23,7 @@ MI300X, H200 = "AMD Instinct MI300X", "NVIDIA H200"
 
 def _trace(path: Path, kernels: dict[str, int], **fields: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    return kernel_trace(path, kernels, **fields)
+    return kernel_trace(path, kernels, **{"traceName": str(path), **fields})  # as each rank's own trace names it
 
 
 def _on(gpu: str) -> dict[str, Any]:
@@ -135,3 +138,56 @@ def test_a_world_size_just_above_the_ranks_named_lists_every_missing_rank(tmp_pa
     (problem,) = census.rank_problems(census.read_census([only]))
     assert problem.startswith(f"ranks {', '.join(map(str, range(1, size)))}: no trace, though distributedInfo gives "
                               f"world size {size}:")
+
+
+@pytest.mark.parametrize("how", ["a-path-twice", "a-folder-and-a-file-in-it", "a-link-to-it"])
+def test_one_file_named_twice_is_refused_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   how: str) -> None:
+    """Before, ``census t.json t.json --expect qk_cache_kernel=1`` counted one trace as ranks 0 and 1
+    and held ("rank 0: 1, rank 1: 1"), exit 0."""
+    trace = _trace(tmp_path / "traces" / "t.json", {"qk_cache_kernel": 1})
+    link = tmp_path / "link.json"
+    link.symlink_to(trace)
+    argv = {"a-path-twice": [trace, trace], "a-folder-and-a-file-in-it": [trace.parent, trace],
+            "a-link-to-it": [trace, link]}[how]
+    assert main(["census", *map(str, argv), "--expect", "qk_cache_kernel=1", "--json"]) == 2
+    named = f"{trace}" if how != "a-link-to-it" else f"{trace} and {link}: one file ({trace.resolve()})"
+    assert json.loads(capsys.readouterr().out)["usage_error"] == (
+        f"{named} named twice (a path given twice, or a file given beside the folder holding it): read twice, one "
+        "trace would count as two ranks; name each rank's trace once")
+
+
+@pytest.mark.parametrize("copy_name", ["b.json", "b.json.gz"])
+def test_a_copy_of_a_trace_is_no_second_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             copy_name: str) -> None:
+    """Two ranks' real traces never match byte for byte (each has its own process ids and times): two
+    files that do (gzipped or not) are one rank's evidence, so every verdict on them fails, saying so;
+    the table is still shown (the files are readable traces, not a command-line mistake)."""
+    first = _trace(tmp_path / "a.json", {"qk_cache_kernel": 1})
+    copy = tmp_path / copy_name
+    copy.write_bytes(gzip.compress(first.read_bytes()) if copy_name.endswith(".gz") else first.read_bytes())
+    problem = (f"{first} and {copy}: the same trace byte for byte, a copy (no two ranks' traces are: each has its own "
+               "process ids and times), so one rank's kernels would count twice; keep one profiler session per "
+               "directory, one trace per rank")
+    read = census.read_census([first, copy])
+    assert read.copies == [(first, copy)] and census.rank_problems(read) == [problem]
+    assert main(["census", str(first), str(copy), "--expect", "qk_cache_kernel=1", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and data["expect"]["problems"] == [problem] and data["ranks"]
+    base = [_trace(tmp_path / "base" / f"rank{r}.json", {"concat_and_cache_mla_kernel": 1}) for r in range(2)]
+    assert census.compare(census.read_census(base), read, None, 1).problems[0] == f"the candidate's {problem}"
+    other = _trace(tmp_path / "c.json", {"qk_cache_kernel": 1}, traceName="c.json")  # one field differs: no copy
+    assert census.read_census([first, other]).copies == []
+
+
+def test_steps_without_a_baseline_are_refused_not_dropped() -> None:
+    """The steps divide only the comparison's figures: before, ``census t.json --steps 5`` printed the
+    table as without them, not a word said."""
+    with pytest.raises(UsageError) as refused:
+        census.check_steps(5, None)
+    assert str(refused.value) == (
+        "--steps 5 without --baseline: the steps divide the before/after comparison's figures (per step, per layer "
+        "and step), which only --baseline gives; give --baseline TRACE ..., or leave --steps out (--expect counts "
+        "per rank over the whole window)")
+    census.check_steps(5, ["base.json"])
+    census.check_steps(None, None)

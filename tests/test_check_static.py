@@ -114,6 +114,30 @@ def test_doctor_ready_for_another_arm_does_not_hold(monkeypatch, capsys, expect,
     assert code == 1 and any(line.startswith("FAIL doctor on this machine") for line in lines), lines
 
 
+def test_a_marker_dir_the_server_would_refuse_does_not_hold(monkeypatch, capsys):
+    """Doctor's marker-directory reason fails the static check, though the probe (which writes to a
+    throwaway directory) says every fusion is patched: the real server would write no marker."""
+    why = "K3_AMD_OVERLAY_MARKER_DIR=/m: a vLLM process would write no marker there"
+    doctor_report = {**report(qkv_norm="fused", qk_cache="fused"), "marker dir": {"path": "/m", "error": why}}
+    code, lines = static(monkeypatch, capsys, "fused", doctor_report, PATCHED)
+    assert code == 1 and f"FAIL doctor on this machine for qkv_norm, qk_cache: not ready: {why}" in lines, lines
+
+
+@pytest.mark.vllm
+def test_static_does_not_hold_with_a_marker_dir_the_server_refuses(tmp_path):
+    """This vLLM on CPU: with K3_AMD_OVERLAY_MARKER_DIR a directory writable by all (or a file: the doctor's
+    tests), a server writes no marker, so no live check could hold: the static check, which held, fails
+    naming it."""
+    path = tmp_path / "markers"
+    path.mkdir()
+    path.chmod(0o777)
+    proc = run_check("--expect", "fused", "--json", K3_AMD_OVERLAY="1", K3_AMD_OVERLAY_MARKER_DIR=str(path))
+    data = json.loads(proc.stdout)
+    assert proc.returncode == 1 and data["holds"] is False, proc.stdout + proc.stderr[-3000:]
+    assert any(line.startswith("FAIL doctor on this machine") and f"K3_AMD_OVERLAY_MARKER_DIR={path}: a vLLM process "
+               "would write no marker there" in line for line in data["lines"]), data["lines"]
+
+
 @pytest.mark.vllm
 def test_static_holds_only_where_the_real_doctor_is_ready():
     """This vLLM on CPU: with qk_cache forced to AITER (absent here) doctor is not ready and the

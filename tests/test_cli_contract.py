@@ -179,7 +179,13 @@ def test_merged_records_reads_each_node_and_notes_its_count_and_host(tmp_path):
     ({"host": "h"}, "its records are None, not a list"),
     ([1, 2], "a JSON list holding no list of records"),
     ({"records": 5}, "its records are 5, not a list"),
-    ({"records": [{"mode": "auto"}]}, "marker field 'pid'"),
+    ({"records": [{"mode": "auto"}]}, "records[0]: marker field 'pid' is missing, expected a process id"),
+    ({"records": [process(pid=3), {**process(pid=4), "fusions": {"qk_cache": {"state": "zzz"}}}]},
+     "records[1]: fusion 'qk_cache': 'state' is 'zzz'; allowed: pending, applied, upstream, forced-stock, refused, "
+     "disabled"),
+    ({"records": [{**process(pid=4), "fusions": {"qkv_norm": {"state": "applied", "runs": [1]}}}]},
+     "records[0]: fusion 'qkv_norm': 'runs' is [1], expected an object of phase: count"),
+    ({"records": [[4]]}, "records[0]: a record is a JSON object (pid, mode, fusions, ...), not a JSON list"),
     ({"records": [], "checked_at": 10 ** 400}, "its checked_at is 1000"),  # an OverflowError before
     ({"records": [], "host": ["node-a"]}, "its host is ['node-a'], not a host name"),  # a TypeError in the verdict
 ])
@@ -267,6 +273,53 @@ def test_a_blank_marker_dir_is_a_usage_error_not_the_default_directory(blank, ca
     assert exited.value.code == 2
     assert (f"argument --marker-dir: {blank!r} names no path (an empty value: an unset variable?); give the path, or "
             "leave the option out for its default") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("blank", ["   ", "\t"])
+def test_a_blank_marker_dir_variable_is_the_settings_usage_error(blank: str, capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """K3_AMD_OVERLAY_MARKER_DIR holding only blanks was read as a directory of that name relative to here;
+    it is the settings module's error, a usage error naming the variable; --marker-dir still wins over it."""
+    monkeypatch.setenv(MARKER_DIR, blank)
+    assert cli.main(["check", "--expect", "fused"]) == 2
+    assert f"check: error: {MARKER_DIR}={blank!r} names no directory; unset it for the per-user directory" in (
+        capsys.readouterr().err)
+    assert cli.main(["check", "--expect", "off", "--marker-dir", str(tmp_path)]) == 1
+    assert capsys.readouterr().out.startswith(f"markers read from {tmp_path}: 0 live")
+
+
+@pytest.mark.parametrize("expect,option,said", [
+    ("off", "--allow-mixed", "--allow-mixed applies to --expect fused only (it accepts a partly fused process), not "
+                             "--expect off"),
+    ("stock", "--allow-mixed", "--allow-mixed applies to --expect fused only (it accepts a partly fused process), not "
+                               "--expect stock"),
+    ("off", "--no-effective", "--no-effective applies to --expect fused only (it drops the need for served traffic on "
+                              "a fused path), not --expect off"),
+    ("stock", "--no-effective", "--no-effective applies to --expect fused only (it drops the need for served traffic "
+                                "on a fused path), not --expect stock"),
+    ("off", "--fusions=qkv_norm", "--fusions applies to --expect fused or stock only (an off process runs no fusion "
+                                  "to judge), not --expect off"),
+])
+def test_an_option_the_expectation_ignores_is_a_usage_error(expect: str, option: str, said: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--allow-mixed and --no-effective judge a fused arm, --fusions a fused or stock one: given with an
+    expectation that ignores them they were dropped without a word; each is a usage error naming it."""
+    for source in (["--marker-dir", str(tmp_path)], ["--merge", str(tmp_path / "node.json")], ["--static"]):
+        assert cli.main(["check", "--expect", expect, option, *source]) == 2
+        assert capsys.readouterr().err.endswith(f"check: error: {said}\n")
+
+
+def test_fusions_still_name_the_fusions_a_stock_arm_is_judged_on(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--fusions means something for --expect stock (only those fusions are judged): no usage error there."""
+    record = process("stock", "forced-stock", pid=ME, host=HOST)
+    record["fusions"]["qkv_norm"]["state"] = "refused"  # not the stock arm's state: judged, it fails
+    marker(tmp_path, "a.json", record)
+    assert cli.main(["check", "--expect", "stock", "--marker-dir", str(tmp_path)]) == 1
+    capsys.readouterr()
+    assert cli.main(["check", "--expect", "stock", "--fusions", "qk_cache", "--marker-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "HOLDS: expect stock (1 process)"
 
 
 def test_a_marker_dir_option_naming_a_file_is_a_usage_error(tmp_path, capsys):
@@ -426,6 +479,33 @@ def _held_check(tmp_path: Path, capsys: Any) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.parametrize("how", ["group-writable", "world-writable", "a symlink"])
+def test_a_live_check_of_a_directory_anyone_could_write_does_not_hold(how: str, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Markers in a directory the server refuses (group/world-writable, a symlink) were written by no
+    process of this overlay, and any user could have put them there: the check fails naming why, though
+    the record in it would hold (the same directory at 0700 holds)."""
+    from k3_amd_overlay import markers
+
+    directory = tmp_path / "markers"
+    directory.mkdir(mode=0o700)
+    markers.write_marker(directory, os.getpid(), {**off_process(pid=os.getpid()),
+                                                  "start_ticks": markers.process_start_ticks(os.getpid())})
+    assert cli.main(["check", "--expect", "off", "--marker-dir", str(directory)]) == 0
+    capsys.readouterr()
+    read = directory
+    if how == "a symlink":
+        read = tmp_path / "link"
+        read.symlink_to(directory)
+    else:
+        directory.chmod(0o770 if how == "group-writable" else 0o707)
+    assert cli.main(["check", "--expect", "off", "--marker-dir", str(read), "--json"]) == EXIT_FAILED
+    data = json.loads(capsys.readouterr().out)
+    assert data["holds"] is False
+    (line,) = [line for line in data["lines"] if line.startswith("FAIL ")]
+    assert line.startswith(f"FAIL marker directory {read} is ") and line.endswith("nothing read there is evidence")
+
+
 def test_every_failed_verdict_under_json_has_its_one_line_error(tmp_path, capsys, monkeypatch):
     """docs/cli.md: a failure has ``error``; a verdict's failure (doctor not ready, a census that does not
     hold, kernels falling short) had none, only its own keys."""
@@ -557,7 +637,7 @@ def test_two_stale_markers_here_are_counted_apart_from_another_hosts(tmp_path):
 def test_census_takes_one_layer_and_one_step(tmp_path, capsys, argv):
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps({"traceEvents": []}))
-    assert cli.main(["census", str(trace), *argv]) in (0, 1)
+    assert cli.main(["census", str(trace), "--baseline", str(trace), *argv]) in (0, 1)
     assert "at least 1" not in capsys.readouterr().err
 
 
@@ -618,6 +698,23 @@ def test_doctor_json_carries_the_command_its_exit_status_and_returns_it(healthy,
     assert data["report"] == {"rows": []}
     assert out.startswith('{\n "command"')  # indent=1, as every --json of the CLI
     assert ("error" in data) is not healthy
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--switch", "bogus"], "--switch: K3_AMD_OVERLAY='bogus' is not valid"),
+    (["--serve-args", "'x"], "--serve-args \"'x\": No closing quotation (quote it as a shell would)"),
+])
+def test_doctor_usage_errors_need_no_torch(argv: list[str], said: str, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a Python without torch the doctor's bad arguments are usage errors (exit 2, under --json one
+    object saying so), not "needs torch": they are checked before the doctor's module is imported."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch fails, as where it is not installed
+    monkeypatch.delitem(sys.modules, "k3_amd_overlay.commands.doctor", raising=False)
+    assert cli.main(["doctor", *argv, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out)["usage_error"].startswith(said) and f"doctor: error: {said}" in err
+    assert cli.main(["doctor", "--json"]) == 1  # the arguments are fine: now the doctor needs torch
+    assert json.loads(capsys.readouterr().out)["missing"] == "torch"
 
 
 def census_json(capsys, *argv: str) -> tuple[int, dict[str, Any]]:

@@ -107,7 +107,7 @@ def test_bench_json_is_a_flag_and_the_old_file_form_still_writes_the_file(capsys
     from k3_amd_overlay.commands.bench import kernels
 
     args = kernels.parser().parse_args(["--json-out", str(tmp_path / "b.json"), "--json"])
-    assert args.json is True and args.json_out == str(tmp_path / "b.json")
+    assert args.json is True and args.json_out == tmp_path / "b.json"
     assert kernels.legacy_argv(["--json", str(tmp_path / "b.json"), "--quick"]) == [
         "--json-out", str(tmp_path / "b.json"), "--quick"]
     assert kernels.legacy_argv(["--json", "--quick"]) == ["--json", "--quick"]

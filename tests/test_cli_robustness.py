@@ -67,7 +67,7 @@ def test_a_run_record_nested_100000_deep_is_foreign_results_naming_the_file(tmp_
     record.write_text(DEEP)
     with pytest.raises(ab_run.ForeignResults) as refused:
         ab_run.read_json(record)
-    assert str(refused.value) == f"{record} is unreadable (its JSON is nested too deeply to read)"
+    assert str(refused.value) == f"{record} is unreadable (JSON nested too deep to read)"
 
 
 # --- 3. the marker directory: a FIFO among the markers, a directory that cannot be listed ------------

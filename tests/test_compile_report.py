@@ -258,7 +258,8 @@ def test_doctor_names_a_bad_tuned_file_for_this_gpu_in_one_line(amd_gpu, tmp_pat
                         lambda arch, device_name=None: asked.append((arch, device_name)) or {"kernels": []})
     found = doctor.launch_configs_here(amd_gpu("gfx942", "AMD Instinct MI300X"))
     assert asked == [("gfx942", "AMD Instinct MI300X")]
-    assert found["error"] == (f"{path}: named for gfx942 on AMD Instinct MI300X, its header says gfx942 on "
+    assert found["error"] == (f"{KERNEL_CONFIGS}={tmp_path}: {path}: named for gfx942 on AMD Instinct MI300X, "
+                              "its header says gfx942 on "
                               "AMD Instinct MI325X; this GPU's kernels take the shipped gfx942 launch configs instead")
     assert found["kernels"][names.QK_CACHE_KERNEL]["file"].endswith("configs/gfx942.json")
 

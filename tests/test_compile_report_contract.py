@@ -463,14 +463,30 @@ def test_the_worker_runs_this_module_for_the_arch_with_the_interpreter_off(monke
                              "--device", MI300X],)
 
 
-@pytest.mark.parametrize("code", [1, 3])
-def test_a_failed_worker_is_named_with_its_exit_status_and_the_end_of_its_stderr(monkeypatch, code):
-    stderr = "E" * 4500 + "\nLLVM ERROR: cannot select\n"
+TRACEBACK = """Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/k3_amd_overlay/kernels/launch_configs.py", line 291, in load
+    data = json.loads(Path(path).read_text())
+RecursionError: maximum recursion depth exceeded while decoding a JSON array from a unicode string
+
+"""
+
+
+@pytest.mark.parametrize(("code", "stderr", "said"), [
+    (1, "E" * 4500 + "\nLLVM ERROR: cannot select\n", "LLVM ERROR: cannot select"),
+    (3, TRACEBACK, "RecursionError: maximum recursion depth exceeded while decoding a JSON array from a unicode "
+                   "string"),
+    (1, "", "nothing on stderr"),
+], ids=["llvm", "traceback", "silent"])
+def test_a_failed_worker_is_named_in_one_line_with_its_exit_status_and_its_whole_stderr_goes_to_stderr(
+        monkeypatch, capsys, code, stderr, said):
+    """The error names the exit status and the worker's last line that says something (a traceback's
+    exception), never a newline (it is the --json ``error``); the whole of the worker's stderr is on stderr."""
     _run_stand_in(monkeypatch, code, "", stderr)
     with pytest.raises(RuntimeError) as caught:
         compile_report.run_worker("gfx942")
-    assert str(caught.value) == f"compiling for gfx942 failed (exit {code}):\n{stderr[-4000:]}"
-    assert str(caught.value).endswith("E\nLLVM ERROR: cannot select\n") and len(stderr[-4000:]) == 4000
+    assert str(caught.value) == f"compiling for gfx942 failed (exit {code}): {said}"
+    assert capsys.readouterr() == ("", stderr)
 
 
 def test_an_arch_without_a_report_is_refused_before_any_worker(monkeypatch):
@@ -559,14 +575,14 @@ def test_the_command_with_json_prints_the_report_and_nothing_else(monkeypatch, c
 @pytest.mark.parametrize("wants_json", [False, True])
 def test_a_failed_compile_is_one_line_on_stderr_and_with_json_one_object(monkeypatch, capsys, wants_json):
     def fail(arch: str, device_name: str | None = None) -> dict:
-        raise RuntimeError(f"compiling for {arch} failed (exit 3):\nboom")
+        raise RuntimeError(f"compiling for {arch} failed (exit 3): boom")
 
     monkeypatch.setattr(compile_report, "run_worker", fail)
     assert compile_report.main(["--arch", "gfx950"] + ["--json"] * wants_json) == 1
     out, err = capsys.readouterr()
-    assert err == "k3-amd-overlay kernels: compiling for gfx950 failed (exit 3):\nboom\n"
+    assert err == "k3-amd-overlay kernels: compiling for gfx950 failed (exit 3): boom\n"
     assert (json.loads(out) if wants_json else out) == ({"command": "kernels", "ok": False, "exit_status": 1,
-                                                         "error": "compiling for gfx950 failed (exit 3):\nboom"}
+                                                         "error": "compiling for gfx950 failed (exit 3): boom"}
                                                         if wants_json else "")
 
 
@@ -604,6 +620,19 @@ def test_a_device_name_with_no_letter_or_digit_is_a_usage_error(monkeypatch, cap
     message = f"--device {name!r}: a GPU name as k3-amd-overlay tune records it is needed, e.g. 'AMD Instinct MI300X'"
     assert asked == [] and err.endswith(f"k3-amd-overlay kernels: error: {message}\n") and "Traceback" not in err
     assert json.loads(out)["usage_error"] == message
+
+
+@pytest.mark.parametrize("argv", [["--device", ""], ["--arch", "gfx942", "--device", " "]], ids=["no-arch", "arch"])
+def test_without_torch_a_nameless_device_is_a_usage_error_not_a_missing_torch(argv):
+    """The CLI runs the report's check_args before it looks for torch: a --device naming no GPU is exit 2
+    saying so, in a Python that cannot import torch."""
+    hide_torch = ("import sys; sys.modules['torch'] = None; from k3_amd_overlay.commands import cli; "
+                  "sys.exit(cli.main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", hide_torch, "kernels", *argv], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "needs torch" not in proc.stderr, proc.stderr[-2000:]
+    assert f"k3-amd-overlay kernels: error: --device {argv[-1]!r}: a GPU name as k3-amd-overlay tune records it" in \
+        proc.stderr
 
 
 def test_the_worker_prints_its_report_as_json_or_a_bad_config_files_one_line(monkeypatch, capsys):

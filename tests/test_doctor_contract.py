@@ -138,6 +138,105 @@ def test_launch_configs_here_adds_the_compile_report_only_on_an_amd_gpu(monkeypa
     assert doctor.launch_configs_here(cuda) == {"error": "K3_AMD_OVERLAY_KERNEL_CONFIGS='x.json' cannot be read"}
 
 
+def test_a_bad_kernel_configs_file_is_named_by_its_variable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The doctor's line about an unusable launch-config file names K3_AMD_OVERLAY_KERNEL_CONFIGS and its value
+    (the loader's own words said only "cannot read launch configs PATH"); the shipped file's own fault is
+    not the variable's, and a loader message that names the variable already is not named twice."""
+    from k3_amd_overlay.kernels import launch
+
+    missing = tmp_path / "nope.json"
+    monkeypatch.setenv("K3_AMD_OVERLAY_KERNEL_CONFIGS", str(missing))
+    error = doctor.launch_configs_here(torch.device("cpu"))["error"]
+    assert error.startswith(f"K3_AMD_OVERLAY_KERNEL_CONFIGS={missing}: cannot read launch configs {missing}: "), error
+    shipped = {"arch": "gfx942", "device": None, "kernels": {}, "error": "gfx942.json: the shipped file lacks x"}
+    monkeypatch.setattr(launch, "describe", _describe_stub(shipped))
+    assert doctor.launch_configs_here(torch.device("cpu"))["error"] == "gfx942.json: the shipped file lacks x"
+    named = {"arch": "gfx942", "device": None, "kernels": {"k": {}},
+             "error": "K3_AMD_OVERLAY_KERNEL_CONFIGS=x: for sm90"}
+    monkeypatch.setattr(launch, "describe", _describe_stub(named))
+    assert doctor.launch_configs_here(torch.device("cpu"))["error"] == "K3_AMD_OVERLAY_KERNEL_CONFIGS=x: for sm90"
+
+
+# --------------------------------------------------------------------------------------------
+# the marker directory
+
+
+def test_marker_dir_here_judges_the_setting_by_the_servers_rule(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The section names the directory a vLLM process would write to, who set it, and, where the process
+    would refuse it (markers.marker_dir_refusal), the variable, the path and the reason; a directory
+    still to be created is fine, and the doctor creates nothing."""
+    from k3_amd_overlay import markers
+
+    (tmp_path / "afile").write_text("")
+    assert doctor.marker_dir_here(str(tmp_path / "afile")) == {
+        "path": str(tmp_path / "afile"), "set by": "K3_AMD_OVERLAY_MARKER_DIR",
+        "error": f"K3_AMD_OVERLAY_MARKER_DIR={tmp_path / 'afile'}: a vLLM process would write no marker there, so "
+                 f"`check` could prove nothing: marker directory {tmp_path / 'afile'} is not a directory"}
+    assert doctor.marker_dir_here(str(tmp_path / "new")) == {"path": str(tmp_path / "new"),
+                                                             "set by": "K3_AMD_OVERLAY_MARKER_DIR"}
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "gw").mkdir()
+    (tmp_path / "gw").chmod(0o777)
+    monkeypatch.setattr(markers, "default_marker_dir", lambda: tmp_path / "gw")
+    assert doctor.marker_dir_here(None) == {
+        "path": str(tmp_path / "gw"), "set by": "default",
+        "error": "the per-user marker directory (K3_AMD_OVERLAY_MARKER_DIR unset): a vLLM process would write no "
+                 f"marker there, so `check` could prove nothing: marker directory {tmp_path / 'gw'} is writable by "
+                 "group or others (mode 777); chmod 700 it"}
+
+
+def test_an_unusable_marker_dir_is_a_reason_not_ready_and_said_under_its_own_heading() -> None:
+    """Whatever else is fine (the overlay off included), a marker directory the server refuses makes
+    the doctor not ready, with the section's line; the text shows the directory and, if so, why not."""
+    bad = {"path": "/m", "set by": "K3_AMD_OVERLAY_MARKER_DIR", "error": "K3_AMD_OVERLAY_MARKER_DIR=/m: why"}
+    assert doctor.verdict_line({"switch": {"mode": "off"}, "marker dir": bad}) == (
+        "not ready: K3_AMD_OVERLAY_MARKER_DIR=/m: why", False)
+    assert doctor.verdict_line({"switch": {"error": "E1"}, "marker dir": bad}) == (
+        "not ready: E1; K3_AMD_OVERLAY_MARKER_DIR=/m: why", False)
+    switch = {"K3_AMD_OVERLAY": "", "mode": "off", "fusions": [], "strict": True, "providers": {}}
+    text = doctor.render(_short(switch=switch, verdict="not ready: V", **{"marker dir": bad}))
+    assert "\n\n== marker directory\n  /m (K3_AMD_OVERLAY_MARKER_DIR)\n  UNUSABLE: K3_AMD_OVERLAY_MARKER_DIR=/m: " \
+           "why\n\nnot ready: V" in text
+    text = doctor.render(_short(switch=switch, verdict="off: V", **{"marker dir": {"path": "/d", "set by": "default"}}))
+    assert "\n\n== marker directory\n  /d (the per-user default)\n\noff: V" in text
+
+
+@pytest.mark.parametrize("kind", ["file", "open directory", "blank configs"])
+def test_run_doctor_is_not_ready_where_the_server_would_write_no_marker(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                                        kind: str) -> None:
+    """The doctor of this machine (self-test and activation left out) said "ready" for a marker directory
+    that is a file, or writable by all, in which the server writes no marker (so every later check fails);
+    and a blank K3_AMD_OVERLAY_KERNEL_CONFIGS was read as a file named by spaces: the settings' error now."""
+    monkeypatch.setattr(doctor, "selftest", lambda device: [])
+    monkeypatch.setattr(doctor, "_activate_here", lambda env: {})
+    path = tmp_path / "markers"
+    if kind == "file":
+        path.write_text("")
+    else:
+        path.mkdir(mode=0o700)
+    if kind == "open directory":
+        path.chmod(0o777)
+    monkeypatch.setenv("K3_AMD_OVERLAY_MARKER_DIR", str(path))
+    if kind == "blank configs":
+        monkeypatch.setenv("K3_AMD_OVERLAY_KERNEL_CONFIGS", " ")
+    report, healthy = doctor.run_doctor(switch="1")
+    why = {"file": f"marker directory {path} is not a directory",
+           "open directory": f"marker directory {path} is writable by group or others (mode 777); chmod 700 it"}
+    if kind == "blank configs":
+        assert report["verdict"] == ("not ready: K3_AMD_OVERLAY_KERNEL_CONFIGS=' ' names no file or directory; "
+                                     "unset it for the shipped launch configs") and not healthy
+        return
+    assert not healthy and report["verdict"].startswith(
+        f"not ready: K3_AMD_OVERLAY_MARKER_DIR={path}: a vLLM process would write no marker there, so `check` could "
+        f"prove nothing: {why[kind]}"), report["verdict"]
+    if kind == "file":
+        path.unlink()  # a directory still to be created is fine: the server creates it
+    else:
+        path.chmod(0o700)
+    report, _ = doctor.run_doctor(switch="1")
+    assert "MARKER_DIR" not in report["verdict"] and "error" not in report["marker dir"]
+
+
 # --------------------------------------------------------------------------------------------
 # qk_cache by tensor-parallel size
 
@@ -690,7 +789,7 @@ def test_json_report_of_a_whole_report():
 # run_doctor: each section where it belongs
 
 
-def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
+def test_run_doctor_puts_each_section_in_its_place(monkeypatch, tmp_path):
     """Every section from its own function, on the device and facts the doctor found (a GPU here,
     by stand-ins), in the report's order; the activation only where the switch turns the overlay on."""
     from k3_amd_overlay import measured
@@ -740,6 +839,7 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
     monkeypatch.setattr(doctor, "versions", lambda: {"v": tag, "vllm": getattr(sys.modules.get("vllm"), "__version__",
                                                                                None)})
     monkeypatch.delenv("K3_AMD_OVERLAY", raising=False)
+    monkeypatch.setenv("K3_AMD_OVERLAY_MARKER_DIR", str(tmp_path / "markers"))
 
     report, healthy = doctor.run_doctor(switch="0", serve_args="--enforce-eager")
     eps, widths = k3.RMS_NORM_EPS, (k3.QK_NOPE_HEAD_DIM, k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM)
@@ -754,6 +854,7 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
         "versions": {"v": tag, "vllm": None}, "gpu": {"g": tag}, "vllm shape": {"recognised": f"shape {tag}"},
         "switch": {"K3_AMD_OVERLAY": "0", "mode": "off", "fusions": [], "strict": True,
                    "providers": {f: "auto" for f in FUSIONS}},
+        "marker dir": {"path": str(tmp_path / "markers"), "set by": "K3_AMD_OVERLAY_MARKER_DIR"},
         "qk_cache by tensor-parallel size (K3, 96 heads)": doctor.qk_cache_by_tp("_fused_decode"),
         "providers here": providers, "launch configs": configs,
         "self-measurement": {"measured": (f"gfx{tag}", f"MI {tag}")}, "self-test": rows,
@@ -764,7 +865,7 @@ def test_run_doctor_puts_each_section_in_its_place(monkeypatch):
     report, healthy = doctor.run_doctor(switch="stock")
     assert (report["patched"], report["evidence"]) == ([], f"on {tag}") and report["a/b baseline"] == ["stock None"]
     assert report["versions"] == {"v": tag, "vllm": f"0.33.{tag}"}  # read again after the activation imported vLLM
-    assert list(report) == ["versions", "gpu", "vllm shape", "switch",
+    assert list(report) == ["versions", "gpu", "vllm shape", "switch", "marker dir",
                             "qk_cache by tensor-parallel size (K3, 96 heads)", "providers here", "launch configs",
                             "self-measurement", "self-test", "patched", "evidence", "fusions", "a/b baseline",
                             "verdict"]

@@ -478,6 +478,44 @@ def test_each_marker_directory_error_in_full(tmp_path):
                                   "set K3_AMD_OVERLAY_MARKER_DIR to a directory you own")
 
 
+
+def _marker_dir_case(tmp_path: Path, kind: str) -> tuple[Path, str | None]:
+    """A marker directory setting of one kind, and the refusal the server gives it (None: usable)."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "file").write_text("x")
+    cases = {
+        "missing": (tmp_path / "new" / "m", None),
+        "private": (real, None),
+        "file": (tmp_path / "file", f"marker directory {tmp_path / 'file'} is not a directory"),
+        "open": (tmp_path / "open", f"marker directory {tmp_path / 'open'} is writable by group or others (mode 777); "
+                                    "chmod 700 it"),
+        "symlink": (tmp_path / "link", f"marker directory {tmp_path / 'link'} is a symlink; refusing to follow it"),
+        "under a file": (tmp_path / "file" / "m", f"cannot create marker directory {tmp_path / 'file' / 'm'}: "),
+    }
+    (tmp_path / "open").mkdir()
+    os.chmod(tmp_path / "open", 0o777)
+    (tmp_path / "link").symlink_to(real)
+    return cases[kind]
+
+
+@pytest.mark.parametrize("kind", ["missing", "private", "file", "open", "symlink", "under a file"])
+def test_the_marker_directory_is_judged_by_the_servers_rule_without_creating_it(tmp_path: Path, kind: str) -> None:
+    """``marker_dir_refusal`` (what doctor and ``check --static`` judge) refuses exactly what
+    ``ensure_marker_dir`` (what a vLLM process calls) refuses, in its words, and creates nothing: a
+    missing directory that would be created is usable."""
+    path, refusal = _marker_dir_case(tmp_path, kind)
+    said = markers.marker_dir_refusal(path)
+    assert not (tmp_path / "new").exists()
+    if refusal is None:
+        assert said is None and markers.ensure_marker_dir(path) == path
+        return
+    assert said is not None and said.startswith(refusal), said
+    with pytest.raises(markers.MarkerDirError) as err:
+        markers.ensure_marker_dir(path)
+    assert str(err.value).startswith(refusal) and said.split(": ")[0] == str(err.value).split(": ")[0]
+
+
 def test_a_marker_is_sorted_json_and_leaves_no_temporary_file(tmp_path):
     directory = markers.ensure_marker_dir(tmp_path / "m")
     path = markers.write_marker(directory, 12, {"b": 1, "a": 2, "pid": 12})
@@ -713,7 +751,8 @@ def test_unreadable_markers_are_listed_with_the_readable_ones(tmp_path):
     ("patches", "k3_wrapper.init", "marker field 'patches' is 'k3_wrapper.init', expected a list"),
     ("strict", "yes", "marker field 'strict' is 'yes', expected true or false"),
     ("host", 7, "marker field 'host' is 7, expected a string"),
-    ("fusions", {"qk_cache": {"state": "applied", "runs": [3]}}, "fusion entry "),
+    ("fusions", {"qk_cache": {"state": "applied", "runs": [3]}},
+     "fusion 'qk_cache': 'runs' is [3], expected an object of phase: count"),
 ])
 def test_a_marker_field_of_the_wrong_kind_is_an_unreadable_marker_not_a_crash(tmp_path, field, value, said):
     """A marker written by hand or another tool: ``check`` sets it aside with the field named, and the
@@ -729,6 +768,38 @@ def test_a_marker_field_of_the_wrong_kind_is_an_unreadable_marker_not_a_crash(tm
 
 ENTRY = {"state": "applied", "provider": "triton", "reason": "r", "layers": 2, "effective": True,
          "runs": {"served": 3}, "captured_sizes": [1, 2]}
+
+STATES = "pending, applied, upstream, forced-stock, refused, disabled"
+
+
+@pytest.mark.parametrize("record_fields,said", [
+    ({"pid": None, "fusions": {}}, "marker field 'pid' is None, expected a process id (1-2147483647)"),
+    ({"mode": "on", "fusions": {}}, "marker field 'mode' is 'on'; allowed: off, auto, stock"),
+    ({"fusions": {"qk_cache": {**ENTRY, "state": "zzz"}}}, f"fusion 'qk_cache': 'state' is 'zzz'; allowed: {STATES}"),
+    ({"fusions": {"qk_cache": {"provider": "triton"}}}, f"fusion 'qk_cache': 'state' is missing; allowed: {STATES}"),
+    ({"fusions": {"qk_cache": ["applied"]}},
+     "fusion 'qk_cache' is a JSON list, expected an object (state, provider, reason, ...)"),
+    ({"fusions": {"qk_cache": {**ENTRY, "runs": {"served": 1, "later": 2}}}},
+     "fusion 'qk_cache': 'runs' has a key 'later'; allowed: warmup, capture, served, replay"),
+    ({"fusions": {"qk_cache": {**ENTRY, "layer_states": [["applied", 2]]}}},
+     "fusion 'qk_cache': 'layer_states' is [['applied', 2]], expected an object of state: {layers, reason}"),
+    ({"fusions": {"qk_cache": {**ENTRY, "layer_states": {"fused": {"layers": 2}}}}},
+     f"fusion 'qk_cache': 'layer_states' has a key 'fused'; allowed: {STATES}"),
+    ({"fusions": {"qk_cache": {**ENTRY, "layer_states": {"applied": {"reason": "r"}}}}},
+     "fusion 'qk_cache': 'layer_states.applied.layers' is missing, expected a whole number >= 0"),
+    ({"fusions": {"qk_cache": {**ENTRY, "state": "x" * 5000}}},
+     f"fusion 'qk_cache': 'state' is 'xxxxxxxxxxxx...xxxxxxxxxxxxx'; allowed: {STATES}"),
+])
+def test_an_unreadable_marker_names_the_fusion_the_field_and_what_is_allowed(tmp_path: Path, record_fields: dict,
+                                                                              said: str) -> None:
+    """A marker that is no record says which fusion and field, whether the field is missing or which
+    value it holds (cut short), and the values or shape allowed; never Python's own words ("is not a
+    valid FusionState", "'list' object has no attribute") nor the whole entry it sits in."""
+    good = MarkerRecord(pid=os.getpid(), mode=Mode.AUTO, fusions={}).to_json()
+    markers.write_marker(tmp_path, 1, {**good, **record_fields})
+    (bad,) = markers.read_markers(tmp_path)
+    assert bad.record is None and bad.error == f"unreadable marker: {said}"
+    assert "'provider': 'triton'" not in bad.error and "valid" not in bad.error and "object has no" not in bad.error
 
 
 @pytest.mark.parametrize("record_fields,said", [

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from cli_process import with_defaults
+from test_ab import free_port
 
 from k3_amd_overlay.commands import ab_stats, arms, baseline_hazard, gsm8k_ab
 from k3_amd_overlay.commands.usage import UsageError
@@ -453,7 +454,7 @@ def test_an_arm_whose_lm_eval_fails_aborts_word_for_word(harness, monkeypatch, c
     assert err_stream.getvalue().splitlines()[-1] == f"ABORTED: arm B: lm-eval failed; log: {log}"
     assert err_stream.unflushed() == ""
     assert capsys.readouterr().out == json.dumps({"command": "gsm8k-ab", "ok": False, "exit_status": 1,
-                                                  "error": "aborted (see stderr)"}, indent=1) + "\n"
+                                                  "error": f"arm B: lm-eval failed; log: {log}"}, indent=1) + "\n"
     assert log.read_text() == "stdout of armB\nstderr of armB\n"
     assert sorted(p.name for p in harness.out.iterdir()) == ["armA", "armB", "run.json", "summary.json"]
 
@@ -481,7 +482,7 @@ def test_a_metric_lm_eval_did_not_give_aborts_after_arm_a_naming_those_it_did(ha
         "ABORTED: lm-eval gave task 'gsm8k' no metric 'exact_match,strict' (--metric); it gave: "
         f"'exact_match,flexible-extract', 'exact_match,strict-match' (in {newest})")
     assert json.loads(printed.out) == {"command": "gsm8k-ab", "ok": False, "exit_status": 1,
-                                       "error": "aborted (see stderr)"}
+                                       "error": printed.err.splitlines()[-1].removeprefix("ABORTED: ")}
     assert len(harness.servers) == 1 and not (harness.out / "summary.json").exists()
 
 
@@ -518,9 +519,39 @@ def test_lm_eval_files_that_cannot_be_read_abort_the_arm_word_for_word(harness, 
     printed = capsys.readouterr()
     assert code == 1 and "Traceback" not in printed.err
     assert printed.err.splitlines()[-1] == f"ABORTED: {why}"
-    assert json.loads(printed.out) == {"command": "gsm8k-ab", "ok": False, "exit_status": 1,
-                                       "error": "aborted (see stderr)"}
+    assert json.loads(printed.out) == {"command": "gsm8k-ab", "ok": False, "exit_status": 1, "error": why}
     assert not (harness.out / "summary.json").exists()
+
+
+def test_json_error_is_why_the_run_aborted_as_ab_serve_says_it(tmp_path, monkeypatch, capsys):
+    """The real arms, with a --serve-cmd that exits at once: --json's error is the reason on the
+    ABORTED line (before: "aborted (see stderr)")."""
+    monkeypatch.setattr(baseline_hazard, "facts_here", lambda: FACTS)
+    for name in (*HAZARD_ENV, "K3_AMD_OVERLAY"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "ge"
+    code = gsm8k_ab.main(["--model", "m", "--out", str(out), "--serve-cmd", "true", "--lm-eval-cmd", "true",
+                          "--port", str(free_port()), "--health-timeout", "60", "--json"])
+    printed = capsys.readouterr()
+    reason = f"arm A: server exited with 0; log: {out / 'armA' / 'server.log'}"
+    assert code == 1 and printed.err.splitlines()[-1] == f"ABORTED: {reason}"
+    assert json.loads(printed.out) == {"command": "gsm8k-ab", "ok": False, "exit_status": 1, "error": reason}
+
+
+def test_json_error_of_a_proof_that_fails_is_its_first_line(harness, monkeypatch, capsys):
+    """As ab-serve's summary says it: the check's output and the logs' folder stay on stderr."""
+    @contextlib.contextmanager
+    def unproved(arm: arms.Arm, *args, **kwargs):
+        raise arms.ArmFailed(f"arm {arm.label} (K3_AMD_OVERLAY={arm.switch}) is not {arm.expect}:\nNOT HOLDING\n"
+                             "logs: there")
+        yield
+
+    monkeypatch.setattr(arms, "proved_server", unproved)
+    assert gsm8k_ab.main(harness.argv("--json")) == 1
+    printed = capsys.readouterr()
+    assert printed.err.endswith("ABORTED: arm A (K3_AMD_OVERLAY=0) is not off:\nNOT HOLDING\nlogs: there\n")
+    assert json.loads(printed.out) == {"command": "gsm8k-ab", "ok": False, "exit_status": 1,
+                                       "error": "arm A (K3_AMD_OVERLAY=0) is not off:"}
 
 
 # ---------------------------------------------------------------- --data-file: the local task

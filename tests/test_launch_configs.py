@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -78,7 +79,18 @@ def _file(arch="gfx942", device=None, kernels=None):
     ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 1, "K_STEPS": 2, "num_warps": 4}}]},
      "K_STEPS = 2 with BLOCK_T = 1: the product in slices is for programs of at least 16"),
     ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 16, "K_STEPS": 16, "num_warps": 4}}]},
-     "K_STEPS = 16: at most 8 (slices of the 128 q_nope lanes of at least 16"),
+     "K_STEPS = 16: allowed 1-8 (slices of the 128 q_nope lanes of at least 16"),
+    ({names.QK_CACHE_KERNEL: [{"config": {"HEADS": 4, "num_warps": 2 ** 70}}]},
+     f"num_warps = {2 ** 70}: allowed 1-32 (1024 threads a workgroup"),
+    ({names.QK_CACHE_KERNEL: [{"config": {"HEADS": 4, "num_warps": 64}}]}, "num_warps = 64: allowed 1-32"),
+    ({names.QK_CACHE_KERNEL: [{"config": {"HEADS": 8192, "num_warps": 4}}]}, "HEADS = 8192: allowed 1-4096"),
+    ({names.QK_CACHE_KERNEL: [{"config": {"HEADS": 4, "num_warps": 4, "num_stages": 32}}]},
+     "num_stages = 32: allowed 1-16"),
+    ({names.QK_CACHE_KERNEL: [{"config": {"HEADS": 4, "num_warps": 4, "waves_per_eu": 21}}]},
+     "waves_per_eu = 21: allowed 0-20 (0: the compiler's choice"),
+    ({names.QK_CACHE_KERNEL: [{"config": {"HEADS": 4, "num_warps": 4, "kpack": 4}}]}, "kpack = 4: allowed 0-2"),
+    ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 2 ** 40, "BLOCK_T": 16, "num_warps": 4}}]},
+     f"BLOCK_N = {2 ** 40}: allowed 1-4096"),
     ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 16, "K_STEPS": 3, "num_warps": 4}}]},
      "K_STEPS = 3 is not a power of two"),
     ({names.ABSORB_FP8_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 16, "K_STEPS": 2, "num_warps": 4}}]},
@@ -92,6 +104,37 @@ def test_a_bad_file_is_refused_naming_the_value_and_what_is_allowed(kernels, mes
         launch_configs.parse(_file(kernels=kernels), "f.json")
     with pytest.raises(launch_configs.LaunchConfigError, match="schema 1"):
         launch_configs.parse({**_file(), "schema": 2}, "f.json")
+
+
+def test_every_key_a_config_may_set_has_an_upper_bound_the_shipped_files_and_tune_keep_under():
+    """Each constexpr and launch option a config can set is bounded (matrix_instr_nonkdim by its set of
+    sizes), and every shipped value and every candidate tune tries lies within its bound."""
+    settable = {key for kernel in launch_configs.KERNEL_PARAMETERS
+                for key in (*launch_configs.KERNEL_PARAMETERS[kernel], *launch_configs.OPTIONAL_PARAMETERS[kernel])}
+    settable |= set(launch_configs.LAUNCH_OPTIONS) - {"matrix_instr_nonkdim"}
+    assert settable == set(launch_configs.MOST_VALUES)
+    configs = [dict(rule.config) for arch in (*launch_configs.SHIPPED_ARCHS, launch_configs.INTERPRETER_ARCH)
+               for rules in launch_configs.shipped(arch).kernels.values() for rule in rules]
+    configs += [c for kernel, tokens, amd in itertools.product(tune.TUNED_KERNELS, (1, 8, 32, 256), (False, True))
+                for c in tune.candidates(kernel, tokens, amd)]
+    for config in configs:
+        assert all(value <= launch_configs.MOST_VALUES.get(key, (32, ""))[0] for key, value in config.items())
+
+
+@pytest.mark.parametrize("kind", ["deep", "fifo"])
+def test_a_file_nested_too_deep_or_a_fifo_is_one_clear_line_never_a_crash_or_a_hang(tmp_path, monkeypatch, kind):
+    """A launch-config file of JSON nested past the parser's limit, or a FIFO in its place (which a plain
+    read would block on forever), is a LaunchConfigError naming the file: one line at startup."""
+    path = tmp_path / "configs.json"
+    if kind == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        os.mkfifo(path)
+    with pytest.raises(launch_configs.LaunchConfigError, match=f"cannot read launch configs {re.escape(str(path))}"):
+        launch_configs.load(path)
+    monkeypatch.setenv(KERNEL_CONFIGS, str(path))
+    error = launch_configs.startup_error("gfx942", "AMD Instinct MI300X")
+    assert error is not None and str(path) in error and "\n" not in error
 
 
 def test_a_tuned_file_named_by_the_variable_comes_first_for_its_kernels(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import types
@@ -430,3 +431,63 @@ def test_without_out_and_without_a_home_directory_it_is_a_usage_error_before_mea
     assert code == 2 and data["usage_error"] == ("no home directory here for the per-user result directory: give "
                                                  "--out DIR, or set K3_AMD_OVERLAY_KERNEL_CONFIGS as the server has it")
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("model", ["", "   "], ids=["empty", "blank"])
+def test_an_empty_model_is_a_usage_error_naming_the_option_not_the_current_directorys_config(
+        tmp_path, capsys, monkeypatch, model):
+    """``--model ''`` (an unset variable) names no model: refused naming the option, even where the
+    current directory holds a config.json it would otherwise have read."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 96}))
+    monkeypatch.chdir(tmp_path)
+    code, data, err = json_run(["--model", model, "--out", str(tmp_path)], capsys)
+    said = f"--model {model!r} names no model (an empty value: an unset variable?); give the model's directory"
+    assert code == 2 and data["exit_status"] == 2 and data["usage_error"].startswith(said)
+    assert f"k3-amd-overlay measure: error: {said}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", ["deep", "fifo"])
+def test_a_model_config_nested_too_deep_or_a_fifo_is_a_usage_error_never_a_crash_or_a_hang(
+        tmp_path, capsys, kind):
+    """A model config of JSON nested past the parser's limit, or a FIFO in its place (a plain read
+    would block forever), is a usage error naming --model and the file."""
+    config_file = tmp_path / "config.json"
+    if kind == "deep":
+        config_file.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        os.mkfifo(config_file)
+    for model in (config_file, tmp_path):
+        code, data, err = json_run(["--model", str(model), "--out", str(tmp_path)], capsys)
+        said = f"--model {model}: cannot read {config_file} ("
+        assert code == 2 and data["usage_error"].startswith(said), data
+        assert f"k3-amd-overlay measure: error: {said}" in err and "Traceback" not in err
+
+
+def test_a_default_result_directory_that_cannot_be_one_is_a_usage_error_before_measuring(
+        tmp_path, capsys, fake_gpu, monkeypatch):
+    """Without --out the result file goes beside the launch configs K3_AMD_OVERLAY_KERNEL_CONFIGS names:
+    where that directory lies under a file, the run is refused naming the variable before anything is
+    measured, as --out is."""
+    (tmp_path / "afile").write_text("")
+    setting = tmp_path / "afile" / "x.json"
+    monkeypatch.setenv(KERNEL_CONFIGS, str(setting))
+    monkeypatch.setattr(self_measure, "measure", lambda *given: pytest.fail("measured before its directory's check"))
+    code, data, err = json_run(["--heads", "12"], capsys)
+    said = f"{KERNEL_CONFIGS}={setting}: its result directory {tmp_path / 'afile'}: is a file; give --out DIR"
+    assert code == 2 and data["exit_status"] == 2 and data["usage_error"] == said
+    assert f"k3-amd-overlay measure: error: {said}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--heads", "0"], "--heads 0: every value must be a positive integer"),
+    (["--model", ""], "--model '' names no model"),
+    (["--heads", "12", "--out", "/dev/null/x"], "--out /dev/null/x: lies under /dev/null"),
+])
+def test_without_torch_its_argument_checks_are_usage_errors_not_a_missing_torch(argv, said):
+    """The CLI runs measure's check_args before it looks for torch: a bad argument is exit 2 saying
+    what is wrong, in a Python that cannot import torch."""
+    hide_torch = ("import sys; sys.modules['torch'] = None; from k3_amd_overlay.commands import cli; "
+                  "sys.exit(cli.main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", hide_torch, "measure", *argv], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and said in proc.stderr and "needs torch" not in proc.stderr, proc.stderr[-2000:]

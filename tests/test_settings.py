@@ -150,3 +150,16 @@ def test_a_blank_marker_directory_is_an_error_not_a_directory_named_with_spaces(
     with pytest.raises(SettingsError, match=re.escape(f"K3_AMD_OVERLAY_MARKER_DIR={blank!r} names no directory")):
         load_settings({"K3_AMD_OVERLAY": "1", "K3_AMD_OVERLAY_MARKER_DIR": blank})
     assert load_settings({"K3_AMD_OVERLAY_MARKER_DIR": ""}).marker_dir is None
+
+
+@pytest.mark.parametrize("switch", ["0", "1"])
+@pytest.mark.parametrize("blank", [" ", "\t"])
+def test_a_blank_kernel_configs_value_is_an_error_not_a_file_named_with_spaces(blank: str, switch: str) -> None:
+    """A blank K3_AMD_OVERLAY_KERNEL_CONFIGS was read as a file named by spaces ("cannot read launch configs
+    : ..."); it is a settings error naming the variable, as a blank marker directory is, whatever the switch."""
+    with pytest.raises(SettingsError) as raised:
+        load_settings({"K3_AMD_OVERLAY": switch, "K3_AMD_OVERLAY_KERNEL_CONFIGS": blank})
+    assert str(raised.value) == (f"K3_AMD_OVERLAY_KERNEL_CONFIGS={blank!r} names no file or directory; unset it for "
+                                 "the shipped launch configs")
+    assert load_settings({"K3_AMD_OVERLAY_KERNEL_CONFIGS": ""}).kernel_configs is None
+    assert load_settings({"K3_AMD_OVERLAY_KERNEL_CONFIGS": "/c"}).kernel_configs == "/c"

@@ -384,7 +384,8 @@ def _with_or_without_gpu(request, monkeypatch, gpu: bool) -> None:
     ("{not json", "not a usable launch-config file (cannot read launch configs"),
     ('{"schema": 1, "arch": "sm90", "kernels": {"no_such_kernel": []}}', "not a usable launch-config file"),
     ("[1]", "not a launch-config file of schema 1"),
-], ids=["malformed", "unknown-kernel", "a-list"])
+    ("[" * 100_000 + "]" * 100_000, "JSON nested too deep to read"),
+], ids=["malformed", "unknown-kernel", "a-list", "nested-too-deep"])
 @pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "fake-h200"])
 def test_a_compare_file_that_is_no_launch_config_file_is_a_usage_error_before_the_gpu(
         request, monkeypatch, tmp_path, capsys, text, why, gpu):
@@ -394,6 +395,30 @@ def test_a_compare_file_that_is_no_launch_config_file_is_a_usage_error_before_th
     code, data, err = _usage_error(["--compare", str(bad), "--heads", "2"], capsys)
     _assert_usage_error(code, data, err, f"--compare {bad}: ")
     assert why in data["usage_error"]
+
+
+def _file_for(arch):
+    return {"schema": launch_configs.SCHEMA, "arch": arch,
+            "kernels": {names.QK_CACHE_KERNEL: [{"config": {"HEADS": 2, "num_warps": 2}}]}}
+
+
+def test_out_with_compare_is_a_usage_error_naming_both(monkeypatch, tmp_path, capsys):
+    """--compare writes no file, so an --out beside it (a file or a directory) is refused naming both
+    options, whichever comes first, before any GPU work; nothing is written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("asked for a GPU before the check"))
+    _never_tuned(monkeypatch)
+    compared = tmp_path / "mine.json"
+    compared.write_text(json.dumps(_file_for("sm90")))
+    for argv in (["--compare", str(compared), "--out", "nodir"], ["--out", str(tmp_path), "--compare", str(compared)]):
+        code, data, err = _usage_error(argv, capsys)
+        out = argv[argv.index("--out") + 1]
+        _assert_usage_error(code, data, err, f"--out {out} and --compare: --compare writes no file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json"]
+
+
+def _nested_too_deep(path):
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    return "exists and is not a launch-config file tune can update (JSON nested too deep to read)"
 
 
 def _malformed(path):
@@ -412,8 +437,8 @@ def _no_launch_configs(path):
     return "exists and is not a launch-config file tune can update"
 
 
-@pytest.mark.parametrize("make", [_malformed, _tuned_on_a_string, _no_launch_configs],
-                         ids=["malformed", "tuned_on-a-string", "another-json-file"])
+@pytest.mark.parametrize("make", [_malformed, _tuned_on_a_string, _no_launch_configs, _nested_too_deep],
+                         ids=["malformed", "tuned_on-a-string", "another-json-file", "nested-too-deep"])
 @pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "fake-h200"])
 def test_an_out_file_tune_cannot_update_is_a_usage_error_before_any_tuning_and_is_kept(
         request, monkeypatch, tmp_path, capsys, make, gpu):

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay import json_files
 from k3_amd_overlay.commands.usage import UsageError
 
 RUN_FILE = "run.json"  # in --out: {"run_id", "tool", "started"}
@@ -80,21 +81,20 @@ def measured(folder: Path, run_id: str) -> bool:
 
 
 def _id_in(path: Path) -> str | None:
+    """The run id written in ``path``; None where it is not a regular UTF-8 file (never blocks on a FIFO)."""
     try:
-        return path.read_text().strip()
-    except OSError:
+        return json_files.read_regular(path).strip()
+    except (OSError, ValueError):
         return None
 
 
 def read_json(path: Path) -> Any:
     """A record a run wrote: ``path``'s JSON; FileNotFoundError where there is no such file,
-    ForeignResults where it cannot be read as JSON."""
+    ForeignResults where it cannot be read as JSON (a FIFO or a folder is not read: json_files)."""
     try:
-        return json.loads(path.read_text())
+        return json_files.load(path)
     except FileNotFoundError:
         raise
-    except RecursionError:
-        raise ForeignResults(f"{path} is unreadable (its JSON is nested too deeply to read)") from None
     except (OSError, ValueError) as exc:
         raise ForeignResults(f"{path} is unreadable ({exc})") from None
 

@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay import markers
+from k3_amd_overlay import json_files, markers
 from k3_amd_overlay.commands import ab_run, ab_stats, arms
 from k3_amd_overlay.commands.baseline_hazard import ACCEPT_FLAG
 from k3_amd_overlay.commands.bench.plot import matplotlib_missing
@@ -106,6 +106,9 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--num-prompts {args.num_prompts}: at least 1")
     if args.profile_window is not None:
         check_seconds("--profile-window", args.profile_window)
+    arms.check_given("--model", args.model)
+    arms.check_given("--served-model-name", args.served_model_name, "the --model value")
+    arms.check_given("--tokenizer", args.tokenizer, "the model")
     check_arm_server_arguments(args)
     check_command_lines([("--bench-args", args.bench_args)])
     ab_run.check_unused(args.out)
@@ -115,8 +118,9 @@ def validate(args: argparse.Namespace) -> None:
     check_switches(switches)
     arms.check_distinct(switches)
     values = [v for _, v in switches]
-    check_executables((("--serve-cmd", args.serve_cmd), ("--bench-cmd", args.bench_cmd)))
     labels = dict(zip(("arm A", "arm B", "arm C"), values, strict=False))
+    arms.check_environments(labels.items())
+    check_executables((("--serve-cmd", args.serve_cmd), ("--bench-cmd", args.bench_cmd)))
     args.baseline_hazards = check_baselines(labels.items(), args.serve_args, args.accept_baseline_hazard)
 
 
@@ -141,8 +145,11 @@ def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, resul
     if code != 0 or not result.exists():
         raise arms.ArmFailed(f"arm {server.arm.label}: bench at concurrency {concurrency} failed; log: {log}")
     try:
-        record = json.loads(result.read_text())
-    except (ValueError, RecursionError) as exc:
+        record = json_files.load(result)
+    except OSError as exc:
+        raise arms.ArmFailed(f"arm {server.arm.label}: bench at concurrency {concurrency} wrote {result}, which "
+                             f"cannot be read ({exc}); log: {log}") from None
+    except ValueError as exc:
         raise arms.ArmFailed(f"arm {server.arm.label}: bench at concurrency {concurrency} wrote {result}, which is "
                              f"not JSON ({exc}); log: {log}") from None
     why = ab_stats.unusable_metric(record)
@@ -351,7 +358,7 @@ def report(argv: list[str]) -> int:
         text = summarise(args.out, run_id, arm_list, env, previous.get("aborted"))
     except ab_run.ForeignResults as exc:
         return p.usage_error(UsageError(str(exc)))
-    data = json.loads(summary.read_text())
+    data = json_files.load(summary)  # as summarise wrote it just now
     error = unanswered(data)
     if args.json:
         print(json_result("ab-serve report", error is None, **data, error=error))
@@ -411,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         return p.usage_error(exc)
     summary = args.out / "summary.json"
     if summary.is_file():
-        data = json.loads(summary.read_text())
+        data = json_files.load(summary)
         print(json_result("ab-serve", code == 0, **data, error=unanswered(data)))
     else:
         print(json_result("ab-serve", False, error="no summary was written (see stderr)"))
@@ -448,11 +455,11 @@ def run(args: argparse.Namespace) -> int:
             ab_run.mark_measured(workdir, run_id)
         except arms.ArmFailed as exc:
             print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
-            aborted = str(exc).splitlines()[0]
+            aborted = arms.reason(exc)
             break
     try:
         print("\n" + summarise(args.out, run_id, arm_list, environment(args, arm_list), aborted))
     except ab_run.ForeignResults as exc:
         print(f"k3-amd-overlay ab-serve: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    return EXIT_FAILED if unanswered(json.loads((args.out / "summary.json").read_text())) else 0
+    return EXIT_FAILED if unanswered(json_files.load(args.out / "summary.json")) else 0

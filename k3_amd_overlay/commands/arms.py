@@ -15,12 +15,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3_amd_overlay.commands.usage import UsageError, split_command
-from k3_amd_overlay.settings import MARKER_DIR, SWITCH, Mode, load_settings
+from k3_amd_overlay.settings import MARKER_DIR, SWITCH, Mode, SettingsError, load_settings
 
 CHECK_FILE = "check.txt"  # in each arm's folder: the check before its measurement
 CHECK_AFTER_FILE = "check-after.txt"  # ... and the check after it, with its server still up
@@ -63,6 +63,36 @@ def check_distinct(named: Sequence[tuple[str, str]]) -> None:
         seen[parsed] = (name, value)
 
 
+def check_given(option: str, value: str | None, default: str | None = None) -> None:
+    """A string option given empty or blank (an unset ``"$VAR"``) is a UsageError naming it, before
+    any server starts: the server, bench or lm-eval would be given nothing, or quietly the default."""
+    if value is not None and not value.strip():
+        leave = f", or leave it out for its default ({default})" if default else ""
+        raise UsageError(f"{option} {value!r} names nothing (an empty value: an unset variable?); give a value{leave}")
+
+
+def environment(switch: str, marker_dir: str) -> dict[str, str]:
+    """The environment an arm's server is started with: this process's, with the arm's switch and
+    its own marker folder."""
+    env = {k: v for k, v in os.environ.items() if k != SWITCH}
+    env.update({SWITCH: switch, MARKER_DIR: marker_dir})
+    return env
+
+
+def check_environments(named: Iterable[tuple[str, str]]) -> None:
+    """Each (arm, K3_AMD_OVERLAY value, already valid): every K3_AMD_OVERLAY* variable its server
+    would inherit, parsed by the overlay's own loader as the plugin parses them when the server
+    starts (a bad K3_AMD_OVERLAY_STRICT, a provider, a misspelt name while the arm is not off); a
+    UsageError in the loader's words naming the first arm whose server would stop on one, before any
+    server starts (and a model loads)."""
+    for name, switch in named:
+        try:
+            load_settings(environment(switch, "markers"))  # the arm's own marker folder: never blank
+        except SettingsError as exc:
+            raise UsageError(f"{name} ({SWITCH}={switch!r}) would stop its server at start on the environment it "
+                             f"inherits: {exc}") from None
+
+
 def default_arms(switch_a: str = "0", switch_b: str = "1") -> tuple[Arm, Arm]:
     """The operator's question: vLLM as it is (overlay off) against the overlay on."""
     return Arm("A", switch_a, expectation(switch_a)), Arm("B", switch_b, expectation(switch_b))
@@ -79,6 +109,13 @@ def abba(arms: Sequence[Arm], repeats: int) -> list[tuple[int, Arm]]:
 
 class ArmFailed(RuntimeError):
     """An arm could not be started or proved; the message says where its logs are."""
+
+
+def reason(exc: Exception) -> str:
+    """Why a run aborted in one line, as a summary's ``aborted`` and --json's ``error`` say it: the
+    first line of the failure's message (the rest, a check's output and where the logs are, goes to
+    stderr)."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 class Server:
@@ -98,9 +135,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != SWITCH}
-        env.update({SWITCH: self.arm.switch, MARKER_DIR: str(self.marker_dir)})
-        return env
+        return environment(self.arm.switch, str(self.marker_dir))
 
     def start(self, health_timeout: float) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)

@@ -27,16 +27,19 @@ only where its own launch ran in the candidate: the absorbed launch also does qk
 (``verdict.DOES_THE_WORK_OF``), so where only it ran the kernels it removed are its own, and where
 both launches ran they share one section (the baseline cannot say which stock kernel each replaced).
 No ratio comes from evidence that cannot carry one: an empty trace, two traces of one rank (profiler
-sessions summed as one), fewer ranks than the traces' ``distributedInfo`` world size, different rank
+sessions summed as one), a copy of a trace given as another rank's (byte for byte the same: no two
+ranks' traces are), fewer ranks than the traces' ``distributedInfo`` world size, different rank
 sets, arms on different GPUs (``deviceProperties``), nested overlay ranges, one arm (or some ranks)
 with a region's ranges and the other without, a baseline that ran the fused launch or none of the
 kernels it replaces; the comparison names the reason and does not hold. Each ``--expect`` is judged
-on its own, and an empty trace, two traces of one rank or missing ranks satisfy none."""
+on its own, and an empty trace, two traces of one rank, a copy or missing ranks satisfy none. One file
+named twice (a path twice, a file beside the folder holding it) is refused: a usage error."""
 
 from __future__ import annotations
 
 import bisect
 import gzip
+import hashlib
 import itertools
 import json
 import math
@@ -49,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from k3_amd_overlay import json_values
+from k3_amd_overlay.commands.usage import UsageError
 from k3_amd_overlay.commands.verdict import DOES_THE_WORK_OF
 from k3_amd_overlay.kernels.names import (
     ABSORB_FP8_QK_CACHE_KERNEL,
@@ -111,8 +115,8 @@ class Census:
     """Kernel statistics per rank (rank -> kernel name -> stats), the kernels launched inside each
     of the overlay's profiler ranges (rank -> [(range name, [(launch time, kernel, µs)])]), the
     overlay ranges opened inside another one (rank -> [(outer, inner)]), the files read for each
-    rank, the world size each file's ``distributedInfo`` gives and the GPU names its
-    ``deviceProperties`` give."""
+    rank, the world size each file's ``distributedInfo`` gives, the GPU names its
+    ``deviceProperties`` give, and each file whose bytes an earlier one's repeat."""
 
     ranks: dict[str, dict[str, KernelStats]] = field(default_factory=dict)
     regions: dict[str, list[tuple[str, list[tuple[float, str, float]]]]] = field(default_factory=dict)
@@ -120,6 +124,7 @@ class Census:
     files: dict[str, list[Path]] = field(default_factory=dict)
     world_sizes: dict[Path, int] = field(default_factory=dict)
     gpus: set[str] = field(default_factory=set)
+    copies: list[tuple[Path, Path]] = field(default_factory=list)  # (a file, a later one of the same bytes)
 
     def total(self) -> dict[str, KernelStats]:
         summed: dict[str, KernelStats] = defaultdict(KernelStats)
@@ -174,7 +179,20 @@ def trace_files(paths: Iterable[str | Path]) -> list[Path]:
             raise TraceError(f"{item}: no such file or directory")
     if not files:
         raise TraceError(f"no .json or .json.gz trace found in {', '.join(map(str, paths))}")
+    _refuse_named_twice(files)
     return files
+
+
+def _refuse_named_twice(files: list[Path]) -> None:
+    """A TraceError where two of ``files`` are one file (one path given twice, a file given beside the
+    folder holding it, a link to it): read twice, one trace would count as two ranks."""
+    seen: dict[Path, Path] = {}
+    for path in files:
+        first = seen.setdefault(path.resolve(), path)
+        if first is not path:
+            named = f"{path}" if str(first) == str(path) else f"{first} and {path}: one file ({path.resolve()})"
+            raise TraceError(f"{named} named twice (a path given twice, or a file given beside the folder holding "
+                             f"it): read twice, one trace would count as two ranks; name each rank's trace once")
 
 
 def _traces_under(directory: Path) -> list[Path]:
@@ -191,12 +209,19 @@ def _traces_under(directory: Path) -> list[Path]:
     return sorted(found)
 
 
-def load_trace(path: Path) -> dict[str, Any]:
+def trace_bytes(path: Path) -> bytes:
+    """The JSON text of the trace at ``path`` (gunzipped where it is ``.gz``), as bytes."""
     try:
-        raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
-        data = json.loads(raw)
+        return gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise TraceError(f"{path}: cannot read ({type(exc).__name__}: {exc}); truncated or not gzip?") from None
+
+
+def load_trace(path: Path, raw: bytes | None = None) -> dict[str, Any]:
+    """The trace at ``path`` (``raw``: its ``trace_bytes``, where already read)."""
+    raw = trace_bytes(path) if raw is None else raw
+    try:
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: not JSON ({exc}); a truncated trace?") from None
     except (RecursionError, ValueError) as exc:  # nested too deeply; an integer of too many digits
@@ -237,8 +262,13 @@ def gpu_names(data: dict[str, Any]) -> set[str]:
 def read_census(paths: Iterable[str | Path]) -> Census:
     paths = list(paths)
     census = Census()
+    contents: dict[bytes, Path] = {}  # the digest of each trace's text -> the first file holding it
     for index, path in enumerate(trace_files(paths)):
-        data = load_trace(path)
+        raw = trace_bytes(path)
+        first = contents.setdefault(hashlib.sha256(raw).digest(), path)
+        if first is not path:
+            census.copies.append((first, path))
+        data = load_trace(path, raw)
         rank = rank_of(path, data, index)
         census.files.setdefault(rank, []).append(path)
         size = world_size_of(path, data)
@@ -368,6 +398,16 @@ def claiming_pattern(name: str) -> str | None:
 COUNT = re.compile(r"[0-9]{1,18}")  # ASCII digits only (str.isdigit takes "²", which int() refuses)
 
 
+def check_steps(steps: int | None, baseline: list[str] | None) -> None:
+    """A UsageError where ``--steps`` is given without ``--baseline``: the steps divide only the
+    comparison's figures (launches per step, µs per layer and step), so alone they would be dropped
+    without a word (``--expect`` counts per rank over the whole window)."""
+    if steps is not None and not baseline:
+        raise UsageError(f"--steps {steps} without --baseline: the steps divide the before/after comparison's "
+                         "figures (per step, per layer and step), which only --baseline gives; give --baseline "
+                         "TRACE ..., or leave --steps out (--expect counts per rank over the whole window)")
+
+
 def parse_expectations(items: Iterable[str]) -> list[tuple[str, int]]:
     parsed = []
     for item in items:
@@ -390,11 +430,15 @@ ONE_SESSION = "keep one profiler session per directory, one trace per rank"
 
 
 def rank_problems(census: Census) -> list[str]:
-    """Why the traces are not one trace per rank of a whole deployment: a rank with several traces
-    (their kernels would be summed as one session's), traces that disagree on the world size, or
-    ranks of the world size their ``distributedInfo`` gives without a trace."""
-    problems = [f"rank {rank}: {len(files)} traces ({', '.join(map(str, files))}) would be summed as one; "
-                f"{ONE_SESSION}" for rank, files in sorted(census.files.items()) if len(files) > 1]
+    """Why the traces are not one trace per rank of a whole deployment: a file that is a copy of
+    another (no evidence of a second rank), a rank with several traces (their kernels would be summed
+    as one session's), traces that disagree on the world size, or ranks of the world size their
+    ``distributedInfo`` gives without a trace."""
+    problems = [f"{first} and {copy}: the same trace byte for byte, a copy (no two ranks' traces are: each "
+                f"has its own process ids and times), so one rank's kernels would count twice; {ONE_SESSION}"
+                for first, copy in census.copies]
+    problems += [f"rank {rank}: {len(files)} traces ({', '.join(map(str, files))}) would be summed as one; "
+                 f"{ONE_SESSION}" for rank, files in sorted(census.files.items()) if len(files) > 1]
     first: dict[int, Path] = {}  # world size -> the first file read that gives it
     for path, size in census.world_sizes.items():
         first.setdefault(size, path)

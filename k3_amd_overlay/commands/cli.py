@@ -116,8 +116,11 @@ def merged_records(paths: list[str]) -> tuple[list[NodeEvidence], list[str]]:
             if host is not None and not isinstance(host, str):
                 raise ValueError(f"its host is {host!r}, not a host name")
             records = []
-            for raw in data["records"]:
-                record = MarkerRecord.from_json(raw)
+            for index, raw in enumerate(data["records"]):
+                try:
+                    record = MarkerRecord.from_json(raw)
+                except RecordError as exc:
+                    raise RecordError(f"records[{index}]: {exc}") from None
                 record.host = raw.get("host") or host or ""
                 records.append(record)
             checked_at = data.get("checked_at")
@@ -194,7 +197,7 @@ def live_records(directory: Path, prune: bool,
 
 def cmd_check(args: argparse.Namespace) -> int:
     """0: holds; 1: does not hold; 2: a usage error. With ``--json`` one JSON object on every path."""
-    from k3_amd_overlay.settings import SWITCH, Mode, SettingsError, load_settings
+    from k3_amd_overlay.settings import SWITCH, Mode, SettingsError, load_settings, parse_marker_dir
 
     source = "merge" if args.merge else "static" if args.static else "markers"
     marker_dir: str | None = None
@@ -207,6 +210,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UsageError("--merge, --static and --prune each judge other processes: give at most one")
     if args.max_age is not None and not args.merge:
         raise UsageError("--max-age applies to --merge only (a live check reads markers as they are now)")
+    check_fused_options(args)
     max_age = MERGE_MAX_AGE_S if args.max_age is None else args.max_age
     if not (0 < max_age < math.inf):  # not "<= 0": NaN compares false both ways
         raise UsageError(f"--max-age {max_age:g}: seconds, more than 0 and finite")
@@ -238,11 +242,19 @@ def cmd_check(args: argparse.Namespace) -> int:
                     verdict = judge(records, args.expect, wanted, False, static=True, allow_mixed=args.allow_mixed)
                 judge_doctor(report, args.expect, wanted, verdict)
     else:
-        directory = Path(args.marker_dir or os.environ.get(MARKER_DIR) or markers.default_marker_dir())
+        try:
+            setting = None if args.marker_dir else parse_marker_dir(os.environ.get(MARKER_DIR))
+        except SettingsError as exc:
+            raise UsageError(str(exc)) from None
+        directory = Path(args.marker_dir or setting or markers.default_marker_dir())
         marker_dir = str(directory)
         found = read_marker_dir(directory)
         records, notes = live_records(directory, args.prune, found)
         verdict = judge(records, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed)
+        forgeable = markers.forgeable(directory)
+        if forgeable:
+            verdict.fail(f"{forgeable}: no vLLM process of this overlay writes its marker there, and any user "
+                         "could have: nothing read there is evidence")
         for marker, pid in markers.unreadable_of_live_processes(found):
             verdict.fail(f"{marker.path}: pid {pid} runs on this host, but its marker is unreadable ({marker.error}): "
                          "what it ran is unknown (another overlay version's marker? restart it with this one; "
@@ -263,6 +275,22 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if verdict.holds else 1
 
 
+# The options that judge a fused arm only, and why each means nothing for another expectation.
+FUSED_ONLY = (("allow_mixed", "--allow-mixed", "it accepts a partly fused process"),
+              ("no_effective", "--no-effective", "it drops the need for served traffic on a fused path"))
+
+
+def check_fused_options(args: argparse.Namespace) -> None:
+    """A UsageError for an option given with an expectation that ignores it: --allow-mixed and
+    --no-effective judge a fused arm only; --fusions names fusions to judge, which an off process has not."""
+    for dest, option, what in FUSED_ONLY:
+        if getattr(args, dest) and args.expect != "fused":
+            raise UsageError(f"{option} applies to --expect fused only ({what}), not --expect {args.expect}")
+    if args.fusions is not None and args.expect == "off":
+        raise UsageError("--fusions applies to --expect fused or stock only (an off process runs no fusion to judge), "
+                         "not --expect off")
+
+
 def _check_error(expect: str, lines: list[str]) -> str:
     """A failed check's one line for --json: its first FAIL line and how many there are."""
     fails = [line.removeprefix("FAIL ") for line in lines if line.startswith("FAIL ")]
@@ -271,12 +299,13 @@ def _check_error(expect: str, lines: list[str]) -> str:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from k3_amd_overlay.commands.doctor import json_report, render, run_doctor
-
     if args.switch is not None:
         check_switches([("--switch", args.switch)])
     if args.serve_args is not None:
         check_command_lines([("--serve-args", args.serve_args)])
+    # after the arguments are checked: the doctor needs torch, and a usage error does not
+    from k3_amd_overlay.commands.doctor import json_report, render, run_doctor
+
     report, healthy = run_doctor(switch=args.switch, serve_args=args.serve_args)
     if args.json:
         print(json.dumps({"command": "doctor", "ok": healthy, "exit_status": 0 if healthy else EXIT_FAILED,
@@ -295,6 +324,7 @@ def cmd_census(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise UsageError(f"{option} {value}: at least 1 (--layers: the model's MLA layers; --steps: decode steps "
                              "in the profiled window)")
+    census.check_steps(args.steps, args.baseline)
     try:
         expectations = census.parse_expectations(args.expect or [])
         candidate = census.read_census(args.traces)
@@ -426,7 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fail unless kernels matching NAME ran exactly COUNT times on every rank (a kernel the "
                              "census's table names more exactly is not NAME's: absorb_qk_cache_kernel is not a "
                              "qk_cache_kernel); each judged on its own; an empty trace satisfies none")
-    census.add_argument("--steps", type=int, help="decode steps in the window: per-step and per-layer figures")
+    census.add_argument("--steps", type=int,
+                        help="decode steps in the window: per-step and per-layer figures of the comparison "
+                             "(with --baseline only)")
     census.add_argument("--layers", type=int, default=k3.MLA_LAYERS, help="MLA layers of the model (K3's)")
     census.add_argument("--json", action="store_true", help="one JSON object on stdout on every path")
     census.set_defaults(func=cmd_census)

@@ -373,8 +373,15 @@ def run_worker(arch: str, device_name: str | None = None) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--worker", arch, *device],
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"compiling for {arch} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        sys.stderr.write(proc.stderr)  # the whole of it (a traceback, say) here; the error is its last line
+        raise RuntimeError(f"compiling for {arch} failed (exit {proc.returncode}): {last_line(proc.stderr)}")
     return json.loads(proc.stdout)
+
+
+def last_line(text: str) -> str:
+    """The last line of ``text`` that says something (a traceback's exception), or that nothing was said."""
+    said = [line.strip() for line in text.splitlines() if line.strip()]
+    return said[-1] if said else "nothing on stderr"
 
 
 def source_text(source: dict[str, Any]) -> str:
@@ -417,6 +424,14 @@ def parser() -> Parser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The checks of the report's arguments that need no torch (the CLI runs them before it looks for it):
+    UsageError naming the value and what is allowed."""
+    if args.device is not None and not launch_configs.device_slug(args.device):
+        raise UsageError(f"--device {args.device!r}: a GPU name as k3-amd-overlay tune records it is needed, "
+                         "e.g. 'AMD Instinct MI300X'")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -428,9 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     try:
-        if args.device is not None and not launch_configs.device_slug(args.device):
-            raise UsageError(f"--device {args.device!r}: a GPU name as k3-amd-overlay tune records it is needed, "
-                             "e.g. 'AMD Instinct MI300X'")
+        check_args(args)
         arch = args.arch or local_arch()
     except UsageError as exc:  # a nameless --device, or no AMD GPU of a covered arch to take the arch from
         return p.usage_error(exc)

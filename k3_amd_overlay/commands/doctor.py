@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from k3_amd_overlay import k3, kernel_failures, measured
+from k3_amd_overlay import k3, kernel_failures, markers, measured
 from k3_amd_overlay.fp8 import FP8_FORMATS, device_format
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import (
@@ -24,7 +24,7 @@ from k3_amd_overlay.package import (
     SUPPORTED_VLLM,
     __version__,
 )
-from k3_amd_overlay.settings import SWITCH, SettingsError, load_settings
+from k3_amd_overlay.settings import KERNEL_CONFIGS, MARKER_DIR, SWITCH, SettingsError, load_settings
 from k3_amd_overlay.versions import first_installed, installed_aiter_version, installed_vllm_version
 
 K3_ABSORB_WIDTHS = (k3.QK_NOPE_HEAD_DIM, k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM)  # P, L, R of the absorbed op
@@ -59,6 +59,10 @@ def launch_configs_here(device: torch.device) -> dict[str, Any]:
         found = launch.describe(device)
     except LaunchConfigError as exc:
         return {"error": str(exc)}
+    setting = os.environ.get(KERNEL_CONFIGS, "")
+    # kernels read: the shipped file is fine, so the error is about the file the variable names
+    if found.get("error") and found.get("kernels") and setting and KERNEL_CONFIGS not in found["error"]:
+        found["error"] = f"{KERNEL_CONFIGS}={setting}: {found['error']}"
     if torch.version.hip is not None and device.type == "cuda":
         from k3_amd_overlay.commands import compile_report
 
@@ -73,6 +77,20 @@ def launch_configs_here(device: torch.device) -> dict[str, Any]:
                                                          for e in entries if e["problems"]]
                                        + list(report.get("unchecked", []))}
     return found
+
+
+def marker_dir_here(marker_dir: str | None) -> dict[str, Any]:
+    """Where a vLLM process started here writes its marker (``marker_dir``: the setting, None for the
+    per-user default) and, as ``error``, why it would write none there, by the rule the process itself
+    applies (markers.marker_dir_refusal): then no ``check`` could see it."""
+    section: dict[str, Any] = {"path": str(marker_dir or markers.default_marker_dir()),
+                               "set by": MARKER_DIR if marker_dir else "default"}
+    refusal = markers.marker_dir_refusal(marker_dir)
+    if refusal:
+        named = f"{MARKER_DIR}={marker_dir}" if marker_dir else f"the per-user marker directory ({MARKER_DIR} unset)"
+        section["error"] = (f"{named}: a vLLM process would write no marker there, so `check` could prove "
+                            f"nothing: {refusal}")
+    return section
 
 
 def qk_cache_by_tp(shape_upstream: str) -> list[dict[str, Any]]:
@@ -253,6 +271,8 @@ def verdict_line(report: dict[str, Any]) -> tuple[str, bool]:
     problems = []
     if "error" in report.get("switch", {}):
         problems.append(report["switch"]["error"])
+    if report.get("marker dir", {}).get("error"):
+        problems.append(report["marker dir"]["error"])
     shape = report.get("vllm shape")  # absent: not looked at, which is no reason of its own
     if shape is not None and shape.get("recognised") is None and shape.get("note") is None:
         problems.append("this vLLM's K3 AMD code is not recognised (see vllm shape)")
@@ -313,6 +333,7 @@ def run_doctor(switch: str | None = None, serve_args: str | None = None) -> tupl
     report["switch"] = {"K3_AMD_OVERLAY": settings.raw, "mode": settings.mode.value,
                         "fusions": sorted(settings.fusions), "strict": settings.strict,
                         "providers": dict(settings.providers)}
+    report["marker dir"] = marker_dir_here(settings.marker_dir)
     if has_vllm:
         report["qk_cache by tensor-parallel size (K3, 96 heads)"] = qk_cache_by_tp(shape.upstream[QK_CACHE]
                                                                                   if shape else "")
@@ -394,7 +415,6 @@ def _activate_here(env: dict[str, str]) -> dict[str, Any]:
     import tempfile
 
     from k3_amd_overlay import activation
-    from k3_amd_overlay.settings import MARKER_DIR
 
     with tempfile.TemporaryDirectory(prefix="k3ovl-doctor-") as markers:
         os.chmod(markers, 0o700)
@@ -439,6 +459,12 @@ def render(report: dict[str, Any]) -> str:
                  f"K3_AMD_OVERLAY={switch['K3_AMD_OVERLAY']!r}: mode {switch['mode']}, fusions "
                  f"{', '.join(switch['fusions']) or 'none'}, strict {switch['strict']}, providers "
                  + ", ".join(f"{f}={p}" for f, p in switch["providers"].items())))
+    marker_dir = report.get("marker dir")
+    if marker_dir:
+        lines.append(f"\n== marker directory\n  {marker_dir['path']} ("
+                     + (f"{MARKER_DIR})" if marker_dir["set by"] == MARKER_DIR else "the per-user default)"))
+        if marker_dir.get("error"):
+            lines.append(f"  UNUSABLE: {marker_dir['error']}")
     shape = report.get("vllm shape")
     if shape is None:
         lines.append(f"\n{report['verdict']}")

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay import json_values
+from k3_amd_overlay import json_files, json_values
 from k3_amd_overlay.commands import ab_run, ab_stats, arms
 from k3_amd_overlay.commands.baseline_hazard import ACCEPT_FLAG
 from k3_amd_overlay.commands.usage import (
@@ -98,12 +98,19 @@ def local_task(task: str, data_file: Path, tasks_dir: Path) -> str:
     return name
 
 
-def read_json(path: Path) -> Any:
-    """An lm-eval output file's JSON; ArmFailed where it is not JSON."""
+def read_text(path: Path) -> str:
+    """An lm-eval output file's text; ArmFailed where it cannot be read (a FIFO or a folder is not
+    read: json_files)."""
     try:
-        return json.loads(path.read_text())
-    except RecursionError:
-        raise arms.ArmFailed(f"{path} is not JSON lm-eval writes: nested too deeply to read") from None
+        return json_files.read_regular(path)
+    except (OSError, ValueError) as exc:
+        raise arms.ArmFailed(f"{path} cannot be read: {exc}") from None
+
+
+def read_json(path: Path) -> Any:
+    """An lm-eval output file's JSON; ArmFailed where it cannot be read or is not JSON."""
+    try:
+        return json_files.parse(read_text(path))
     except ValueError as exc:
         raise arms.ArmFailed(f"{path} is not JSON: {exc}") from None
 
@@ -150,12 +157,12 @@ def outcomes(output_dir: Path, task: str, metric: str) -> dict[int, bool]:
     if not files:
         raise arms.ArmFailed(f"no lm-eval samples_{task}_*.jsonl under {output_dir} (was --log_samples passed?)")
     found = {}
-    for number, line in enumerate(files[-1].read_text().splitlines(), start=1):
+    for number, line in enumerate(read_text(files[-1]).splitlines(), start=1):
         try:
-            row = json.loads(line)
+            row = json_files.parse(line)
             if not filter_key or row.get("filter") == filter_key:
                 found[int(row["doc_id"])] = float(row[name]) > 0
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise arms.ArmFailed(f"{files[-1]} line {number} gives no {metric!r} outcome of a question "
                                  f"({type(exc).__name__}: {exc})") from None
     if not found:
@@ -171,6 +178,9 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--num-fewshot {args.num_fewshot}: at least 0")
     if args.num_concurrent < 1:
         raise UsageError(f"--num-concurrent {args.num_concurrent}: at least 1")
+    arms.check_given("--model", args.model)
+    arms.check_given("--served-model-name", args.served_model_name, "the --model value")
+    arms.check_given("--task", args.task, "gsm8k")
     if not METRIC.fullmatch(args.metric):
         raise UsageError(f"--metric {args.metric!r}: lm-eval names each result METRIC,FILTER, e.g. "
                          "exact_match,strict-match (acc,none where the task has no filter)")
@@ -182,6 +192,7 @@ def validate(args: argparse.Namespace) -> None:
     switches = (("--arm-a", args.arm_a), ("--arm-b", args.arm_b))
     check_switches(switches)
     arms.check_distinct(switches)
+    arms.check_environments((("arm A", args.arm_a), ("arm B", args.arm_b)))
     check_executables((("--serve-cmd", args.serve_cmd), ("--lm-eval-cmd", args.lm_eval_cmd)))
     args.baseline_hazards = check_baselines((("arm A", args.arm_a), ("arm B", args.arm_b)), args.serve_args,
                                             args.accept_baseline_hazard)
@@ -192,28 +203,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         validate(args)
-        if not args.json:
-            return run(args)
-        with contextlib.redirect_stdout(sys.stderr):  # progress and the table to stderr; stdout: the one object
-            code = run(args)
+        # with --json, progress and the table go to stderr; stdout: the one object
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            summary = run(args)
     except UsageError as exc:
         return p.usage_error(exc)
-    summary = args.out / "summary.json"
-    if code == 0 and summary.is_file():
-        print(json_result("gsm8k-ab", True, **json.loads(summary.read_text())))
-    else:
-        print(json_result("gsm8k-ab", False, error="aborted (see stderr)"))
-    return code
+    except (arms.ArmFailed, ab_run.ForeignResults) as exc:
+        print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
+        if args.json:
+            print(json_result("gsm8k-ab", False, error=arms.reason(exc)))
+        return EXIT_FAILED
+    if args.json:
+        print(json_result("gsm8k-ab", True, **summary))
+    return 0
 
 
-def aborted(exc: Exception) -> int:
-    print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
-    return EXIT_FAILED
-
-
-def run(args: argparse.Namespace) -> int:
-    """The run of validated arguments: 0, or 1 where an arm failed; UsageError where --out cannot be
-    created or another run claimed it meanwhile (before any server starts)."""
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The run of validated arguments: the summary it wrote (summary.md, summary.json); ArmFailed (or
+    ForeignResults) where an arm failed, UsageError where --out cannot be created or another run
+    claimed it meanwhile (before any server starts)."""
     run_id = ab_run.claim(args.out, "gsm8k-ab")
     for hazard in args.baseline_hazards:
         print(f"k3-amd-overlay gsm8k-ab: warning ({ACCEPT_FLAG}): {hazard}", file=sys.stderr, flush=True)
@@ -230,33 +238,30 @@ def run(args: argparse.Namespace) -> int:
     for arm in arms.default_arms(args.arm_a, args.arm_b):
         workdir = args.out / f"arm{arm.label}"
         print(f"arm {arm.label} (K3_AMD_OVERLAY={arm.switch}): starting", flush=True)
-        try:
-            ab_run.stamp(workdir, run_id)
-            with arms.proved_server(arm, args.serve_cmd, args.model, args.serve_args, args.port, workdir,
-                                    args.health_timeout, served_name=name) as server:
-                print(f"arm {arm.label} proved {arm.expect}; running {task}", flush=True)
-                extra = f",{args.extra_model_args}" if args.extra_model_args else ""
-                model_args = (f"model={name},base_url={server.url}/v1/completions,num_concurrent={args.num_concurrent},"
-                              f"tokenized_requests=False{extra}")
-                command = [*split_command("--lm-eval-cmd", args.lm_eval_cmd), "--model", "local-completions",
-                           "--model_args", model_args, "--tasks", task, "--num_fewshot", str(args.num_fewshot),
-                           "--output_path", str(workdir / "lm_eval"), "--log_samples", *include]
-                if args.limit:
-                    command += ["--limit", str(args.limit)]
-                with open(workdir / "lm_eval.log", "w") as log:
-                    if subprocess.run(command, stdout=log, stderr=log).returncode != 0:
-                        raise arms.ArmFailed(f"arm {arm.label}: lm-eval failed; log: {workdir / 'lm_eval.log'}")
-                ab_run.check_owned([workdir], run_id)
-                scores[arm.label] = accuracy(workdir / "lm_eval", task, args.metric)
-                per_question[arm.label] = outcomes(workdir / "lm_eval", task, args.metric)
-        except (arms.ArmFailed, ab_run.ForeignResults) as exc:
-            return aborted(exc)
+        ab_run.stamp(workdir, run_id)
+        with arms.proved_server(arm, args.serve_cmd, args.model, args.serve_args, args.port, workdir,
+                                args.health_timeout, served_name=name) as server:
+            print(f"arm {arm.label} proved {arm.expect}; running {task}", flush=True)
+            extra = f",{args.extra_model_args}" if args.extra_model_args else ""
+            model_args = (f"model={name},base_url={server.url}/v1/completions,num_concurrent={args.num_concurrent},"
+                          f"tokenized_requests=False{extra}")
+            command = [*split_command("--lm-eval-cmd", args.lm_eval_cmd), "--model", "local-completions",
+                       "--model_args", model_args, "--tasks", task, "--num_fewshot", str(args.num_fewshot),
+                       "--output_path", str(workdir / "lm_eval"), "--log_samples", *include]
+            if args.limit:
+                command += ["--limit", str(args.limit)]
+            with open(workdir / "lm_eval.log", "w") as log:
+                if subprocess.run(command, stdout=log, stderr=log).returncode != 0:
+                    raise arms.ArmFailed(f"arm {arm.label}: lm-eval failed; log: {workdir / 'lm_eval.log'}")
+            ab_run.check_owned([workdir], run_id)
+            scores[arm.label] = accuracy(workdir / "lm_eval", task, args.metric)
+            per_question[arm.label] = outcomes(workdir / "lm_eval", task, args.metric)
     (acc_a, n_a), (acc_b, n_b) = scores["A"], scores["B"]
     try:
         paired = ab_stats.PairedAccuracy.from_outcomes(per_question["A"], per_question["B"])
     except ValueError as exc:
-        return aborted(arms.ArmFailed(f"{exc} (arm A: {len(per_question['A'])} questions, arm B: "
-                                      f"{len(per_question['B'])}; see each arm's lm_eval folder under {args.out})"))
+        raise arms.ArmFailed(f"{exc} (arm A: {len(per_question['A'])} questions, arm B: "
+                             f"{len(per_question['B'])}; see each arm's lm_eval folder under {args.out})") from None
     lines = [
         f"| arm | K3_AMD_OVERLAY | {task} {args.metric} | questions |", "|---|---|---|---|",
         f"| A | {args.arm_a} | {acc_a:.4f} | {n_a} |", f"| B | {args.arm_b} | {acc_b:.4f} | {n_b} |",
@@ -268,13 +273,14 @@ def run(args: argparse.Namespace) -> int:
         *(f"WARNING, measured with {ACCEPT_FLAG}: {hazard}" for hazard in args.baseline_hazards),
     ]
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
-    (args.out / "summary.json").write_text(json.dumps({
+    summary = {
         "run_id": run_id, "task": task, "metric": args.metric,
         "arms": {"A": {"switch": args.arm_a, "accuracy": acc_a, "questions": n_a},
                  "B": {"switch": args.arm_b, "accuracy": acc_b, "questions": n_b}},
         "paired": {"questions": paired.questions, "delta": paired.delta, "only_a": paired.only_a,
                    "only_b": paired.only_b, "verdict": paired.verdict()},
-        "baseline_hazards": args.baseline_hazards}, indent=1))
+        "baseline_hazards": args.baseline_hazards}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print("\n".join(lines))
-    return 0
+    return summary
 

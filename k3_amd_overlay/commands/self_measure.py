@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay import k3, measured
+from k3_amd_overlay import json_files, k3, measured
 from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, __version__
@@ -276,7 +276,7 @@ def heads_from_model(model: str, tp: int) -> int:
     path = Path(model)
     config_file = path / "config.json" if path.is_dir() else path
     try:
-        config = json.loads(config_file.read_text())
+        config = json_files.load(config_file)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--model {model}: cannot read {config_file} ({exc}); give a local model directory or "
                          "its config.json, or --heads") from None
@@ -304,21 +304,35 @@ def heads_field(config: dict[str, Any]) -> tuple[str | None, Any]:
     return None, None
 
 
-def check_out_directory(given: Path) -> None:
-    """--out is a directory, or one the result file's writing can create: no part of it an existing file
-    (checked before measuring, so that no measurement is lost to it). (An empty value the parser
-    refuses: usage.Parser.)"""
+def check_out_directory(given: Path, said: str | None = None,
+                        remedy: str = "--out names a directory for the result file") -> None:
+    """--out (or the default directory, ``said`` naming where it comes from) is a directory, or one the
+    result file's writing can create: no part of it an existing file (checked before measuring, so that
+    no measurement is lost to it). (An empty --out the parser refuses: usage.Parser.)"""
+    said = said or f"--out {given}"
     path = Path(given)
     for part in (path, *path.parents):
         if not part.exists():
             continue
         if not part.is_dir():
             what = "is a file" if part == path else f"lies under {part}, which is a file"
-            raise UsageError(f"--out {given}: {what}; --out names a directory for the result file")
+            raise UsageError(f"{said}: {what}; {remedy}")
         if not os.access(part, os.W_OK | os.X_OK):
-            raise UsageError(f"--out {given}: {part} is not writable here; --out names a directory for the result "
-                             "file")
+            raise UsageError(f"{said}: {part} is not writable here; {remedy}")
         return
+
+
+def check_default_directory() -> None:
+    """The directory the result file goes to without --out (``measured.result_dir``), checked as --out is."""
+    try:
+        directory = measured.result_dir(os.environ)
+    except (RuntimeError, KeyError):  # Path.home(): no HOME and no passwd entry for this user
+        raise UsageError(f"no home directory here for the per-user result directory: give --out DIR, or set "
+                         f"{KERNEL_CONFIGS} as the server has it") from None
+    setting = os.environ.get(KERNEL_CONFIGS, "")
+    said = (f"{KERNEL_CONFIGS}={setting}: its result directory {directory}" if setting
+            else f"the per-user result directory {directory}")
+    check_out_directory(directory, said, "give --out DIR")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -343,7 +357,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one JSON object on stdout on every path (the file written; the table goes to stderr)")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The checks of measure's arguments, none of which needs torch (the CLI runs them before it looks for
+    it): UsageError naming the value and what is allowed."""
+    _checked(args)
+
+
 def _checked(args: argparse.Namespace) -> tuple[list[int], list[str], list[int]]:
+    """The heads per rank, W_UK variants and buckets ``args`` ask for, checked (UsageError otherwise)."""
     tp = args.tensor_parallel_size
     if tp is not None and tp < 1:
         raise UsageError(f"--tensor-parallel-size {tp}: a positive integer")
@@ -360,15 +381,14 @@ def _checked(args: argparse.Namespace) -> tuple[list[int], list[str], list[int]]
             raise UsageError(f"--heads {' '.join(map(str, args.heads))} with --tensor-parallel-size {tp}: --heads "
                              f"is heads per rank, and K3's {k3.NUM_HEADS} heads at that size are {expected} per "
                              f"rank; give --heads {expected}, or --heads alone (another model's heads per rank)")
+    if args.model is not None and not args.model.strip():
+        raise UsageError(f"--model {args.model!r} names no model (an empty value: an unset variable?); give the "
+                         "model's directory or its config.json, or --heads")
     heads = sorted(set(args.heads)) if args.heads else [heads_from_model(args.model, tp or 1)]
     if args.out is not None:
         check_out_directory(args.out)
     else:
-        try:
-            measured.result_dir(os.environ)
-        except (RuntimeError, KeyError):  # Path.home(): no HOME and no passwd entry for this user
-            raise UsageError(f"no home directory here for the per-user result directory: give --out DIR, or set "
-                             f"{KERNEL_CONFIGS} as the server has it") from None
+        check_default_directory()
     bad = [v for v in args.variant if v not in measured.VARIANTS]
     if bad:
         fp4 = (" (fp4: its stock absorption is AITER's MXFP4 GEMM, which this version does not measure: an fp4 layer "
@@ -467,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
-        _checked(args)
+        check_args(args)
     except UsageError as exc:
         return p.usage_error(exc)
     if not getattr(args, "json", False):

@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from k3_amd_overlay import json_files
 from k3_amd_overlay.commands import tune_compile
 from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, check_input_file, describe, json_result
 from k3_amd_overlay.kernels import launch_configs, names
@@ -345,6 +345,11 @@ def out_path(out: Path, arch: str, device: str) -> Path:
     return path / f"{arch}-{device_slug(device)}.json" if path.is_dir() or not path.suffix else path
 
 
+def out_given(args: argparse.Namespace) -> Path:
+    """Where a run writes: --out, else the current directory."""
+    return Path(".") if args.out is None else args.out
+
+
 def check_compare(given: Path) -> None:
     """--compare names a readable launch-config file (checked before any GPU work)."""
     check_input_file("--compare", given)
@@ -383,7 +388,7 @@ def check_out_file(path: Path, given: Path) -> None:
     if not path.is_file():
         raise UsageError(f"{where} exists and is not a regular file")
     try:
-        data = json.loads(path.read_text())
+        data: Any = json_files.load(path)
         launch_configs.parse(data, str(path))
     except (OSError, ValueError) as exc:  # LaunchConfigError and JSONDecodeError are ValueErrors
         raise UsageError(f"{where} exists and is not a launch-config file tune can update ({exc}); move it or "
@@ -396,7 +401,7 @@ def check_out_file(path: Path, given: Path) -> None:
 
 def parser() -> Parser:
     p = Parser(prog="k3-amd-overlay tune", description=describe(__doc__))
-    p.add_argument("--out", type=Path, default=Path("."),
+    p.add_argument("--out", type=Path,
                    help="a file, or a directory for <arch>-<device>.json (default .); an existing file for this arch "
                         "and GPU keeps the kernels not tuned now")
     p.add_argument("--heads", type=int, nargs="+", help="per-rank query heads (default: the benchmarks')")
@@ -432,10 +437,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--arch {args.arch}: only with --plan (a run tunes the GPU it runs on)")
     if args.plan and args.compare is not None:
         raise UsageError("--plan and --compare: give one of them")
+    if args.compare is not None and args.out is not None:
+        raise UsageError(f"--out {args.out} and --compare: --compare writes no file (it times FILE's configs against "
+                         "the shipped ones); give one of them")
     if args.compare is not None:
         check_compare(args.compare)
-    elif not args.plan:  # --plan writes nothing
-        check_out(args.out)
+    elif not args.plan:  # --plan writes nothing (and takes the options of the run it counts, --out among them)
+        check_out(out_given(args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -534,8 +542,8 @@ def run(args: argparse.Namespace) -> int:
         if args.verbose:
             print(line, file=sys.stderr)
 
-    path = out_path(args.out, where.arch, name)
-    check_out_file(path, args.out)
+    path = out_path(out_given(args), where.arch, name)
+    check_out_file(path, out_given(args))
     print(plan_line(where.arch, plan(args.kernels, heads, tokens, where.arch)), flush=True)
     print("| kernel | T | H | shipped µs | tuned µs | shipped / tuned | tuned config |")
     print("|---|---|---|---|---|---|---|")
@@ -567,7 +575,7 @@ def write(path: Path, arch: str, device: str, kernels: dict[str, list[dict[str, 
     """Write (after each kernel, so an interrupted run keeps what it finished) ``kernels``' rules into
     ``path``, keeping the other kernels of a file tuned before for this arch and GPU."""
     if path.is_file():
-        before = json.loads(path.read_text())
+        before: Any = json_files.load(path)
         table = launch_configs.parse(before, str(path))  # check_out_file accepted it before tuning began
         if table.arch == arch and table.tuned_on == device:
             kernels = {**before["kernels"], **kernels}

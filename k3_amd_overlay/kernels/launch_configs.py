@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay import json_values, k3
+from k3_amd_overlay import json_files, json_values, k3
 from k3_amd_overlay.kernels import names
 from k3_amd_overlay.settings import KERNEL_CONFIGS
 
@@ -94,6 +94,21 @@ def least_dot_rows(arch: str) -> int:
 
 
 MAX_K_STEPS = k3.QK_NOPE_HEAD_DIM // DOT_LEAST
+# The most a config may set each key to (matrix_instr_nonkdim: one of AMD_MATRIX_SIZES), and why: no launch on
+# any GPU takes more. The shipped files and tune's candidates stay far below (num_warps 8, tiles 512).
+MOST_TILE = 4096
+MOST_VALUES: dict[str, tuple[int, str]] = {
+    # a workgroup (block) holds at most 1024 threads on AMD and NVIDIA alike, and the narrowest warp is 32 lanes
+    # (NVIDIA; RDNA's wave32): 32 warps bounds both (CDNA's 64-wide waves reach only 16; more fails there)
+    "num_warps": (32, "1024 threads a workgroup, in warps of at least 32 lanes"),
+    "num_stages": (16, "software-pipeline stages, each another copy of a loop's tiles in shared memory"),
+    "waves_per_eu": (20, "0: the compiler's choice; LLVM's most waves per SIMD of any AMD target, gfx10's"),
+    "kpack": (2, "Triton's AMD kpack: 1 or 2"),
+    "K_STEPS": (MAX_K_STEPS, f"slices of the {k3.QK_NOPE_HEAD_DIM} q_nope lanes of at least {DOT_LEAST}, tl.dot's "
+                             "least K"),
+    **{key: (MOST_TILE, "a tile side no program's registers and shared memory hold more of")
+       for key in ("ROWS_Q", "ROWS_KV", "HEADS", "BLOCK_N", "BLOCK_T", "KV_ROWS")},
+}
 # The part of the dot's result (rows x columns) one warp's matrix instruction computes. AMD (gfx*):
 # MFMA v_mfma_f32_<M>x<N>x<K>_<type>, M = N = 16 or 32 for every dtype of these kernels on CDNA3 and
 # CDNA4 (AMD's CDNA3/CDNA4 ISA guides; the instruction the compile report reads from each code object,
@@ -212,6 +227,16 @@ def _check_dot_warps(arch: str, config: dict[str, int], where: str) -> None:
             "the same tile over again)")
 
 
+def _check_most(values: dict[str, int], where: str) -> None:
+    """Each value of a config at most its key's bound in MOST_VALUES (LaunchConfigError naming the key, the
+    value and the range allowed)."""
+    for key, value in values.items():
+        if key in MOST_VALUES and value > MOST_VALUES[key][0]:
+            most, why = MOST_VALUES[key]
+            least = 0 if key in AMD_ONLY_OPTIONS else 1
+            raise LaunchConfigError(f"{where}: {key} = {value}: allowed {least}-{most} ({why})")
+
+
 def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tuple[str, int], ...]:
     if not isinstance(config, dict):
         raise LaunchConfigError(f"{where}: config must be an object, got {config!r}")
@@ -228,6 +253,7 @@ def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tupl
     if values.get("matrix_instr_nonkdim", 0) not in (0, *AMD_MATRIX_SIZES):
         raise LaunchConfigError(f"{where}: matrix_instr_nonkdim = {values['matrix_instr_nonkdim']}: 0 (Triton's "
                                 f"choice) or one of {', '.join(map(str, AMD_MATRIX_SIZES))}")
+    _check_most(values, where)
     for key in (*KERNEL_PARAMETERS[kernel], *(k for k in OPTIONAL_PARAMETERS[kernel] if k in values), "num_warps"):
         if values[key] & (values[key] - 1):
             raise LaunchConfigError(f"{where}: {key} = {values[key]} is not a power of two")
@@ -235,9 +261,6 @@ def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tupl
         raise LaunchConfigError(f"{where}: BLOCK_T = {values['BLOCK_T']} on {arch}: at most {FEW_TOKEN_MOST} (no "
                                 f"dot: the products summed in fp32) or at least {DOT_LEAST} (AMD's smallest matrix "
                                 "tile; Triton computes a smaller dot there with FMA)")
-    if values.get("K_STEPS", 1) > MAX_K_STEPS:
-        raise LaunchConfigError(f"{where}: K_STEPS = {values['K_STEPS']}: at most {MAX_K_STEPS} (slices of the "
-                                f"{k3.QK_NOPE_HEAD_DIM} q_nope lanes of at least {DOT_LEAST}, tl.dot's least K)")
     if values.get("K_STEPS", 1) > 1 and values["BLOCK_T"] < DOT_LEAST:
         raise LaunchConfigError(f"{where}: K_STEPS = {values['K_STEPS']} with BLOCK_T = {values['BLOCK_T']}: the "
                                 f"product in slices is for programs of at least {DOT_LEAST} tokens")
@@ -288,7 +311,7 @@ def dumps(data: dict[str, Any]) -> str:
 
 def load(path: str | Path) -> ConfigFile:
     try:
-        data = json.loads(Path(path).read_text())
+        data = json_files.load(path)
     except (OSError, ValueError) as exc:
         raise LaunchConfigError(f"cannot read launch configs {path}: {exc}") from None
     return parse(data, str(path))

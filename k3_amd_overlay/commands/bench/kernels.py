@@ -421,6 +421,9 @@ def bench_absorb_mxfp4(heads_list: list[int], tokens_list: list[int], bw: float,
 
 
 SECTIONS = ("qkv_norm", "qk_cache", "absorb_qk_cache", "absorb_fp8", "absorb_mxfp4", "layer_step")
+# The options that replace a section's benchmark with their own table: (option, argument name, section).
+REPLACING = (("--absorb-block-n", "absorb_block_n", "absorb_qk_cache"), ("--sweep-fp8", "sweep_fp8", "absorb_fp8"),
+             ("--sweep-mxfp4", "sweep_mxfp4", "absorb_mxfp4"))
 
 
 def parser() -> Parser:
@@ -429,12 +432,18 @@ def parser() -> Parser:
                       + EPILOG)
     p.add_argument("--json", action="store_true",
                    help="one JSON object on stdout on every path (every measurement; the tables go to stderr)")
-    p.add_argument("--json-out", metavar="FILE", help="also write every measurement to FILE (what bench plot reads)")
+    p.add_argument("--json-out", type=Path, metavar="FILE",
+                   help="also write every measurement to FILE (what bench plot reads)")
     p.add_argument("--quick", action="store_true", help="fewer shapes")
-    p.add_argument("--absorb-block-n", type=int, nargs="+", metavar="N", help="absorb kernel column blocks to compare")
-    p.add_argument("--sweep-fp8", action="store_true", help="the fp8 absorb kernel's launch shapes")
-    p.add_argument("--sweep-mxfp4", action="store_true", help="the MXFP4 absorb kernel's launch shapes")
-    p.add_argument("--only", choices=SECTIONS, help="one section (default: all)")
+    p.add_argument("--absorb-block-n", type=int, nargs="+", metavar="N",
+                   help="absorb kernel column blocks to compare (in place of the absorb_qk_cache section)")
+    p.add_argument("--sweep-fp8", action="store_true",
+                   help="the fp8 absorb kernel's launch shapes (in place of the absorb_fp8 section)")
+    p.add_argument("--sweep-mxfp4", action="store_true",
+                   help="the MXFP4 absorb kernel's launch shapes (in place of the absorb_mxfp4 section)")
+    p.add_argument("--only", choices=SECTIONS,
+                   help="one section (default: all); with --absorb-block-n, --sweep-fp8 or --sweep-mxfp4 only the "
+                        "section that option replaces")
     p.add_argument("--peers", choices=("aiter",), help="add AMD's AITER Triton kernels as columns "
                    f"(on ROCm from the installed AITER; elsewhere from ${AITER_TREE})")
     return p
@@ -451,7 +460,7 @@ def legacy_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def check_json_out(given: str) -> None:
+def check_json_out(given: str | Path) -> None:
     """--json-out names a file that can be written once the benchmark is done: checked before it starts,
     so that no measurement is lost to a path that cannot take it."""
     path = Path(given)
@@ -475,7 +484,7 @@ def check_absorb_block_n(values: list[int] | None) -> None:
                              f"latent columns per program, a Triton tile of the {k3.KV_LORA_RANK} it splits)")
 
 
-def write_json_out(given: str, measured: dict) -> str | None:
+def write_json_out(given: str | Path, measured: dict) -> str | None:
     """Write the measurements to --json-out's file; why it could not be (checked before the benchmark,
     so only a change meanwhile), else None."""
     try:
@@ -484,6 +493,25 @@ def write_json_out(given: str, measured: dict) -> str | None:
     except OSError as exc:
         return f"--json-out {given}: cannot write it ({exc}); the tables (and with --json, stdout) have the measurements"
     return None
+
+
+def check_sections(args: argparse.Namespace) -> None:
+    """An option that replaces a section's benchmark (``REPLACING``) runs in that section: with
+    ``--only`` another section it would run besides the one asked for (or, skipped, be dropped)."""
+    for option, name, section in REPLACING:
+        if args.only is not None and getattr(args, name) and section != args.only:
+            raise UsageError(f"--only {args.only} with {option}: {option} replaces the {section} section, which "
+                             f"--only {args.only} leaves out; give --only {section}, or leave --only out (every "
+                             "section)")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The checks of bench's arguments that need no torch (the CLI runs them before it looks for it):
+    UsageError naming the value and what is allowed."""
+    check_absorb_block_n(args.absorb_block_n)
+    check_sections(args)
+    if args.json_out is not None:
+        check_json_out(args.json_out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -495,9 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
-        check_absorb_block_n(args.absorb_block_n)
-        if args.json_out is not None:
-            check_json_out(args.json_out)
+        check_args(args)
     except UsageError as exc:
         return p.usage_error(exc)
     if not args.json:

@@ -7,7 +7,6 @@ unfused baseline and AMD's AITER kernels where the run measured them. Needs matp
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections import defaultdict
@@ -15,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay import json_values
+from k3_amd_overlay import json_files, json_values
 from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
 from k3_amd_overlay.package import DISTRIBUTION, __version__
 
@@ -30,6 +29,15 @@ SERIES = (("fused_us", "fused (overlay)"), ("baseline_us", "unfused baseline"), 
           ("overlay_us", "overlay's layer step"), ("stock_us", "stock (vLLM's own launches)"))
 PREFERRED_HEADS = 12  # heads per rank drawn for ops measured at several (K3 at TP 8)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"  # the first bytes of every PNG file (the PNG specification)
+BENCH_SHAPE = ("an object whose 'results' is a list of measurements, each an object with 'op', 'mode', 'tokens' "
+               "and times in µs such as 'fused_us'")
+JSON_KINDS = ((dict, "an object"), (list, "a list"), (str, "a string"), (bool, "true or false"),
+              (int | float, "a number"), (type(None), "null"))
+
+
+def json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words (not Python's type names)."""
+    return next(kind for python, kind in JSON_KINDS if isinstance(value, python))
 
 
 def _value(result: dict[str, Any], index: int, key: str, read: Callable[[Any], Any], wanted: str) -> Any:
@@ -52,7 +60,7 @@ def panels(results: list[dict[str, Any]], mode: str = "graph") -> dict[str, dict
     naming the result and the field where a drawn value is not a number of its kind, or the op where
     none of its results has a time to draw (its panel would be empty)."""
     if not isinstance(results, list):
-        raise ValueError(f"'results' is {type(results).__name__}, expected a list of results")
+        raise ValueError(f"'results' is {json_kind(results)}, expected a list of results")
     by_op: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
     for index, r in enumerate(results):
         if not isinstance(r, dict):
@@ -90,13 +98,18 @@ def read_panels(bench_json: Path, mode: str) -> tuple[dict[str, Any], dict[str, 
     """The benchmark ``bench_json`` holds and its panels for ``mode``; a UsageError naming the file
     where it is no benchmark's, or has nothing to draw."""
     try:
-        data = json.loads(bench_json.read_text())
+        data = json_files.load(bench_json)  # never blocks on a FIFO; refuses JSON nested too deep to read
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{bench_json}: {exc}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{bench_json}: its JSON is {json_kind(data)}, not what bench --json-out writes "
+                         f"({BENCH_SHAPE})")
+    try:
         drawn = panels(data["results"], mode)
     except KeyError as exc:
-        raise UsageError(f"{bench_json}: no {exc.args[0]!r} in it (not what bench --json-out writes)") from None
-    except RecursionError:
-        raise UsageError(f"{bench_json}: nested too deeply (not what bench --json-out writes)") from None
-    except (OSError, ValueError) as exc:
+        raise UsageError(f"{bench_json}: no {exc.args[0]!r} in it (not what bench --json-out writes: "
+                         f"{BENCH_SHAPE})") from None
+    except ValueError as exc:
         raise UsageError(f"{bench_json}: {exc}") from None
     except (TypeError, AttributeError) as exc:
         raise UsageError(f"{bench_json}: not what bench --json-out writes ({exc})") from None
