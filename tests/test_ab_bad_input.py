@@ -8,16 +8,13 @@ without blocking."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fifos import fifo_at, rescued
 from test_ab_serve_contract import Lab, run_id_of
 from test_gsm8k_ab_contract import Harness
 
@@ -377,36 +374,6 @@ def test_report_of_a_ratio_beyond_a_float_writes_it_unusable_in_standard_json(la
 
 
 # --- a FIFO where a run reads a file ----------------------------------------------------------------
-
-RESCUE_S = 5.0
-
-
-def fifo_at(path: Path) -> Path:
-    """``path``, replaced by a FIFO."""
-    path.unlink(missing_ok=True)
-    os.mkfifo(path)
-    return path
-
-
-@contextlib.contextmanager
-def rescued(fifo: Path) -> Iterator[Path]:
-    """The block must end before a writer opens and closes ``fifo`` (where it is one by then), after
-    RESCUE_S: code that blocks reading it then reads nothing and fails the test, rather than hangs it."""
-    def unblock() -> None:
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO where no reader waits: nothing to do
-        except OSError:
-            pass
-
-    rescue = threading.Timer(RESCUE_S, unblock)
-    rescue.start()
-    started = time.monotonic()
-    try:
-        yield fifo
-    finally:
-        rescue.cancel()
-    assert time.monotonic() - started < RESCUE_S
-
 
 @pytest.mark.parametrize("name", ["run.json", "repeat0-armB/bench-c1.json"])
 def test_report_refuses_a_fifo_as_a_record_unread(lab, capsys, name):

@@ -6,15 +6,13 @@ tests/engine/test_tools_extra.py."""
 from __future__ import annotations
 
 import json
-import os
 import sys
-import threading
-import time
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fifos import fifo_at, rescued
 
 from k3_amd_overlay import json_files
 from k3_amd_overlay.commands.bench import plot
@@ -168,23 +166,9 @@ def test_a_bench_json_that_is_no_object_says_what_bench_writes(bench, fake, caps
 def test_a_fifo_named_as_the_bench_json_is_refused_without_blocking(bench, fake, capsys):
     """Before, bench plot opened the FIFO and waited for a writer for ever (here: 3 s, then one comes,
     so that the old code fails this test rather than hanging it)."""
-    fifo = Path("plots") / "fifo.json"
-    os.mkfifo(fifo)
-
-    def unblock() -> None:
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO where no reader waits: nothing to do
-        except OSError:
-            pass
-
-    rescue = threading.Timer(3.0, unblock)
-    rescue.start()
-    started = time.monotonic()
-    try:
+    with rescued(fifo_at(Path("plots") / "fifo.json"), 3.0) as fifo:
         code = plot.main([str(fifo), "--json"])
-    finally:
-        rescue.cancel()
-    assert time.monotonic() - started < 2.0 and code == 2
+    assert code == 2
     assert json.loads(capsys.readouterr().out)["usage_error"] == f"{fifo}: {json_files.NOT_REGULAR}"
     assert fake.calls == []
 

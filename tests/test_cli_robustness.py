@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from fifos import fifo_at, rescued
 from test_gsm8k_ab_contract import Harness, planned
 
 from k3_amd_overlay import json_files, markers
@@ -75,24 +74,9 @@ def test_a_run_record_nested_100000_deep_is_foreign_results_naming_the_file(tmp_
 def test_a_fifo_named_as_a_marker_is_set_aside_unread_without_blocking(tmp_path):
     """Before, the check opened the FIFO and waited for a writer for ever (here: 3 s, then one
     comes, so that the old code fails this test rather than hanging it)."""
-    fifo = tmp_path / "4242.json"
-    os.mkfifo(fifo)
     markers.write_marker(tmp_path, 7, {"pid": 7, "mode": "auto", "fusions": {}})
-
-    def unblock() -> None:
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO where no reader waits: nothing to do
-        except OSError:
-            pass
-
-    rescue = threading.Timer(3.0, unblock)
-    rescue.start()
-    started = time.monotonic()
-    try:
+    with rescued(fifo_at(tmp_path / "4242.json"), 3.0):
         found = markers.read_markers(tmp_path)
-    finally:
-        rescue.cancel()
-    assert time.monotonic() - started < 2.0
     assert [(m.path.name, m.error) for m in found] == [
         ("4242.json", f"unreadable marker: {json_files.NOT_REGULAR}"), ("7.json", None)]
 
