@@ -458,6 +458,19 @@ def test_compare_times_no_shape_where_both_pick_the_same_config(fake_gpu, monkey
         f"| {names.QK_CACHE_KERNEL} | {t} | 3 | same config | same config | 1.00 |" for t in shapes.QK_CACHE_BATCHES]
 
 
+def test_compare_times_the_batches_tokens_names_not_the_defaults(fake_gpu, monkeypatch, tmp_path, capsys):
+    """``--compare`` with ``--tokens`` compares at those batches, as a run with the same options tunes
+    (it compared at the default batches whatever ``--tokens`` said)."""
+    rules = json.loads((launch_configs.CONFIG_DIR / "gfx942.json").read_text())["kernels"][names.QK_CACHE_KERNEL]
+    path = tmp_path / "same.json"
+    path.write_text(json.dumps({"schema": 1, "arch": "gfx942", "kernels": {names.QK_CACHE_KERNEL: rules}}))
+    monkeypatch.setattr(tune, "interleaved_us", lambda run, configs: pytest.fail(f"timed {configs}"))
+    assert tune.main(["--compare", str(path), "--heads", "3", "--tokens", "5", "2", "5"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith(f"| {names.QK_CACHE_KERNEL} |")] == [
+        f"| {names.QK_CACHE_KERNEL} | {t} | 3 | same config | same config | 1.00 |" for t in (2, 5)]
+
+
 def test_compare_skips_mxfp4_where_vllm_does_not_run_it(fake_gpu, monkeypatch, tmp_path, capsys):
     config = {"BLOCK_N": 32, "BLOCK_T": 16, "num_warps": 1}
     path = tmp_path / "mine.json"
@@ -487,8 +500,9 @@ def test_the_help_names_each_option_and_what_it_does(capsys):
                    "--heads HEADS [HEADS ...] per-rank query heads (default: the benchmarks')",
                    "--tokens TOKENS [TOKENS ...] batch sizes (default: the benchmarks', and 2 and 4 tokens for the "
                    "absorb kernels)",
-                   "--compare FILE instead of tuning: time FILE's configs against the shipped ones at the shapes tune "
-                   "tunes by default; exit 1 where FILE's are slower", "--verbose say why each rejected candidate was"):
+                   "--compare FILE instead of tuning: time FILE's configs against the shipped ones at the shapes a "
+                   "run with the same --heads and --tokens tunes; exit 1 where FILE's are slower",
+                   "--verbose say why each rejected candidate was"):
         assert phrase in text, phrase
 
 

@@ -299,9 +299,10 @@ def print_plan(arch: str, rows: list[tuple[str, int, int]]) -> None:
         print(f"| {kernel} | {shapes} | {found} |")
 
 
-def compare(path: str, kernels: list[str], heads: list[int], fmt: Any, arch: str, amd: bool) -> int:
-    """Time ``path``'s config against the shipped one at every shape, interleaved; 1 where any of
-    ``path``'s is slower by more than ``MIN_GAIN``."""
+def compare(path: str, kernels: list[str], heads: list[int], tokens: list[int] | None, fmt: Any, arch: str,
+            amd: bool) -> int:
+    """Time ``path``'s config against the shipped one at every shape a run with these ``heads`` and
+    ``tokens`` would tune, interleaved; 1 where any of ``path``'s is slower by more than ``MIN_GAIN``."""
     table = launch_configs.load(path)
     slower = 0
     print(f"| kernel | T | H | shipped µs | {Path(path).name} µs | shipped / it |")
@@ -309,16 +310,16 @@ def compare(path: str, kernels: list[str], heads: list[int], fmt: Any, arch: str
     for kernel in kernels:
         if kernel not in table.kernels or not reachable_here(kernel, arch, amd):
             continue
-        for tokens, heads_here in shapes_of(kernel, heads, None):
-            mine = dict(launch_configs.rule_for(table.kernels[kernel], tokens, heads_here).config)
-            shipped = dict(launch_configs.rule_for(shipped_rules(arch, kernel), tokens, heads_here).config)
+        for batch, heads_here in shapes_of(kernel, heads, tokens):
+            mine = dict(launch_configs.rule_for(table.kernels[kernel], batch, heads_here).config)
+            shipped = dict(launch_configs.rule_for(shipped_rules(arch, kernel), batch, heads_here).config)
             if mine == shipped:  # timing one config against itself would only measure noise
-                print(f"| {kernel} | {tokens} | {heads_here} | same config | same config | 1.00 |", flush=True)
+                print(f"| {kernel} | {batch} | {heads_here} | same config | same config | 1.00 |", flush=True)
                 continue
-            case = Case(kernel, tokens, heads_here, fmt)
+            case = Case(kernel, batch, heads_here, fmt)
             mine_us, shipped_us = interleaved_us(case.run, [mine, shipped])
             slower += mine_us > shipped_us * (1 + MIN_GAIN)
-            print(f"| {kernel} | {tokens} | {heads_here} | {shipped_us:.2f} | {mine_us:.2f} | "
+            print(f"| {kernel} | {batch} | {heads_here} | {shipped_us:.2f} | {mine_us:.2f} | "
                   f"{shipped_us / mine_us:.2f} |", flush=True)
     print(f"{slower} shapes slower than the shipped configs by more than {MIN_GAIN:.0%}")
     return 1 if slower else 0
@@ -410,7 +411,8 @@ def parser() -> Parser:
     p.add_argument("--kernels", nargs="+", choices=TUNED_KERNELS, default=list(TUNED_KERNELS), metavar="KERNEL",
                    help=f"the kernels to tune, of {', '.join(TUNED_KERNELS)} (default: all)")
     p.add_argument("--compare", type=Path, metavar="FILE", help="instead of tuning: time FILE's configs against the "
-                   "shipped ones at the shapes tune tunes by default; exit 1 where FILE's are slower")
+                   "shipped ones at the shapes a run with the same --heads and --tokens tunes; exit 1 where FILE's "
+                   "are slower")
     p.add_argument("--plan", action="store_true", help="instead of tuning: print how many candidates a run with "
                    "these options would compile and time, per kernel and in all; nothing is written")
     p.add_argument("--arch", choices=launch_configs.SHIPPED_ARCHS, help="with --plan: the arch to count for "
@@ -536,7 +538,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     print(f"{name} ({where.arch}), torch {torch.__version__}, triton {triton.__version__}")
     if args.compare is not None:
-        return compare(str(args.compare), args.kernels, heads, fmt, where.arch, amd)
+        return compare(str(args.compare), args.kernels, heads, tokens, fmt, where.arch, amd)
 
     def log(line: str) -> None:
         if args.verbose:
