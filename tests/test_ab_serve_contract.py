@@ -521,7 +521,7 @@ def test_json_is_one_object_on_stdout_on_every_path(lab, monkeypatch, capsys):
         assert printed.err.splitlines()[-1] == stranger and not (lab.out / "summary.json").exists()
         if flags:
             assert json.loads(printed.out) == {"command": "ab-serve", "ok": False, "exit_status": 1,
-                                               "error": "no summary was written (see stderr)"}
+                                               "error": stranger.removeprefix("k3-amd-overlay ab-serve: ")}
 
 
 def test_progress_and_warnings_reach_their_reader_before_each_next_step(lab, tmp_path, monkeypatch):

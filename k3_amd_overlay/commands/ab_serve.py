@@ -416,12 +416,13 @@ def main(argv: list[str] | None = None) -> int:
             code = run(args)
     except UsageError as exc:  # --out cannot be created, or another run claimed it meanwhile
         return p.usage_error(exc)
-    summary = args.out / "summary.json"
-    if summary.is_file():
-        data = json_files.load(summary)
-        print(json_result("ab-serve", code == 0, **data, error=unanswered(data)))
-    else:
-        print(json_result("ab-serve", False, error="no summary was written (see stderr)"))
+    except ab_run.ForeignResults as exc:  # no summary written: another run's results among this run's
+        print(f"k3-amd-overlay ab-serve: {exc}", file=sys.stderr)
+        if args.json:
+            print(json_result("ab-serve", False, error=arms.reason(exc)))
+        return EXIT_FAILED
+    data = json_files.load(args.out / "summary.json")
+    print(json_result("ab-serve", code == 0, **data, error=unanswered(data)))
     return code
 
 
@@ -457,9 +458,5 @@ def run(args: argparse.Namespace) -> int:
             print(f"ABORTED: {exc}", file=sys.stderr, flush=True)
             aborted = arms.reason(exc)
             break
-    try:
-        print("\n" + summarise(args.out, run_id, arm_list, environment(args, arm_list), aborted))
-    except ab_run.ForeignResults as exc:
-        print(f"k3-amd-overlay ab-serve: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    print("\n" + summarise(args.out, run_id, arm_list, environment(args, arm_list), aborted))
     return EXIT_FAILED if unanswered(json_files.load(args.out / "summary.json")) else 0
