@@ -1,7 +1,7 @@
 """Numbers read back from JSON that this process did not just write (markers, node files, result
 files, bench results): in Python a JSON number may be a bool, an integer too large for a float, or
 not finite (``json`` reads ``Infinity``, ``NaN`` and ``1e400``). These say what a value is, never
-raising, so that each reader names the field in its own error."""
+raising, so that each reader names the field in its own error; ``kind`` says it in JSON's words."""
 
 from __future__ import annotations
 
@@ -31,3 +31,13 @@ def whole(value: object, least: int = 0) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         return None
     return value
+
+
+_KINDS = ((bool, "true or false"), (dict, "an object"), (list, "a list"), (str, "a string"), (int | float, "a number"),
+          (type(None), "null"))
+
+
+def kind(value: object) -> str:
+    """What a JSON value is, in JSON's words (``an object``, ``a list``), not Python's type names: the
+    one wording of every reader's error about a value of the wrong kind."""
+    return next((words for python, words in _KINDS if isinstance(value, python)), type(value).__name__)

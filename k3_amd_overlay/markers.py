@@ -77,23 +77,33 @@ def forgeable(directory: Path) -> str | None:
         info = os.lstat(directory)
     except OSError:
         return None
-    if stat.S_ISLNK(info.st_mode) or (stat.S_ISDIR(info.st_mode) and info.st_mode & 0o022):
-        return _refusal(directory, info)
+    if stat.S_ISLNK(info.st_mode):
+        return _a_symlink(directory)
+    if stat.S_ISDIR(info.st_mode) and info.st_mode & 0o022:  # the reason that decided it, whoever owns it
+        return _writable(directory, info)
     return None
+
+
+def _a_symlink(directory: Path) -> str:
+    return f"marker directory {directory} is a symlink; refusing to follow it"
+
+
+def _writable(directory: Path, info: os.stat_result) -> str:
+    return (f"marker directory {directory} is writable by group or others "
+            f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 700 it")
 
 
 def _refusal(directory: Path, info: os.stat_result) -> str | None:
     """Why the existing ``directory`` (``info``: its lstat) is unsafe as the marker directory, or None."""
     if stat.S_ISLNK(info.st_mode):
-        return f"marker directory {directory} is a symlink; refusing to follow it"
+        return _a_symlink(directory)
     if not stat.S_ISDIR(info.st_mode):
         return f"marker directory {directory} is not a directory"
     if info.st_uid != os.getuid():
         return (f"marker directory {directory} is owned by uid {info.st_uid}, not this user "
                 f"({os.getuid()}); set K3_AMD_OVERLAY_MARKER_DIR to a directory you own")
     if info.st_mode & 0o022:
-        return (f"marker directory {directory} is writable by group or others "
-                f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 700 it")
+        return _writable(directory, info)
     return None
 
 

@@ -80,7 +80,8 @@ class FusionEntry:
         state that is none, a count that is not a whole number >= 0, a flag that is not true or false):
         such evidence proves nothing."""
         if not isinstance(data, dict):
-            raise RecordError(f"fusion {name!r} is {_kind_of(data)}, expected an object (state, provider, reason, ...)")
+            raise RecordError(f"fusion {name!r} is {json_values.kind(data)}, expected an object (state, provider, "
+                              "reason, ...)")
         try:
             provider, reason = data.get("provider"), data.get("reason", "")
             if not isinstance(provider, (str, type(None))) or not isinstance(reason, str):
@@ -117,12 +118,6 @@ def _said(value: Any) -> str:
     """A value read from a marker as an error names it: ``missing``, or its repr cut short (a marker
     written by hand may hold anything, at any length)."""
     return "missing" if value is MISSING else reprlib.repr(value)
-
-
-def _kind_of(value: Any) -> str:
-    """A JSON value's kind in words (``a JSON list``)."""
-    return {dict: "a JSON object", list: "a JSON list", str: "a JSON string", bool: "true or false",
-            type(None): "null"}.get(type(value), "a JSON number")
 
 
 def _member(kind: type[enum.Enum], value: Any, field_name: str, key: bool = False) -> Any:
@@ -203,7 +198,7 @@ class MarkerRecord:
     def from_json(cls, data: Any) -> MarkerRecord:
         """The record a marker file holds; RecordError naming what is missing or wrong."""
         if not isinstance(data, dict):
-            raise RecordError(f"a record is a JSON object (pid, mode, fusions, ...), not {_kind_of(data)}")
+            raise RecordError(f"a record is a JSON object (pid, mode, fusions, ...), not {json_values.kind(data)}")
         known = {f.name for f in fields(cls)}
         if data.get("schema", SCHEMA) != SCHEMA:
             raise RecordError(f"marker schema {data['schema']!r}; this k3-amd-overlay reads schema {SCHEMA} "

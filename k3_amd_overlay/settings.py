@@ -57,7 +57,6 @@ class OverlaySettings:
     fusions: frozenset[str] = frozenset()
     strict: bool = True
     marker_dir: str | None = None
-    kernel_configs: str | None = None
     providers: Mapping[str, str] = field(default_factory=dict)
     raw: str = ""
     unknown_variables: tuple[str, ...] = ()
@@ -114,20 +113,17 @@ def _parse_strict(raw: str | None) -> bool:
     raise SettingsError(f"{STRICT}={raw!r} is not valid; allowed: '1' (default, raise) or '0' (warn)")
 
 
-def parse_marker_dir(raw: str | None) -> str | None:
-    """K3_AMD_OVERLAY_MARKER_DIR's directory (None: unset or empty, the per-user default); SettingsError
-    for a blank value, which would name a directory of spaces relative to each process's own."""
-    if raw and not raw.strip():
-        raise SettingsError(f"{MARKER_DIR}={raw!r} names no directory; unset it for the per-user directory")
-    return raw or None
+# Each path variable: what it names, and what runs where it is unset.
+_PATH_VARIABLES = {MARKER_DIR: ("directory", "the per-user directory"),
+                   KERNEL_CONFIGS: ("file or directory", "the shipped launch configs")}
 
 
-def parse_kernel_configs(raw: str | None) -> str | None:
-    """K3_AMD_OVERLAY_KERNEL_CONFIGS's file or directory (None: unset or empty, the shipped configs);
-    SettingsError for a blank value."""
+def parse_path(variable: str, raw: str | None) -> str | None:
+    """A path variable's value (None: unset or empty, its default); SettingsError for a blank value,
+    which would name a path of spaces relative to each process's own directory."""
     if raw and not raw.strip():
-        raise SettingsError(f"{KERNEL_CONFIGS}={raw!r} names no file or directory; unset it for the shipped "
-                            "launch configs")
+        names, default = _PATH_VARIABLES[variable]
+        raise SettingsError(f"{variable}={raw!r} names no {names}; unset it for {default}")
     return raw or None
 
 
@@ -153,6 +149,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> OverlaySettings:
     env = os.environ if environ is None else environ
     raw = env.get(SWITCH, "")
     mode, fusions = parse_switch(raw)
+    parse_path(KERNEL_CONFIGS, env.get(KERNEL_CONFIGS))  # checked only: the launch configs read it themselves
     # any case: a lowercase k3_amd_overlay_strict=0 is as surely meant as the real name, and as surely ignored
     unknown = tuple(sorted(k for k in env if k.upper().startswith(SWITCH) and k not in KNOWN_VARIABLES))
     if unknown and mode is not Mode.OFF:
@@ -164,8 +161,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> OverlaySettings:
         mode=mode,
         fusions=fusions,
         strict=_parse_strict(env.get(STRICT)),
-        marker_dir=parse_marker_dir(env.get(MARKER_DIR)),
-        kernel_configs=parse_kernel_configs(env.get(KERNEL_CONFIGS)),
+        marker_dir=parse_path(MARKER_DIR, env.get(MARKER_DIR)),
         providers={f: _parse_provider(f, env.get(provider_variable(f))) for f in FUSIONS},
         raw=raw,
         unknown_variables=unknown,

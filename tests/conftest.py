@@ -35,6 +35,7 @@ RELEASE_INDEPENDENT_MODULES = frozenset({
     "test_evidence.py",
     "test_gsm8k_ab_contract.py",
     "test_json_files.py",
+    "test_json_values.py",
     "test_kernel_failures_containment.py",
     "test_launch_configs.py",
     "test_launch_dispatch.py",

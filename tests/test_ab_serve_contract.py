@@ -123,7 +123,7 @@ class Lab:
         monkeypatch.setenv("ABC_FAKE_BENCH", str(STANDINS / "fake_bench.py"))
         monkeypatch.setitem(sys.modules, "matplotlib", None)  # no plot unless a test stands one in
         monkeypatch.setattr(arms, "proved_server", self.proved_server)
-        monkeypatch.setattr(ab_serve, "check_baselines", self.check_baselines)
+        monkeypatch.setattr(arms, "check_baselines", self.check_baselines)
         real_first_line = ab_serve._first_line
 
         def first_line(command: list[str]) -> str | None:

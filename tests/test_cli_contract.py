@@ -6,6 +6,7 @@ each way its answer is read; the ``check --json`` object on each source; the too
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -177,7 +178,7 @@ def test_merged_records_reads_each_node_and_notes_its_count_and_host(tmp_path):
 
 @pytest.mark.parametrize("data,detail", [
     ({"host": "h"}, "its records are None, not a list"),
-    ([1, 2], "a JSON list holding no list of records"),
+    ([1, 2], "its JSON is a list, not an object holding a list of records"),
     ({"records": 5}, "its records are 5, not a list"),
     ({"records": [{"mode": "auto"}]}, "records[0]: marker field 'pid' is missing, expected a process id"),
     ({"records": [process(pid=3), {**process(pid=4), "fusions": {"qk_cache": {"state": "zzz"}}}]},
@@ -185,7 +186,7 @@ def test_merged_records_reads_each_node_and_notes_its_count_and_host(tmp_path):
      "disabled"),
     ({"records": [{**process(pid=4), "fusions": {"qkv_norm": {"state": "applied", "runs": [1]}}}]},
      "records[0]: fusion 'qkv_norm': 'runs' is [1], expected an object of phase: count"),
-    ({"records": [[4]]}, "records[0]: a record is a JSON object (pid, mode, fusions, ...), not a JSON list"),
+    ({"records": [[4]]}, "records[0]: a record is a JSON object (pid, mode, fusions, ...), not a list"),
     ({"records": [], "checked_at": 10 ** 400}, "its checked_at is 1000"),  # an OverflowError before
     ({"records": [], "host": ["node-a"]}, "its host is ['node-a'], not a host name"),  # a TypeError in the verdict
 ])
@@ -379,6 +380,43 @@ def test_a_tool_with_needs_parses_first_then_looks_for_them(fake_tool, monkeypat
     assert data["exit_status"] == 1 and data["error"] == err.strip()
     assert err.startswith(f"k3-amd-overlay faketool: needs triton, which this Python ({sys.executable}) cannot import "
                           "(No module named 'triton'). Run k3-amd-overlay with the Python vLLM is installed in")
+
+
+def test_a_tool_with_needs_is_parsed_and_checked_once_then_runs_checked(fake_tool, monkeypatch):
+    module, seen = fake_tool
+    checks: list[Any] = []
+    module.check_args = checks.append
+    module.checked_main = lambda args: seen.setdefault("checked_main", args) and 7
+    monkeypatch.setitem(cli.TOOL_NEEDS, "faketool", ("torch",))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: object())
+    assert cli.main(["faketool", "--x", "1"]) == 7
+    assert checks == [["--x", "1"]] and seen["checked_main"] is checks[0] and "main" not in seen
+
+
+def test_a_tools_usage_error_stops_before_its_run(fake_tool, monkeypatch, capsys):
+    module, seen = fake_tool
+
+    def check_args(args):
+        raise UsageError("--x 1: not allowed")
+
+    module.check_args = check_args
+    module.parser = lambda: cli.Parser(prog="k3-amd-overlay faketool")
+    module.checked_main = lambda args: seen.setdefault("checked_main", args) and 7
+    monkeypatch.setitem(cli.TOOL_NEEDS, "faketool", ("torch",))
+    assert cli.main(["faketool"]) == 2 and "checked_main" not in seen
+    assert "k3-amd-overlay faketool: error: --x 1: not allowed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool,argv", [("tune", []), ("measure", ["--heads", "12"]), ("kernels", []), ("bench", [])])
+def test_the_cli_checks_a_real_tools_arguments_once(tool, argv, monkeypatch):
+    """Before, the CLI ran a tool's check_args and then the tool's main ran it again (measure read the
+    model's config.json twice, tune --compare parsed its file twice)."""
+    module = importlib.import_module(cli.TOOLS[tool][0])
+    checks: list[Any] = []
+    monkeypatch.setattr(module, "check_args", checks.append)
+    monkeypatch.setattr(module, "checked_main", lambda args: 0)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: object())
+    assert cli.main([tool, *argv]) == 0 and len(checks) == 1
 
 
 def test_a_sub_tool_runs_its_own_module_with_the_rest(monkeypatch):

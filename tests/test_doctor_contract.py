@@ -140,8 +140,9 @@ def test_launch_configs_here_adds_the_compile_report_only_on_an_amd_gpu(monkeypa
 
 def test_a_bad_kernel_configs_file_is_named_by_its_variable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """The doctor's line about an unusable launch-config file names K3_AMD_OVERLAY_KERNEL_CONFIGS and its value
-    (the loader's own words said only "cannot read launch configs PATH"); the shipped file's own fault is
-    not the variable's, and a loader message that names the variable already is not named twice."""
+    (the loader's own words, as the server's ERROR line says them; they once said only "cannot read launch
+    configs PATH"); the shipped file's own fault is not the variable's, and doctor names the variable
+    no second time."""
     from k3_amd_overlay.kernels import launch
 
     missing = tmp_path / "nope.json"

@@ -499,6 +499,21 @@ def _marker_dir_case(tmp_path: Path, kind: str) -> tuple[Path, str | None]:
     return cases[kind]
 
 
+def test_a_forgeable_directory_of_another_owner_is_named_by_what_decided_it(tmp_path: Path, monkeypatch) -> None:
+    """Root checking the vLLM user's markers: another owner is no reason for a live check, so a
+    group-writable directory of another user reads "writable", not the server's first reason ("owned
+    by uid ..."), and a private one of another user is not forgeable."""
+    shared, private = tmp_path / "shared", tmp_path / "private"
+    shared.mkdir()
+    shared.chmod(0o770)
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(markers.os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
+    assert markers.forgeable(shared) == (f"marker directory {shared} is writable by group or others (mode 770); "
+                                         "chmod 700 it")
+    assert markers.forgeable(private) is None
+    assert "is owned by uid" in markers.marker_dir_refusal(str(private))
+
+
 @pytest.mark.parametrize("kind", ["missing", "private", "file", "open", "symlink", "under a file"])
 def test_the_marker_directory_is_judged_by_the_servers_rule_without_creating_it(tmp_path: Path, kind: str) -> None:
     """``marker_dir_refusal`` (what doctor and ``check --static`` judge) refuses exactly what
@@ -778,7 +793,7 @@ STATES = "pending, applied, upstream, forced-stock, refused, disabled"
     ({"fusions": {"qk_cache": {**ENTRY, "state": "zzz"}}}, f"fusion 'qk_cache': 'state' is 'zzz'; allowed: {STATES}"),
     ({"fusions": {"qk_cache": {"provider": "triton"}}}, f"fusion 'qk_cache': 'state' is missing; allowed: {STATES}"),
     ({"fusions": {"qk_cache": ["applied"]}},
-     "fusion 'qk_cache' is a JSON list, expected an object (state, provider, reason, ...)"),
+     "fusion 'qk_cache' is a list, expected an object (state, provider, reason, ...)"),
     ({"fusions": {"qk_cache": {**ENTRY, "runs": {"served": 1, "later": 2}}}},
      "fusion 'qk_cache': 'runs' has a key 'later'; allowed: warmup, capture, served, replay"),
     ({"fusions": {"qk_cache": {**ENTRY, "layer_states": [["applied", 2]]}}},

@@ -257,7 +257,8 @@ def test_a_tuned_file_that_cannot_be_used_is_named_with_why(tmp_path, monkeypatc
     fallback = "; this GPU's kernels take the shipped gfx942 launch configs instead"
     with caplog.at_level(logging.ERROR, logger=LOGGER):
         error = launch_configs.startup_error("gfx942", device)
-    assert error == f"{named}: named for gfx942 on {device}, its header says gfx942 on no GPU (untuned){fallback}"
+    assert error == (f"K3_AMD_OVERLAY_KERNEL_CONFIGS={tmp_path}: {named}: named for gfx942 on {device}, its header "
+                     f"says gfx942 on no GPU (untuned){fallback}")
     assert [(r.name, r.getMessage()) for r in caplog.records] == [(LOGGER, f"K3 AMD overlay: {error}")]
 
     other = tmp_path / "other.json"

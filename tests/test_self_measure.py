@@ -399,7 +399,7 @@ def test_an_out_that_is_no_directory_is_a_usage_error_before_anything_is_measure
 
 
 @pytest.mark.parametrize("config,message", [
-    ([1], "holds a JSON list, not a model config object (with num_attention_heads)"),
+    ([1], "holds a list, not a model config object (with num_attention_heads)"),
     ({"num_attention_heads": True}, "num_attention_heads True is not a positive whole number of heads"),
     ({"text_config": {"num_attention_heads": False}},
      "text_config.num_attention_heads False is not a positive whole number of heads"),

@@ -44,11 +44,10 @@ from k3_amd_overlay.commands.usage import (
     UsageError,
     add_arm_server_arguments,
     check_arm_server_arguments,
-    check_baselines,
     check_command_lines,
     check_executables,
+    check_given,
     check_seconds,
-    check_switches,
     describe,
     json_result,
     split_command,
@@ -106,22 +105,15 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--num-prompts {args.num_prompts}: at least 1")
     if args.profile_window is not None:
         check_seconds("--profile-window", args.profile_window)
-    arms.check_given("--model", args.model)
-    arms.check_given("--served-model-name", args.served_model_name, "the --model value")
-    arms.check_given("--tokenizer", args.tokenizer, "the model")
     check_arm_server_arguments(args)
+    check_given("--tokenizer", args.tokenizer, "the model")
     check_command_lines([("--bench-args", args.bench_args)])
     ab_run.check_unused(args.out)
     switches = [("--arm-a", args.arm_a), ("--arm-b", args.arm_b)]
     if args.with_stock:
         switches.append(("the stock arm", "stock"))
-    check_switches(switches)
-    arms.check_distinct(switches)
-    values = [v for _, v in switches]
-    labels = dict(zip(("arm A", "arm B", "arm C"), values, strict=False))
-    arms.check_environments(labels.items())
     check_executables((("--serve-cmd", args.serve_cmd), ("--bench-cmd", args.bench_cmd)))
-    args.baseline_hazards = check_baselines(labels.items(), args.serve_args, args.accept_baseline_hazard)
+    args.baseline_hazards = arms.check_arms(switches, args.serve_args, args.accept_baseline_hazard)
 
 
 def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, result: Path) -> dict:

@@ -49,7 +49,7 @@ def unusable_metric(record: Any) -> str | None:
     or a throughput of 0, is what an arm whose requests all failed records; a negative one is no
     time."""
     if not isinstance(record, dict):
-        return f"it holds a {type(record).__name__}, not a JSON object"
+        return f"it holds {json_values.kind(record)}, not a JSON object"
     if "completed" in record and json_values.whole(record["completed"], least=1) is None:
         return f'"completed" is {record["completed"]!r}: no request completed (every request of the arm failed?)'
     for _, key, higher_better in SERVING_METRICS:

@@ -19,11 +19,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3_amd_overlay.commands.usage import UsageError, split_command
+from k3_amd_overlay.commands.usage import UsageError, check_baselines, check_switches, split_command
 from k3_amd_overlay.settings import MARKER_DIR, SWITCH, Mode, SettingsError, load_settings
 
 CHECK_FILE = "check.txt"  # in each arm's folder: the check before its measurement
 CHECK_AFTER_FILE = "check-after.txt"  # ... and the check after it, with its server still up
+
+
+ARM_LABELS = ("arm A", "arm B", "arm C")  # each arm's name in what the tools say, in the order given
 
 
 @dataclass(frozen=True)
@@ -63,14 +66,6 @@ def check_distinct(named: Sequence[tuple[str, str]]) -> None:
         seen[parsed] = (name, value)
 
 
-def check_given(option: str, value: str | None, default: str | None = None) -> None:
-    """A string option given empty or blank (an unset ``"$VAR"``) is a UsageError naming it, before
-    any server starts: the server, bench or lm-eval would be given nothing, or quietly the default."""
-    if value is not None and not value.strip():
-        leave = f", or leave it out for its default ({default})" if default else ""
-        raise UsageError(f"{option} {value!r} names nothing (an empty value: an unset variable?); give a value{leave}")
-
-
 def environment(switch: str, marker_dir: str) -> dict[str, str]:
     """The environment an arm's server is started with: this process's, with the arm's switch and
     its own marker folder."""
@@ -91,6 +86,17 @@ def check_environments(named: Iterable[tuple[str, str]]) -> None:
         except SettingsError as exc:
             raise UsageError(f"{name} ({SWITCH}={switch!r}) would stop its server at start on the environment it "
                              f"inherits: {exc}") from None
+
+
+def check_arms(switches: Sequence[tuple[str, str]], serve_args: str, accept: bool) -> list[str]:
+    """Each (option, K3_AMD_OVERLAY value) of an A/B run's arms, before any server starts: a valid
+    switch, no two arms alike, an environment each arm's server would start with, and a valid
+    baseline on this vLLM unless ``accept``; the baseline hazards accepted (for the summary)."""
+    check_switches(switches)
+    check_distinct(switches)
+    labels = list(zip(ARM_LABELS, (value for _, value in switches), strict=False))
+    check_environments(labels)
+    return check_baselines(labels, serve_args, accept)
 
 
 def default_arms(switch_a: str = "0", switch_b: str = "1") -> tuple[Arm, Arm]:

@@ -25,6 +25,7 @@ from k3_amd_overlay.commands.usage import (
     UsageError,
     check_command_lines,
     check_switches,
+    checked_args,
     json_usage_error,
     missing_image_module,
     wants_json,
@@ -109,7 +110,7 @@ def merged_records(paths: list[str]) -> tuple[list[NodeEvidence], list[str]]:
                 with open(path) as handle:
                     data = json.load(handle)
             if not isinstance(data, dict) or not isinstance(data.get("records"), list):
-                raise ValueError(f"a JSON {type(data).__name__} holding no list of records"
+                raise ValueError(f"its JSON is {json_values.kind(data)}, not an object holding a list of records"
                                  if not isinstance(data, dict) else f"its records are {data.get('records')!r}, "
                                  "not a list")
             host = data.get("host")
@@ -197,7 +198,7 @@ def live_records(directory: Path, prune: bool,
 
 def cmd_check(args: argparse.Namespace) -> int:
     """0: holds; 1: does not hold; 2: a usage error. With ``--json`` one JSON object on every path."""
-    from k3_amd_overlay.settings import SWITCH, Mode, SettingsError, load_settings, parse_marker_dir
+    from k3_amd_overlay.settings import SWITCH, Mode, SettingsError, load_settings, parse_path
 
     source = "merge" if args.merge else "static" if args.static else "markers"
     marker_dir: str | None = None
@@ -243,7 +244,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 judge_doctor(report, args.expect, wanted, verdict)
     else:
         try:
-            setting = None if args.marker_dir else parse_marker_dir(os.environ.get(MARKER_DIR))
+            setting = None if args.marker_dir else parse_path(MARKER_DIR, os.environ.get(MARKER_DIR))
         except SettingsError as exc:
             raise UsageError(str(exc)) from None
         directory = Path(args.marker_dir or setting or markers.default_marker_dir())
@@ -485,9 +486,9 @@ def _missing_message(command: str, missing: str, exc: ModuleNotFoundError) -> st
 
 
 def _run_tool(command: str, argv: list[str]) -> int:
-    """A tool: its arguments parsed and checked (help and usage errors need nothing from the image:
-    the tool's ``check_args(args)``, where it has one, raises UsageError), then what it needs from the
-    image looked for, then the run."""
+    """A tool: a tool that needs something from the image has its arguments parsed and checked once
+    (help and usage errors need nothing from the image: ``usage.checked_args``), then what it needs
+    looked for, then its ``checked_main(args)`` runs; any other tool's ``main(argv)`` runs."""
     import importlib
     import importlib.util
 
@@ -495,17 +496,15 @@ def _run_tool(command: str, argv: list[str]) -> int:
     if (command, *sub) in SUBTOOLS:
         return int(importlib.import_module(SUBTOOLS[(command, *sub)]).main(argv[1:]))
     module = importlib.import_module(TOOLS[command][0])
-    if TOOL_NEEDS.get(command):  # --help and usage errors exit here, before the image is looked at
-        parser = module.parser()
-        args = parser.parse_args(getattr(module, "legacy_argv", list)(argv))
-        try:  # the tool's own checks of its arguments that need nothing from the image
-            getattr(module, "check_args", lambda _args: None)(args)
-        except UsageError as exc:
-            return int(parser.usage_error(exc))
-        for needed in TOOL_NEEDS[command] if getattr(module, "needs_image", lambda _args: True)(args) else ():
-            if importlib.util.find_spec(needed) is None:
-                raise ModuleNotFoundError(f"No module named {needed!r}", name=needed)
-    return int(module.main(argv))
+    if not TOOL_NEEDS.get(command):
+        return int(module.main(argv))
+    args = checked_args(module, argv)  # --help and usage errors exit here, before the image is looked at
+    if isinstance(args, int):
+        return args
+    for needed in TOOL_NEEDS[command] if getattr(module, "needs_image", lambda _args: True)(args) else ():
+        if importlib.util.find_spec(needed) is None:
+            raise ModuleNotFoundError(f"No module named {needed!r}", name=needed)
+    return int(module.checked_main(args))
 
 
 def _subcommand_parser(parser: argparse.ArgumentParser, command: str) -> Parser:

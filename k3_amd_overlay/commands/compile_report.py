@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from k3_amd_overlay.commands import usage
-from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, json_result
+from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, checked_args, json_result
 from k3_amd_overlay.kernels import launch_configs, names
 from k3_amd_overlay.settings import KERNEL_CONFIGS
 
@@ -433,8 +433,13 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
+    args = checked_args(sys.modules[__name__], argv)
+    return args if isinstance(args, int) else checked_main(args)
+
+
+def checked_main(args: argparse.Namespace) -> int:
+    """The run of arguments ``usage.checked_args`` accepted (the CLI calls it once it has found torch
+    and triton)."""
     if args.worker:
         try:
             json.dump(compile_arch(args.worker, args.device), sys.stdout)
@@ -443,10 +448,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     try:
-        check_args(args)
         arch = args.arch or local_arch()
-    except UsageError as exc:  # a nameless --device, or no AMD GPU of a covered arch to take the arch from
-        return p.usage_error(exc)
+    except UsageError as exc:  # no AMD GPU of a covered arch to take the arch from
+        return parser().usage_error(exc, json_wanted=args.json)
     try:
         report = run_worker(arch, args.device or local_device(arch))
     except RuntimeError as exc:  # a failed compile

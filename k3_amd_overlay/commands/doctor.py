@@ -24,7 +24,7 @@ from k3_amd_overlay.package import (
     SUPPORTED_VLLM,
     __version__,
 )
-from k3_amd_overlay.settings import KERNEL_CONFIGS, MARKER_DIR, SWITCH, SettingsError, load_settings
+from k3_amd_overlay.settings import MARKER_DIR, SWITCH, SettingsError, load_settings
 from k3_amd_overlay.versions import first_installed, installed_aiter_version, installed_vllm_version
 
 K3_ABSORB_WIDTHS = (k3.QK_NOPE_HEAD_DIM, k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM)  # P, L, R of the absorbed op
@@ -59,10 +59,6 @@ def launch_configs_here(device: torch.device) -> dict[str, Any]:
         found = launch.describe(device)
     except LaunchConfigError as exc:
         return {"error": str(exc)}
-    setting = os.environ.get(KERNEL_CONFIGS, "")
-    # kernels read: the shipped file is fine, so the error is about the file the variable names
-    if found.get("error") and found.get("kernels") and setting and KERNEL_CONFIGS not in found["error"]:
-        found["error"] = f"{KERNEL_CONFIGS}={setting}: {found['error']}"
     if torch.version.hip is not None and device.type == "cuda":
         from k3_amd_overlay.commands import compile_report
 

@@ -34,10 +34,9 @@ from k3_amd_overlay.commands.usage import (
     UsageError,
     add_arm_server_arguments,
     check_arm_server_arguments,
-    check_baselines,
     check_executables,
+    check_given,
     check_input_file,
-    check_switches,
     describe,
     json_result,
     split_command,
@@ -178,9 +177,7 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--num-fewshot {args.num_fewshot}: at least 0")
     if args.num_concurrent < 1:
         raise UsageError(f"--num-concurrent {args.num_concurrent}: at least 1")
-    arms.check_given("--model", args.model)
-    arms.check_given("--served-model-name", args.served_model_name, "the --model value")
-    arms.check_given("--task", args.task, "gsm8k")
+    check_given("--task", args.task, "gsm8k")
     if not METRIC.fullmatch(args.metric):
         raise UsageError(f"--metric {args.metric!r}: lm-eval names each result METRIC,FILTER, e.g. "
                          "exact_match,strict-match (acc,none where the task has no filter)")
@@ -189,12 +186,8 @@ def validate(args: argparse.Namespace) -> None:
     if args.data_file is not None:
         check_input_file("--data-file", args.data_file)
         task_file(args.task)
-    switches = (("--arm-a", args.arm_a), ("--arm-b", args.arm_b))
-    check_switches(switches)
-    arms.check_distinct(switches)
-    arms.check_environments((("arm A", args.arm_a), ("arm B", args.arm_b)))
     check_executables((("--serve-cmd", args.serve_cmd), ("--lm-eval-cmd", args.lm_eval_cmd)))
-    args.baseline_hazards = check_baselines((("arm A", args.arm_a), ("arm B", args.arm_b)), args.serve_args,
+    args.baseline_hazards = arms.check_arms((("--arm-a", args.arm_a), ("--arm-b", args.arm_b)), args.serve_args,
                                             args.accept_baseline_hazard)
 
 

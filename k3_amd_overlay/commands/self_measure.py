@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay import json_files, k3, measured
-from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, describe, json_result
+from k3_amd_overlay import json_files, json_values, k3, measured
+from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, checked_args, describe, json_result
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, __version__
 from k3_amd_overlay.settings import KERNEL_CONFIGS
@@ -281,7 +281,7 @@ def heads_from_model(model: str, tp: int) -> int:
         raise UsageError(f"--model {model}: cannot read {config_file} ({exc}); give a local model directory or "
                          "its config.json, or --heads") from None
     if not isinstance(config, dict):
-        raise UsageError(f"--model {model}: {config_file} holds a JSON {type(config).__name__}, not a model config "
+        raise UsageError(f"--model {model}: {config_file} holds {json_values.kind(config)}, not a model config "
                          "object (with num_attention_heads); give the model's config.json, or --heads")
     field, heads = heads_field(config)
     if field is None:
@@ -484,13 +484,14 @@ def parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
-    try:
-        check_args(args)
-    except UsageError as exc:
-        return p.usage_error(exc)
-    if not getattr(args, "json", False):
+    args = checked_args(sys.modules[__name__], argv)
+    return args if isinstance(args, int) else checked_main(args)
+
+
+def checked_main(args: argparse.Namespace) -> int:
+    """The run of arguments ``usage.checked_args`` accepted (the CLI calls it once it has found torch
+    and triton)."""
+    if not args.json:
         return run(args)
     args.written = args.error = None
     try:

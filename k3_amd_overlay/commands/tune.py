@@ -35,7 +35,15 @@ from typing import Any
 
 from k3_amd_overlay import json_files
 from k3_amd_overlay.commands import tune_compile
-from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, check_input_file, describe, json_result
+from k3_amd_overlay.commands.usage import (
+    EXIT_FAILED,
+    Parser,
+    UsageError,
+    check_input_file,
+    checked_args,
+    describe,
+    json_result,
+)
 from k3_amd_overlay.kernels import launch_configs, names
 
 TUNED_KERNELS = (names.RMSNORM_PAIR_KERNEL, names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL,
@@ -449,12 +457,13 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
-    try:
-        check_args(args)
-    except UsageError as exc:
-        return p.usage_error(exc)
+    args = checked_args(sys.modules[__name__], argv)
+    return args if isinstance(args, int) else checked_main(args)
+
+
+def checked_main(args: argparse.Namespace) -> int:
+    """The run of arguments ``usage.checked_args`` accepted (the CLI calls it once it has found torch
+    and triton)."""
     if not needs_image(args):
         return planned(args, args.arch)
     import torch
@@ -475,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args) if not args.json else run_json(args)
     except UsageError as exc:  # found once the GPU is known (the file named for it), before any tuning
-        return p.usage_error(exc)
+        return parser().usage_error(exc, json_wanted=args.json)
 
 
 def needs_image(args: argparse.Namespace) -> bool:

@@ -199,6 +199,21 @@ class Parser(argparse.ArgumentParser):
         return EXIT_USAGE
 
 
+def checked_args(tool: Any, argv: list[str] | None) -> argparse.Namespace | int:
+    """A tool's ``argv`` parsed by its ``parser()`` (after its ``legacy_argv``, where it has one) and
+    checked by its ``check_args``, where it has one: the checks that need nothing from the image. An
+    int where they refuse: the usage error's exit status, said on stderr (and stdout with --json).
+    The one parse of a tool's run, whether the CLI or the tool's own main calls it."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = tool.parser()
+    args = p.parse_args(getattr(tool, "legacy_argv", list)(argv))
+    try:
+        getattr(tool, "check_args", lambda _args: None)(args)
+    except UsageError as exc:
+        return p.usage_error(exc)
+    return args
+
+
 def json_result(command: str, ok: bool, **fields: Any) -> str:
     """The JSON object a command prints on stdout with --json (``ok`` and ``exit_status`` always)."""
     return json.dumps({"command": command, "ok": ok, "exit_status": EXIT_OK if ok else EXIT_FAILED, **fields},
@@ -271,9 +286,19 @@ def check_seconds(option: str, value: float) -> None:
         raise UsageError(f"{option} {value}: must be a positive, finite number of seconds")
 
 
+def check_given(option: str, value: str | None, default: str | None = None) -> None:
+    """A string option given empty or blank (an unset ``"$VAR"``) is a UsageError naming it, before
+    any server starts: the server, bench or lm-eval would be given nothing, or quietly the default."""
+    if value is not None and not value.strip():
+        leave = f", or leave it out for its default ({default})" if default else ""
+        raise UsageError(f"{option} {value!r} names nothing (an empty value: an unset variable?); give a value{leave}")
+
+
 def check_arm_server_arguments(args: argparse.Namespace) -> None:
     """The values of add_arm_server_arguments' options a server could not start with (whether
     --serve-cmd is on PATH: check_executables)."""
+    check_given("--model", args.model)
+    check_given("--served-model-name", args.served_model_name, "the --model value")
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: must be 1-65535")
     check_seconds("--health-timeout", args.health_timeout)

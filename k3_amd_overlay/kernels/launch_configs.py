@@ -395,7 +395,7 @@ def tuned_file(setting: str, arch: str, device_name: str | None) -> ConfigFile |
         return table
     table = load(path)
     if table.arch != arch:
-        raise LaunchConfigError(f"{KERNEL_CONFIGS}={setting}: its configs are for {table.arch}, this GPU is {arch}")
+        raise LaunchConfigError(f"its configs are for {table.arch}, this GPU is {arch}")
     return table
 
 
@@ -406,11 +406,13 @@ def _log_unusable(message: str) -> None:
 
 @functools.cache
 def _tuned(setting: str, arch: str, device_name: str | None) -> tuple[ConfigFile | None, str | None]:
-    """``tuned_file``, or None and why the file this GPU would read cannot be used (logged once)."""
+    """``tuned_file``, or None and why the file this GPU would read cannot be used, naming the variable
+    and its value (logged once: the server's ERROR line, doctor's and the marker's words)."""
     try:
         return tuned_file(setting, arch, device_name), None
     except LaunchConfigError as exc:
-        message = f"{exc}; this GPU's kernels take the shipped {shipped_arch(arch)} launch configs instead"
+        message = (f"{KERNEL_CONFIGS}={setting}: {exc}; this GPU's kernels take the shipped {shipped_arch(arch)} "
+                   "launch configs instead")
         _log_unusable(message)
         return None, message
 

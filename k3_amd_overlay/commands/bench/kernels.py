@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from k3_amd_overlay import k3
 from k3_amd_overlay.commands.bench import AITER_TREE
 from k3_amd_overlay.commands.bench.shapes import ABSORB_BATCHES, HEADS, NORM_TOKENS, QK_CACHE_BATCHES
-from k3_amd_overlay.commands.usage import EPILOG, EXIT_FAILED, Parser, UsageError, describe, json_result
+from k3_amd_overlay.commands.usage import EPILOG, EXIT_FAILED, Parser, UsageError, checked_args, describe, json_result
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
 
 if TYPE_CHECKING:
@@ -450,13 +450,17 @@ def parser() -> Parser:
 
 
 def legacy_argv(argv: list[str]) -> list[str]:
-    """``--json FILE`` (before --json became the flag it is for every command) as ``--json-out FILE``."""
+    """``--json FILE`` (before --json became the flag it is for every command) as ``--json-out FILE``,
+    said on stderr where it converts."""
     out = list(argv)
     for i, arg in enumerate(out[:-1]):
         if arg == "--":
             break
         if arg == "--json" and not out[i + 1].startswith("-"):
             out[i] = "--json-out"
+    if out != argv:
+        print("k3-amd-overlay bench: --json FILE is --json-out FILE now (--json: one JSON object on stdout)",
+              file=sys.stderr)
     return out
 
 
@@ -515,17 +519,13 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if legacy_argv(argv) != argv:
-        print("k3-amd-overlay bench: --json FILE is --json-out FILE now (--json: one JSON object on stdout)",
-              file=sys.stderr)
-        argv = legacy_argv(argv)
-    p = parser()
-    args = p.parse_args(argv)
-    try:
-        check_args(args)
-    except UsageError as exc:
-        return p.usage_error(exc)
+    args = checked_args(sys.modules[__name__], argv)
+    return args if isinstance(args, int) else checked_main(args)
+
+
+def checked_main(args: argparse.Namespace) -> int:
+    """The run of arguments ``usage.checked_args`` accepted (the CLI calls it once it has found torch
+    and triton)."""
     if not args.json:
         return run(args)
     measured: dict = {}

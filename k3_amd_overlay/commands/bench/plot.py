@@ -31,15 +31,6 @@ PREFERRED_HEADS = 12  # heads per rank drawn for ops measured at several (K3 at 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"  # the first bytes of every PNG file (the PNG specification)
 BENCH_SHAPE = ("an object whose 'results' is a list of measurements, each an object with 'op', 'mode', 'tokens' "
                "and times in µs such as 'fused_us'")
-JSON_KINDS = ((dict, "an object"), (list, "a list"), (str, "a string"), (bool, "true or false"),
-              (int | float, "a number"), (type(None), "null"))
-
-
-def json_kind(value: Any) -> str:
-    """What a JSON value is, in JSON's words (not Python's type names)."""
-    return next(kind for python, kind in JSON_KINDS if isinstance(value, python))
-
-
 def _value(result: dict[str, Any], index: int, key: str, read: Callable[[Any], Any], wanted: str) -> Any:
     value = read(result[key])
     if value is None:
@@ -60,7 +51,7 @@ def panels(results: list[dict[str, Any]], mode: str = "graph") -> dict[str, dict
     naming the result and the field where a drawn value is not a number of its kind, or the op where
     none of its results has a time to draw (its panel would be empty)."""
     if not isinstance(results, list):
-        raise ValueError(f"'results' is {json_kind(results)}, expected a list of results")
+        raise ValueError(f"'results' is {json_values.kind(results)}, expected a list of results")
     by_op: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
     for index, r in enumerate(results):
         if not isinstance(r, dict):
@@ -102,7 +93,7 @@ def read_panels(bench_json: Path, mode: str) -> tuple[dict[str, Any], dict[str, 
     except (OSError, ValueError) as exc:
         raise UsageError(f"{bench_json}: {exc}") from None
     if not isinstance(data, dict):
-        raise UsageError(f"{bench_json}: its JSON is {json_kind(data)}, not what bench --json-out writes "
+        raise UsageError(f"{bench_json}: its JSON is {json_values.kind(data)}, not what bench --json-out writes "
                          f"({BENCH_SHAPE})")
     try:
         drawn = panels(data["results"], mode)
