@@ -45,7 +45,6 @@ from k3_amd_overlay.commands.usage import (
     add_arm_server_arguments,
     check_arm_server_arguments,
     check_command_lines,
-    check_executables,
     check_given,
     check_seconds,
     describe,
@@ -112,8 +111,8 @@ def validate(args: argparse.Namespace) -> None:
     switches = [("--arm-a", args.arm_a), ("--arm-b", args.arm_b)]
     if args.with_stock:
         switches.append(("the stock arm", "stock"))
-    check_executables((("--serve-cmd", args.serve_cmd), ("--bench-cmd", args.bench_cmd)))
-    args.baseline_hazards = arms.check_arms(switches, args.serve_args, args.accept_baseline_hazard)
+    commands = (("--serve-cmd", args.serve_cmd), ("--bench-cmd", args.bench_cmd))
+    args.baseline_hazards = arms.check_arms(switches, commands, args.serve_args, args.accept_baseline_hazard)
 
 
 def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, result: Path) -> dict:

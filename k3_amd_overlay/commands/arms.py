@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3_amd_overlay.commands.usage import UsageError, check_baselines, check_switches, split_command
+from k3_amd_overlay.commands.usage import UsageError, check_baselines, check_executables, check_switches, split_command
 from k3_amd_overlay.settings import MARKER_DIR, SWITCH, Mode, SettingsError, load_settings
 
 CHECK_FILE = "check.txt"  # in each arm's folder: the check before its measurement
@@ -88,14 +88,17 @@ def check_environments(named: Iterable[tuple[str, str]]) -> None:
                              f"inherits: {exc}") from None
 
 
-def check_arms(switches: Sequence[tuple[str, str]], serve_args: str, accept: bool) -> list[str]:
-    """Each (option, K3_AMD_OVERLAY value) of an A/B run's arms, before any server starts: a valid
-    switch, no two arms alike, an environment each arm's server would start with, and a valid
-    baseline on this vLLM unless ``accept``; the baseline hazards accepted (for the summary)."""
+def check_arms(switches: Sequence[tuple[str, str]], commands: Iterable[tuple[str, str]], serve_args: str,
+               accept: bool) -> list[str]:
+    """An A/B run's arms (each (option, K3_AMD_OVERLAY value)) and the commands it runs (each (option,
+    command line)), before any server starts: a valid switch, no two arms alike, an environment each
+    arm's server would start with, each command on PATH, then (reading the installed vLLM) a valid
+    baseline unless ``accept``. The baseline hazards accepted (for the summary)."""
     check_switches(switches)
     check_distinct(switches)
     labels = list(zip(ARM_LABELS, (value for _, value in switches), strict=False))
     check_environments(labels)
+    check_executables(commands)
     return check_baselines(labels, serve_args, accept)
 
 

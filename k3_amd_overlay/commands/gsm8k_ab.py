@@ -34,7 +34,6 @@ from k3_amd_overlay.commands.usage import (
     UsageError,
     add_arm_server_arguments,
     check_arm_server_arguments,
-    check_executables,
     check_given,
     check_input_file,
     describe,
@@ -186,9 +185,9 @@ def validate(args: argparse.Namespace) -> None:
     if args.data_file is not None:
         check_input_file("--data-file", args.data_file)
         task_file(args.task)
-    check_executables((("--serve-cmd", args.serve_cmd), ("--lm-eval-cmd", args.lm_eval_cmd)))
-    args.baseline_hazards = arms.check_arms((("--arm-a", args.arm_a), ("--arm-b", args.arm_b)), args.serve_args,
-                                            args.accept_baseline_hazard)
+    args.baseline_hazards = arms.check_arms((("--arm-a", args.arm_a), ("--arm-b", args.arm_b)),
+                                            (("--serve-cmd", args.serve_cmd), ("--lm-eval-cmd", args.lm_eval_cmd)),
+                                            args.serve_args, args.accept_baseline_hazard)
 
 
 def main(argv: list[str] | None = None) -> int:
