@@ -421,8 +421,9 @@ def test_compile_arch_names_the_tuned_file_of_the_named_gpu_it_cannot_use(tmp_pa
     path = _tuned_dir(tmp_path, monkeypatch, header_device="AMD Instinct MI325X")
     _config_launches(monkeypatch)
     report = compile_report.compile_arch("gfx942", MI300X)
-    assert report["unchecked"] == [f"{path}: named for gfx942 on {MI300X}, its header says gfx942 on AMD Instinct "
-                                   "MI325X; this GPU's kernels take the shipped gfx942 launch configs instead"]
+    assert report["unchecked"] == [f"{KERNEL_CONFIGS}={tmp_path}: {path}: named for gfx942 on {MI300X}, its header "
+                                   "says gfx942 on AMD Instinct MI325X; this GPU's kernels take the shipped gfx942 "
+                                   "launch configs instead"]
     assert report["sources"][names.ABSORB_QK_CACHE_KERNEL]["file"] == str(launch_configs.CONFIG_DIR / "gfx942.json")
 
 
