@@ -110,7 +110,10 @@ def test_bench_json_is_a_flag_and_the_old_file_form_still_writes_the_file(capsys
     assert args.json is True and args.json_out == tmp_path / "b.json"
     assert kernels.legacy_argv(["--json", str(tmp_path / "b.json"), "--quick"]) == [
         "--json-out", str(tmp_path / "b.json"), "--quick"]
+    note = "k3-amd-overlay bench: --json FILE is --json-out FILE now (--json: one JSON object on stdout)\n"
+    assert capsys.readouterr().err == note  # said once, where it converted
     assert kernels.legacy_argv(["--json", "--quick"]) == ["--json", "--quick"]
+    assert capsys.readouterr().err == ""
 
 
 def _git(cwd: Path, *argv: str) -> str:
