@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from k3_amd_overlay.commands import usage
-from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, checked_args, json_result
+from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, json_result, tool_main
 from k3_amd_overlay.kernels import launch_configs, names
 from k3_amd_overlay.settings import KERNEL_CONFIGS
 
@@ -433,8 +433,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = checked_args(sys.modules[__name__], argv)
-    return args if isinstance(args, int) else checked_main(args)
+    return tool_main(sys.modules[__name__], argv)
 
 
 def checked_main(args: argparse.Namespace) -> int:

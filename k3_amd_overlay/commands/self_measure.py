@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from k3_amd_overlay import json_files, json_values, k3, measured
-from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, checked_args, describe, json_result
+from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, describe, json_result, tool_main
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, __version__
 from k3_amd_overlay.settings import KERNEL_CONFIGS
@@ -484,8 +484,7 @@ def parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = checked_args(sys.modules[__name__], argv)
-    return args if isinstance(args, int) else checked_main(args)
+    return tool_main(sys.modules[__name__], argv)
 
 
 def checked_main(args: argparse.Namespace) -> int:

@@ -40,9 +40,9 @@ from k3_amd_overlay.commands.usage import (
     Parser,
     UsageError,
     check_input_file,
-    checked_args,
     describe,
     json_result,
+    tool_main,
 )
 from k3_amd_overlay.kernels import launch_configs, names
 
@@ -457,8 +457,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = checked_args(sys.modules[__name__], argv)
-    return args if isinstance(args, int) else checked_main(args)
+    return tool_main(sys.modules[__name__], argv)
 
 
 def checked_main(args: argparse.Namespace) -> int:

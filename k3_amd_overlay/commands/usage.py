@@ -214,6 +214,13 @@ def checked_args(tool: Any, argv: list[str] | None) -> argparse.Namespace | int:
     return args
 
 
+def tool_main(tool: Any, argv: list[str] | None) -> int:
+    """A tool's own ``main``: ``checked_args``, then the tool's ``checked_main`` (the CLI calls the
+    same two, looking for torch and triton between them)."""
+    args = checked_args(tool, argv)
+    return args if isinstance(args, int) else tool.checked_main(args)
+
+
 def json_result(command: str, ok: bool, **fields: Any) -> str:
     """The JSON object a command prints on stdout with --json (``ok`` and ``exit_status`` always)."""
     return json.dumps({"command": command, "ok": ok, "exit_status": EXIT_OK if ok else EXIT_FAILED, **fields},

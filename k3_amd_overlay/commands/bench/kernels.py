@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from k3_amd_overlay import k3
 from k3_amd_overlay.commands.bench import AITER_TREE
 from k3_amd_overlay.commands.bench.shapes import ABSORB_BATCHES, HEADS, NORM_TOKENS, QK_CACHE_BATCHES
-from k3_amd_overlay.commands.usage import EPILOG, EXIT_FAILED, Parser, UsageError, checked_args, describe, json_result
+from k3_amd_overlay.commands.usage import EPILOG, EXIT_FAILED, Parser, UsageError, describe, json_result, tool_main
 from k3_amd_overlay.fp8 import E4M3FN, Fp8Format
 
 if TYPE_CHECKING:
@@ -519,8 +519,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = checked_args(sys.modules[__name__], argv)
-    return args if isinstance(args, int) else checked_main(args)
+    return tool_main(sys.modules[__name__], argv)
 
 
 def checked_main(args: argparse.Namespace) -> int:
