@@ -96,12 +96,16 @@ def parse_switch(raw: str) -> tuple[Mode, frozenset[str]]:
     if value == "stock":
         return Mode.STOCK, frozenset(FUSIONS)
     names = [part.strip() for part in value.split(",")]
-    bad = [name for name in names if name not in FUSIONS]
-    if bad or not names:
-        raise SettingsError(
-            f"{SWITCH}={raw!r} is not valid (unknown: {', '.join(map(repr, bad))}); "
-            f"allowed: {_valid_switch_values()}"
-        )
+    whole = [name for name in names if name in ("0", "1", "stock")]
+    unknown = [name for name in names if name and name not in FUSIONS and name not in whole]
+    problems = [f"unknown: {', '.join(map(repr, unknown))}"] if unknown else []
+    if whole:
+        verb = "stands" if len(whole) == 1 else "stand"
+        problems.append(f"{' and '.join(map(repr, whole))} {verb} alone, never in a list")
+    if "" in names:
+        problems.append("an empty name: a stray comma?")
+    if problems:
+        raise SettingsError(f"{SWITCH}={raw!r} is not valid ({'; '.join(problems)}); allowed: {_valid_switch_values()}")
     return Mode.AUTO, frozenset(names)
 
 

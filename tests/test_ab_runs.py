@@ -44,6 +44,7 @@ def test_ab_serve_refuses_a_used_out_before_any_server_starts(tmp_path):
     proc = serve_standin(tmp_path / "out", "--concurrency", "1", "--repeats", "1", *ARMS)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"--out {tmp_path / 'out'} is not empty (repeat0-armA, repeat0-armB)" in proc.stderr
+    assert "ab-serve report DIR" in proc.stderr  # the remedy is a command that exists
     assert "Traceback" not in proc.stderr and "starting" not in proc.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["repeat0-armA", "repeat0-armB"]
 
@@ -53,6 +54,7 @@ def test_gsm8k_ab_refuses_a_used_out(tmp_path):
     proc = run_script("gsm8k_ab.py", "--model", "k3", "--out", str(tmp_path / "out"), *ARMS,
                       "--serve-cmd", f"{sys.executable} {STANDINS / 'fake_serve.py'}")
     assert proc.returncode == 2 and f"--out {tmp_path / 'out'} is not empty (armA)" in proc.stderr, proc.stderr
+    assert "summary.md and summary.json" in proc.stderr and "report" not in proc.stderr  # gsm8k-ab has no report
 
 
 def test_a_run_that_measured_nothing_prints_no_table(tmp_path, capsys):

@@ -317,12 +317,34 @@ def settings_error(value: str) -> str:
     (["--profile-window", "0"], "--profile-window 0.0: must be a positive, finite number of seconds"),
     (["--bench-args", '--foo "x'], """--bench-args '--foo "x': No closing quotation (quote it as a shell would)"""),
     (["--serve-args", "--foo 'x"], """--serve-args "--foo 'x": No closing quotation (quote it as a shell would)"""),
+    # the tool's own: passed on, vLLM would keep the last --port and the health poll wait on the other
+    (["--serve-args", "--tp 8 --port 9000"], "--serve-args '--tp 8 --port 9000': --port is set by the tool itself; "
+                                             "give the tool's --port (the server it polls for health is on that port)"),
+    (["--serve-args=--port=9000"], "--serve-args '--port=9000': --port is set by the tool itself; give the tool's "
+                                   "--port (the server it polls for health is on that port)"),
+    (["--bench-args", "--seed 1 --base-url http://x:1"], "--bench-args '--seed 1 --base-url http://x:1': --base-url is "
+                                                          "set by the tool itself; ab-serve points the bench at each "
+                                                          "arm's proved server"),
+    (["--bench-args=--num-prompts 9"], "--bench-args '--num-prompts 9': --num-prompts is set by the tool itself; give "
+                                       "ab-serve's --num-prompts"),
+    (["--bench-args", ""], "--bench-args '' names nothing (an empty value: an unset variable?); give a value, or leave "
+                           "it out for its default (the vLLM K3 PR's workload)"),
 ])
 def test_each_usage_error_word_for_word_before_any_server_starts(lab, capsys, args, message):
     assert lab.main(*args) == 2
     printed = capsys.readouterr()
     assert printed.err.splitlines()[-1] == f"k3-amd-overlay ab-serve: error: {message}"
     assert printed.out == "" and not lab.out.exists() and lab.serves == []
+
+
+def test_bench_args_may_repeat_none_of_the_options_the_bench_command_sets(tmp_path):
+    """BENCH_OWNED is what bench_command sets: an option it adds and BENCH_OWNED lacks would reach the
+    bench twice from a --bench-args repeating it, one of the two dropped without a word."""
+    args = ab_serve.parser().parse_args(["--model", "m", "--out", str(tmp_path), "--bench-args", "--seed 1",
+                                "--bench-cmd", "vllm bench serve"])
+    command = ab_serve.bench_command(args, "http://127.0.0.1:8010", 4, tmp_path / "bench-c4.json")
+    tools_own = {word for word in command[3:] if word.startswith("--")} - {"--seed"}
+    assert tools_own == set(ab_serve.BENCH_OWNED) - {"--host", "--port"}
 
 
 @pytest.mark.parametrize("as_json", [False, True])

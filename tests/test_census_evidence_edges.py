@@ -191,3 +191,14 @@ def test_steps_without_a_baseline_are_refused_not_dropped() -> None:
         "per rank over the whole window)")
     census.check_steps(5, ["base.json"])
     census.check_steps(None, None)
+
+
+def test_layers_without_steps_are_refused_not_dropped() -> None:
+    """The layers divide only the per-layer figures, which need --steps: before, ``census t.json
+    --layers 30`` (with or without --baseline) printed what it prints without them."""
+    with pytest.raises(UsageError) as refused:
+        census.check_steps(None, ["base.json"], 30)
+    assert str(refused.value) == (
+        "--layers 30 without --steps: the layers divide only the comparison's figures per layer and step, which "
+        "--steps (with --baseline) gives; give --steps N, or leave --layers out")
+    census.check_steps(5, ["base.json"], 30)

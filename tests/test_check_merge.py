@@ -232,3 +232,21 @@ def test_a_node_file_can_come_on_standard_input(tmp_path, capsys, monkeypatch):
     assert code == 0, out
     assert "ok   host node-b pid 12 (worker, vLLM 0.33.0): qk_cache=applied" in out
     assert "HOLDS: expect fused (2 processes)" in out
+
+
+def test_a_node_file_can_come_through_a_pipe_as_from_process_substitution(tmp_path, capsys):
+    """``--merge <(ssh node-b k3-amd-overlay check --json)`` names a pipe: read as ``-`` is (the
+    exception docs/cli.md makes to refusing a FIFO where a file is read)."""
+    import os
+    import threading
+
+    a = node(tmp_path, "node-a", process(pid=11))
+    text = Path(node(tmp_path, "node-b", process(pid=12))).read_text()
+    fifo = tmp_path / "node-b.pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text(text), daemon=True)
+    writer.start()
+    code, out = merge(capsys, "fused", a, str(fifo))
+    writer.join(timeout=10)
+    assert code == 0, out
+    assert "ok   host node-b pid 12 (worker, vLLM 0.33.0): qk_cache=applied" in out

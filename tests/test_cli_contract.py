@@ -262,7 +262,9 @@ def test_fusions_are_split_trimmed_and_checked():
     assert cli._fusions(None) is None
     with pytest.raises(UsageError, match="--fusions '' names no fusion"):
         cli._fusions("")  # "$FUSIONS" unset in a script: not "every fusion each process requested"
-    assert cli._fusions(" qk_cache, ,qkv_norm ") == ["qk_cache", "qkv_norm"]
+    assert cli._fusions(" qk_cache , qkv_norm ") == ["qk_cache", "qkv_norm"]
+    with pytest.raises(UsageError, match=r"--fusions 'qk_cache, ,qkv_norm': an empty name \(a stray comma\?\)"):
+        cli._fusions("qk_cache, ,qkv_norm")  # "qk_cache,$OTHER" with OTHER unset would judge one fusion of two
     with pytest.raises(UsageError, match="--fusions ',' names no fusion; allowed: qkv_norm, qk_cache, absorb_qk_cache"):
         cli._fusions(",")  # an empty list judged nothing: it must not pass as "every fusion asked held"
 
@@ -671,7 +673,7 @@ def test_two_stale_markers_here_are_counted_apart_from_another_hosts(tmp_path):
     assert notes[0] == f"markers read from {tmp_path}: 0 live, 2 stale, 0 unreadable, 1 of other hosts"
 
 
-@pytest.mark.parametrize("argv", [["--layers", "1"], ["--steps", "1"], ["--layers", "1", "--steps", "1"]])
+@pytest.mark.parametrize("argv", [["--layers", "1", "--steps", "2"], ["--steps", "1"], ["--layers", "1", "--steps", "1"]])
 def test_census_takes_one_layer_and_one_step(tmp_path, capsys, argv):
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps({"traceEvents": []}))

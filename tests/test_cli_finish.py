@@ -60,6 +60,7 @@ WITHOUT_TORCH = [
     (["doctor", "--serve-args", "'x"], 2, "No closing quotation (quote it as a shell would)"),
     (["check", "--expect", "off", "--allow-mixed"], 2, "--allow-mixed applies to --expect fused only"),
     (["census", "t.json", "--steps", "5"], 2, "--steps 5 without --baseline"),
+    (["census", "t.json", "--layers", "30"], 2, "--layers 30 without --steps"),
     (["census"], 2, "the following arguments are required: traces"),
     (["check"], 2, "the following arguments are required: --expect"),
 ]
@@ -152,6 +153,7 @@ def test_without_torch_check_json_still_gives_its_verdict_keys(blocked):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     out = json.loads(proc.stdout)
     assert out["missing"] == "torch" and out["holds"] is False and out["records"] == []
+    assert out["expect"] == "fused"  # the arguments were read: what was asked is said (was null)
     assert out["lines"] == [f"FAIL missing torch: {out['error']}"]
     assert out["overlay_version"] == k3_amd_overlay.__version__
 

@@ -216,6 +216,12 @@ def test_ab_serve_and_its_report_refuse_an_empty_path(tmp_path, monkeypatch, cap
 OPTIONAL_EMPTY_PATH = EMPTY_PATH.format("{}") + ", or leave the option out for its default"
 
 
+def test_an_empty_path_for_an_option_without_a_default_says_no_default(capsys):
+    """bench --json-out writes no file when left out: "leave the option out for its default" promised one."""
+    code = exit_status(kernels.main, ["--json-out", "", "--json"])
+    assert usage_error(capsys, code, "bench") == EMPTY_PATH.format("--json-out") + ", or leave the option out"
+
+
 def test_measure_refuses_an_empty_out(capsys):
     code = exit_status(self_measure.main, ["--heads", "12", "--out", "", "--json"])
     assert usage_error(capsys, code, "measure") == OPTIONAL_EMPTY_PATH.format("--out")

@@ -748,8 +748,10 @@ def test_json_report_of_a_whole_report():
                                          "absorb_qk_cache (MXFP4 W_K)": {"triton": "no"}},
               "self-measurement": {"state": "fresh", "verdicts": [{"fusion": "qk_cache", "fused buckets": [1, 2]}]},
               "self-test": [*FULL["self-test"][:3], {"identical bytes": 1.0, "identical query bytes": 1.0}],
+              "marker dir": {"path": "/d", "set by": "K3_AMD_OVERLAY_MARKER_DIR", "error": "E"},
               "Odd Key/with-Marks  2": [{"Another  ONE": None}]}
     assert doctor.json_report(report) == {
+        "marker_dir": {"path": "/d", "set_by": "K3_AMD_OVERLAY_MARKER_DIR", "error": "E"},  # as docs/cli.md names them
         "versions": {"k3_amd_overlay": "9.8.7", "python": "3.12.4", "vllm": None, "torch": "2.9.1", "triton": "3.5.0",
                      "aiter": None, "supported_vllm": "vllm >= 0.29, < 0.34"},
         "gpu": {"device": "AMD Instinct MI300X", "hip": "6.4.1", "cuda": None, "arch": "gfx942:sramecc+:xnack-",

@@ -976,8 +976,15 @@ def test_check_names_its_marker_directory_prunes_stale_markers_and_rejects_unkno
 
 @pytest.mark.parametrize("argv,message", [
     (["--fusions", "qk_cache,fast"], "--fusions: unknown fast; allowed: qkv_norm, qk_cache, absorb_qk_cache"),
+    (["--fusions", "qk_cache,"], "--fusions 'qk_cache,': an empty name (a stray comma?); allowed: qkv_norm, qk_cache, "
+                                 "absorb_qk_cache (comma separated)"),  # the switch refuses it too
     (["--static", "--merge", "x.json"], "--merge, --static and --prune each judge other processes: give at most one"),
     (["--static", "--prune"], "--merge, --static and --prune each judge other processes: give at most one"),
+    # before, --marker-dir was dropped without a word (its JSON said marker_dir null)
+    (["--merge", "x.json", "--marker-dir", "md"], "--marker-dir md names the markers a live check reads; --merge "
+                                                  "reads none: give one of the two"),
+    (["--static", "--marker-dir", "md"], "--marker-dir md names the markers a live check reads; --static reads none: "
+                                         "give one of the two"),
 ])
 def test_check_usage_errors_exit_2_with_the_reason(argv, message, capsys):
     from k3_amd_overlay.commands.cli import main

@@ -298,6 +298,15 @@ def switch_error(value: str) -> str:
     (["--port", "0"], "--port 0: must be 1-65535"),
     (["--health-timeout", "0"], "--health-timeout 0.0: must be a positive, finite number of seconds"),
     (["--serve-args", '--foo "x'], """--serve-args '--foo "x': No closing quotation (quote it as a shell would)"""),
+    (["--serve-args", "--port 9000"], "--serve-args '--port 9000': --port is set by the tool itself; give the tool's "
+                                      "--port (the server it polls for health is on that port)"),
+    # lm-eval would take one of two num_concurrent values without a word
+    (["--extra-model-args", "max_gen_toks=256, num_concurrent=8"], "--extra-model-args 'max_gen_toks=256, "
+                                                                   "num_concurrent=8': num_concurrent is set by the "
+                                                                   "tool itself; give gsm8k-ab's --num-concurrent"),
+    (["--extra-model-args", "base_url=http://x/v1"], "--extra-model-args 'base_url=http://x/v1': base_url is set by "
+                                                     "the tool itself; gsm8k-ab points lm-eval at each arm's proved "
+                                                     "server"),
 ])
 @pytest.mark.parametrize("as_json", [False, True])
 def test_each_usage_error_word_for_word_before_anything_starts(harness, capsys, extra, message, as_json):
@@ -387,6 +396,14 @@ def test_a_run_prints_writes_and_calls_lm_eval_word_for_word(harness, monkeypatc
         assert log.read_text() == f"stdout of arm{label}\nstderr of arm{label}\n"
     assert sorted(p.name for p in harness.out.iterdir()) == ["armA", "armB", "run.json", "summary.json",
                                                             "summary.md"]
+
+
+def test_extra_model_args_may_repeat_none_of_the_keys_the_tool_sets():
+    """MODEL_ARGS_OWNED is what lm_eval_model_args sets: a key it adds and MODEL_ARGS_OWNED lacks
+    would reach lm-eval twice from an --extra-model-args repeating it."""
+    args = gsm8k_ab.parser().parse_args(["--model", "m", "--out", "o", "--extra-model-args", "max_length=4096"])
+    keys = [item.split("=", 1)[0] for item in gsm8k_ab.lm_eval_model_args(args, "m", "http://h:1").split(",")]
+    assert keys[-1] == "max_length" and set(keys[:-1]) == set(gsm8k_ab.MODEL_ARGS_OWNED)
 
 
 def test_defaults_and_json_one_object_on_stdout(harness, capsys):

@@ -125,6 +125,20 @@ def test_provider_values_are_trimmed_and_default_to_auto():
     assert dict(s.providers) == {"qkv_norm": "vllm", "qk_cache": "auto", "absorb_qk_cache": "auto"}
 
 
+@pytest.mark.parametrize("value,why", [
+    ("1,qk_cache", "'1' stands alone, never in a list"),  # said "unknown: '1'" beside "allowed: '1'"
+    ("stock, qkv_norm", "'stock' stands alone, never in a list"),
+    ("0,1", "'0' and '1' stand alone, never in a list"),
+    ("qk_cache,", "an empty name: a stray comma?"),
+    ("fast,,stock", "unknown: 'fast'; 'stock' stands alone, never in a list; an empty name: a stray comma?"),
+])
+def test_a_list_says_what_is_wrong_with_it(value, why):
+    with pytest.raises(SettingsError) as err:
+        load_settings({"K3_AMD_OVERLAY": value})
+    assert str(err.value) == (f"K3_AMD_OVERLAY={value!r} is not valid ({why}); allowed: '0' (off), '1' (all fusions), "
+                              "'stock' (force unfused), or a comma list of: qkv_norm, qk_cache, absorb_qk_cache")
+
+
 def test_every_bad_name_is_listed_separated():
     with pytest.raises(SettingsError, match=r"\(unknown: 'qk-cache', 'norm'\)"):
         load_settings({"K3_AMD_OVERLAY": "qk-cache,qkv_norm,norm"})

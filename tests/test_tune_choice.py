@@ -400,7 +400,7 @@ def test_tune_on_a_fake_mi300x_writes_each_kernels_winners_for_this_gpu(fake_gpu
     (["--compare", "/nonexistent.json"], "error: --compare /nonexistent.json: no such file", 2),
     (["--compare", "/"], "error: --compare /: a directory, not a file", 2),  # said "no such file" before
     (["--compare", ""], "error: argument --compare: '' names no path (an empty value: an unset variable?); give the "
-                        "path, or leave the option out for its default", 2),  # was read as no --compare: a full tune
+                        "path, or leave the option out", 2),  # was read as no --compare: a full tune; no default
     (["--out", ""], "error: argument --out: '' names no path (an empty value: an unset variable?); give the path, or "
                     "leave the option out for its default", 2),
     (["--out", "  "], "error: argument --out: '  ' names no path (an empty value: an unset variable?); give the "

@@ -32,8 +32,14 @@ class ForeignResults(ValueError):
     """The directory holds results this run did not write (another run's, or a run without an id)."""
 
 
-def check_unused(out: Path) -> None:
-    """``out`` may be written by a new run: absent, or an empty directory (checked before any server starts)."""
+# What each A/B tool offers for an earlier run's directory, in the refusal of a used --out.
+EARLIER_RUN = {"ab-serve": "re-summarise an earlier run with `k3-amd-overlay ab-serve report DIR`",
+               "gsm8k-ab": "an earlier run's summary stays in its summary.md and summary.json"}
+
+
+def check_unused(out: Path, tool: str) -> None:
+    """``out`` may be written by a new run of ``tool``: absent, or an empty directory (checked before
+    any server starts)."""
     try:
         if out.exists() and not out.is_dir():
             raise UsageError(f"--out {out} is a file, not a directory")
@@ -43,13 +49,13 @@ def check_unused(out: Path) -> None:
     if entries:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise UsageError(f"--out {out} is not empty ({shown}): a run reads back only what it wrote, so it "
-                         "needs a new or empty directory (re-summarise an earlier run with its own report)")
+                         f"needs a new or empty directory ({EARLIER_RUN[tool]})")
 
 
 def claim(out: Path, tool: str) -> str:
     """Make ``out`` this run's: it must still be unused; ``run.json`` is created exclusively. The run
     id; UsageError where ``out`` is used or cannot be created (before any server starts)."""
-    check_unused(out)
+    check_unused(out, tool)
     run_id = uuid.uuid4().hex
     record = {"run_id": run_id, "tool": tool,
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

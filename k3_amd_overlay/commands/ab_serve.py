@@ -44,8 +44,8 @@ from k3_amd_overlay.commands.usage import (
     UsageError,
     add_arm_server_arguments,
     check_arm_server_arguments,
-    check_command_lines,
     check_given,
+    check_not_owned,
     check_seconds,
     describe,
     json_result,
@@ -106,8 +106,9 @@ def validate(args: argparse.Namespace) -> None:
         check_seconds("--profile-window", args.profile_window)
     check_arm_server_arguments(args)
     check_given("--tokenizer", args.tokenizer, "the model")
-    check_command_lines([("--bench-args", args.bench_args)])
-    ab_run.check_unused(args.out)
+    check_given("--bench-args", args.bench_args, "the vLLM K3 PR's workload")
+    check_not_owned("--bench-args", args.bench_args, split_command("--bench-args", args.bench_args), BENCH_OWNED)
+    ab_run.check_unused(args.out, "ab-serve")
     switches = [("--arm-a", args.arm_a), ("--arm-b", args.arm_b)]
     if args.with_stock:
         switches.append(("the stock arm", "stock"))
@@ -115,13 +116,34 @@ def validate(args: argparse.Namespace) -> None:
     args.baseline_hazards = arms.check_arms(switches, commands, args.serve_args, args.accept_baseline_hazard)
 
 
-def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, result: Path) -> dict:
+# What bench_command sets itself, and what to give instead (a --bench-args repeating one is refused:
+# with it, one of the two would be dropped without a word). --host and --port: the bench takes --base-url.
+BENCH_OWNED = {
+    "--model": "give ab-serve's --served-model-name where the server answers to another name",
+    "--tokenizer": "give ab-serve's --tokenizer",
+    "--base-url": "ab-serve points the bench at each arm's proved server",
+    "--host": "ab-serve points the bench at each arm's proved server (--base-url)",
+    "--port": "give ab-serve's --port",
+    "--num-prompts": "give ab-serve's --num-prompts",
+    "--max-concurrency": "give ab-serve's --concurrency",
+    "--save-result": "ab-serve saves every result under --out",
+    "--result-dir": "ab-serve saves every result under --out",
+    "--result-filename": "ab-serve names each result by its repeat, arm and concurrency",
+}
+
+
+def bench_command(args: argparse.Namespace, url: str, concurrency: int, result: Path) -> list[str]:
+    """The bench's command line at one concurrency against the server at ``url``."""
     prompts = args.num_prompts or PROMPTS_PER_CONCURRENCY * concurrency
-    name = args.served_model_name or args.model
-    command = [*split_command("--bench-cmd", args.bench_cmd), "--model", name, "--tokenizer",
-               args.tokenizer or args.model, "--base-url", server.url, *split_command("--bench-args", args.bench_args),
-               "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--save-result",
-               "--result-dir", str(result.parent), "--result-filename", result.name]
+    return [*split_command("--bench-cmd", args.bench_cmd), "--model", args.served_model_name or args.model,
+            "--tokenizer", args.tokenizer or args.model, "--base-url", url,
+            *split_command("--bench-args", args.bench_args), "--num-prompts", str(prompts),
+            "--max-concurrency", str(concurrency), "--save-result", "--result-dir", str(result.parent),
+            "--result-filename", result.name]
+
+
+def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, result: Path) -> dict:
+    command = bench_command(args, server.url, concurrency, result)
     log = result.with_suffix(".log")
     with open(log, "w") as handle:
         if args.profile_window:

@@ -398,14 +398,18 @@ def claiming_pattern(name: str) -> str | None:
 COUNT = re.compile(r"[0-9]{1,18}")  # ASCII digits only (str.isdigit takes "²", which int() refuses)
 
 
-def check_steps(steps: int | None, baseline: list[str] | None) -> None:
-    """A UsageError where ``--steps`` is given without ``--baseline``: the steps divide only the
-    comparison's figures (launches per step, µs per layer and step), so alone they would be dropped
-    without a word (``--expect`` counts per rank over the whole window)."""
+def check_steps(steps: int | None, baseline: list[str] | None, layers: int | None = None) -> None:
+    """A UsageError where ``--steps`` is given without ``--baseline``, or ``--layers`` without
+    ``--steps``: the steps divide only the comparison's figures (launches per step, µs per layer and
+    step), the layers only the per-layer ones, so alone each would be dropped without a word
+    (``--expect`` counts per rank over the whole window)."""
     if steps is not None and not baseline:
         raise UsageError(f"--steps {steps} without --baseline: the steps divide the before/after comparison's "
                          "figures (per step, per layer and step), which only --baseline gives; give --baseline "
                          "TRACE ..., or leave --steps out (--expect counts per rank over the whole window)")
+    if layers is not None and steps is None:
+        raise UsageError(f"--layers {layers} without --steps: the layers divide only the comparison's figures per "
+                         "layer and step, which --steps (with --baseline) gives; give --steps N, or leave --layers out")
 
 
 def parse_expectations(items: Iterable[str]) -> list[tuple[str, int]]:

@@ -61,9 +61,12 @@ print("K3_AMD_OVERLAY_RECORD=" + json.dumps(record.to_json() if record else None
 def _fusions(value: str | None) -> list[str] | None:
     if value is None:
         return None
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    if not names:
+    names = [v.strip() for v in value.split(",")]
+    if not any(names):
         raise UsageError(f"--fusions {value!r} names no fusion; allowed: {', '.join(FUSIONS)} (comma separated)")
+    if "" in names:
+        raise UsageError(f"--fusions {value!r}: an empty name (a stray comma?); allowed: {', '.join(FUSIONS)} "
+                         "(comma separated)")
     bad = [n for n in names if n not in FUSIONS]
     if bad:
         raise UsageError(f"--fusions: unknown {', '.join(bad)}; allowed: {', '.join(FUSIONS)}")
@@ -209,6 +212,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UsageError(f"--marker-dir {args.marker_dir}: a file, not a directory of markers")
     if sum(map(bool, (args.merge, args.static))) > 1 or (args.prune and (args.merge or args.static)):
         raise UsageError("--merge, --static and --prune each judge other processes: give at most one")
+    if args.marker_dir and (args.merge or args.static):
+        raise UsageError(f"--marker-dir {args.marker_dir} names the markers a live check reads; "
+                         f"{'--merge' if args.merge else '--static'} reads none: give one of the two")
     if args.max_age is not None and not args.merge:
         raise UsageError("--max-age applies to --merge only (a live check reads markers as they are now)")
     check_fused_options(args)
@@ -325,7 +331,7 @@ def cmd_census(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise UsageError(f"{option} {value}: at least 1 (--layers: the model's MLA layers; --steps: decode steps "
                              "in the profiled window)")
-    census.check_steps(args.steps, args.baseline)
+    census.check_steps(args.steps, args.baseline, args.layers)
     try:
         expectations = census.parse_expectations(args.expect or [])
         candidate = census.read_census(args.traces)
@@ -336,7 +342,8 @@ def cmd_census(args: argparse.Namespace) -> int:
         for problem in census.rank_problems(candidate):
             print(f"warning: {problem}", file=sys.stderr)
     judged = census.judge_expectations(candidate, expectations)
-    comparison = census.compare(baseline, candidate, args.steps, args.layers) if baseline is not None else None
+    layers = k3.MLA_LAYERS if args.layers is None else args.layers
+    comparison = census.compare(baseline, candidate, args.steps, layers) if baseline is not None else None
     holds = all(j.holds for j in judged) and (comparison is None or comparison.holds)
     if args.json:
         out = {"command": "census", "ok": holds, "exit_status": 0 if holds else EXIT_FAILED, **candidate.to_json()}
@@ -366,7 +373,8 @@ DESCRIPTION = (
     "and vLLM give and what the overlay would do here and why; check proves whether vLLM processes are fused, "
     "stock or off (an A/B arm); census counts kernel launches in profiler traces; ab-serve and gsm8k-ab run "
     "serving and accuracy A/B tests against proved arms; bench, kernels and tune benchmark, compile and tune "
-    "the overlay's kernels.")
+    "the overlay's kernels; measure times each fusion against stock on this GPU, for the server to fuse only "
+    "where it measured at least as fast.")
 CHECK = ("Prove an A/B arm: judge whether the live vLLM processes of this node (their markers), a fresh process "
          "(--static) or several nodes' check --json outputs (--merge) are fused, stock or off, as --expect says. "
          "Exit 0 when it holds, 1 when it does not.")
@@ -405,10 +413,10 @@ TOOL_NEEDS: dict[str, tuple[str, ...]] = {"bench": ("torch", "triton"), "kernels
                                           "tune": ("torch", "triton"), "measure": ("torch", "triton")}
 
 
-def _check_unjudged(common: dict[str, object], line: str) -> dict[str, object]:
+def _check_unjudged(common: dict[str, object], line: str, expect: str | None = None) -> dict[str, object]:
     """check's --json object where it judged nothing: its own keys, as on every other path (``holds``
-    false), and the ``common`` ones."""
-    return {**common, "expect": None, "holds": False, "lines": [f"FAIL {line}"], "notes": [],
+    false; ``expect`` where the arguments were read), and the ``common`` ones."""
+    return {**common, "expect": expect, "holds": False, "lines": [f"FAIL {line}"], "notes": [],
             "host": socket.gethostname(), "source": None, "marker_dir": None, "checked_at": time.time(),
             "overlay_version": __version__, "records": []}
 
@@ -460,7 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     census.add_argument("--steps", type=int,
                         help="decode steps in the window: per-step and per-layer figures of the comparison "
                              "(with --baseline only)")
-    census.add_argument("--layers", type=int, default=k3.MLA_LAYERS, help="MLA layers of the model (K3's)")
+    census.add_argument("--layers", type=int,
+                        help=f"MLA layers of the model, with --steps: the per-layer figures (default: K3's, "
+                             f"{k3.MLA_LAYERS})")
     census.add_argument("--json", action="store_true", help="one JSON object on stdout on every path")
     census.set_defaults(func=cmd_census)
     doctor = sub.add_parser("doctor", help="versions, GPU, what each fusion would do here and why, self-tests",
@@ -536,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     command = argv[0] if argv and not argv[0].startswith("-") else ""
+    args = None
     try:
         if command in TOOLS:
             return _run_tool(command, argv[1:])
@@ -553,8 +564,9 @@ def _main(argv: list[str]) -> int:
         if wants_json(argv):
             data: dict[str, object] = {"command": command, "ok": False, "exit_status": EXIT_FAILED, "missing": missing,
                                        "error": message}
-            print(json.dumps(_check_unjudged(data, f"missing {missing}: {message}") if command == "check" else data,
-                             indent=1))
+            if command == "check":
+                data = _check_unjudged(data, f"missing {missing}: {message}", getattr(args, "expect", None))
+            print(json.dumps(data, indent=1))
         print(message, file=sys.stderr)
         return EXIT_FAILED
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a shell tool does

@@ -36,6 +36,7 @@ from k3_amd_overlay.commands.usage import (
     check_arm_server_arguments,
     check_given,
     check_input_file,
+    check_not_owned,
     describe,
     json_result,
     split_command,
@@ -168,6 +169,23 @@ def outcomes(output_dir: Path, task: str, metric: str) -> dict[int, bool]:
     return found
 
 
+# The keys of lm-eval's --model_args the tool sets itself, and what to give instead (an
+# --extra-model-args repeating one is refused: lm-eval would take one of the two without a word).
+MODEL_ARGS_OWNED = {
+    "model": "give gsm8k-ab's --served-model-name where the server answers to another name",
+    "base_url": "gsm8k-ab points lm-eval at each arm's proved server",
+    "num_concurrent": "give gsm8k-ab's --num-concurrent",
+    "tokenized_requests": "gsm8k-ab sends text requests (the server's tokenizer applies)",
+}
+
+
+def lm_eval_model_args(args: argparse.Namespace, name: str, url: str) -> str:
+    """lm-eval's --model_args for the server at ``url`` answering to ``name``."""
+    extra = f",{args.extra_model_args}" if args.extra_model_args else ""
+    return (f"model={name},base_url={url}/v1/completions,num_concurrent={args.num_concurrent},"
+            f"tokenized_requests=False{extra}")
+
+
 def validate(args: argparse.Namespace) -> None:
     """Every argument checked before the first server starts."""
     if args.limit is not None and args.limit < 1:
@@ -177,11 +195,12 @@ def validate(args: argparse.Namespace) -> None:
     if args.num_concurrent < 1:
         raise UsageError(f"--num-concurrent {args.num_concurrent}: at least 1")
     check_given("--task", args.task, "gsm8k")
+    check_not_owned("--extra-model-args", args.extra_model_args, args.extra_model_args.split(","), MODEL_ARGS_OWNED)
     if not METRIC.fullmatch(args.metric):
         raise UsageError(f"--metric {args.metric!r}: lm-eval names each result METRIC,FILTER, e.g. "
                          "exact_match,strict-match (acc,none where the task has no filter)")
     check_arm_server_arguments(args)
-    ab_run.check_unused(args.out)
+    ab_run.check_unused(args.out, "gsm8k-ab")
     if args.data_file is not None:
         check_input_file("--data-file", args.data_file)
         task_file(args.task)
@@ -234,9 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with arms.proved_server(arm, args.serve_cmd, args.model, args.serve_args, args.port, workdir,
                                 args.health_timeout, served_name=name) as server:
             print(f"arm {arm.label} proved {arm.expect}; running {task}", flush=True)
-            extra = f",{args.extra_model_args}" if args.extra_model_args else ""
-            model_args = (f"model={name},base_url={server.url}/v1/completions,num_concurrent={args.num_concurrent},"
-                          f"tokenized_requests=False{extra}")
+            model_args = lm_eval_model_args(args, name, server.url)
             command = [*split_command("--lm-eval-cmd", args.lm_eval_cmd), "--model", "local-completions",
                        "--model_args", model_args, "--tasks", task, "--num_fewshot", str(args.num_fewshot),
                        "--output_path", str(workdir / "lm_eval"), "--log_samples", *include]

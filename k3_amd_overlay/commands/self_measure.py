@@ -347,7 +347,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"W_UK absorptions: {', '.join(measured.VARIANTS)} (default {measured.VARIANTS[0]}; fp8: "
                              "vLLM's fp8 W_K, VLLM_ROCM_USE_AITER_FP8BMM, needs AITER's Triton fp8 BMM)")
     parser.add_argument("--buckets", type=int, nargs="+",
-                        help="batch buckets in tokens (default vLLM's capture sizes: 1, 2, 4, 8, 16, ..., 512)")
+                        help="batch buckets in tokens (default vLLM's capture sizes: 1, 2, 4, then 8-256 by 8 and "
+                             "272-512 by 16)")
     parser.add_argument("--out", type=Path,
                         help="directory for the result file (default: $K3_AMD_OVERLAY_KERNEL_CONFIGS's, else "
                              "$XDG_CACHE_HOME/k3-amd-overlay or ~/.cache/k3-amd-overlay)")

@@ -12,7 +12,7 @@ import re
 import shlex
 import shutil
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import PurePath
 from typing import Any, NoReturn
 
@@ -154,8 +154,8 @@ class Parser(argparse.ArgumentParser):
         ``"$VAR"``): ``Path("")`` is the current directory, which no option means by an empty value
         (the one home of this check, for every option typed ``Path``)."""
         if isinstance(action.type, type) and issubclass(action.type, PurePath) and not arg_string.strip():
-            default = "" if action.required or not action.option_strings else (
-                ", or leave the option out for its default")
+            default = ("" if action.required or not action.option_strings else ", or leave the option out"
+                       + (" for its default" if "default" in (action.help or "") else ""))
             raise argparse.ArgumentError(action, f"{arg_string!r} names no path (an empty value: an unset "
                                                  f"variable?); give the path{default}")
         return super()._get_value(action, arg_string)
@@ -250,6 +250,16 @@ def check_command_lines(named: Iterable[tuple[str, str]]) -> None:
         split_command(name, command)
 
 
+def check_not_owned(option: str, given: str, words: Iterable[str], owned: Mapping[str, str]) -> None:
+    """A UsageError where ``words`` (split from ``option``'s value ``given``) set something the tool
+    sets itself (``owned``: each such option or key and what to give instead): passed on, one of the
+    two would be dropped without a word (vLLM's parser keeps the last ``--port``)."""
+    for word in words:
+        name = word.split("=", 1)[0].strip()
+        if name in owned:
+            raise UsageError(f"{option} {given!r}: {name} is set by the tool itself; {owned[name]}")
+
+
 def check_executables(named: Iterable[tuple[str, str]]) -> None:
     """Each (option, command line) starts with an executable on PATH."""
     for name, command in named:
@@ -301,6 +311,10 @@ def check_given(option: str, value: str | None, default: str | None = None) -> N
         raise UsageError(f"{option} {value!r} names nothing (an empty value: an unset variable?); give a value{leave}")
 
 
+# What an A/B tool puts on each server's command line itself (arms.proved_server), and what to give instead.
+SERVE_OWNED = {"--port": "give the tool's --port (the server it polls for health is on that port)"}
+
+
 def check_arm_server_arguments(args: argparse.Namespace) -> None:
     """The values of add_arm_server_arguments' options a server could not start with (whether
     --serve-cmd is on PATH: check_executables)."""
@@ -309,7 +323,7 @@ def check_arm_server_arguments(args: argparse.Namespace) -> None:
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: must be 1-65535")
     check_seconds("--health-timeout", args.health_timeout)
-    check_command_lines([("--serve-args", args.serve_args)])
+    check_not_owned("--serve-args", args.serve_args, split_command("--serve-args", args.serve_args), SERVE_OWNED)
 
 
 def check_baselines(named: Iterable[tuple[str, str]], serve_args: str, accept: bool) -> list[str]:

@@ -6,7 +6,10 @@ Runs only in the venv scripts/run_tests.sh builds for it; skipped elsewhere."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not HAS_ENGINE and Path(str(item.fspath)).parent == HERE:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_tmpdir() -> Iterator[Path]:
+    """One temporary directory for every engine process of the session (``TMPDIR``), removed at its
+    end: vLLM leaves its ZMQ IPC sockets and its ``torch.distributed`` file stores in the temporary
+    directory, about twenty files a run. Short, as an IPC socket's path must be."""
+    directory = Path(tempfile.mkdtemp(prefix="k3e-"))
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(directory)
+    yield directory
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
