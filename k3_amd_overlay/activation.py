@@ -143,25 +143,44 @@ class Activation:
 
     def apply_module(self, module_name: str, module: Any) -> None:
         specs = self.specs_by_module.get(module_name, [])
+        left_out = set(self.engine.left_out)
         try:
             self.engine.apply(specs, module)
-        except AnchorError as exc:
+        except Exception as exc:  # AnchorError, or wrapt failing to patch: either way nothing of it stays
             self.live = False  # hooks of modules imported later must not patch a half-reverted overlay
             self.revert()
             fusions = sorted({f for s in self.specs_by_module.values() for spec in s for f in spec.fusions})
-            message = f"live anchor check failed in {module_name}: {exc}; every overlay patch reverted"
-            if self.settings.strict:
-                raise OverlayActivationError(
-                    f"k3-amd-overlay (vLLM {installed_vllm_version()}): {message}; {_how_to_proceed()}") from exc
-            self.refuse(fusions, message)
+            what = str(exc) if isinstance(exc, AnchorError) else f"{type(exc).__name__}: {exc}"
+            message = f"live anchor check failed in {module_name}: {what}; every overlay patch reverted"
+            if not self.settings.strict:
+                self.refuse(fusions, message)
+                return
+            for fusion in fusions:  # the marker says so before the stop
+                self.evidence.set_fusion(fusion, FusionState.REFUSED, message)
+            stop = f"k3-amd-overlay (vLLM {installed_vllm_version()}): {message}; {_how_to_proceed()}"
+            # raised from an import hook, vLLM's model registry may catch it and say only that the
+            # architecture failed to be inspected: this line says why in the overlay's words
+            logger.error("%s", stop)
+            raise OverlayActivationError(stop) from exc
+        for key in sorted(set(self.engine.left_out) - left_out):
+            logger.warning("k3-amd-overlay: %s left out (it only logs each model's layer decisions, which the "
+                           "marker holds all the same): %s", key, self.engine.left_out[key])
 
     def revert(self) -> list[str]:
         """Every patch off its target (the identical originals back); layers built meanwhile keep
-        their sites' routes (LayerInstaller.keep_routes). The keys reverted."""
+        their sites' routes (LayerInstaller.keep_routes), layers built later get no site. A patch
+        someone else has wrapped since stays under that wrapper, inert: with no site on a layer it
+        calls vLLM's own code. The keys reverted."""
         applied = list(self.engine.applied)
         reverted = self.engine.revert_all()
         if self.installer is not None:
-            self.installer.keep_routes(applied)
+            self.installer.retire()
+            self.installer.keep_routes([record for record in applied if record.spec.key in reverted])
+        for record in self.engine.applied:
+            logger.warning("k3-amd-overlay: %s was wrapped again after the overlay patched it; the overlay's "
+                           "patch stays under that wrapper, inert (layers built from now on get no overlay "
+                           "site, so it calls vLLM's own code)", record.spec.target)
+        self.evidence.set_shape(self.shape.name if self.shape else None, [a.spec.key for a in self.engine.applied])
         return reverted
 
     def stop(self) -> list[str]:

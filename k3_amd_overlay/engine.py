@@ -1,6 +1,7 @@
 """Patch records on wrapt: verify a target, apply, revert. Idempotent (a target patched already
 is never wrapped twice), atomic (a failure part-way reverts what this call applied) and
-revertible (revert puts back the identical original objects)."""
+revertible (revert puts back the identical original objects, except under a wrapper someone else
+put on top since, which keeps the overlay's: the caller makes it inert)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ class PatchSpec:
     # The instance attribute holding the per-layer site this wrapper routes by: once the patch is
     # reverted, a layer that holds one keeps the route (the wrapper bound on the instance).
     kept_by: str | None = None
+    # For the log only: where its target fails the check, it is left out (PatchEngine.left_out) and
+    # the module's other patches apply; no fusion waits on it.
+    optional: bool = False
 
     @property
     def target(self) -> str:
@@ -74,7 +78,10 @@ def verify(spec: PatchSpec, module: Any) -> None:
     except AttributeError:
         raise AnchorError(f"{spec.target} does not exist") from None
     if spec.guard is not None:
-        problem = spec.guard(module)
+        try:
+            problem = spec.guard(module)
+        except Exception as exc:  # a check that cannot tell: the target is not what the patch knows
+            raise AnchorError(f"{spec.target}: its check raised {type(exc).__name__}: {exc}") from exc
         if problem:
             raise AnchorError(f"{spec.target}: {problem}")
     if spec.params is None:
@@ -94,15 +101,23 @@ class PatchEngine:
     """The patches this process has in place, in the order applied."""
 
     applied: list[Applied] = field(default_factory=list)
+    left_out: dict[str, str] = field(default_factory=dict)  # optional patches whose target failed: key -> why
 
     def is_applied(self, spec: PatchSpec) -> bool:
         return any(a.spec.key == spec.key for a in self.applied)
 
     def apply(self, specs: Sequence[PatchSpec], module: Any) -> list[str]:
-        """Verify every spec, then apply those not applied yet; all or nothing. Returns keys applied."""
-        pending = [s for s in specs if not self.is_applied(s)]
+        """Verify every spec, then apply those not applied yet; all or nothing, but for an optional
+        spec whose target fails the check, left out (``left_out``). Returns keys applied."""
+        pending = [s for s in specs if not self.is_applied(s) and s.key not in self.left_out]
         for spec in pending:
-            verify(spec, module)
+            try:
+                verify(spec, module)
+            except AnchorError as exc:
+                if not spec.optional:
+                    raise
+                self.left_out[spec.key] = str(exc)
+        pending = [s for s in pending if s.key not in self.left_out]
         done: list[Applied] = []
         try:
             for spec in pending:
@@ -137,9 +152,15 @@ class PatchEngine:
             delattr(record.parent, record.name)
 
     def revert_all(self) -> list[str]:
-        keys = []
-        while self.applied:
-            record = self.applied.pop()
-            self._revert_one(record)
+        """Every patch off its target, newest first, each tried: one that something else has wrapped
+        since (reverting it would drop that wrapper too) stays in ``applied``. The keys reverted."""
+        keys, kept = [], []
+        for record in reversed(self.applied):
+            try:
+                self._revert_one(record)
+            except AnchorError:
+                kept.append(record)
+                continue
             keys.append(record.spec.key)
+        self.applied = kept[::-1]
         return keys

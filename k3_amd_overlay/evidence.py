@@ -210,6 +210,9 @@ class Evidence:
             if self.record.mode is Mode.AUTO and FusionState.DISABLED not in tallies and fused == 0:
                 level = logging.WARNING
                 text += " -- requested but fused on no layer: this process runs it stock"
+            elif entry.state is FusionState.REFUSED and fused:  # decided per layer, then refused (a kernel failed)
+                level = logging.WARNING
+                text += f" -- then refused: {entry.reason}: this process runs it stock"
             lines.append((level, text))
         return lines
 

@@ -365,6 +365,9 @@ def load_here(arch: str, device: str | None, environ: Mapping[str, str] | None =
         path = result_path(arch, device, environ)
     except (RuntimeError, KeyError):  # no home directory to hold the per-user one (no HOME, no passwd entry)
         return Loaded(None)
+    except OSError as exc:  # the configured path cannot be looked at (too long, no access)
+        return Loaded(None, error=f"{KERNEL_CONFIGS}={environ.get(KERNEL_CONFIGS, '')}: cannot be looked in "
+                                  f"({exc}); no self-measurement is used")
     try:
         here = path.is_file()
     except OSError as exc:  # a directory this user cannot search

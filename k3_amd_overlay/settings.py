@@ -125,9 +125,11 @@ _PATH_VARIABLES = {MARKER_DIR: ("directory", "the per-user directory"),
 def parse_path(variable: str, raw: str | None) -> str | None:
     """A path variable's value (None: unset or empty, its default); SettingsError for a blank value,
     which would name a path of spaces relative to each process's own directory."""
+    names, default = _PATH_VARIABLES[variable]
     if raw and not raw.strip():
-        names, default = _PATH_VARIABLES[variable]
         raise SettingsError(f"{variable}={raw!r} names no {names}; unset it for {default}")
+    if raw and raw != raw.strip():  # ' /tmp/x' is a path relative to each process's own directory
+        raise SettingsError(f"{variable}={raw!r}: spaces before or after the path; give {raw.strip()!r}")
     return raw or None
 
 

@@ -178,12 +178,20 @@ def test_a_live_anchor_failing_reverts_everything_and_later_hooks_do_nothing(tmp
     monkeypatch.setattr(active.engine, "revert_all", lambda: reverted.append(True) or [])
     drifted = types.ModuleType(MLA)  # the module as imported lacks the class the anchors named
     if strict == "1":
+        errors: list[str] = []
+        monkeypatch.setattr(activation.logger, "error", lambda fmt, *args: errors.append(fmt % args))
         with pytest.raises(activation.OverlayActivationError) as error:
             on_mla(drifted)
         message = str(error.value)
         assert message.startswith(f"k3-amd-overlay (vLLM 0.33.0): live anchor check failed in {MLA}: ")
         assert message.endswith(f"; every overlay patch reverted; {HOW_TO_PROCEED}")
         assert isinstance(error.value.__cause__, activation.AnchorError)
+        # vLLM's model registry may catch the stop and say only that inspecting the model failed: the
+        # overlay's own ERROR line says why, and the marker says refused (it said "patched" before)
+        assert errors == [message]
+        refused = [active.evidence.fusion(f) for f in FUSIONS]
+        assert {e.state for e in refused} == {FusionState.REFUSED}
+        assert refused[0].reason.startswith(f"live anchor check failed in {MLA}: ")
     else:
         on_mla(drifted)
         refused = [active.evidence.fusion(f) for f in FUSIONS]

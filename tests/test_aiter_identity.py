@@ -124,3 +124,13 @@ def test_a_file_measured_with_another_aiter_tree_is_not_used(tmp_path, path_of, 
         f"{path}: field 'aiter' is 'unversioned at {first}', this process's is 'not installed': this "
         "process does not run the kernels it timed; run `k3-amd-overlay measure` again")
     assert "aiter" not in sys.modules
+
+
+def test_a_configs_path_that_cannot_be_looked_at_uses_no_measurement_and_says_why():
+    """``load_here`` never raises: an OSError from looking at the configured path (too long here)
+    escaped it into vLLM's layer build."""
+    setting = "/tmp/" + "x" * 300
+    loaded = measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: setting})
+    assert loaded.measurement is None and loaded.path is None
+    assert loaded.error.startswith(f"{KERNEL_CONFIGS}={setting}: cannot be looked in ([Errno 36] File name too long")
+    assert loaded.error.endswith("); no self-measurement is used")

@@ -673,7 +673,8 @@ def test_two_stale_markers_here_are_counted_apart_from_another_hosts(tmp_path):
     assert notes[0] == f"markers read from {tmp_path}: 0 live, 2 stale, 0 unreadable, 1 of other hosts"
 
 
-@pytest.mark.parametrize("argv", [["--layers", "1", "--steps", "2"], ["--steps", "1"], ["--layers", "1", "--steps", "1"]])
+@pytest.mark.parametrize("argv", [["--layers", "1", "--steps", "2"], ["--steps", "1"],
+                                  ["--layers", "1", "--steps", "1"]])
 def test_census_takes_one_layer_and_one_step(tmp_path, capsys, argv):
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps({"traceEvents": []}))

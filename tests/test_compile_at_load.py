@@ -184,10 +184,14 @@ def test_a_kernel_that_cannot_build_at_load_is_refused_there_and_not_tried_again
 
 
 @pytest.mark.vllm
-def test_vllms_kv_cache_block_size_is_read_from_its_config_in_context():
+def test_vllms_kv_cache_block_size_is_read_from_its_config_in_context(monkeypatch):
+    import vllm.config.vllm
     from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
 
-    assert vllm_env.kv_cache_block_size() is None  # no config in context
+    # none in context, said here: a vLLM layer built by an earlier test (test_vllm_layer.py, run first)
+    # can leave vLLM's global config set
+    monkeypatch.setattr(vllm.config.vllm, "_current_vllm_config", None)
+    assert vllm_env.kv_cache_block_size() is None
     size = random.choice([1, 16, 32, 64, 128])
     with set_current_vllm_config(VllmConfig(cache_config=CacheConfig(block_size=size))):
         assert vllm_env.kv_cache_block_size() == size

@@ -96,7 +96,61 @@ def test_revert_refuses_to_clobber_a_later_patch():
     engine.apply([PatchSpec("a", "fake", "Wrapper.forward", (), wrapper=tag("a"))], module)
     module.Wrapper.forward = lambda self, x: x
     with pytest.raises(AnchorError, match="changed by someone else"):
-        engine.revert_all()
+        engine._revert_one(engine.applied[0])
+
+
+def test_revert_all_takes_off_every_patch_it_can_and_keeps_the_one_wrapped_again():
+    """Another tool (a tracer) wraps one patched method again: revert_all still reverts the others,
+    newest first, and keeps that one, under the other tool's wrapper, in ``applied``. Before, the
+    refusal escaped part-way: the patches after it stayed on, and nothing could take them off."""
+    module = make_module()
+    original_forward = vars(module.Wrapper)["forward"]
+
+    class Other:
+        def method(self, x):
+            return x
+
+    module.Other = Other
+    other_original = vars(Other)["method"]
+    engine = PatchEngine()
+    engine.apply([PatchSpec("w.norm", "fake", "Wrapper._normalize_q_kv", (), wrapper=tag("n")),
+                  PatchSpec("w.fwd", "fake", "Wrapper.forward", (), wrapper=tag("f")),
+                  PatchSpec("o.m", "fake", "Other.method", (), wrapper=tag("m"))], module)
+    wrapt.wrap_function_wrapper(module.Wrapper, "_normalize_q_kv", lambda w, i, a, k: ("tracer", *w(*a, **k)))
+    assert engine.revert_all() == ["o.m", "w.fwd"]
+    assert vars(module.Wrapper)["forward"] is original_forward and vars(Other)["method"] is other_original
+    assert [a.spec.key for a in engine.applied] == ["w.norm"]
+    assert module.Wrapper()._normalize_q_kv(1, 2) == ("tracer", "n", 1, 2)  # both wrappers still there
+
+
+def test_an_optional_patch_whose_target_fails_is_left_out_and_the_rest_apply():
+    """A patch for the log only (the layer report) must not take the fusions down with it."""
+    module = make_module()
+    engine = PatchEngine()
+    applied = engine.apply([PatchSpec("w.norm", "fake", "Wrapper._normalize_q_kv", (), wrapper=tag("n")),
+                            PatchSpec("r.log", "fake", "Missing.__init__", (), wrapper=tag("r"), optional=True)],
+                           module)
+    assert applied == ["w.norm"] and engine.left_out == {"r.log": "fake:Missing.__init__ does not exist"}
+    assert engine.apply([PatchSpec("r.log", "fake", "Missing.__init__", (), wrapper=tag("r"), optional=True)],
+                        module) == []  # not checked again
+    with pytest.raises(AnchorError, match=r"Missing\.__init__ does not exist"):  # not optional: all or nothing
+        PatchEngine().apply([PatchSpec("w.norm", "fake", "Wrapper._normalize_q_kv", (), wrapper=tag("n")),
+                             PatchSpec("r.log", "fake", "Missing.__init__", (), wrapper=tag("r"))], module)
+
+
+def test_a_guard_that_raises_is_an_anchor_error_naming_it():
+    """A live condition that cannot be checked (it raised) is a failed anchor, not a traceback from an
+    import hook; before, a KeyError escaped and every other module's patches stayed on."""
+    module = make_module()
+
+    def guard(_module):
+        raise KeyError("missing")
+
+    with pytest.raises(AnchorError) as failed:
+        PatchEngine().apply([PatchSpec("w.norm", "fake", "Wrapper._normalize_q_kv", (), wrapper=tag("n"),
+                                       guard=guard)], module)
+    assert str(failed.value) == "fake:Wrapper._normalize_q_kv: its check raised KeyError: 'missing'"
+    assert not isinstance(vars(module.Wrapper)["_normalize_q_kv"], wrapt.FunctionWrapper)
 
 
 def test_every_anchor_message_word_for_word():
@@ -122,7 +176,7 @@ def test_every_anchor_message_word_for_word():
     engine.apply([PatchSpec("a", "fake", "Wrapper.forward", (), wrapper=tag("a"))], module)
     module.Wrapper.forward = lambda self, x: x
     with pytest.raises(AnchorError) as raised:
-        engine.revert_all()
+        engine._revert_one(engine.applied[-1])
     assert str(raised.value) == ("fake:Wrapper.forward was changed by someone else after the overlay patched it; "
                                  "not reverting over it")
 
@@ -230,3 +284,58 @@ def test_a_failed_live_anchor_check_keeps_the_routes_of_layers_built_before(monk
     assert active.engine.applied == [] and vars(module.Wrapper)["_normalize_q_kv"].__name__ == "_normalize_q_kv"
     assert layer._normalize_q_kv(1, 2) == ("in:a", "stock", 1, 2)
     assert evidence.fusion("qkv_norm").state.value == "refused"
+
+
+def test_deactivating_under_another_tools_wrapper_leaves_the_overlay_inert_not_half_on(caplog):
+    """``deactivate()`` with a tracer's wrapper on top of the overlay's ``__init__`` patch: the others
+    come off, that one stays under the tracer, and no layer built from then on gets a site, so every
+    later layer runs vLLM's own code; the marker lists only the patch left in place, the fusions say
+    deactivated, nothing raises. Before, the refusal escaped part-way: patches stayed on and later
+    layers still got the overlay's sites."""
+    from k3_amd_overlay import activation
+    from k3_amd_overlay.activation import Activation
+    from k3_amd_overlay.targets.k3_wrapper import install_layer_sites
+
+    module = make_module()
+    settings, evidence, installer = _kept_setup(module)
+    active = Activation(settings, evidence, installer=installer)
+    installer.install_qkv_norm = lambda layer, upstream_fuses: setattr(layer, "_site", "s")  # the site, stood in
+    install = install_layer_sites(installer, frozenset({"qkv_norm"}), False)  # the overlay's __init__ wrapper
+    active.engine.apply([PatchSpec("w.init", "fake", "Wrapper.__init__", (), wrapper=install),
+                         PatchSpec("w.norm", "fake", "Wrapper._normalize_q_kv", ("qkv_norm",), wrapper=routed("in"),
+                                   kept_by="_site")], module)
+    built = module.Wrapper()
+    installer.track(built)
+    traced = []
+    wrapt.wrap_function_wrapper(module.Wrapper, "__init__", lambda w, i, a, k: traced.append(1) or w(*a, **k))
+    activation._active = active
+    with caplog.at_level("WARNING", logger="vllm.k3_amd_overlay"):
+        assert activation.deactivate() == ["w.norm"]
+    assert [a.spec.key for a in active.engine.applied] == ["w.init"] and evidence.record.patches == ["w.init"]
+    assert "fake:Wrapper.__init__ was wrapped again after the overlay patched it" in caplog.text
+    later = module.Wrapper()
+    assert traced == [1] and "_site" not in vars(later)  # the overlay's __init__ ran, inert
+    assert later._normalize_q_kv(1, 2) == ("stock", 1, 2)
+    assert built._normalize_q_kv(1, 2) == ("in:s", "stock", 1, 2)  # built before: keeps its route
+    assert evidence.fusion("qkv_norm").reason == activation.DEACTIVATED
+
+
+def test_a_patch_that_fails_with_another_error_is_refused_like_a_failed_anchor(monkeypatch):
+    """wrapt failing to patch (or any error from a module's apply) reverts every patch and refuses the
+    fusions in the overlay's words, as a failed anchor does; it was a traceback from the import hook
+    that left the other modules' patches on, in either strict mode."""
+    from k3_amd_overlay.activation import Activation
+
+    module = make_module()
+    settings, evidence, installer = _kept_setup(module)
+    active = Activation(settings, evidence, installer=installer)
+    active.engine.apply([PatchSpec("w.norm", "fake", "Wrapper._normalize_q_kv", ("qkv_norm",), wrapper=tag("n"))],
+                        module)
+    monkeypatch.setattr(wrapt, "wrap_function_wrapper", lambda *args: (_ for _ in ()).throw(TypeError("no wrap")))
+    active.specs_by_module = {"later": [PatchSpec("w.fwd", "later", "Wrapper.forward", ("qkv_norm",),
+                                                  wrapper=tag("x"))]}
+    active.apply_module("later", module)
+    assert active.engine.applied == [] and not isinstance(vars(module.Wrapper)["_normalize_q_kv"],
+                                                          wrapt.FunctionWrapper)
+    assert evidence.fusion("qkv_norm").reason == ("live anchor check failed in later: TypeError: no wrap; every "
+                                                  "overlay patch reverted")

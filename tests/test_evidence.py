@@ -171,6 +171,18 @@ def test_layer_summary_warns_when_a_requested_fusion_fuses_on_no_layer(tmp_path)
     assert lines["qkv_norm"] == (logging.INFO, "qkv_norm=applied on 2/2 layers (forced)")
 
 
+def test_layer_summary_says_a_fusion_refused_after_its_layers_were_decided(tmp_path):
+    """A kernel that fails at load refuses the fusion after the layers took it: the summary said
+    "applied on 3/3 layers" at INFO, beside the earlier ERROR; it says the refusal, as a WARNING."""
+    evidence = Evidence(settings_for(tmp_path))
+    for _ in range(3):
+        evidence.note_layer("qkv_norm", LayerDecision(FusionState.APPLIED, "triton", "forced by setting"))
+    evidence.set_fusion("qkv_norm", FusionState.REFUSED, "its kernel failed on this GPU")
+    assert evidence.layer_summary() == [(logging.WARNING, "qkv_norm=applied on 3/3 layers (forced by setting) -- then "
+                                                          "refused: its kernel failed on this GPU: this process runs "
+                                                          "it stock")]
+
+
 @pytest.mark.parametrize("argv,name,role", [
     (["/venv/bin/vllm", "serve", "model"], "MainProcess", "api-server"),
     (["/venv/lib/python3.11/site-packages/vllm/entrypoints/openai/api_server.py", "--model", "m"],

@@ -197,6 +197,17 @@ def test_a_bad_file_for_this_gpu_is_one_clear_line_at_startup(tmp_path, monkeypa
     assert launch_configs.startup_error("gfx950", "AMD Instinct MI300X") is None
 
 
+def test_a_configs_path_that_cannot_be_looked_at_is_the_startup_error_not_a_crash(monkeypatch):
+    """A path the OS refuses to look at (too long here; no access where the server's user cannot
+    search a parent) raised OSError from ``is_dir`` into vLLM's layer build; now it is the one ERROR
+    line of a file that cannot be used, and the shipped configs serve."""
+    setting = "/tmp/" + "x" * 300
+    monkeypatch.setenv(KERNEL_CONFIGS, setting)
+    error = launch_configs.startup_error("gfx942", "AMD Instinct MI300X")
+    assert error is not None and error.startswith(f"{KERNEL_CONFIGS}={setting}: [Errno 36] File name too long")
+    assert error.endswith("this GPU's kernels take the shipped gfx942 launch configs instead")
+
+
 @pytest.mark.parametrize("arch", ["gfx90a", "gfx908", "gfx1100", "gfx1201", "sm100"])
 def test_an_arch_without_a_file_takes_the_nearest_untuned_with_a_warning_and_a_note(arch, caplog):
     launch_configs._warn_fallback.cache_clear()

@@ -166,6 +166,16 @@ def test_a_blank_marker_directory_is_an_error_not_a_directory_named_with_spaces(
     assert load_settings({"K3_AMD_OVERLAY_MARKER_DIR": ""}).marker_dir is None
 
 
+@pytest.mark.parametrize("variable", ["K3_AMD_OVERLAY_MARKER_DIR", "K3_AMD_OVERLAY_KERNEL_CONFIGS"])
+@pytest.mark.parametrize("value", [" /tmp/x", "/tmp/x ", "\t/tmp/x\n"])
+def test_a_path_with_spaces_around_it_is_an_error_not_a_relative_path(variable, value):
+    """' /tmp/x' was taken as it is: a directory ' ' under each process's own working directory, where
+    `check` run from elsewhere finds nothing."""
+    with pytest.raises(SettingsError) as raised:
+        load_settings({"K3_AMD_OVERLAY": "1", variable: value})
+    assert str(raised.value) == f"{variable}={value!r}: spaces before or after the path; give '/tmp/x'"
+
+
 @pytest.mark.parametrize("switch", ["0", "1"])
 @pytest.mark.parametrize("blank", [" ", "\t"])
 def test_a_blank_kernel_configs_value_is_an_error_not_a_file_named_with_spaces(blank: str, switch: str) -> None:

@@ -40,11 +40,11 @@ from k3_amd_overlay.targets.shapes import (
 
 # Each anchor's answer per release (1 holds, 0 not), per shape: identity, then each fusion's anchors.
 HOLDS = {
-    "0.29": {"k3_decode_wrapper": ("0001", "00", "00001"), "k3_norm_wrapper": ("0011", "00", "0111"),
+    "0.29": {"k3_decode_wrapper": ("0001", "00", "000001"), "k3_norm_wrapper": ("0011", "00", "0111"),
              "plain_wrapper": ("1111", "11", "111")},
-    "0.30": {"k3_decode_wrapper": ("1101", "11", "00001"), "k3_norm_wrapper": ("1111", "11", "1111"),
+    "0.30": {"k3_decode_wrapper": ("1101", "11", "000001"), "k3_norm_wrapper": ("1111", "11", "1111"),
              "plain_wrapper": ("0001", "11", "111")},
-    "0.32": {"k3_decode_wrapper": ("1111", "11", "11111"), "k3_norm_wrapper": ("1101", "11", "1111"),
+    "0.32": {"k3_decode_wrapper": ("1111", "11", "111111"), "k3_norm_wrapper": ("1101", "11", "1111"),
              "plain_wrapper": ("0001", "11", "111")},
 }
 HOLDS["0.31"], HOLDS["0.33"] = HOLDS["0.30"], HOLDS["0.32"]
@@ -117,6 +117,7 @@ def test_the_anchor_descriptions_word_for_word():
         f"{mla}: {w}.__init__ sets self._fused_qk_prep from _fused_qk_prep_supported()",
         f"{mla}: {w}._fused_decode{FUSED_DECODE_PARAMS}",
         f"{mla}: {w}.forward calls self._fused_decode",
+        f"{mla}: {w}.forward fuses decode-only batches (num_actual_tokens == num_decode_tokens)",
         f"{attn}: MLAAttention._v_up_proj(x, out)",
     ]
     assert [a.what for a in K3_NORM_WRAPPER.fusion_anchors[QK_CACHE]] == [
@@ -240,6 +241,14 @@ def test_an_anchor_of_several_clauses_needs_each_of_them(tmp_path):
                         ("def forward(self, q):\n    return self._fused_decode(q)", False),
                         ("def forward(self, q):\n    return fused_qk_rope_concat_and_cache_mla(q)", False)):
         assert _holds(NO_UPSTREAM_DECODE, tmp_path, src.K3_MLA, _k3(code)) is holds, code
+
+    decode_only = FUSED_DECODE_SEAM[4]  # the per-batch test fusions.qk_cache.upstream_takes mirrors
+    for test, holds in (("m.num_actual_tokens == m.num_decode_tokens", True),
+                        ("m.num_decode_tokens == m.num_actual_tokens", True),
+                        ("m.num_actual_tokens >= m.num_decode_tokens", False),
+                        ("m.num_actual_tokens == m.num_prefill_tokens", False)):
+        code = f"def forward(self, m):\n    fuse = {test}\n    return self._fused_decode(m)"
+        assert _holds(decode_only, tmp_path, src.K3_MLA, _k3(code)) is holds, test
 
     forward = ATTEND_SEAM[0]
     for params, holds in (("q, kv_c_normed, k_pe, output_shape, q_dcp_replicated", True),

@@ -410,7 +410,7 @@ def _tuned(setting: str, arch: str, device_name: str | None) -> tuple[ConfigFile
     and its value (logged once: the server's ERROR line, doctor's and the marker's words)."""
     try:
         return tuned_file(setting, arch, device_name), None
-    except LaunchConfigError as exc:
+    except (LaunchConfigError, OSError) as exc:  # OSError: a path that cannot be looked at (too long, no access)
         message = (f"{KERNEL_CONFIGS}={setting}: {exc}; this GPU's kernels take the shipped {shipped_arch(arch)} "
                    "launch configs instead")
         _log_unusable(message)

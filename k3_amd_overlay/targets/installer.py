@@ -82,6 +82,11 @@ class LayerInstaller:
     measurement: measured.Loaded = field(default_factory=lambda: measured.Loaded(None))  # this GPU's, if any
     gates: dict[str, BucketGate | None] = field(default_factory=dict)  # per fusion, as the marker records them
     layers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # every layer given sites, while alive
+    retired: bool = False  # the overlay's patches are off (or inert): a layer built from now on gets no site
+
+    def retire(self) -> None:
+        """Give no layer built from now on a site (the patches were reverted, or one stays inert)."""
+        self.retired = True
 
     def track(self, layer: Any) -> None:
         """Remember a layer given a site, for ``keep_routes`` (vLLM's layers are torch modules, which
@@ -308,6 +313,8 @@ def install_sites(installer: LayerInstaller, wrapper: Any, fusions: frozenset[st
     """Attach a freshly built K3 layer's per-layer sites (every vLLM shape comes through here). The
     decode site goes on the layer's MLAAttention where vLLM has no fused-decode helper to wrap, and
     in stock mode, where it only opens the census's profiler range around vLLM's attention call."""
+    if installer.retired:
+        return
     if QKV_NORM in fusions:
         upstream = bool(wrapper.__dict__.get("_use_eager_qk_rmsnorm_fusion", False))
         installer.install_qkv_norm(wrapper, upstream_fuses=upstream)

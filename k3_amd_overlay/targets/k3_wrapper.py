@@ -74,6 +74,8 @@ def decide_fused_qk_prep(installer: LayerInstaller) -> Callable[..., bool]:
                              f"{W_UK_T_BEFORE_LOAD.describe()}")
             raise
         installer.evidence.defect_outcome(W_UK_T_BEFORE_LOAD.name, fired=False)
+        if installer.retired:  # a patch left inert under another wrapper: vLLM's own answer
+            return upstream
         site = installer.install_qk_cache(instance, upstream_fuses=upstream)
         if installer.stock:  # vLLM's stock attention call, inside the census's profiler range
             attend_hook.install(instance.mla_attn, site)

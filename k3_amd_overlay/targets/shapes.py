@@ -84,6 +84,9 @@ FUSED_DECODE_SEAM = (
            lambda s: src.params(_k3_method(s, "_fused_decode")) == FUSED_DECODE_PARAMS),
     Anchor(f"{src.K3_MLA}: {K3_WRAPPER}.forward calls self._fused_decode",
            lambda s: src.calls(_k3_method(s, "forward"), "self._fused_decode")),
+    # fusions.qk_cache.upstream_takes mirrors this per-batch test: where vLLM's changes, the mirror is stale
+    Anchor(f"{src.K3_MLA}: {K3_WRAPPER}.forward fuses decode-only batches (num_actual_tokens == num_decode_tokens)",
+           lambda s: src.compares_equal(_k3_method(s, "forward"), "num_actual_tokens", "num_decode_tokens")),
 )
 NO_UPSTREAM_DECODE = Anchor(
     f"{src.K3_MLA}: no fused decode of its own (no _fused_decode, no fused_qk_rope_concat_and_cache_mla)",
@@ -133,9 +136,9 @@ def _report_spec(installer: LayerInstaller, specs: list[PatchSpec]) -> list[Patc
         return []
     fusions = tuple(sorted({f for spec in specs for f in spec.fusions}))
     return [PatchSpec(key="linear.report_layers", module=LINEAR_MODULE, attribute=f"{TEXT_MODEL}.__init__",
-                      fusions=fusions, wrapper=k3_wrapper.report_layers(installer)),
+                      fusions=fusions, wrapper=k3_wrapper.report_layers(installer), optional=True),
             PatchSpec(key="mtp.report_layers", module=MTP_MODULE, attribute=f"{MTP_MODEL}.__init__",
-                      fusions=fusions, wrapper=k3_wrapper.report_layers(installer))]
+                      fusions=fusions, wrapper=k3_wrapper.report_layers(installer), optional=True)]
 
 
 def _normalize_spec() -> PatchSpec:

@@ -85,6 +85,15 @@ def calls(node: ast.AST | None, dotted: str) -> bool:
     return any(isinstance(n, ast.Call) and ast.unparse(n.func) == dotted for n in ast.walk(node))
 
 
+def compares_equal(node: ast.AST | None, left: str, right: str) -> bool:
+    """Whether ``node`` holds a comparison ``X.left == Y.right`` (attribute names, either way round)."""
+    if node is None:
+        return False
+    return any(isinstance(n, ast.Compare) and len(n.ops) == 1 and isinstance(n.ops[0], ast.Eq)
+               and {getattr(n.left, "attr", None), getattr(n.comparators[0], "attr", None)} == {left, right}
+               for n in ast.walk(node))
+
+
 def mentions(node: ast.AST | None, name: str) -> bool:
     """Whether any identifier or attribute in ``node`` is ``name`` (code only, not comments)."""
     if node is None:
