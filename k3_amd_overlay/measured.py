@@ -37,7 +37,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +223,8 @@ def _row(data: Any, where: str) -> Row:
     problems = tuple(problems)
     if not exact:
         return Row(fusion, tokens, heads, variant, False, problems=problems)
+    if problems:
+        raise MeasuredError(f"{where}: field 'exact' is true, but it lists problems {list(problems)!r}")
     stock_us, fused_us = (_finite(data, k, where) for k in ("stock_us", "fused_us"))
     if not (stock_us > 0 and fused_us > 0):
         raise MeasuredError(f"{where}: stock_us {stock_us}, fused_us {fused_us}: expected positive times")
@@ -410,21 +412,38 @@ def _span(low: int, high: int) -> str:
     return f"{high} token{'s' if high != 1 else ''}" if low == high else f"{low}-{high} tokens"
 
 
-def _reason(run: list[Row], low: int) -> str:
+# What the absorbed launch is weighed against on a layer vLLM 0.32+ fuses itself: there vLLM's own
+# fused decode runs every batch the overlay does not take, and it is two launches (the W_UK BMM and one
+# fused cache write), as the qk_cache fusion's timed path is; the unfused chain would flatter it.
+FUSED_DECODE = "the two-launch fused decode (W_UK BMM + one fused cache write, as vLLM's own fused decode)"
+
+
+def _reason(run: list[Row], low: int, against: str) -> str:
     span = _span(low, run[-1].tokens)
     if not run[0].exact:
         return f"stock at {span}: not exact on this GPU ({'; '.join(run[0].problems) or 'parity failed'})"
+    if run[0].ratio is None:
+        return f"stock at {span}: {against} was not timed there on this GPU"
     words = sorted({ratio_words(r.ratio) for r in run}, key=lambda w: float(w[:-1]))
     ratio = words[0] if len(words) == 1 else f"{words[0][:-1]}-{words[-1]}"
-    return f"stock at {span}: {ratio} of stock on this GPU"
+    return f"stock at {span}: {ratio} of {against} on this GPU"
+
+
+def _over_fused_decode(rows: list[Row], measurement: Measurement) -> list[Row]:
+    """The absorbed launch's ``rows`` with FUSED_DECODE's time at the same bucket as the stock they
+    beat or not (None where it was not timed exact there)."""
+    two = {r.tokens: r for r in measurement.rows if r.key[:3] == (QK_CACHE, *rows[0].key[1:3])}
+    return [replace(row, stock_us=two[row.tokens].fused_us if row.tokens in two else None) if row.exact else row
+            for row in rows]
 
 
 def gate_for(measurement: Measurement, fusion: str, heads: int | None = None,
-             variant: str | None = None, provider: str | None = None) -> BucketGate:
+             variant: str | None = None, provider: str | None = None, upstream_fuses: bool = False) -> BucketGate:
     """Where ``fusion`` may run at this shape (qkv_norm: any shape) with ``provider``'s launch (None:
-    the one measured). Consecutive buckets refused for the same kind of reason (slower; not exact)
-    share one reason, spanning them. Another provider than the one measured runs nowhere: its
-    launches were never timed."""
+    the one measured); with ``upstream_fuses`` (a layer vLLM fuses itself) the absorbed launch is
+    weighed against FUSED_DECODE, which runs there in its place, not against the unfused chain.
+    Consecutive buckets refused for the same kind of reason (slower; not exact) share one reason,
+    spanning them. Another provider than the one measured runs nowhere: its launches were never timed."""
     if provider is not None and provider != measurement.provider:
         return BucketGate((), f"stock: {COMMAND} timed the {measurement.provider} provider's launch on this GPU, "
                               f"this layer's is {provider}'s: not measured")
@@ -434,27 +453,34 @@ def gate_for(measurement: Measurement, fusion: str, heads: int | None = None,
                   key=lambda r: r.tokens)
     if not rows:
         return BucketGate((), f"stock: not measured at {shape_words(heads, variant)} on this GPU")
+    against = "stock"
+    if upstream_fuses and fusion == ABSORB_QK_CACHE:
+        rows, against = _over_fused_decode(rows, measurement), FUSED_DECODE
     runs: list[tuple[int, list[Row]]] = []  # (the run's lowest token count, its rows)
     previous = 0
     for row in rows:
-        same = runs and not runs[-1][1][-1].fused and not row.fused and runs[-1][1][-1].exact == row.exact
+        last = runs[-1][1][-1] if runs else None
+        same = (last is not None and not last.fused and not row.fused and last.exact == row.exact
+                and (last.ratio is None) == (row.ratio is None))
         if same:
             runs[-1][1].append(row)
         else:
             runs.append((previous + 1, [row]))
         previous = row.tokens
-    buckets = tuple((row.tokens, None if row.fused else _reason(run, low)) for low, run in runs for row in run)
+    buckets = tuple((row.tokens, None if row.fused else _reason(run, low, against))
+                    for low, run in runs for row in run)
     return BucketGate(buckets, f"stock above {rows[-1].tokens} tokens: not measured on this GPU")
 
 
 def decode_gates(measurement: Measurement | None, heads: int, variant: str,
-                 providers: Mapping[str, str | None] | None = None) -> dict[str, BucketGate] | None:
+                 providers: Mapping[str, str | None] | None = None,
+                 upstream_fuses: bool = False) -> dict[str, BucketGate] | None:
     """The decode plan's gates for a layer of ``heads`` heads per rank and this W_UK absorption, each
-    fusion's for the provider ``providers`` names (None without a measurement: every batch as the
-    decisions say)."""
+    fusion's for the provider ``providers`` names, on a layer vLLM fuses itself or not (None without
+    a measurement: every batch as the decisions say)."""
     if measurement is None:
         return None
-    return {fusion: gate_for(measurement, fusion, heads, variant, (providers or {}).get(fusion))
+    return {fusion: gate_for(measurement, fusion, heads, variant, (providers or {}).get(fusion), upstream_fuses)
             for fusion in DECODE_FUSIONS}
 
 

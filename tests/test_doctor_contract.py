@@ -449,12 +449,23 @@ def test_with_a_measurement_the_outlook_chooses_as_the_server_does():
     provider would not fuse (the server's gate runs stock at every batch); before, "fused via aiter"."""
     from k3_amd_overlay import measured
 
+    faster = tuple(measured.Row(f, 8, None if f == "qkv_norm" else 12, None if f == "qkv_norm" else "bf16", True,
+                                2.0, 1.0) for f in FUSIONS)
     found = measured.Measurement(path="", arch="gfx942", device="MI300X", date="d", overlay_version="v",
                                  launch_configs="", torch="", triton="", aiter="", kv_cache_dtype="fp8", fp8_format="f",
-                                 stock="s", seed=1, rows=())
+                                 stock="s", seed=1, rows=faster)
     all_run = {f: {"triton": None, "aiter": None, "vllm": None} for f in FUSIONS}
     outlook = doctor.fusion_outlook(load_settings({"K3_AMD_OVERLAY": "1"}), all_run, found)
     assert {f: (o["state"], o["provider"]) for f, o in outlook.items()} == {f: ("fused", "triton") for f in FUSIONS}
+    # measured slower (or not exact) in every bucket: the server runs stock at every batch size, and
+    # the doctor said "fused" (a second reading of the measurement, without its verdicts)
+    slower = measured.Measurement(**{**found.__dict__, "rows": (
+        *(measured.Row(r.fusion, r.tokens, r.heads, r.variant, True, 1.0, 2.0) for r in faster[:2]),
+        measured.Row(ABSORB_QK_CACHE, 8, 12, "bf16", False, problems=("q_out differs",)))})
+    outlook = doctor.fusion_outlook(load_settings({"K3_AMD_OVERLAY": "1"}), all_run, slower)
+    assert {f: o["state"] for f, o in outlook.items()} == {f: "stock" for f in FUSIONS}
+    assert outlook[QK_CACHE]["why"] == ("the self-measurement found qk_cache exact and at least as fast as stock in "
+                                        "no bucket on this GPU: stock runs at every batch size")
     named = load_settings({"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "aiter"})
     assert doctor.fusion_outlook(named, all_run, found)[QK_CACHE] == {
         "state": "stock", "provider": "aiter", "why": "stock: k3-amd-overlay measure timed the triton provider's "

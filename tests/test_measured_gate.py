@@ -380,3 +380,34 @@ def test_looking_for_the_file_never_raises_without_a_home_or_with_a_directory_it
     loaded = measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})
     assert loaded.measurement is None and loaded.error.startswith(f"{tmp_path / NAME}: cannot be looked for (")
     assert measured.doctor_section(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})["state"] == "ignored"
+
+
+def test_on_a_layer_vllm_fuses_itself_the_absorbed_launch_is_weighed_against_its_fused_decode():
+    """There vLLM 0.32+'s own fused decode (the W_UK BMM and one fused cache write) runs every batch
+    the overlay does not take: the absorbed launch must beat that two-launch path (the qk_cache
+    fusion's timed path), not the four-launch unfused chain, which flattered it (1.11x allowed where
+    it lost to what the layer would otherwise run)."""
+    rows = [row(ABSORB_QK_CACHE, 8, 6.0, 2.0), row(QK_CACHE, 8, 6.0, 1.8),
+            row(ABSORB_QK_CACHE, 16, 6.5, 2.1), row(QK_CACHE, 16, 6.5, 2.5),
+            row(ABSORB_QK_CACHE, 32, 7.0, 2.2), row(QK_CACHE, 32, 7.0, 0, exact=False, problems=("q_out differs",)),
+            row(ABSORB_QK_CACHE, 64, 8.0, 2.4)]
+    found = measurement(rows)
+    fused_decode = "the two-launch fused decode (W_UK BMM + one fused cache write, as vLLM's own fused decode)"
+    assert measured.gate_for(found, ABSORB_QK_CACHE, 12, "bf16").buckets == ((8, None), (16, None), (32, None),
+                                                                             (64, None))  # against the chain
+    gate = measured.gate_for(found, ABSORB_QK_CACHE, 12, "bf16", upstream_fuses=True)
+    assert gate.buckets == ((8, f"stock at 1-8 tokens: 0.90x of {fused_decode} on this GPU"), (16, None),
+                            (32, f"stock at 17-64 tokens: {fused_decode} was not timed there on this GPU"),
+                            (64, f"stock at 17-64 tokens: {fused_decode} was not timed there on this GPU"))
+    assert measured.gate_for(found, QK_CACHE, 12, "bf16", upstream_fuses=True) == measured.gate_for(
+        found, QK_CACHE, 12, "bf16")  # qk_cache's own gate: against the chain, as measured
+    assert measured.decode_gates(found, 12, "bf16", upstream_fuses=True)[ABSORB_QK_CACHE] == gate
+
+
+def test_a_row_marked_exact_that_lists_problems_is_refused():
+    data = measurement([row(QK_CACHE, 8, 2.0, 1.0)]).to_json()
+    data["results"][0]["problems"] = ["q_out differs at 3 elements"]
+    with pytest.raises(measured.MeasuredError) as refused:
+        measured.parse(data, "f.json")
+    assert str(refused.value) == ("f.json results[0]: field 'exact' is true, but it lists problems "
+                                  "['q_out differs at 3 elements']")

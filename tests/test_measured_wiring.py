@@ -177,3 +177,36 @@ def test_a_file_that_names_no_provider_is_not_used(tmp_path):
     del data["provider"]
     with pytest.raises(measured.MeasuredError, match=r"f\.json: field 'provider' is None, expected str"):
         measured.parse(data, "f.json")
+
+
+def test_on_a_layer_vllm_fuses_the_absorbed_launch_runs_only_where_it_beats_the_fused_decode(tmp_path, here,  # noqa: F811
+                                                                                            gpu_here):
+    """The file says absorb 4.0 µs and the two-launch fused decode (qk_cache's path) 6.0 at 64 tokens:
+    on a layer vLLM fuses itself the absorbed launch runs there; with the fused decode timed faster
+    (3.0) vLLM's own fused decode keeps the bucket, and the marker says against what."""
+    data = planted(heads=8)
+    gpu_here.write_text(json.dumps(data))
+    inst = _installer(tmp_path, absorb_qk_cache="reference")
+    site = inst.install_qk_cache(_layer(), upstream_fuses=True)
+    assert site.plan.upstream_keeps and site.plan.path_for(batch(64)) is DecodePath.ABSORB
+    for entry in data["results"]:
+        if entry["fusion"] == QK_CACHE and entry["tokens"] == 64:
+            entry["fused_us"], entry["ratio"] = 3.0, 10.0 / 3.0
+    gpu_here.write_text(json.dumps(data))
+    inst = _installer(tmp_path, absorb_qk_cache="reference")
+    site = inst.install_qk_cache(_layer(), upstream_fuses=True)
+    assert site.plan.path_for(batch(64)) is None  # vLLM's own fused decode
+    assert inst.evidence.record.measurement["stock"][ABSORB_QK_CACHE][0] == (
+        "stock at 1-64 tokens: 0.75x of the two-launch fused decode (W_UK BMM + one fused cache write, as vLLM's "
+        "own fused decode) on this GPU")
+
+
+def test_the_marker_records_the_gates_of_the_fusions_a_layer_runs_only(tmp_path, here, gpu_here):  # noqa: F811
+    """absorb_qk_cache refused on the layer (no provider for it), qk_cache applied: the marker said
+    "absorb_qk_cache fused in 1 bucket" all the same."""
+    gpu_here.write_text(json.dumps(planted(heads=8)))
+    inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="aiter")
+    site = inst.install_qk_cache(_layer(), upstream_fuses=False)
+    assert site.plan.absorb_decision.state.value == "refused" and site.plan.decision.state.value == "applied"
+    entry = inst.evidence.record.measurement
+    assert set(entry["fused_buckets"]) == {QK_CACHE} and ABSORB_QK_CACHE not in entry["stock"]

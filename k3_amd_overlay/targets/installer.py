@@ -263,10 +263,12 @@ class LayerInstaller:
             aiter_qk_cache.reserve_identity_table(layer_device(wrapper), wrapper.kv_a_layernorm.weight.dtype,
                                                   attn.qk_rope_head_dim)
         gates = measured.decode_gates(self.measurement.measurement, inputs.num_heads, inputs.absorb.value,
-                                      {QK_CACHE: decision.provider, ABSORB_QK_CACHE: absorb.provider})
+                                      {QK_CACHE: decision.provider, ABSORB_QK_CACHE: absorb.provider},
+                                      upstream_fuses=upstream_fuses)
         plan = DecodePlan(decision, absorb, inputs.absorb, upstream_fuses, measured=gates)
         if gates is not None and plan.overlay_fuses:
-            self.record_gates({f: g for f, g in gates.items() if requested(f)},
+            applied = {QK_CACHE: decision, ABSORB_QK_CACHE: absorb}
+            self.record_gates({f: g for f, g in gates.items() if applied[f].state is FusionState.APPLIED},
                               measured.shape_words(inputs.num_heads, inputs.absorb.value))
         site = DecodeSite(
             plan=plan,
