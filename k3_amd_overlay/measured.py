@@ -53,6 +53,7 @@ from k3_amd_overlay.versions import aiter_identity
 
 SCHEMA = 1
 SUFFIX = ".measured.json"
+ACTIVATIONS = "bfloat16"  # the activations `measure` times (commands/bench/layer_step.py builds its step in them)
 MIN_RATIO = 1.0  # stock µs / fused µs at which a fusion counts as at least as fast as stock
 CACHE_HOME = "XDG_CACHE_HOME"
 USER_DIRECTORY = "k3-amd-overlay"  # under $XDG_CACHE_HOME, or ~/.cache
@@ -438,15 +439,20 @@ def _over_fused_decode(rows: list[Row], measurement: Measurement) -> list[Row]:
 
 
 def gate_for(measurement: Measurement, fusion: str, heads: int | None = None,
-             variant: str | None = None, provider: str | None = None, upstream_fuses: bool = False) -> BucketGate:
+             variant: str | None = None, provider: str | None = None, upstream_fuses: bool = False,
+             activations: str = ACTIVATIONS) -> BucketGate:
     """Where ``fusion`` may run at this shape (qkv_norm: any shape) with ``provider``'s launch (None:
-    the one measured); with ``upstream_fuses`` (a layer vLLM fuses itself) the absorbed launch is
-    weighed against FUSED_DECODE, which runs there in its place, not against the unfused chain.
-    Consecutive buckets refused for the same kind of reason (slower; not exact) share one reason,
-    spanning them. Another provider than the one measured runs nowhere: its launches were never timed."""
+    the one measured) on ``activations`` (another dtype than measured runs nowhere); with
+    ``upstream_fuses`` (a layer vLLM fuses itself) the absorbed launch is weighed against
+    FUSED_DECODE, which runs there in its place, not against the unfused chain. Consecutive buckets
+    refused for the same kind of reason (slower; not exact) share one reason, spanning them. Another
+    provider than the one measured runs nowhere: its launches were never timed."""
     if provider is not None and provider != measurement.provider:
         return BucketGate((), f"stock: {COMMAND} timed the {measurement.provider} provider's launch on this GPU, "
                               f"this layer's is {provider}'s: not measured")
+    if activations != ACTIVATIONS:
+        return BucketGate((), f"stock: {COMMAND} timed {ACTIVATIONS} activations on this GPU, this layer's are "
+                              f"{activations}: not measured")
     if fusion == QKV_NORM:
         heads = variant = None
     rows = sorted((r for r in measurement.rows if (r.fusion, r.heads, r.variant) == (fusion, heads, variant)),
@@ -474,19 +480,22 @@ def gate_for(measurement: Measurement, fusion: str, heads: int | None = None,
 
 def decode_gates(measurement: Measurement | None, heads: int, variant: str,
                  providers: Mapping[str, str | None] | None = None,
-                 upstream_fuses: bool = False) -> dict[str, BucketGate] | None:
+                 upstream_fuses: bool = False, activations: str = ACTIVATIONS) -> dict[str, BucketGate] | None:
     """The decode plan's gates for a layer of ``heads`` heads per rank and this W_UK absorption, each
     fusion's for the provider ``providers`` names, on a layer vLLM fuses itself or not (None without
     a measurement: every batch as the decisions say)."""
     if measurement is None:
         return None
-    return {fusion: gate_for(measurement, fusion, heads, variant, (providers or {}).get(fusion), upstream_fuses)
+    return {fusion: gate_for(measurement, fusion, heads, variant, (providers or {}).get(fusion), upstream_fuses,
+                             activations)
             for fusion in DECODE_FUSIONS}
 
 
-def norm_gate(measurement: Measurement | None, provider: str | None = None) -> BucketGate | None:
-    """The qkv_norm site's gate for ``provider``'s launch (None without a measurement)."""
-    return None if measurement is None else gate_for(measurement, QKV_NORM, provider=provider)
+def norm_gate(measurement: Measurement | None, provider: str | None = None,
+              activations: str = ACTIVATIONS) -> BucketGate | None:
+    """The qkv_norm site's gate for ``provider``'s launch on ``activations`` (None without a measurement)."""
+    return None if measurement is None else gate_for(measurement, QKV_NORM, provider=provider,
+                                                     activations=activations)
 
 
 def measured_first(missing: Mapping[str, str | None], setting: str,

@@ -47,6 +47,14 @@ def gpu_here(monkeypatch, tmp_path):
     return configs / measured.result_name(ARCH, DEVICE)
 
 
+def _bf16_layer(dtype: torch.dtype = torch.bfloat16):
+    """The installer tests' layer with K3's activations (its norms' weights in ``dtype``), as measured."""
+    layer = _layer()
+    layer.q_a_layernorm.weight = layer.q_a_layernorm.weight.to(dtype)
+    layer.kv_a_layernorm.weight = layer.kv_a_layernorm.weight.to(dtype)
+    return layer
+
+
 def batch(tokens: int) -> BatchFacts:
     return BatchFacts(tokens, tokens, True, False)
 
@@ -54,7 +62,7 @@ def batch(tokens: int) -> BatchFacts:
 def test_a_bucket_measured_slower_runs_stock_and_the_marker_says_why(tmp_path, here, gpu_here):  # noqa: F811
     gpu_here.write_text(json.dumps(planted(heads=8)))
     inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference", qkv_norm="reference")
-    layer = _layer()
+    layer = _bf16_layer()
     norm_site = inst.install_qkv_norm(layer, upstream_fuses=False)
     site = inst.install_qk_cache(layer, upstream_fuses=False)
     plan = site.plan
@@ -83,7 +91,7 @@ def test_a_malformed_file_is_one_error_and_every_fused_path_runs_as_without_it(t
     gpu_here.write_text(json.dumps(data))
     inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference")
     with caplog.at_level(logging.ERROR, logger="vllm.k3_amd_overlay"):
-        site = inst.install_qk_cache(_layer(), upstream_fuses=False)
+        site = inst.install_qk_cache(_bf16_layer(), upstream_fuses=False)
     assert site.plan.measured is None
     assert site.plan.path_for(batch(ABSORB_MAX_TOKENS + 1)) is DecodePath.QK_CACHE
     entry = inst.evidence.record.measurement
@@ -113,7 +121,7 @@ def test_a_file_measured_under_other_conditions_is_one_error_at_server_start(tmp
     gpu_here.write_text(json.dumps(data))
     inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference")
     with caplog.at_level(logging.ERROR, logger="vllm.k3_amd_overlay"):
-        site = inst.install_qk_cache(_layer(), upstream_fuses=False)
+        site = inst.install_qk_cache(_bf16_layer(), upstream_fuses=False)
     assert site.plan.measured is None and site.plan.path_for(batch(4096)) is DecodePath.QK_CACHE
     entry = inst.evidence.record.measurement
     assert entry == {"file": str(gpu_here), "state": "ignored", "error": (
@@ -124,7 +132,7 @@ def test_a_file_measured_under_other_conditions_is_one_error_at_server_start(tmp
 
 def test_without_a_file_every_batch_is_fused_as_before_and_the_marker_says_none(tmp_path, here, gpu_here):  # noqa: F811
     inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference")
-    site = inst.install_qk_cache(_layer(), upstream_fuses=False)
+    site = inst.install_qk_cache(_bf16_layer(), upstream_fuses=False)
     assert site.plan.measured is None and site.plan.path_for(batch(4096)) is DecodePath.QK_CACHE
     assert inst.evidence.record.measurement == {"file": str(gpu_here), "state": "none"}
 
@@ -146,7 +154,7 @@ def test_a_layer_of_another_provider_than_the_one_measured_runs_stock_everywhere
     the Triton verdicts let them run at 1-64 tokens)."""
     gpu_here.write_text(json.dumps(planted(heads=8, provider="triton")))
     inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference", qkv_norm="reference")
-    layer = _layer()
+    layer = _bf16_layer()
     norm_site = inst.install_qkv_norm(layer, upstream_fuses=False)
     plan = inst.install_qk_cache(layer, upstream_fuses=False).plan
     assert [plan.path_for(batch(t)) for t in (1, 8, 64, 256)] == [None] * 4
@@ -187,14 +195,14 @@ def test_on_a_layer_vllm_fuses_the_absorbed_launch_runs_only_where_it_beats_the_
     data = planted(heads=8)
     gpu_here.write_text(json.dumps(data))
     inst = _installer(tmp_path, absorb_qk_cache="reference")
-    site = inst.install_qk_cache(_layer(), upstream_fuses=True)
+    site = inst.install_qk_cache(_bf16_layer(), upstream_fuses=True)
     assert site.plan.upstream_keeps and site.plan.path_for(batch(64)) is DecodePath.ABSORB
     for entry in data["results"]:
         if entry["fusion"] == QK_CACHE and entry["tokens"] == 64:
             entry["fused_us"], entry["ratio"] = 3.0, 10.0 / 3.0
     gpu_here.write_text(json.dumps(data))
     inst = _installer(tmp_path, absorb_qk_cache="reference")
-    site = inst.install_qk_cache(_layer(), upstream_fuses=True)
+    site = inst.install_qk_cache(_bf16_layer(), upstream_fuses=True)
     assert site.plan.path_for(batch(64)) is None  # vLLM's own fused decode
     assert inst.evidence.record.measurement["stock"][ABSORB_QK_CACHE][0] == (
         "stock at 1-64 tokens: 0.75x of the two-launch fused decode (W_UK BMM + one fused cache write, as vLLM's "
@@ -206,7 +214,21 @@ def test_the_marker_records_the_gates_of_the_fusions_a_layer_runs_only(tmp_path,
     "absorb_qk_cache fused in 1 bucket" all the same."""
     gpu_here.write_text(json.dumps(planted(heads=8)))
     inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="aiter")
-    site = inst.install_qk_cache(_layer(), upstream_fuses=False)
+    site = inst.install_qk_cache(_bf16_layer(), upstream_fuses=False)
     assert site.plan.absorb_decision.state.value == "refused" and site.plan.decision.state.value == "applied"
     entry = inst.evidence.record.measurement
     assert set(entry["fused_buckets"]) == {QK_CACHE} and ABSORB_QK_CACHE not in entry["stock"]
+
+
+def test_a_layer_of_other_activations_than_measured_runs_stock_everywhere(tmp_path, here, gpu_here):  # noqa: F811
+    """`measure` times bf16 activations: a float16 model's layers took the bf16 rows' verdicts (another
+    kernel specialisation); now every batch runs stock there, saying why."""
+    gpu_here.write_text(json.dumps(planted(heads=8)))
+    inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference", qkv_norm="reference")
+    layer = _bf16_layer(torch.float16)
+    norm_site = inst.install_qkv_norm(layer, upstream_fuses=False)
+    site = inst.install_qk_cache(layer, upstream_fuses=False)
+    why = "stock: k3-amd-overlay measure timed bfloat16 activations on this GPU, this layer's are float16: not measured"
+    assert [site.plan.path_for(batch(t)) for t in (1, 64)] == [None, None]
+    assert site.plan.choose(batch(64)) == (None, f"absorb_qk_cache: {why}; qk_cache: {why}")
+    assert norm_site.gate is not None and norm_site.gate.buckets == () and norm_site.gate.unmeasured == why

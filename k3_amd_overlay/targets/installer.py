@@ -67,6 +67,11 @@ def eager_step() -> EagerStep | None:
     return vllm_env.breakable_eager_break(into_output)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype by its name (``bfloat16``), as the decisions and the self-measurement name it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def layer_device(wrapper: Any) -> torch.device:
     return wrapper.kv_a_layernorm.weight.device
 
@@ -208,7 +213,8 @@ class LayerInstaller:
         decision = decide_qkv_norm(inputs)
         callback = QkvNormCallback(q_norm, kv_norm, decision.provider) if decision.state is FusionState.APPLIED \
             else None
-        gate = measured.norm_gate(self.measurement.measurement, decision.provider) if callback is not None else None
+        gate = measured.norm_gate(self.measurement.measurement, decision.provider, dtype_name(kv_norm.weight.dtype)) \
+            if callback is not None else None
         site = QkvNormSite(decision, callback,
                            self.evidence.effective_hook(QKV_NORM, wrapper.mla_attn.layer_name),
                            on_failure=self.refuse_failed, on_degraded=self.record_degraded, gate=gate)
@@ -241,7 +247,7 @@ class LayerInstaller:
             quant_query_input=bool(getattr(impl, "supports_quant_query_input", False)),
             upstream_fuses=upstream_fuses,
             traced_whole=vllm_env.whole_model_compiled(),
-            activation_dtype=str(wrapper.kv_a_layernorm.weight.dtype).removeprefix("torch."),
+            activation_dtype=dtype_name(wrapper.kv_a_layernorm.weight.dtype),
         )
 
     def install_qk_cache(self, wrapper: Any, upstream_fuses: bool) -> DecodeSite:
@@ -264,7 +270,7 @@ class LayerInstaller:
                                                   attn.qk_rope_head_dim)
         gates = measured.decode_gates(self.measurement.measurement, inputs.num_heads, inputs.absorb.value,
                                       {QK_CACHE: decision.provider, ABSORB_QK_CACHE: absorb.provider},
-                                      upstream_fuses=upstream_fuses)
+                                      upstream_fuses=upstream_fuses, activations=inputs.activation_dtype)
         plan = DecodePlan(decision, absorb, inputs.absorb, upstream_fuses, measured=gates)
         if gates is not None and plan.overlay_fuses:
             applied = {QK_CACHE: decision, ABSORB_QK_CACHE: absorb}

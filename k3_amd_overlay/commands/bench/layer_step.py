@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from k3_amd_overlay import k3, package
+from k3_amd_overlay import k3, measured, package
 from k3_amd_overlay.commands.bench import aiter_peers
 from k3_amd_overlay.commands.bench.baselines import concat_and_cache_mla_like_kernel
 from k3_amd_overlay.commands.bench.kernels import SINGLE_NORM_CONFIGS, row
@@ -49,6 +49,7 @@ from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
 from k3_amd_overlay.kernels.static_quant import scaled_quant
 from k3_amd_overlay.ops import aiter_absorb, reference
 
+ACTIVATIONS = getattr(torch, measured.ACTIVATIONS)  # the step's activations, as the self-measurement records
 BF16, FP8 = "bf16", "fp8"  # the W_UK variants: vLLM's bf16 W_UK_T, its fp8 W_K (VLLM_ROCM_USE_AITER_FP8BMM)
 BLOCK_SIZE = 1536  # KV-cache block, as the kernel bench's decode-step inputs
 POISONS = (0xA5, 0x5A)
@@ -105,7 +106,7 @@ def make_step(tokens: int, heads: int, variant: str, device: torch.device | str,
     lora, rope, nope, q_lora = k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM, k3.QK_NOPE_HEAD_DIM, k3.Q_LORA_RANK
     gen = torch.Generator().manual_seed(seed)
 
-    def randn(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def randn(*shape: int, scale: float = 1.0, dtype: torch.dtype = ACTIVATIONS) -> torch.Tensor:
         return (torch.randn(shape, generator=gen) * scale).to(dtype).to(device)
 
     latent = randn(tokens, q_lora + lora + rope, scale=2.0)
@@ -125,11 +126,11 @@ def make_step(tokens: int, heads: int, variant: str, device: torch.device | str,
         q_nope=q[..., :nope], q_pe=q[..., nope:], w=w, w_scale=w_scale,
         slots=slots.to(torch.int64).to(device),
         k_scale=torch.tensor([1.1], device=device), q_scale=torch.tensor([0.9], device=device),
-        q_norm=torch.empty(tokens, q_lora, dtype=torch.bfloat16, device=device),
-        kv_norm=torch.empty(tokens, lora, dtype=torch.bfloat16, device=device),
+        q_norm=torch.empty(tokens, q_lora, dtype=ACTIVATIONS, device=device),
+        kv_norm=torch.empty(tokens, lora, dtype=ACTIVATIONS, device=device),
         cache=torch.zeros(blocks, BLOCK_SIZE, lora + rope, dtype=torch.uint8, device=device),
         q_out=torch.empty(tokens, heads, lora + rope, dtype=torch.uint8, device=device),
-        cat=torch.empty(tokens, heads, lora + rope, dtype=torch.bfloat16, device=device),
+        cat=torch.empty(tokens, heads, lora + rope, dtype=ACTIVATIONS, device=device),
         variant=variant, fmt=fmt,
     )
 
@@ -243,7 +244,7 @@ def parity_problems(s: Step, chain: Callable[[Step], None] = overlay,
         if not written[name].all():
             found.append(f"{name}: {int((~written[name]).sum())} bytes not written")
         g, w = got_a[name].float(), want[name].float()
-        off = (g - w).abs() > NORM_STEPS * torch.finfo(torch.bfloat16).eps * w.abs() + 1e-6
+        off = (g - w).abs() > NORM_STEPS * torch.finfo(ACTIVATIONS).eps * w.abs() + 1e-6
         if g.isnan().any() or off.any():
             found.append(f"{name}: {int(off.sum())} of {g.numel()} values more than {NORM_STEPS} bf16 steps "
                          "from stock")
