@@ -38,10 +38,11 @@ def activate(settings: OverlaySettings | None = None) -> Activation | None:
 
 
 def deactivate() -> list[str]:
-    """Revert every patch, restoring the identical original objects on vLLM's classes and modules.
-    Layers built while the overlay was active keep the overlay's sites and their routes (a method bound
-    on the layer); layers built after run vLLM's own code. Every requested fusion then reads
-    ``refused``: the process proves neither arm."""
+    """Revert every patch, restoring the identical original objects on vLLM's classes and modules
+    (the keys reverted come back); a patch another tool has wrapped since stays under that wrapper,
+    inert. Layers built while the overlay was active keep the overlay's sites and their routes (a
+    method bound on the layer); layers built after run vLLM's own code. Every requested fusion then
+    reads ``refused``: the process proves neither arm."""
     from k3_amd_overlay.activation import deactivate as _deactivate
 
     return _deactivate()

@@ -165,6 +165,10 @@ class Activation:
         for key in sorted(set(self.engine.left_out) - left_out):
             logger.warning("k3-amd-overlay: %s left out (it only logs each model's layer decisions, which the "
                            "marker holds all the same): %s", key, self.engine.left_out[key])
+        if set(self.engine.left_out) - left_out:  # the marker's patches: those planned or in place
+            self.evidence.set_shape(self.shape.name if self.shape else None,
+                                    [s.key for specs in self.specs_by_module.values() for s in specs
+                                     if s.key not in self.engine.left_out])
 
     def revert(self) -> list[str]:
         """Every patch off its target (the identical originals back); layers built meanwhile keep
@@ -218,8 +222,9 @@ def activate(settings: OverlaySettings | None = None) -> Activation | None:
 
 
 def deactivate() -> list[str]:
-    """Revert every patch (restoring the identical original objects); returns their keys.
-    Layers built while active keep the per-layer sites they were given."""
+    """Take every patch off (the identical original objects back); returns the keys reverted. A patch
+    another tool has wrapped since stays under that wrapper, inert (no layer built from then on gets
+    a site). Layers built while active keep the per-layer sites they were given."""
     global _active
     if _active is None:
         return []

@@ -210,9 +210,9 @@ class Evidence:
             if self.record.mode is Mode.AUTO and FusionState.DISABLED not in tallies and fused == 0:
                 level = logging.WARNING
                 text += " -- requested but fused on no layer: this process runs it stock"
-            elif entry.state is FusionState.REFUSED and fused:  # decided per layer, then refused (a kernel failed)
+            elif entry.state is FusionState.REFUSED and FusionState.APPLIED in tallies:  # then a kernel failed
                 level = logging.WARNING
-                text += f" -- then refused: {entry.reason}: this process runs it stock"
+                text += f" -- then refused: {entry.reason}: the overlay's launch runs on none of them"
             lines.append((level, text))
         return lines
 

@@ -222,10 +222,8 @@ def _row(data: Any, where: str) -> Row:
     if not isinstance(problems, list) or not all(isinstance(p, str) for p in problems):
         raise MeasuredError(f"{where}: field 'problems' is {problems!r}, expected a list of strings")
     problems = tuple(problems)
-    if not exact:
+    if not exact or problems:  # exact, yet listing problems: read as not exact (stock in that bucket only)
         return Row(fusion, tokens, heads, variant, False, problems=problems)
-    if problems:
-        raise MeasuredError(f"{where}: field 'exact' is true, but it lists problems {list(problems)!r}")
     stock_us, fused_us = (_finite(data, k, where) for k in ("stock_us", "fused_us"))
     if not (stock_us > 0 and fused_us > 0):
         raise MeasuredError(f"{where}: stock_us {stock_us}, fused_us {fused_us}: expected positive times")
@@ -476,6 +474,14 @@ def gate_for(measurement: Measurement, fusion: str, heads: int | None = None,
     buckets = tuple((row.tokens, None if row.fused else _reason(run, low, against))
                     for low, run in runs for row in run)
     return BucketGate(buckets, f"stock above {rows[-1].tokens} tokens: not measured on this GPU")
+
+
+def fused_anywhere(measurement: Measurement, fusion: str) -> bool:
+    """Whether ``fusion`` may run in any bucket at any shape ``measurement`` timed it at (its gates', as
+    the server reads them, against the unfused chain)."""
+    shapes = {(r.heads, r.variant) for r in measurement.rows if r.fusion == fusion}
+    return any(why is None for heads, variant in shapes
+               for _, why in gate_for(measurement, fusion, heads, variant).buckets)
 
 
 def decode_gates(measurement: Measurement | None, heads: int, variant: str,

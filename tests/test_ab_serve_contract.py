@@ -327,6 +327,10 @@ def settings_error(value: str) -> str:
                                                           "arm's proved server"),
     (["--bench-args=--num-prompts 9"], "--bench-args '--num-prompts 9': --num-prompts is set by the tool itself; give "
                                        "ab-serve's --num-prompts"),
+    (["--bench-args", "--num_prompts 9"], "--bench-args '--num_prompts 9': --num-prompts is set by the tool itself; "
+                                          "give ab-serve's --num-prompts"),  # vLLM reads _ as -
+    (["--serve-args", "--uds /tmp/s"], "--serve-args '--uds /tmp/s': --uds is set by the tool itself; the tool polls "
+                                       "each server over TCP on its --port"),
     (["--bench-args", ""], "--bench-args '' names nothing (an empty value: an unset variable?); give a value, or leave "
                            "it out for its default (the vLLM K3 PR's workload)"),
 ])
@@ -335,6 +339,16 @@ def test_each_usage_error_word_for_word_before_any_server_starts(lab, capsys, ar
     printed = capsys.readouterr()
     assert printed.err.splitlines()[-1] == f"k3-amd-overlay ab-serve: error: {message}"
     assert printed.out == "" and not lab.out.exists() and lab.serves == []
+
+
+def test_serve_args_may_repeat_none_of_the_options_the_serve_command_sets():
+    """SERVE_OWNED is what arms.serve_command sets (and --uds, which takes the server off TCP)."""
+    from k3_amd_overlay.commands.usage import SERVE_OWNED
+
+    command = arms.serve_command("vllm serve", "/models/k3", 8010, "--tensor-parallel-size 8")
+    assert command == ["vllm", "serve", "/models/k3", "--port", "8010", "--tensor-parallel-size", "8"]
+    own = {word for word in arms.serve_command("vllm serve", "m", 8010, "") if word.startswith("--")}
+    assert own == set(SERVE_OWNED) - {"--uds"}
 
 
 def test_bench_args_may_repeat_none_of_the_options_the_bench_command_sets(tmp_path):

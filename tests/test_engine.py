@@ -339,3 +339,38 @@ def test_a_patch_that_fails_with_another_error_is_refused_like_a_failed_anchor(m
                                                           wrapt.FunctionWrapper)
     assert evidence.fusion("qkv_norm").reason == ("live anchor check failed in later: TypeError: no wrap; every "
                                                   "overlay patch reverted")
+
+
+def test_a_report_patch_left_out_is_warned_and_off_the_markers_list(caplog):
+    """The layer-report patch's target failing the live check: the fusions' patches apply, a WARNING
+    names it, and the marker's ``patches`` (those planned or in place) no longer lists it."""
+    from k3_amd_overlay.activation import Activation
+
+    module = make_module()
+    settings, evidence, installer = _kept_setup(module)
+    active = Activation(settings, evidence, installer=installer)
+    active.specs_by_module = {"fake": [PatchSpec("w.norm", "fake", "Wrapper._normalize_q_kv", ("qkv_norm",),
+                                                 wrapper=tag("n")),
+                                       PatchSpec("r.log", "fake", "Missing.__init__", ("qkv_norm",), wrapper=tag("r"),
+                                                 optional=True)]}
+    with caplog.at_level("WARNING", logger="vllm.k3_amd_overlay"):
+        active.apply_module("fake", module)
+    assert [a.spec.key for a in active.engine.applied] == ["w.norm"] and evidence.record.patches == ["w.norm"]
+    assert "r.log left out" in caplog.text and "fake:Missing.__init__ does not exist" in caplog.text
+    assert evidence.fusion("qkv_norm").state.value != "refused"
+
+
+def test_the_layer_report_of_a_retired_installer_says_nothing(monkeypatch):
+    """Left inert under another tool's wrapper after deactivate(), the report patch would log "then
+    refused ... on none of them" for layers that keep the overlay's sites."""
+    from k3_amd_overlay.targets.k3_wrapper import report_layers
+
+    module = make_module()
+    _, _, installer = _kept_setup(module)
+    said = []
+    monkeypatch.setattr(installer.evidence, "publish_layers", lambda: said.append(1))
+    report = report_layers(installer)
+    report(lambda: None, None, (), {})
+    installer.retire()
+    report(lambda: None, None, (), {})
+    assert said == [1]

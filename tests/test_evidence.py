@@ -179,8 +179,8 @@ def test_layer_summary_says_a_fusion_refused_after_its_layers_were_decided(tmp_p
         evidence.note_layer("qkv_norm", LayerDecision(FusionState.APPLIED, "triton", "forced by setting"))
     evidence.set_fusion("qkv_norm", FusionState.REFUSED, "its kernel failed on this GPU")
     assert evidence.layer_summary() == [(logging.WARNING, "qkv_norm=applied on 3/3 layers (forced by setting) -- then "
-                                                          "refused: its kernel failed on this GPU: this process runs "
-                                                          "it stock")]
+                                                          "refused: its kernel failed on this GPU: the overlay's "
+                                                          "launch runs on none of them")]
 
 
 @pytest.mark.parametrize("argv,name,role", [

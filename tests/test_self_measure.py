@@ -478,6 +478,21 @@ def test_a_default_result_directory_that_cannot_be_one_is_a_usage_error_before_m
     assert f"k3-amd-overlay measure: error: {said}" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("setting,said", [
+    (" /tmp/x", "K3_AMD_OVERLAY_KERNEL_CONFIGS=' /tmp/x': spaces before or after the path; give '/tmp/x'"),
+    ("/tmp/" + "x" * 300, "K3_AMD_OVERLAY_KERNEL_CONFIGS=/tmp/" + "x" * 300 + ": its result directory cannot be "
+                          "looked at ([Errno 36] File name too long"),
+])
+def test_a_configs_variable_the_server_refuses_or_cannot_look_at_is_a_usage_error(setting, said, capsys, fake_gpu,
+                                                                                 monkeypatch):
+    """measure read the variable as it is: with ' /tmp/x' it wrote a relative directory the server
+    now refuses to start with; a path too long to look at was a traceback."""
+    monkeypatch.setenv(KERNEL_CONFIGS, setting)
+    monkeypatch.setattr(self_measure, "measure", lambda *given: pytest.fail("measured before its directory's check"))
+    code, data, err = json_run(["--heads", "12"], capsys)
+    assert code == 2 and data["usage_error"].startswith(said) and "Traceback" not in err
+
+
 @pytest.mark.parametrize(("argv", "said"), [
     (["--heads", "0"], "--heads 0: every value must be a positive integer"),
     (["--model", ""], "--model '' names no model"),

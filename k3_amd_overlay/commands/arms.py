@@ -209,6 +209,13 @@ class Server:
                 continue
 
 
+def serve_command(serve_cmd: str, model: str, port: int, serve_args: str) -> list[str]:
+    """One arm's server command line: ``serve_cmd MODEL --port PORT SERVE_ARGS`` (what it sets itself,
+    usage.SERVE_OWNED, a --serve-args may not repeat)."""
+    return [*split_command("--serve-cmd", serve_cmd), model, "--port", str(port),
+            *split_command("--serve-args", serve_args)]
+
+
 @contextlib.contextmanager
 def proved_server(arm: Arm, serve_cmd: str, model: str, serve_args: str, port: int, workdir: Path,
                   health_timeout: float, served_name: str | None = None) -> Iterator[Server]:
@@ -217,9 +224,7 @@ def proved_server(arm: Arm, serve_cmd: str, model: str, serve_args: str, port: i
     once the block (the measurement) ends without an error, prove it again with the server still up;
     the server is stopped however the block ends. ArmFailed says which step failed and where the
     logs are; a measurement counts only where the block is left without one."""
-    command = [*split_command("--serve-cmd", serve_cmd), model, "--port", str(port),
-               *split_command("--serve-args", serve_args)]
-    server = Server(command, arm, workdir, port)
+    server = Server(serve_command(serve_cmd, model, port, serve_args), arm, workdir, port)
     try:
         server.start(health_timeout)
         server.request(served_name or model)

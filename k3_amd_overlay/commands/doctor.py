@@ -257,7 +257,7 @@ def fusion_outlook(settings: Any, providers_here: dict[str, dict[str, str | None
             fused, why = decision.state is FusionState.APPLIED, decision.reason
             if fused and measurement is not None and decision.provider != measurement.provider:
                 fused, why = False, measured.gate_for(measurement, fusion, provider=decision.provider).unmeasured
-            elif fused and measurement is not None and not any(r.fused for r in measurement.rows if r.fusion == fusion):
+            elif fused and measurement is not None and not measured.fused_anywhere(measurement, fusion):
                 fused, why = False, (f"the self-measurement found {fusion} exact and at least as fast as stock in no "
                                      "bucket on this GPU: stock runs at every batch size")
             outlook[fusion] = {"state": "fused" if fused else "stock", "provider": decision.provider, "why": why}

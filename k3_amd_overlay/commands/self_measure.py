@@ -57,7 +57,7 @@ from k3_amd_overlay import json_files, json_values, k3, measured
 from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, describe, json_result, tool_main
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, __version__
-from k3_amd_overlay.settings import KERNEL_CONFIGS
+from k3_amd_overlay.settings import KERNEL_CONFIGS, SettingsError, parse_path
 
 DESCRIPTION = ("time each fused path against the stock sequence on this GPU per batch bucket; write the file the "
                "server keeps a fusion only where it measured exact and at least as fast")
@@ -325,11 +325,17 @@ def check_out_directory(given: Path, said: str | None = None,
 def check_default_directory() -> None:
     """The directory the result file goes to without --out (``measured.result_dir``), checked as --out is."""
     try:
+        setting = parse_path(KERNEL_CONFIGS, os.environ.get(KERNEL_CONFIGS)) or ""  # as the server reads it
+    except SettingsError as exc:
+        raise UsageError(str(exc)) from None
+    try:
         directory = measured.result_dir(os.environ)
     except (RuntimeError, KeyError):  # Path.home(): no HOME and no passwd entry for this user
         raise UsageError(f"no home directory here for the per-user result directory: give --out DIR, or set "
                          f"{KERNEL_CONFIGS} as the server has it") from None
-    setting = os.environ.get(KERNEL_CONFIGS, "")
+    except OSError as exc:  # a path that cannot be looked at (too long, no access)
+        raise UsageError(f"{KERNEL_CONFIGS}={setting}: its result directory cannot be looked at ({exc}); give "
+                         "--out DIR, or fix the variable as the server has it") from None
     said = (f"{KERNEL_CONFIGS}={setting}: its result directory {directory}" if setting
             else f"the per-user result directory {directory}")
     check_out_directory(directory, said, "give --out DIR")

@@ -256,6 +256,8 @@ def check_not_owned(option: str, given: str, words: Iterable[str], owned: Mappin
     two would be dropped without a word (vLLM's parser keeps the last ``--port``)."""
     for word in words:
         name = word.split("=", 1)[0].strip()
+        if name.startswith("--"):  # vLLM's parser reads --num_prompts as --num-prompts
+            name = name.replace("_", "-")
         if name in owned:
             raise UsageError(f"{option} {given!r}: {name} is set by the tool itself; {owned[name]}")
 
@@ -312,7 +314,8 @@ def check_given(option: str, value: str | None, default: str | None = None) -> N
 
 
 # What an A/B tool puts on each server's command line itself (arms.proved_server), and what to give instead.
-SERVE_OWNED = {"--port": "give the tool's --port (the server it polls for health is on that port)"}
+SERVE_OWNED = {"--port": "give the tool's --port (the server it polls for health is on that port)",
+               "--uds": "the tool polls each server over TCP on its --port"}
 
 
 def check_arm_server_arguments(args: argparse.Namespace) -> None:

@@ -40,7 +40,8 @@ def report_layers(installer: LayerInstaller) -> Callable[..., None]:
     def _k3_overlay_report_layers(wrapped: Wrapped, instance: Any, args: tuple[Any, ...],
                                   kwargs: dict[str, Any]) -> None:
         wrapped(*args, **kwargs)
-        installer.evidence.publish_layers()
+        if not installer.retired:  # left inert under another tool's wrapper: nothing of the overlay to report
+            installer.evidence.publish_layers()
 
     return _k3_overlay_report_layers
 

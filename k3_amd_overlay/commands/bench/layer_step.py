@@ -49,7 +49,7 @@ from k3_amd_overlay.kernels.rmsnorm_pair import rmsnorm, rmsnorm_pair
 from k3_amd_overlay.kernels.static_quant import scaled_quant
 from k3_amd_overlay.ops import aiter_absorb, reference
 
-ACTIVATIONS = getattr(torch, measured.ACTIVATIONS)  # the step's activations, as the self-measurement records
+ACTIVATIONS = getattr(torch, measured.ACTIVATIONS)  # the step's activations: those `measure` times
 BF16, FP8 = "bf16", "fp8"  # the W_UK variants: vLLM's bf16 W_UK_T, its fp8 W_K (VLLM_ROCM_USE_AITER_FP8BMM)
 BLOCK_SIZE = 1536  # KV-cache block, as the kernel bench's decode-step inputs
 POISONS = (0xA5, 0x5A)
