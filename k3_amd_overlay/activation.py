@@ -162,13 +162,17 @@ class Activation:
             # architecture failed to be inspected: this line says why in the overlay's words
             logger.error("%s", stop)
             raise OverlayActivationError(stop) from exc
-        for key in sorted(set(self.engine.left_out) - left_out):
+        newly_left_out = sorted(set(self.engine.left_out) - left_out)
+        for key in newly_left_out:
             logger.warning("k3-amd-overlay: %s left out (it only logs each model's layer decisions, which the "
                            "marker holds all the same): %s", key, self.engine.left_out[key])
-        if set(self.engine.left_out) - left_out:  # the marker's patches: those planned or in place
-            self.evidence.set_shape(self.shape.name if self.shape else None,
-                                    [s.key for specs in self.specs_by_module.values() for s in specs
-                                     if s.key not in self.engine.left_out])
+        if newly_left_out:
+            self._record_patches([s.key for specs in self.specs_by_module.values() for s in specs
+                                  if s.key not in self.engine.left_out])
+
+    def _record_patches(self, keys: list[str]) -> None:
+        """The marker's ``patches``: those planned or in place."""
+        self.evidence.set_shape(self.shape.name if self.shape else None, keys)
 
     def revert(self) -> list[str]:
         """Every patch off its target (the identical originals back); layers built meanwhile keep
@@ -184,7 +188,7 @@ class Activation:
             logger.warning("k3-amd-overlay: %s was wrapped again after the overlay patched it; the overlay's "
                            "patch stays under that wrapper, inert (layers built from now on get no overlay "
                            "site, so it calls vLLM's own code)", record.spec.target)
-        self.evidence.set_shape(self.shape.name if self.shape else None, [a.spec.key for a in self.engine.applied])
+        self._record_patches([a.spec.key for a in self.engine.applied])
         return reverted
 
     def stop(self) -> list[str]:
