@@ -22,12 +22,14 @@ sha256 of the launch configs this GPU's kernels resolved to, the torch and Trito
 the fp8 format. The vLLM version is not among them: `measure` runs none of vLLM's code (its stock
 sequence is the benchmarks' launches, see self_measure.py). A file that cannot be used (malformed, of
 another GPU, of another overlay version, measured under other conditions than this process's, or
-written before they were recorded) is ignored with an ERROR naming the file and the field: the
-behaviour without it, and the marker says why. So is a file of this GPU left in the per-user directory
-where ``K3_AMD_OVERLAY_KERNEL_CONFIGS`` names another and that one holds none: ``measure`` ran without
-the variable the server has. Where this process cannot tell a condition of its own (torch not
+written before they were recorded) fails closed: its verdicts are not this process's kernels' and
+nothing else says the fused paths are faster here, so every gated fusion runs stock at every batch
+size, with an ERROR naming the file and the field and the marker's reason, until ``measure`` runs
+again. So does a file of this GPU left in the per-user directory where ``K3_AMD_OVERLAY_KERNEL_CONFIGS``
+names another and that one holds none (``measure`` ran without the variable the server has), and a
+directory that cannot be looked in. Where this process cannot tell a condition of its own (torch not
 importable, launch configs that do not resolve, a broken ``aiter`` entry), the file is not used
-either."""
+either. Only where there is no file at all does every fusion run at every batch size."""
 
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ from k3_amd_overlay.versions import aiter_identity
 SCHEMA = 1
 SUFFIX = ".measured.json"
 ACTIVATIONS = "bfloat16"  # the activations `measure` times (commands/bench/layer_step.py builds its step in them)
+UNUSABLE = "unusable"  # the marker's state of a file for this GPU that cannot be used (every gate refuses)
 MIN_RATIO = 1.0  # stock µs / fused µs at which a fusion counts as at least as fast as stock
 CACHE_HOME = "XDG_CACHE_HOME"
 USER_DIRECTORY = "k3-amd-overlay"  # under $XDG_CACHE_HOME, or ~/.cache
@@ -344,11 +347,18 @@ def differences(measurement: Measurement, here: Mapping[str, str | None]) -> lis
 @dataclass(frozen=True)
 class Loaded:
     """What the server found for its GPU: the file's path (None: no GPU), the measurement it uses
-    (None: none), and why a file there is not used."""
+    (None: none), and why a file there is not used (then every gated fusion runs stock: ``unusable``)."""
 
     path: str | None
     measurement: Measurement | None = None
     error: str | None = None
+
+    @property
+    def unusable(self) -> str | None:
+        """Why every gate refuses every batch: a self-measurement for this GPU that cannot be used
+        (None: it is used, or there is none)."""
+        return f"stock at every batch size: the self-measurement cannot be used ({self.error})" if self.error \
+            else None
 
 
 def load_here(arch: str, device: str | None, environ: Mapping[str, str] | None = None,
@@ -428,6 +438,12 @@ def _reason(run: list[Row], low: int, against: str) -> str:
     return f"stock at {span}: {ratio} of {against} on this GPU"
 
 
+# The fusions vLLM runs its own launch for on a layer it fuses itself, and that launch (vLLM 0.30+'s
+# AITER dual RMSNorm; 0.32+'s fused decode): `measure` cannot time it (AITER's HIP ops), and for qk_cache
+# the FUSED_DECODE stand-in would be the overlay's own launch against itself.
+UPSTREAM_UNMEASURED = {QKV_NORM: "vLLM's own fused norm", QK_CACHE: "vLLM's own fused decode"}
+
+
 def _over_fused_decode(rows: list[Row], measurement: Measurement) -> list[Row]:
     """The absorbed launch's ``rows`` with FUSED_DECODE's time at the same bucket as the stock they
     beat or not (None where it was not timed exact there)."""
@@ -442,9 +458,15 @@ def gate_for(measurement: Measurement, fusion: str, heads: int | None = None,
     """Where ``fusion`` may run at this shape (qkv_norm: any shape) with ``provider``'s launch (None:
     the one measured) on ``activations`` (another dtype than measured runs nowhere); with
     ``upstream_fuses`` (a layer vLLM fuses itself) the absorbed launch is weighed against
-    FUSED_DECODE, which runs there in its place, not against the unfused chain. Consecutive buckets
-    refused for the same kind of reason (slower; not exact) share one reason, spanning them. Another
-    provider than the one measured runs nowhere: its launches were never timed."""
+    FUSED_DECODE, which runs there in its place, not against the unfused chain, and the one-for-one
+    fusions (qkv_norm, qk_cache) run nowhere: vLLM's own launch runs there in their place, and
+    ``measure`` never timed it. Consecutive buckets refused for the same kind of reason (slower; not
+    exact) share one reason, spanning them. Another provider than the one measured runs nowhere: its
+    launches were never timed."""
+    if upstream_fuses and fusion in UPSTREAM_UNMEASURED:
+        return BucketGate((), f"stock ({UPSTREAM_UNMEASURED[fusion]}) at every batch size: {COMMAND} timed the "
+                              f"overlay's {fusion} launch against the unfused launches, never against vLLM's own "
+                              "fused one that runs on this layer in its place")
     if provider is not None and provider != measurement.provider:
         return BucketGate((), f"stock: {COMMAND} timed the {measurement.provider} provider's launch on this GPU, "
                               f"this layer's is {provider}'s: not measured")
@@ -484,24 +506,28 @@ def fused_anywhere(measurement: Measurement, fusion: str) -> bool:
                for _, why in gate_for(measurement, fusion, heads, variant).buckets)
 
 
-def decode_gates(measurement: Measurement | None, heads: int, variant: str,
-                 providers: Mapping[str, str | None] | None = None,
+def decode_gates(loaded: Loaded, heads: int, variant: str, providers: Mapping[str, str | None] | None = None,
                  upstream_fuses: bool = False, activations: str = ACTIVATIONS) -> dict[str, BucketGate] | None:
     """The decode plan's gates for a layer of ``heads`` heads per rank and this W_UK absorption, each
     fusion's for the provider ``providers`` names, on a layer vLLM fuses itself or not (None without
-    a measurement: every batch as the decisions say)."""
-    if measurement is None:
+    a file: every batch as the decisions say; a file that cannot be used refuses every batch)."""
+    if loaded.unusable:
+        return {fusion: BucketGate((), loaded.unusable) for fusion in DECODE_FUSIONS}
+    if loaded.measurement is None:
         return None
-    return {fusion: gate_for(measurement, fusion, heads, variant, (providers or {}).get(fusion), upstream_fuses,
-                             activations)
+    return {fusion: gate_for(loaded.measurement, fusion, heads, variant, (providers or {}).get(fusion),
+                             upstream_fuses, activations)
             for fusion in DECODE_FUSIONS}
 
 
-def norm_gate(measurement: Measurement | None, provider: str | None = None,
+def norm_gate(loaded: Loaded, provider: str | None = None, upstream_fuses: bool = False,
               activations: str = ACTIVATIONS) -> BucketGate | None:
-    """The qkv_norm site's gate for ``provider``'s launch on ``activations`` (None without a measurement)."""
-    return None if measurement is None else gate_for(measurement, QKV_NORM, provider=provider,
-                                                     activations=activations)
+    """The qkv_norm site's gate for ``provider``'s launch on ``activations``, on a layer vLLM fuses
+    itself or not (None without a file; a file that cannot be used refuses every batch)."""
+    if loaded.unusable:
+        return BucketGate((), loaded.unusable)
+    return None if loaded.measurement is None else gate_for(loaded.measurement, QKV_NORM, provider=provider,
+                                                            upstream_fuses=upstream_fuses, activations=activations)
 
 
 def measured_first(missing: Mapping[str, str | None], setting: str,
@@ -521,12 +547,14 @@ def marker_entry(loaded: Loaded, gates: Mapping[str, BucketGate | None] | None =
     """The marker's ``measurement`` field: the file, its date, and per fusion the buckets where its
     fused path may run and every reason stock runs elsewhere (for the layers of ``shape``)."""
     found = loaded.measurement
-    entry: dict[str, Any] = {"file": loaded.path, "state": "used" if found else "ignored" if loaded.error else "none"}
+    entry: dict[str, Any] = {"file": loaded.path, "state": "used" if found else UNUSABLE if loaded.error else "none"}
     if loaded.error:
         entry["error"] = loaded.error
-    if found is None:
+    if found is None and not loaded.error:
         return entry
-    entry.update(date=found.date, device=found.device, shape=shape)
+    if found is not None:
+        entry.update(date=found.date, device=found.device)
+    entry["shape"] = shape
     fused, stock = {}, {}
     for fusion, gate in (gates or {}).items():
         if gate is not None:
@@ -540,9 +568,9 @@ def summary(entry: Mapping[str, Any]) -> str:
     """One line on a process's measurement (``check`` prints it): used, ignored, or none; never
     raises (a marker written by hand or by another tool gets a line saying it is unreadable)."""
     state = entry.get("state")
-    if state == "ignored":
-        return (f"self-measurement ignored ({entry.get('error')}): every fused path runs at every batch size, "
-                "as without one")
+    if state == UNUSABLE:
+        return (f"self-measurement unusable ({entry.get('error')}): every gated fused path runs stock at every "
+                f"batch size until `{COMMAND}` runs again")
     if state != "used":
         where = f" ({entry['file']})" if entry.get("file") else ""
         return (f"no self-measurement for this GPU{where}: every fused path runs at every batch size; `{COMMAND}` "
@@ -574,6 +602,7 @@ def doctor_section(arch: str | None, device: str | None, environ: Mapping[str, s
     section: dict[str, Any] = {"file": loaded.path, "state": marker_entry(loaded)["state"]}
     if loaded.error:
         section["error"] = loaded.error
+        section["effect"] = loaded.unusable
     found = loaded.measurement
     if found is None:
         section["recommend"] = (f"`{COMMAND} --heads H --variant bf16|fp8` (minutes, safe beside a live server) "
@@ -596,6 +625,7 @@ def doctor_lines(section: Mapping[str, Any]) -> list[str]:
     lines = [f"  file: {section.get('file')} ({section.get('state')})"]
     if section.get("error"):
         lines.append(f"  not used: {section['error']}")
+        lines.append(f"  so: {section.get('effect')}")
     if section.get("recommend"):
         lines.append(f"  recommended: {section['recommend']}")
     for verdict in section.get("verdicts", []):

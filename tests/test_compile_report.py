@@ -190,6 +190,61 @@ def test_triton_builds_the_known_bad_rule_with_its_tile_repeated_and_the_report_
     assert ("the dot's tile computed 8 times over by its warps" in problems) == (copies > 1)
 
 
+_COMPILE_BOTH_CACHES = textwrap.dedent("""
+    import json, os, re, sys
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    from triton.runtime import driver
+    from k3_amd_overlay.commands import compile_report
+    from k3_amd_overlay.fp8 import E4M3FNUZ
+    from k3_amd_overlay.kernels import launch, names, probe, target
+    driver.set_active(compile_report.AotDriver("gfx942"))
+    empty = torch.empty
+    served = empty(3 << 30, dtype=torch.int8)  # vLLM's KV cache: a view of one buffer of GiB (never touched)
+
+    def as_served(*shape, dtype=None, device=None):
+        if dtype == torch.uint8 and len(shape) == 3 and shape[1] == 1:  # the cache (block size 1), not q_out
+            rows = torch.as_strided(served, shape, (shape[2], shape[2], 1), storage_offset=shape[2] * 7)
+            return rows.view(torch.uint8)
+        return empty(*shape, dtype=dtype, device=device)
+
+    found = {}
+    for kernel in (names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL,
+                   names.ABSORB_MXFP4_QK_CACHE_KERNEL):
+        with target.compile_only("gfx942") as session:
+            probe.launch_at(kernel, torch.device("cpu"), torch.bfloat16, 8, 12, E4M3FNUZ)  # as at model load
+            torch.empty = as_served
+            try:
+                probe.launch_at(kernel, torch.device("cpu"), torch.bfloat16, 8, 12, E4M3FNUZ)  # as served
+            finally:
+                torch.empty = empty
+        (_, _, loaded), (_, _, serving) = session.compiled[-2:]
+        found[kernel] = loaded is serving
+    torch.empty = as_served
+    tiles = {"BLOCK_N": 64, "BLOCK_T": 16, "num_warps": 4, "KV_ROWS": 16}  # KV programs of 16 rows
+    with target.compile_only("gfx942") as session, launch.forced(tiles):
+        probe.launch_at(names.ABSORB_QK_CACHE_KERNEL, torch.device("cpu"), torch.bfloat16, 16, 12, E4M3FNUZ)
+    torch.empty = empty
+    stores = sorted(set(re.findall(r"\\b(?:global|buffer)_store_\\w+", session.compiled[-1][2].asm["amdgcn"])))
+    print(json.dumps([found, stores]))
+""")
+
+
+@pytest.mark.kernels
+def test_the_kv_cache_pointer_builds_one_binary_whatever_its_storage_size():
+    """Triton's AMD backend specializes a tensor argument on whether its storage is at most 2 GiB; the
+    compile at model load used a small cache, vLLM serves a view of a buffer of many GiB: every
+    cache-writing kernel built a second binary at the first served batch (compiled for gfx942 on this
+    CPU, Triton 3.9). Now one binary, its cache stores still 16 bytes wide where rows are written as
+    tiles (the alignment the unspecialized pointer lost, stated in the kernel)."""
+    pytest.importorskip("triton.backends.amd")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_BOTH_CACHES], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found, stores = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found == dict.fromkeys(found, True) and len(found) == 4
+    assert "global_store_dwordx4" in stores and not any("byte" in s for s in stores), stores
+
+
 def test_a_matrix_size_amd_has_no_instruction_for_is_refused():
     config = {"BLOCK_N": 64, "BLOCK_T": 16, "num_warps": 2, "matrix_instr_nonkdim": 8}
     with pytest.raises(launch_configs.LaunchConfigError, match=re.escape(

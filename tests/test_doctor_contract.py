@@ -455,21 +455,25 @@ def test_with_a_measurement_the_outlook_chooses_as_the_server_does():
                                  launch_configs="", torch="", triton="", aiter="", kv_cache_dtype="fp8", fp8_format="f",
                                  stock="s", seed=1, rows=faster)
     all_run = {f: {"triton": None, "aiter": None, "vllm": None} for f in FUSIONS}
-    outlook = doctor.fusion_outlook(load_settings({"K3_AMD_OVERLAY": "1"}), all_run, found)
+    outlook = doctor.fusion_outlook(load_settings({"K3_AMD_OVERLAY": "1"}), all_run, measured.Loaded("f", found))
     assert {f: (o["state"], o["provider"]) for f, o in outlook.items()} == {f: ("fused", "triton") for f in FUSIONS}
     # measured slower (or not exact) in every bucket: the server runs stock at every batch size, and
     # the doctor said "fused" (a second reading of the measurement, without its verdicts)
     slower = measured.Measurement(**{**found.__dict__, "rows": (
         *(measured.Row(r.fusion, r.tokens, r.heads, r.variant, True, 1.0, 2.0) for r in faster[:2]),
         measured.Row(ABSORB_QK_CACHE, 8, 12, "bf16", False, problems=("q_out differs",)))})
-    outlook = doctor.fusion_outlook(load_settings({"K3_AMD_OVERLAY": "1"}), all_run, slower)
+    outlook = doctor.fusion_outlook(load_settings({"K3_AMD_OVERLAY": "1"}), all_run, measured.Loaded("f", slower))
     assert {f: o["state"] for f, o in outlook.items()} == {f: "stock" for f in FUSIONS}
     assert outlook[QK_CACHE]["why"] == ("the self-measurement found qk_cache exact and at least as fast as stock in "
                                         "no bucket on this GPU: stock runs at every batch size")
     named = load_settings({"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "aiter"})
-    assert doctor.fusion_outlook(named, all_run, found)[QK_CACHE] == {
+    assert doctor.fusion_outlook(named, all_run, measured.Loaded("f", found))[QK_CACHE] == {
         "state": "stock", "provider": "aiter", "why": "stock: k3-amd-overlay measure timed the triton provider's "
         "launch on this GPU, this layer's is aiter's: not measured"}
+    # a file for this GPU that cannot be used: the server runs stock at every batch size (fail closed)
+    unusable = measured.Loaded("f", error="f: field 'torch' is '2.8.0'")
+    outlook = doctor.fusion_outlook(load_settings({"K3_AMD_OVERLAY": "1"}), all_run, unusable)
+    assert {f: (o["state"], o["why"]) for f, o in outlook.items()} == {f: ("stock", unusable.unusable) for f in FUSIONS}
 
 
 # --------------------------------------------------------------------------------------------

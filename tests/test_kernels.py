@@ -117,6 +117,13 @@ def test_qk_cache_errors_name_the_value_and_what_is_allowed():
         fused_qk_cache(*args, kv_format="e4m3fn", provider="cuda")
     with pytest.raises(ProviderUnavailable, match="provider 'aiter' is unavailable: AITER"):
         fused_qk_cache(*args, kv_format="e4m3fn", provider="aiter")
+    # the kernels store cache rows 16 bytes at a time (their pointer unspecialized, the alignment stated)
+    shifted = torch.zeros(cache.numel() + 1, dtype=torch.uint8)[1:].view(cache.shape)
+    with pytest.raises(ValueError, match=r"qk_cache_kernel: kv_cache rows must start on 16-byte boundaries \(the "
+                                         r"kernel stores them 16 bytes at a time\): its data pointer is 1 bytes past "
+                                         r"one and its block and row strides are \(9216, 576\); all must be multiples "
+                                         r"of 16"):
+        fused_qk_cache(*args[:4], shifted, *args[5:], kv_format="e4m3fn", provider="triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

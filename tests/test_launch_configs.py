@@ -88,7 +88,9 @@ def _file(arch="gfx942", device=None, kernels=None):
      "num_stages = 32: allowed 1-16"),
     ({names.QK_CACHE_KERNEL: [{"config": {"HEADS": 4, "num_warps": 4, "waves_per_eu": 21}}]},
      "waves_per_eu = 21: allowed 0-20 (0: the compiler's choice"),
-    ({names.QK_CACHE_KERNEL: [{"config": {"HEADS": 4, "num_warps": 4, "kpack": 4}}]}, "kpack = 4: allowed 0-2"),
+    ({names.QK_CACHE_KERNEL: [{"config": {"HEADS": 4, "num_warps": 4, "kpack": 4}}]}, "kpack = 4: allowed 1-2"),
+    # 0 is the compiler's choice for the other AMD options; Triton's AMD matmul pass fails on a kpack of 0
+    ({names.QK_CACHE_KERNEL: [{"config": {"HEADS": 4, "num_warps": 4, "kpack": 0}}]}, "kpack: 0 is not a positive"),
     ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 2 ** 40, "BLOCK_T": 16, "num_warps": 4}}]},
      f"BLOCK_N = {2 ** 40}: allowed 1-4096"),
     ({names.ABSORB_QK_CACHE_KERNEL: [{"config": {"BLOCK_N": 32, "BLOCK_T": 16, "K_STEPS": 3, "num_warps": 4}}]},

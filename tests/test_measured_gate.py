@@ -102,10 +102,11 @@ def test_a_shape_the_file_does_not_hold_runs_stock_and_qkv_norm_has_no_shape():
         "stock: not measured at 16 heads, bf16 W_UK on this GPU"
     assert measured.gate_for(m, QK_CACHE, 12, "fp8").refusal(8) == \
         "stock: not measured at 12 heads, fp8 W_UK on this GPU"
-    norm = measured.norm_gate(m)
+    norm = measured.norm_gate(measured.Loaded("f", m))
     assert norm is not None and norm.allows(1) and norm.allows(512) and not norm.allows(513)
-    assert measured.norm_gate(None) is None and measured.decode_gates(None, 12, "bf16") is None
-    gates = measured.decode_gates(m, 12, "bf16")
+    none = measured.Loaded("f")
+    assert measured.norm_gate(none) is None and measured.decode_gates(none, 12, "bf16") is None
+    gates = measured.decode_gates(measured.Loaded("f", m), 12, "bf16")
     assert gates is not None and set(gates) == {QK_CACHE, ABSORB_QK_CACHE}
 
 
@@ -222,7 +223,7 @@ def test_a_file_measured_under_other_conditions_is_not_used_naming_the_field(tmp
     loaded = measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})
     assert loaded.measurement is None and loaded.error == (
         f"{path}: field {field!r} is {found}, this process's is {here_is(field)}: {RUN_AGAIN}")
-    assert measured.marker_entry(loaded)["state"] == "ignored"
+    assert measured.marker_entry(loaded)["state"] == "unusable"
     assert measured.doctor_section(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})["error"] == loaded.error
 
 
@@ -292,7 +293,7 @@ def test_a_malformed_marker_entry_is_one_line_never_an_exception(entry):
 def test_the_marker_records_the_gate_and_check_prints_it(tmp_path):
     path = write(tmp_path, planted().to_json())
     loaded = measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})
-    gates = {**measured.decode_gates(loaded.measurement, 12, "bf16"), QKV_NORM: measured.norm_gate(loaded.measurement)}
+    gates = {**measured.decode_gates(loaded, 12, "bf16"), QKV_NORM: measured.norm_gate(loaded)}
     entry = measured.marker_entry(loaded, gates, "12 heads, bf16 W_UK")
     assert entry["state"] == "used" and entry["file"] == path and entry["fused_buckets"][QK_CACHE] == [8, 128]
     assert entry["stock"][QK_CACHE][1] == "stock at 129-512 tokens: 0.90-0.93x of stock on this GPU"
@@ -305,10 +306,11 @@ def test_the_marker_records_the_gate_and_check_prints_it(tmp_path):
                                               "W_UK): qk_cache fused in 2 buckets, stock at 9-16 tokens: not exact")
     assert "absorb_qk_cache fused in 1 bucket, stock at 9-64 tokens: 0.92x of stock on this GPU" in \
         measured.summary(entry)
-    ignored = measured.marker_entry(measured.Loaded(path, error="bad field"))
-    assert ignored == {"file": path, "state": "ignored", "error": "bad field"}
-    assert measured.summary(ignored) == ("self-measurement ignored (bad field): every fused path runs at every batch "
-                                         "size, as without one")
+    unusable = measured.marker_entry(measured.Loaded(path, error="bad field"))
+    assert unusable == {"file": path, "state": "unusable", "error": "bad field", "shape": None, "fused_buckets": {},
+                        "stock": {}}
+    assert measured.summary(unusable) == ("self-measurement unusable (bad field): every gated fused path runs stock "
+                                          "at every batch size until `k3-amd-overlay measure` runs again")
     from k3_amd_overlay.fusions.states import FusionState
     from k3_amd_overlay.record import FusionEntry
 
@@ -352,7 +354,7 @@ def test_a_file_measured_without_the_servers_config_directory_is_named_not_silen
                             f"measured without {KERNEL_CONFIGS}, which here names {configs}; run `k3-amd-overlay "
                             f"measure` with {KERNEL_CONFIGS} set as the server has it (after any `tune`: a "
                             "measurement is of the launch configs it ran with)")
-    assert measured.marker_entry(loaded)["state"] == "ignored"
+    assert measured.marker_entry(loaded)["state"] == "unusable"
     assert measured.doctor_section(ARCH, DEVICE, environ)["recommend"].startswith("`k3-amd-overlay measure")
     # another GPU's file there, or the variable naming the per-user directory itself: nothing to say
     assert measured.load_here(ARCH, "AMD Instinct MI355X", environ).error is None
@@ -379,7 +381,7 @@ def test_looking_for_the_file_never_raises_without_a_home_or_with_a_directory_it
     monkeypatch.setattr(Path, "is_file", denied)
     loaded = measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})
     assert loaded.measurement is None and loaded.error.startswith(f"{tmp_path / NAME}: cannot be looked for (")
-    assert measured.doctor_section(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})["state"] == "ignored"
+    assert measured.doctor_section(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})["state"] == "unusable"
 
 
 def test_on_a_layer_vllm_fuses_itself_the_absorbed_launch_is_weighed_against_its_fused_decode():
@@ -399,9 +401,8 @@ def test_on_a_layer_vllm_fuses_itself_the_absorbed_launch_is_weighed_against_its
     assert gate.buckets == ((8, f"stock at 1-8 tokens: 0.90x of {fused_decode} on this GPU"), (16, None),
                             (32, f"stock at 17-64 tokens: {fused_decode} was not timed there on this GPU"),
                             (64, f"stock at 17-64 tokens: {fused_decode} was not timed there on this GPU"))
-    assert measured.gate_for(found, QK_CACHE, 12, "bf16", upstream_fuses=True) == measured.gate_for(
-        found, QK_CACHE, 12, "bf16")  # qk_cache's own gate: against the chain, as measured
-    assert measured.decode_gates(found, 12, "bf16", upstream_fuses=True)[ABSORB_QK_CACHE] == gate
+    assert measured.decode_gates(measured.Loaded("f", found), 12, "bf16", upstream_fuses=True)[ABSORB_QK_CACHE] \
+        == gate
 
 
 def test_a_row_marked_exact_that_lists_problems_is_read_as_not_exact():
@@ -412,3 +413,48 @@ def test_a_row_marked_exact_that_lists_problems_is_read_as_not_exact():
     found = measured.parse(data, "f.json")
     assert measured.gate_for(found, QK_CACHE, 12, "bf16").buckets == (
         (8, "stock at 1-8 tokens: not exact on this GPU (q_out differs at 3 elements)"), (16, None))
+
+
+@pytest.mark.parametrize("fusion,theirs", [(QK_CACHE, "vLLM's own fused decode"), (QKV_NORM, "vLLM's own fused norm")])
+def test_on_a_layer_vllm_fuses_itself_a_one_for_one_fusion_runs_nowhere(fusion, theirs):
+    """A provider named by its variable takes a layer vLLM fuses itself (vLLM 0.30+'s AITER dual norm,
+    0.32+'s fused decode); a batch the gate refuses runs vLLM's own fused launch there, which
+    `measure` never timed: the gate weighed the overlay's launch against the unfused launches and let
+    it run at every bucket where it beat them (for qk_cache, the fused-decode stand-in would be its own
+    launch). Now no bucket: vLLM's own launch runs, with the reason."""
+    found = measurement([row(QK_CACHE, 8, 6.0, 1.8), row(QKV_NORM, 8, 3.0, 1.5)])
+    heads, variant = (12, "bf16") if fusion == QK_CACHE else (None, None)
+    assert measured.gate_for(found, fusion, heads, variant).allows(8)  # against the unfused launches: fused
+    gate = measured.gate_for(found, fusion, heads, variant, upstream_fuses=True)
+    assert gate.buckets == () and gate.refusal(8) == (
+        f"stock ({theirs}) at every batch size: k3-amd-overlay measure timed the overlay's {fusion} launch against "
+        "the unfused launches, never against vLLM's own fused one that runs on this layer in its place")
+    loaded = measured.Loaded("f", found)
+    upstream = measured.norm_gate(loaded, upstream_fuses=True) if fusion == QKV_NORM else \
+        measured.decode_gates(loaded, 12, "bf16", upstream_fuses=True)[QK_CACHE]
+    assert upstream == gate
+
+
+def test_a_file_that_cannot_be_used_fails_closed_every_gate_refusing_every_batch(tmp_path):
+    """A stale, foreign or malformed file for this GPU (here: measured under another torch) was
+    ignored, every fused path then running at every batch size, including buckets that file had
+    measured slower: its verdicts are not this process's kernels', and no other evidence says the
+    fused paths are faster here. Now every gate refuses every batch with the reason; only a missing
+    file means every batch (the behaviour before `measure` existed)."""
+    slower = measurement([row(QK_CACHE, 8, 1.0, 2.0), row(ABSORB_QK_CACHE, 8, 1.0, 2.0), row(QKV_NORM, 8, 1.0, 2.0)])
+    data = slower.to_json()
+    data["torch"] = "2.8.0+rocm6.3"
+    write(tmp_path, data)
+    loaded = measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})
+    assert loaded.measurement is None and loaded.error
+    why = f"stock at every batch size: the self-measurement cannot be used ({loaded.error})"
+    assert loaded.unusable == why
+    gates = {**measured.decode_gates(loaded, 12, "bf16"), QKV_NORM: measured.norm_gate(loaded)}
+    assert all(g is not None and g.refusal(n) == why for g in gates.values() for n in (1, 8, 9, 4096))
+    entry = measured.marker_entry(loaded, gates, "12 heads, bf16 W_UK")
+    assert entry["state"] == "unusable" and entry["fused_buckets"] == {f: [] for f in gates}
+    assert entry["stock"] == {f: [why] for f in gates}
+    section = measured.doctor_section(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path)})
+    assert section["effect"] == why and f"  so: {why}" in measured.doctor_lines(section)
+    missing = measured.load_here(ARCH, DEVICE, {KERNEL_CONFIGS: str(tmp_path / "none")})
+    assert missing.unusable is None and measured.decode_gates(missing, 12, "bf16") is None

@@ -85,20 +85,28 @@ def test_a_bucket_measured_slower_runs_stock_and_the_marker_says_why(tmp_path, h
     assert calls == ["stock", "stock"] and inst.evidence.fusion(QKV_NORM).effective_layers == 1
 
 
-def test_a_malformed_file_is_one_error_and_every_fused_path_runs_as_without_it(tmp_path, here, gpu_here, caplog):  # noqa: F811
+def test_a_malformed_file_is_one_error_and_every_gated_path_runs_stock(tmp_path, here, gpu_here, caplog):  # noqa: F811
+    """Fail closed: a file for this GPU that cannot be used sent every batch to the fused paths, as
+    if there were none; now every gated fusion runs stock at every batch size, the marker and the
+    ERROR line saying why and what to run."""
     data = planted(heads=8)
     data["results"][4]["ratio"] = 2.0
     gpu_here.write_text(json.dumps(data))
-    inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference")
+    inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference", qkv_norm="reference")
+    layer = _bf16_layer()
     with caplog.at_level(logging.ERROR, logger="vllm.k3_amd_overlay"):
-        site = inst.install_qk_cache(_bf16_layer(), upstream_fuses=False)
-    assert site.plan.measured is None
-    assert site.plan.path_for(batch(ABSORB_MAX_TOKENS + 1)) is DecodePath.QK_CACHE
+        norm_site = inst.install_qkv_norm(layer, upstream_fuses=False)
+        site = inst.install_qk_cache(layer, upstream_fuses=False)
+    assert [site.plan.path_for(batch(t)) for t in (1, 64, ABSORB_MAX_TOKENS + 1)] == [None, None, None]
+    assert norm_site.gate is not None and not norm_site.gate.allows(1)
     entry = inst.evidence.record.measurement
-    assert entry["state"] == "ignored" and "results[4]: field 'ratio' is 2.0" in entry["error"]
+    why = f"stock at every batch size: the self-measurement cannot be used ({entry['error']})"
+    assert entry["state"] == "unusable" and "results[4]: field 'ratio' is 2.0" in entry["error"]
+    assert entry["stock"] == {QKV_NORM: [why], QK_CACHE: [why], ABSORB_QK_CACHE: [why]}
     assert [r.levelname for r in caplog.records] == ["ERROR"]
-    assert caplog.records[0].getMessage().endswith("the self-measurement is ignored: every fused path runs at every "
-                                                   "batch size")
+    assert caplog.records[0].getMessage().endswith("the self-measurement cannot be used: every gated fused path "
+                                                   "runs stock at every batch size until `k3-amd-overlay measure` "
+                                                   "runs again")
 
 
 @pytest.mark.parametrize("change", ["tuned since", "another torch"])
@@ -122,11 +130,14 @@ def test_a_file_measured_under_other_conditions_is_one_error_at_server_start(tmp
     inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference")
     with caplog.at_level(logging.ERROR, logger="vllm.k3_amd_overlay"):
         site = inst.install_qk_cache(_bf16_layer(), upstream_fuses=False)
-    assert site.plan.measured is None and site.plan.path_for(batch(4096)) is DecodePath.QK_CACHE
+    assert site.plan.path_for(batch(1)) is None and site.plan.path_for(batch(4096)) is None
     entry = inst.evidence.record.measurement
-    assert entry == {"file": str(gpu_here), "state": "ignored", "error": (
-        f"{gpu_here}: field {field!r} is {data[field]!r}, this process's is {now!r}: this process does not run the "
-        "kernels it timed; run `k3-amd-overlay measure` again")}
+    error = (f"{gpu_here}: field {field!r} is {data[field]!r}, this process's is {now!r}: this process does not run "
+             "the kernels it timed; run `k3-amd-overlay measure` again")
+    why = f"stock at every batch size: the self-measurement cannot be used ({error})"
+    assert entry == {"file": str(gpu_here), "state": "unusable", "error": error, "shape": "8 heads, bf16 W_UK",
+                     "fused_buckets": {QK_CACHE: [], ABSORB_QK_CACHE: []},
+                     "stock": {QK_CACHE: [why], ABSORB_QK_CACHE: [why]}}
     assert [r.levelname for r in caplog.records] == ["ERROR"] and entry["error"] in caplog.records[0].getMessage()
 
 
@@ -232,3 +243,18 @@ def test_a_layer_of_other_activations_than_measured_runs_stock_everywhere(tmp_pa
     assert [site.plan.path_for(batch(t)) for t in (1, 64)] == [None, None]
     assert site.plan.choose(batch(64)) == (None, f"absorb_qk_cache: {why}; qk_cache: {why}")
     assert norm_site.gate is not None and norm_site.gate.buckets == () and norm_site.gate.unmeasured == why
+
+
+def test_a_named_provider_on_a_layer_vllm_fuses_itself_runs_vllms_own_launch_everywhere(tmp_path, here,  # noqa: F811
+                                                                                         gpu_here):
+    """The installer hands the gates the layer's ``upstream_fuses``: the norm site's gate ignored it,
+    so with a provider named on a layer vLLM fuses itself the overlay's pair ran wherever it beat the
+    two unfused norms, against which nothing runs there (vLLM's own fused norm does)."""
+    gpu_here.write_text(json.dumps(planted(heads=8)))
+    inst = _installer(tmp_path, qk_cache="reference", absorb_qk_cache="reference", qkv_norm="reference")
+    layer = _bf16_layer()
+    norm_site = inst.install_qkv_norm(layer, upstream_fuses=True)
+    site = inst.install_qk_cache(layer, upstream_fuses=True)
+    assert norm_site.gate is not None and norm_site.gate.buckets == () and not norm_site.gate.allows(8)
+    assert site.plan.measured[QK_CACHE].buckets == ()
+    assert inst.evidence.record.measurement["fused_buckets"][QKV_NORM] == []

@@ -135,7 +135,7 @@ def test_the_real_fused_paths_are_exact_and_a_planted_slower_bucket_goes_to_stoc
     assert json.loads(path.read_text())["results"][5] == {
         "fusion": QK_CACHE, "tokens": 2, "heads": 1, "variant": "bf16", "stock_us": 10.0, "fused_us": 12.5,
         "ratio": 0.8, "exact": True, "problems": []}
-    gates = measured.decode_gates(loaded.measurement, 1, "bf16")
+    gates = measured.decode_gates(loaded, 1, "bf16")
     plan = qk.DecodePlan(qk.LayerDecision(qk.FusionState.APPLIED, "triton", ""),
                          qk.LayerDecision(qk.FusionState.DISABLED, None, ""), measured=gates)
     batch = lambda t: qk.BatchFacts(t, t, True, False)  # noqa: E731
@@ -170,6 +170,64 @@ def test_writing_keeps_the_rows_of_other_shapes_and_replaces_those_measured_agai
     assert {r.key: r.ratio for r in measured.load(path).rows} == {(QK_CACHE, 12, "fp8", 8): 1.5,
                                                                   (QK_CACHE, 12, "bf16", 8): 0.8}
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_two_runs_writing_one_file_at_once_keep_both_their_rows(tmp_path, monkeypatch):
+    """Each run read the file, merged its rows and replaced it: a run that read before the other wrote
+    lost the other's rows (both ran at once: another variant, another container on the volume). Now
+    they take turns at a lock beside the file, the second merging into what the first wrote."""
+    import threading
+    import time
+
+    first_inside, release = threading.Event(), threading.Event()
+    parse = measured.parse
+
+    def slow_parse(data, path):  # the first run, inside its write, waits until the second has tried
+        if data["results"][0]["variant"] == "bf16":
+            first_inside.set()
+            release.wait(10)
+        return parse(data, path)
+
+    monkeypatch.setattr(measured, "parse", slow_parse)
+    first = threading.Thread(target=self_measure.write, args=(
+        self_measure_file([measured.Row(QK_CACHE, 8, 12, "bf16", True, 5.0, 4.0)]), tmp_path))
+    first.start()
+    assert first_inside.wait(10)
+    second = threading.Thread(target=self_measure.write, args=(
+        self_measure_file([measured.Row(QK_CACHE, 8, 12, "fp8", True, 6.0, 4.0)]), tmp_path))
+    second.start()
+    time.sleep(0.3)  # without the lock the second has read the empty directory and written by now
+    release.set()
+    first.join(10)
+    second.join(10)
+    path = tmp_path / measured.result_name("sm90", "NVIDIA H200")
+    assert sorted(r.variant for r in measured.load(path).rows) == ["bf16", "fp8"]
+
+
+def test_a_write_that_fails_leaves_no_temporary_file_and_the_old_file_whole(tmp_path, monkeypatch):
+    path = self_measure.write(self_measure_file([measured.Row(QK_CACHE, 8, 12, "bf16", True, 5.0, 4.0)]), tmp_path)
+    before = path.read_bytes()
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        self_measure.write(self_measure_file([measured.Row(QK_CACHE, 16, 12, "bf16", True, 5.0, 4.0)]), tmp_path)
+    assert path.read_bytes() == before and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_bucket_whose_inputs_cannot_be_made_is_not_exact_and_the_run_goes_on(monkeypatch):
+    """Out of memory beside a live server while a bucket's timed inputs were made escaped the run:
+    every row measured so far was lost and no file written. Now that bucket is not exact (stock)."""
+    def no_memory(*given, **named):
+        raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 64.00 MiB")
+
+    monkeypatch.setattr(layer_step, "make_step", no_memory)
+    pair = next(iter(self_measure.pairs([12], ["bf16"], [8], torch.device(DEVICE), E4M3FN, 5)))
+    row = self_measure.measure_pair(pair, FakeTimer({}))
+    assert not row.exact and row.problems == (
+        "its inputs could not be prepared: OutOfMemoryError: HIP out of memory. Tried to allocate 64.00 MiB",)
 
 
 @pytest.mark.parametrize("field,old", [("torch", "2.8.0"), ("triton", "3.3.0"), ("launch_configs", "0" * 64),
@@ -293,6 +351,8 @@ def fake_gpu(monkeypatch):
     ``problems`` for 16's parity) timed by a FakeTimer: no kernel runs."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 << 20)
     monkeypatch.setattr(target, "of", lambda device: types.SimpleNamespace(arch="sm90"))
     monkeypatch.setattr(launch, "device_name", lambda device: "NVIDIA H200")
     monkeypatch.setattr(fp8, "device_format", lambda device: E4M3FN)
@@ -306,9 +366,10 @@ def fake_gpu(monkeypatch):
 
 
 def test_json_of_a_bucket_not_exact_names_the_file_and_says_why(tmp_path, capsys, fake_gpu):
-    code, data, _ = json_run(["--heads", "12", "--out", str(tmp_path)], capsys)
+    code, data, err = json_run(["--heads", "12", "--out", str(tmp_path)], capsys)
     path = tmp_path / "sm90-NVIDIA_H200.measured.json"
     assert code == 0 and data == {"command": "measure", "ok": True, "exit_status": 0, "file": str(path)}
+    assert "this run's tensors took at most 3 MiB of GPU memory" in err  # beside a live server: what it took
     fake_gpu.problems.append("cache: 3 bytes written outside the valid slots' rows")
     code, data, err = json_run(["--heads", "12", "--out", str(tmp_path)], capsys)
     assert code == 1 and data == {"command": "measure", "ok": False, "exit_status": 1, "file": str(path), "error": (

@@ -230,6 +230,21 @@ def test_with_json_a_tuning_prints_one_object_naming_the_file_and_the_table_goes
     assert launch_configs.load(out_file).tuned_on == "NVIDIA H200"
 
 
+@pytest.mark.parametrize("name", ["", " "])
+def test_a_gpu_that_reports_no_name_tunes_nothing_and_says_why(fake_h200, monkeypatch, tmp_path, capsys, name):
+    """Some ROCm containers report an empty GPU name: tune wrote `gfx942-.json`, which the server never
+    reads (it looks a tuned file up by the GPU's name), and its warning then called the file foreign."""
+    monkeypatch.setattr(launch, "device_name", lambda device: name)
+    monkeypatch.setattr(tune, "tune_case", lambda *given: pytest.fail("tuned for a file no server reads"))
+    code = tune.main(["--json", "--out", str(tmp_path), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "4"])
+    out, err = capsys.readouterr()
+    why = (f"this GPU reports no name (torch.cuda.get_device_name() gives {name!r}): the server reads a tuned file by "
+           "the GPU's name, and would read none written for this one; nothing tuned")
+    assert code == 1 and json.loads(out) == {"command": "tune", "ok": False, "exit_status": 1, "file": None,
+                                             "compare": None, "error": why}
+    assert f"k3-amd-overlay tune: {why}" in err and not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(("mine_us", "code"), [(100.0, 0), (150.0, 1)], ids=["as-fast", "slower"])
 def test_with_json_a_compare_prints_one_object_naming_the_file_compared_and_no_file_written(
         fake_h200, monkeypatch, tmp_path, capsys, mine_us, code):

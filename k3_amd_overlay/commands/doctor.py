@@ -237,14 +237,16 @@ def json_report(value: Any) -> Any:
 
 
 def fusion_outlook(settings: Any, providers_here: dict[str, dict[str, str | None]],
-                   measurement: measured.Measurement | None = None) -> dict[str, dict[str, Any]]:
+                   loaded: measured.Loaded | None = None) -> dict[str, dict[str, Any]]:
     """Per fusion, what a K3 layer built here would get from the overlay (before the layer's own
     conditions: fp8 KV cache, heads, vLLM's own fusions, which the marker reports per layer): under
-    ``auto`` with this GPU's ``measurement``, the provider it timed, as the server chooses."""
+    ``auto`` with this GPU's self-measurement (``loaded``), the provider it timed, as the server
+    chooses; with a file that cannot be used, stock."""
     from k3_amd_overlay.fusions.states import choose_provider
     from k3_amd_overlay.package import FUSED_PROVIDERS
     from k3_amd_overlay.settings import Mode
 
+    measurement = loaded.measurement if loaded else None
     outlook = {}
     for fusion in FUSIONS:
         if settings.mode is Mode.OFF or not settings.requested(fusion):
@@ -255,7 +257,9 @@ def fusion_outlook(settings: Any, providers_here: dict[str, dict[str, str | None
             decision = choose_provider(FUSED_PROVIDERS[fusion], settings.provider(fusion), measured.measured_first(
                 providers_here[fusion], settings.provider(fusion), measurement))
             fused, why = decision.state is FusionState.APPLIED, decision.reason
-            if fused and measurement is not None and decision.provider != measurement.provider:
+            if fused and loaded is not None and loaded.unusable:
+                fused, why = False, loaded.unusable
+            elif fused and measurement is not None and decision.provider != measurement.provider:
                 fused, why = False, measured.gate_for(measurement, fusion, provider=decision.provider).unmeasured
             elif fused and measurement is not None and not measured.fused_anywhere(measurement, fusion):
                 fused, why = False, (f"the self-measurement found {fusion} exact and at least as fast as stock in no "
@@ -360,7 +364,7 @@ def run_doctor(switch: str | None = None, serve_args: str | None = None) -> tupl
     if settings.enabled and has_vllm:
         report.update(_activate_here(env))
         report["versions"] = versions()  # vLLM is imported now: name the version the verdict judged
-    report["fusions"] = fusion_outlook(settings, report["providers here"], loaded.measurement if loaded else None)
+    report["fusions"] = fusion_outlook(settings, report["providers here"], loaded)
     report["a/b baseline"] = ab_baseline(env, shape, serve_args)
     report["verdict"], healthy = verdict_line(report)
     return report, healthy

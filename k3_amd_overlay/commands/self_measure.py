@@ -33,9 +33,12 @@ for this GPU and overlay version holds where they were measured under the same c
 configs, torch, Triton, AITER, KV-cache dtype, fp8 format: ``measured.CONDITIONS``; otherwise it drops them
 and says so), and exits 1 where a bucket was not exact (the file is still written: that bucket runs
 stock); with ``--json`` a failed run's object says why in ``error``. It imports no vLLM, touches no
-server state (no marker, no variable) and replaces the result file atomically; its tensors take a few
-MB of GPU memory beside its process's own CUDA/HIP context, so it can run in a live container beside
-the server, whose load then shows in the times (measure an idle GPU for numbers to keep). On an H200,
+server state (no marker, no variable) and replaces the result file atomically; one bucket's tensors are
+alive at a time, up to about 0.2 GiB of GPU memory at 12 heads per rank and 512 tokens, about 1 GiB at
+96 heads (K3 at tensor-parallel 1; from the tensors' sizes: the run prints its peak), beside its
+process's own CUDA/HIP context, so it can run in a live container beside a server that leaves that
+much free, whose load then shows in the times (measure an idle GPU for numbers to keep); a bucket whose
+inputs cannot be made (out of memory) is not exact, so stock runs there. On an H200,
 51 buckets at 12 heads took 43 s (docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -43,11 +46,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import fcntl
 import json
 import os
 import random
 import statistics
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,16 +185,38 @@ def merged(new: measured.Measurement, path: Path, out: Callable[[str], None] = p
 
 def write(measurement: measured.Measurement, directory: Path, out: Callable[[str], None] = print) -> Path:
     """Write the result file atomically (a server starting meanwhile reads the old file or the new,
-    never half of one), after checking that the server will read back what is written."""
+    never half of one; flushed to disk before it replaces the old), after checking that the server
+    will read back what is written. Two runs writing one file at once take turns (a lock file beside
+    it), each merging into what the other wrote; a temporary file is removed on any failure."""
     path = directory / measured.result_name(measurement.arch, measurement.device)
-    measurement = merged(measurement, path, out)
-    data = measurement.to_json()
-    measured.parse(json.loads(json.dumps(data)), str(path))
     directory.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(temporary, path)
+    with _locked(path.with_name(f".{path.name}.lock")):
+        measurement = merged(measurement, path, out)
+        data = measurement.to_json()
+        measured.parse(json.loads(json.dumps(data)), str(path))
+        handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(handle, "w") as file:
+                file.write(json.dumps(data, indent=1) + "\n")
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(name, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+            raise
     return path
+
+
+@contextlib.contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock`` (created if absent) while in the block."""
+    with open(lock, "a") as file:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file.fileno(), fcntl.LOCK_UN)
 
 
 # --- the pairs at K3 shapes (torch and Triton, imported when measuring) ---
@@ -224,12 +251,16 @@ def pairs(heads_list: Sequence[int], variants: Sequence[str], buckets: Sequence[
             s = layer_step.make_step(tokens, heads, variant, device, seed=step_seed, padding=True, fmt=fmt)
             return layer_step.parity_problems(s, chain=_segments(fusion, SINGLE_NORM_CONFIGS[0])[2])
 
-        timed = layer_step.make_step(tokens, heads, variant, device, seed=step_seed + 1, fmt=fmt)
-        layer_step.stock_norms(timed, SINGLE_NORM_CONFIGS[0])  # the tails read written norms
+        shape = (None, None) if fusion == QKV_NORM else (heads, variant)
+        try:
+            timed = layer_step.make_step(tokens, heads, variant, device, seed=step_seed + 1, fmt=fmt)
+            layer_step.stock_norms(timed, SINGLE_NORM_CONFIGS[0])  # the tails read written norms
+        except Exception as exc:  # out of memory beside a live server, a norm this GPU cannot build: this bucket
+            failure = f"its inputs could not be prepared: {type(exc).__name__}: {exc}"
+            return Pair(fusion, tokens, *shape, stocks=(), fused=lambda: None, parity=lambda: [failure])
         configs = SINGLE_NORM_CONFIGS if fusion == QKV_NORM else SINGLE_NORM_CONFIGS[:1]
         stocks = [partial(_segments(fusion, c)[0], timed) for c in configs]
         fused = partial(_segments(fusion, configs[0])[1], timed)
-        shape = (None, None) if fusion == QKV_NORM else (heads, variant)
         return Pair(fusion, tokens, *shape, stocks=stocks, fused=fused, parity=check)
 
     n = 0
@@ -254,6 +285,7 @@ def measure(all_pairs: Iterable[Pair], timer: Timer, rounds: int = ROUNDS,
         out(line)
     for pair in all_pairs:
         row = measure_pair(pair, timer, rounds)
+        del pair  # its tensors go before the next bucket's are made
         shape = row.key[:3]
         out(table_row(row, last.get(shape, 0) + 1))
         last[shape] = row.tokens
@@ -462,7 +494,9 @@ def run(args: argparse.Namespace, timer: Timer | None = None) -> int:
           f"heads per rank {', '.join(map(str, heads))}; W_UK {', '.join(variants)}; fp8 KV cache ({fmt.name}); "
           f"{len(buckets)} buckets {buckets[0]}-{buckets[-1]}; seed {seed}; CUDA/HIP-graph replay, {args.rounds} "
           "rounds, medians")
+    torch.cuda.reset_peak_memory_stats(device)
     rows = measure(pairs(heads, variants, buckets, device, fmt, seed), timer or graph_timer(), args.rounds)
+    print(f"this run's tensors took at most {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB of GPU memory")
     try:
         path = write(result(rows, arch, name, fmt.name, seed), directory)
     except OSError as exc:

@@ -516,7 +516,7 @@ def planned(args: argparse.Namespace, arch: str) -> int:
 def run_json(args: argparse.Namespace) -> int:
     """``run`` with --json: the table to stderr, one object on stdout (also where ``run`` raises: a
     UsageError is the caller's to print; anything else is said in the object, its traceback kept)."""
-    args.written = None
+    args.written = args.error = None
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the table to stderr; stdout: the one object
             code = run(args)
@@ -526,7 +526,8 @@ def run_json(args: argparse.Namespace) -> int:
         print(json_result("tune", False, file=args.written, compare=args.compare and str(args.compare),
                           error=f"{type(exc).__name__}: {' '.join(str(exc).split())} (the traceback is on stderr)"))
         raise
-    print(json_result("tune", code == 0, file=args.written, compare=args.compare and str(args.compare)))
+    print(json_result("tune", code == 0, file=args.written, compare=args.compare and str(args.compare),
+                      **({"error": args.error} if getattr(args, "error", None) else {})))
     return code
 
 
@@ -552,6 +553,11 @@ def run(args: argparse.Namespace) -> int:
         if args.verbose:
             print(line, file=sys.stderr)
 
+    if not launch_configs.device_slug(name or ""):  # some ROCm containers report an empty name
+        args.error = (f"this GPU reports no name (torch.cuda.get_device_name() gives {name!r}): the server reads a "
+                      "tuned file by the GPU's name, and would read none written for this one; nothing tuned")
+        print(f"k3-amd-overlay tune: {args.error}", file=sys.stderr)
+        return EXIT_FAILED
     path = out_path(out_given(args), where.arch, name)
     check_out_file(path, out_given(args))
     print(plan_line(where.arch, plan(args.kernels, heads, tokens, where.arch)), flush=True)

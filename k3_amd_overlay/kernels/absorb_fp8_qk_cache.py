@@ -22,15 +22,15 @@ from k3_amd_overlay.kernels.absorb_qk_cache import (
     summed_products,
     write_kv_program,
 )
-from k3_amd_overlay.kernels.launch import launch
+from k3_amd_overlay.kernels.launch import check_cache_alignment, launch
 from k3_amd_overlay.kernels.names import ABSORB_FP8_QK_CACHE_KERNEL
-from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode
+from k3_amd_overlay.kernels.qk_cache import CACHE_POINTER, _fp8_bits, fp8_mode
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
 
 GROUP = 128  # vLLM quantises q_nope in groups of 128 (``triton_fp8_bmm(..., group_size=128)``)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=CACHE_POINTER)
 def absorb_fp8_qk_cache_kernel(
     w_ptr, q_nope_ptr, num_heads, num_tokens, s_w_h, s_w_n, s_w_k, s_qn_t, s_qn_h,
     w_scale_ptr, q_scale_ptr, q_pe_ptr, s_qp_t, s_qp_h, q_out_ptr, s_qo_t, s_qo_h, fmax,
@@ -89,6 +89,7 @@ def absorb_fp8_qk_cache(q_nope: torch.Tensor, w_k: torch.Tensor, w_k_scale: torc
     num_tokens, num_heads, nope = q_nope.shape
     lora, rope = w_k.shape[1], q_pe.shape[-1]
     grid, config = absorb_launch(ABSORB_FP8_QK_CACHE_KERNEL, q_nope, lora, block_n, num_warps, block_tokens)
+    check_cache_alignment(ABSORB_FP8_QK_CACHE_KERNEL, cache_bytes)
     launch(
         absorb_fp8_qk_cache_kernel, grid,
         w_k, q_nope, num_heads, num_tokens, w_k.stride(0), w_k.stride(1), w_k.stride(2),

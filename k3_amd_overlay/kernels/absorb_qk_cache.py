@@ -20,9 +20,9 @@ import triton.language as tl
 
 from k3_amd_overlay.fp8 import Fp8Format
 from k3_amd_overlay.kernels import launch_configs, target
-from k3_amd_overlay.kernels.launch import config_for, launch
+from k3_amd_overlay.kernels.launch import check_cache_alignment, config_for, launch
 from k3_amd_overlay.kernels.names import ABSORB_QK_CACHE_KERNEL
-from k3_amd_overlay.kernels.qk_cache import _fp8_bits, fp8_mode, write_kv_row, write_kv_rows
+from k3_amd_overlay.kernels.qk_cache import CACHE_POINTER, _fp8_bits, fp8_mode, write_kv_row, write_kv_rows
 from k3_amd_overlay.kernels.rounding import emulate_bf16, to_dtype_rne
 
 # Programs of at most this many tokens sum the products lane by lane (no tl.dot)
@@ -167,7 +167,7 @@ def write_kv_program(kv_pid, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr
 # arguments are read cold under graph replay; with num_heads at the end of the list the range test read
 # it before the W arguments at the start. On an H200 this order made the one-token launch 5-9% faster
 # (docs/benchmarks.md, 2026-12-06). The fp8 and MXFP4 kernels follow it.
-@triton.jit
+@triton.jit(do_not_specialize=CACHE_POINTER)
 def absorb_qk_cache_kernel(
     w_ptr, q_nope_ptr, num_heads, num_tokens, s_w_h, s_w_k, s_w_n, s_qn_t, s_qn_h,
     q_pe_ptr, s_qp_t, s_qp_h, q_scale_ptr, q_out_ptr, s_qo_t, s_qo_h, fmax,
@@ -219,6 +219,7 @@ def absorb_qk_cache(q_nope: torch.Tensor, w_uk_t: torch.Tensor, q_pe: torch.Tens
     num_tokens, num_heads, nope = q_nope.shape
     lora, rope = w_uk_t.shape[-1], q_pe.shape[-1]
     grid, config = absorb_launch(ABSORB_QK_CACHE_KERNEL, q_nope, lora, block_n, None, None)
+    check_cache_alignment(ABSORB_QK_CACHE_KERNEL, cache_bytes)
     launch(
         absorb_qk_cache_kernel, grid,
         w_uk_t, q_nope, num_heads, num_tokens, w_uk_t.stride(0), w_uk_t.stride(1), w_uk_t.stride(2),

@@ -20,6 +20,11 @@ import torch
 from k3_amd_overlay import kernel_failures
 from k3_amd_overlay.kernels import launch_configs, target
 
+# The KV-cache rows the kernels write start on boundaries of this many bytes (its data pointer and block
+# and row strides multiples of it): their launchers check it, the kernels state it to Triton
+# (kernels/qk_cache.py), which no longer infers it from the pointer.
+CACHE_ALIGNMENT = 16
+
 _forced: ContextVar[dict[str, int] | None] = ContextVar("k3_amd_overlay_forced_config", default=None)
 # The table's pick for the launch being prepared: (kernel, arch, GPU name, tokens, heads), for ``degrade``.
 _picked: ContextVar[tuple[str, str, str | None, int, int] | None] = ContextVar("k3_amd_overlay_picked",
@@ -108,3 +113,13 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **options: Any) -> No
         if launch_configs.degrade(*picked, kernel_failures.summary(exc)):
             raise launch_configs.ConfigDegraded(f"{picked[0]}: {kernel_failures.summary(exc)}") from exc
         raise
+
+
+def check_cache_alignment(kernel: str, cache: torch.Tensor) -> None:
+    """Refuse a KV cache whose rows do not start on CACHE_ALIGNMENT-byte boundaries: ``kernel`` stores
+    them that many bytes at a time."""
+    if any(v % CACHE_ALIGNMENT for v in (cache.data_ptr(), cache.stride(0), cache.stride(1))):
+        raise ValueError(f"{kernel}: kv_cache rows must start on {CACHE_ALIGNMENT}-byte boundaries (the kernel stores "
+                         f"them {CACHE_ALIGNMENT} bytes at a time): its data pointer is "
+                         f"{cache.data_ptr() % CACHE_ALIGNMENT} bytes past one and its block and row strides are "
+                         f"{cache.stride()[:2]}; all must be multiples of {CACHE_ALIGNMENT}")

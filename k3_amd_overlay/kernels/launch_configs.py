@@ -51,6 +51,9 @@ SCHEMA = 1
 SHIPPED_ARCHS = ("sm90", "gfx942", "gfx950")
 INTERPRETER_ARCH = "cpu"  # Triton's CPU interpreter: its own file, rules for the fewest programs
 AMD_ONLY_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+# Those of them where 0 leaves the choice to the compiler, as in Triton (kpack's own default is 1, and
+# Triton's AMD matmul pass fails on a kpack of 0)
+COMPILER_CHOICE_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim")
 LAUNCH_OPTIONS = ("num_warps", "num_stages", *AMD_ONLY_OPTIONS)
 # The constexprs each kernel's config must set (num_warps too); tile sizes are powers of two.
 KERNEL_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -233,7 +236,7 @@ def _check_most(values: dict[str, int], where: str) -> None:
     for key, value in values.items():
         if key in MOST_VALUES and value > MOST_VALUES[key][0]:
             most, why = MOST_VALUES[key]
-            least = 0 if key in AMD_ONLY_OPTIONS else 1
+            least = 0 if key in COMPILER_CHOICE_OPTIONS else 1
             raise LaunchConfigError(f"{where}: {key} = {value}: allowed {least}-{most} ({why})")
 
 
@@ -247,8 +250,7 @@ def _parse_config(kernel: str, config: Any, where: str, arch: str) -> tuple[tupl
     if missing or unknown:
         raise LaunchConfigError(f"{where}: config {config} lacks {missing} or has unknown keys {unknown} "
                                 f"(allowed: {', '.join(allowed)})")
-    # an AMD-only option of 0 leaves the choice to the compiler, as in Triton
-    values = {k: 0 if k in AMD_ONLY_OPTIONS and v == 0 else _positive_int(v, f"{where} {k}")
+    values = {k: 0 if k in COMPILER_CHOICE_OPTIONS and v == 0 else _positive_int(v, f"{where} {k}")
               for k, v in config.items()}
     if values.get("matrix_instr_nonkdim", 0) not in (0, *AMD_MATRIX_SIZES):
         raise LaunchConfigError(f"{where}: matrix_instr_nonkdim = {values['matrix_instr_nonkdim']}: 0 (Triton's "

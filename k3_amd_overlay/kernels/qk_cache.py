@@ -10,7 +10,7 @@ import triton.language as tl
 
 from k3_amd_overlay.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
 from k3_amd_overlay.kernels import target
-from k3_amd_overlay.kernels.launch import config_for, launch
+from k3_amd_overlay.kernels.launch import CACHE_ALIGNMENT, check_cache_alignment, config_for, launch
 from k3_amd_overlay.kernels.names import QK_CACHE_KERNEL
 
 # How the kernel produces fp8 bits (a constexpr, chosen once per call from format and platform).
@@ -28,6 +28,15 @@ def fp8_mode(fmt: Fp8Format, device: torch.device) -> int:
     if fmt is E4M3FNUZ and where.backend == target.HIP:
         return FP8_NATIVE_FNUZ
     return FP8_FNUZ_BY_INT
+
+
+# The kernels that write the KV cache take its pointer unspecialized. Triton's AMD backend specializes a
+# tensor argument on whether its storage is at most 2 GiB (buffer ops); vLLM's cache is a view of one
+# buffer of many GiB (0.32+: all layers'), so the compile at model load (a small cache) and the served
+# launch built two binaries and the first served batch compiled (Triton 3.9, gfx942). Unspecialized, the
+# pointer also loses the 16-byte alignment Triton infers (byte stores): ``write_kv_row(s)`` state it.
+CACHE_POINTER = ["cache_ptr"]
+CACHE_ALIGN = tl.constexpr(CACHE_ALIGNMENT)
 
 
 @triton.jit
@@ -74,7 +83,9 @@ def write_kv_row(t, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t
                  BLOCK_R: tl.constexpr, FP8_MODE: tl.constexpr):
     """Token t's latent row [kv_c | k_pe] into the cache at its slot, when the slot is >= 0. The slot,
     the scale and the row are loaded together (no dependent round trip before the store); a
-    negative slot masks the store off, so padding rows write nothing."""
+    negative slot masks the store off, so padding rows write nothing. The row starts on a
+    CACHE_ALIGNMENT-byte boundary (the ops check it): said here, since the kernels do not let Triton
+    specialize ``cache_ptr`` (``CACHE_POINTER``)."""
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     slot = tl.load(slot_ptr + t)
@@ -87,8 +98,9 @@ def write_kv_row(t, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, s_kv_t
     write_r = (offs_r < R) & ((offs_r * 0).to(tl.int64) + slot >= 0)
     slot = tl.maximum(slot, 0)
     row = cache_ptr + (slot // block_size) * s_c_blk + (slot % block_size) * s_c_row
-    tl.store(row + offs_l, _fp8_bits(kv.to(tl.float32), inv, fmax, FP8_MODE), mask=write_l)
-    tl.store(row + L + offs_r, _fp8_bits(kpe.to(tl.float32), inv, fmax, FP8_MODE), mask=write_r)
+    latent, rope = tl.multiple_of(row + offs_l, [CACHE_ALIGN]), tl.multiple_of(row + L + offs_r, [CACHE_ALIGN])
+    tl.store(latent, _fp8_bits(kv.to(tl.float32), inv, fmax, FP8_MODE), mask=write_l)
+    tl.store(rope, _fp8_bits(kpe.to(tl.float32), inv, fmax, FP8_MODE), mask=write_r)
 
 
 @triton.jit
@@ -109,11 +121,13 @@ def write_kv_rows(first, num_tokens, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_
     write = (slot >= 0)[:, None]
     slot = tl.maximum(slot, 0)
     row = (cache_ptr + (slot // block_size) * s_c_blk + (slot % block_size) * s_c_row)[:, None]
-    tl.store(row + offs_l[None, :], _fp8_bits(kv.to(tl.float32), inv, fmax, FP8_MODE), mask=write)
-    tl.store(row + L + offs_r[None, :], _fp8_bits(kpe.to(tl.float32), inv, fmax, FP8_MODE), mask=write)
+    latent = tl.multiple_of(row + offs_l[None, :], [CACHE_ALIGN, CACHE_ALIGN])
+    rope = tl.multiple_of(row + L + offs_r[None, :], [CACHE_ALIGN, CACHE_ALIGN])
+    tl.store(latent, _fp8_bits(kv.to(tl.float32), inv, fmax, FP8_MODE), mask=write)
+    tl.store(rope, _fp8_bits(kpe.to(tl.float32), inv, fmax, FP8_MODE), mask=write)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=CACHE_POINTER)
 def qk_cache_kernel(
     ql_nope_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_scale_ptr,
     q_out_ptr,
@@ -157,6 +171,7 @@ def qk_cache(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe
     num_tokens, num_heads, lora = ql_nope.shape
     rope = q_pe.shape[-1]
     config = config_for(QK_CACHE_KERNEL, ql_nope.device, num_tokens, num_heads)
+    check_cache_alignment(QK_CACHE_KERNEL, cache_bytes)
     launch(
         qk_cache_kernel, (num_tokens, triton.cdiv(num_heads, config["HEADS"]) + 1),
         ql_nope, q_pe, kv_c, k_pe, cache_bytes, slot_mapping, k_scale, q_scale, q_out_bytes,

@@ -139,12 +139,12 @@ class LayerInstaller:
 
     def load_measurement(self, arch: str | None, device: str | None) -> None:
         """Once per process: this GPU's self-measurement (measured.py), whose gates the sites take; a
-        file that cannot be used is one ERROR line and the marker's ``error``, the fusions then run
-        as without one."""
+        file that cannot be used is one ERROR line and the marker's ``error``, and every gate then
+        refuses every batch (fail closed: its verdicts are not of this process's kernels)."""
         self.measurement = measured.load_here(arch or "", device)
         if self.measurement.error:
-            logger.error("K3 AMD overlay: %s; the self-measurement is ignored: every fused path runs at every "
-                         "batch size", self.measurement.error)
+            logger.error("K3 AMD overlay: %s; the self-measurement cannot be used: every gated fused path runs "
+                         "stock at every batch size until `%s` runs again", self.measurement.error, measured.COMMAND)
         self.evidence.set_measurement(measured.marker_entry(self.measurement))
 
     def measured_first(self, fusion: str, missing: dict[str, str | None]) -> dict[str, str | None]:
@@ -154,7 +154,7 @@ class LayerInstaller:
 
     def record_gates(self, gates: dict[str, BucketGate | None], shape: str | None) -> None:
         """The marker's record of where each fusion may run and every reason stock runs elsewhere."""
-        if self.measurement.measurement is not None:
+        if self.measurement.measurement is not None or self.measurement.error:
             self.gates.update(gates)
             self.evidence.set_measurement(measured.marker_entry(self.measurement, self.gates, shape))
 
@@ -213,8 +213,8 @@ class LayerInstaller:
         decision = decide_qkv_norm(inputs)
         callback = QkvNormCallback(q_norm, kv_norm, decision.provider) if decision.state is FusionState.APPLIED \
             else None
-        gate = measured.norm_gate(self.measurement.measurement, decision.provider, dtype_name(kv_norm.weight.dtype)) \
-            if callback is not None else None
+        gate = measured.norm_gate(self.measurement, decision.provider, upstream_fuses,
+                                  dtype_name(kv_norm.weight.dtype)) if callback is not None else None
         site = QkvNormSite(decision, callback,
                            self.evidence.effective_hook(QKV_NORM, wrapper.mla_attn.layer_name),
                            on_failure=self.refuse_failed, on_degraded=self.record_degraded, gate=gate)
@@ -268,7 +268,7 @@ class LayerInstaller:
             aiter_qk_cache.reserve_zero_positions(layer_device(wrapper), vllm_env.max_batched_tokens())
             aiter_qk_cache.reserve_identity_table(layer_device(wrapper), wrapper.kv_a_layernorm.weight.dtype,
                                                   attn.qk_rope_head_dim)
-        gates = measured.decode_gates(self.measurement.measurement, inputs.num_heads, inputs.absorb.value,
+        gates = measured.decode_gates(self.measurement, inputs.num_heads, inputs.absorb.value,
                                       {QK_CACHE: decision.provider, ABSORB_QK_CACHE: absorb.provider},
                                       upstream_fuses=upstream_fuses, activations=inputs.activation_dtype)
         plan = DecodePlan(decision, absorb, inputs.absorb, upstream_fuses, measured=gates)
