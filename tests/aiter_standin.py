@@ -28,16 +28,17 @@ class ContractViolation(AssertionError):
 
 @dataclass
 class AiterStandIn:
-    """``version``: the AITER release modelled (the position clamp and the 15th argument came in
-    0.1.20; strided q_nope in 0.1.17). ``fmt``: the device's fp8 format (dtypes.fp8)."""
+    """``version``: the AITER release modelled, a fourth number for a post release ((0, 1, 19, 1):
+    v0.1.19.post1, where the position clamp and the 15th argument came, #4342; strided q_nope in
+    0.1.17). ``fmt``: the device's fp8 format (dtypes.fp8)."""
 
-    version: tuple[int, int, int] = (0, 1, 20)
+    version: tuple[int, ...] = (0, 1, 20)
     fmt: Fp8Format = field(default_factory=lambda: format_of("e4m3fn"))
     calls: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def has_clamp(self) -> bool:
-        return self.version >= (0, 1, 20)
+        return self.version >= (0, 1, 19, 1)
 
     def kernel_for(self, lora: int, heads: int, rot_dim: int, block_size: int, tokens: int,
                    is_nope_first: bool) -> str:
@@ -82,9 +83,12 @@ class AiterStandIn:
         need(q_out.dim() == 3 and tuple(q_out.shape) == (tokens, heads, lora + rope),
              f"q_out shape {tuple(q_out.shape)}")
         need(q_out.dtype not in FP8_DTYPES or kv_cache.dtype in FP8_DTYPES, "fp8 q_out needs an fp8 kv cache")
+        need(heads == 1 or q_out.stride(1) == lora + rope,
+             f"q_out heads {q_out.stride(1)} apart; the kernels store each token's within heads x {lora + rope}")
         need(slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got {slot_mapping.dtype}")
         need(slot_mapping.dim() == 1 and slot_mapping.shape[0] == tokens,
              f"slot_mapping has {slot_mapping.shape[0]} entries; the grid reads q rows 0..{tokens - 1}")
+        need(tokens <= 1 or slot_mapping.stride(0) == 1, "slot_mapping must be dense (read by pointer)")
         for name, s in (("k_scale", k_scale), ("q_scale", q_scale)):
             need(s.dtype == torch.float32 and s.numel() >= 1, f"{name} must be fp32, got {s.dtype}")
         need(positions.dtype == torch.int64 and positions.dim() == 1 and positions.shape[0] >= tokens,

@@ -69,7 +69,8 @@ def test_qk_cache_in_a_gpu_layout_matches_reference(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("version", [(0, 1, 19), (0, 1, 20)], ids=["aiter-0.1.19", "aiter-0.1.20"])
+@pytest.mark.parametrize("version", [(0, 1, 19), (0, 1, 19, 1), (0, 1, 20)],
+                         ids=["aiter-0.1.19", "aiter-0.1.19.post1", "aiter-0.1.20"])
 @pytest.mark.parametrize("heads,block_size", [(1, 16), (3, 16), (12, 1), (12, 16), (16, 1536)])
 @pytest.mark.parametrize("tokens", [0, 1, 7, 300])
 def test_qk_cache_aiter_standin_matches_reference(fmt, version, heads, block_size, tokens, aiter_standin):
@@ -79,7 +80,7 @@ def test_qk_cache_aiter_standin_matches_reference(fmt, version, heads, block_siz
     case = make_qk_case(tokens, heads, fmt, block_size=block_size, extremes=False, device="cpu")
     assert qk_cache_problems(case, run_provider("aiter")) == []
     assert all(call["identity"] and call["positions_max"] in (0, None) for call in standin.calls)
-    assert {call["arity"] for call in standin.calls} <= {15 if version >= (0, 1, 20) else 14}
+    assert {call["arity"] for call in standin.calls} <= {15 if version >= (0, 1, 19, 1) else 14}
 
 
 def test_aiter_rope_lanes_are_not_clamped_by_aiter(aiter_standin):
@@ -97,6 +98,18 @@ def test_aiter_rope_lanes_are_not_clamped_by_aiter(aiter_standin):
     assert out[..., k3.KV_LORA_RANK:].float()[inf_lanes].isnan().all()
     assert ref[..., k3.KV_LORA_RANK:].float()[inf_lanes].abs().eq(448).all()
     assert torch.equal(out[..., :k3.KV_LORA_RANK].view(torch.uint8), ref[..., :k3.KV_LORA_RANK].view(torch.uint8))
+
+
+def test_the_aiter_provider_refuses_a_q_out_whose_heads_are_not_one_row_apart(aiter_standin):
+    """AITER's decode kernels bound each token's q_out stores to heads x (L+R) elements but address
+    heads by the head stride: with a wider one the later heads' stores are dropped (wrong bytes). The
+    stand-in took it, so the provider passed it on; now the provider refuses it, naming the strides."""
+    aiter_standin(fmt=E4M3FN)
+    case = make_qk_case(2, 4, E4M3FN, padding_every=0)
+    wide = torch.zeros(2, 4, 1024, dtype=E4M3FN.dtype)[..., :k3.LATENT_ROW]
+    with pytest.raises(ValueError, match=r"q_out's heads must be 576 elements apart .* got strides \(4096, 1024, 1\)"):
+        fused_qk_cache(case.ql_nope, case.q_pe, case.kv_c, case.k_pe, torch.zeros(case.cache_shape, dtype=torch.uint8),
+                       case.slot_mapping, case.k_scale, case.q_scale, q_out=wide, provider="aiter", kv_format="e4m3fn")
 
 
 def test_qk_cache_errors_name_the_value_and_what_is_allowed():
@@ -117,6 +130,9 @@ def test_qk_cache_errors_name_the_value_and_what_is_allowed():
         fused_qk_cache(*args, kv_format="e4m3fn", provider="cuda")
     with pytest.raises(ProviderUnavailable, match="provider 'aiter' is unavailable: AITER"):
         fused_qk_cache(*args, kv_format="e4m3fn", provider="aiter")
+    strided = torch.tensor([3, 99, 7, 99, 11, 99])[::2]  # every provider's kernel reads slots by pointer
+    with pytest.raises(ValueError, match=r"slot_mapping must be dense \(stride 1\), got stride 2"):
+        fused_qk_cache(*args[:5], strided, *args[6:], kv_format="e4m3fn")
     # the kernels store cache rows 16 bytes at a time (their pointer unspecialized, the alignment stated)
     shifted = torch.zeros(cache.numel() + 1, dtype=torch.uint8)[1:].view(cache.shape)
     with pytest.raises(ValueError, match=r"qk_cache_kernel: kv_cache rows must start on 16-byte boundaries \(the "

@@ -1,12 +1,14 @@
 """The AITER provider of ``fused_qk_cache``: AITER's ``fused_qk_rope_concat_and_cache_mla`` fed
 an identity rotation. AITER is imported lazily, on first use, never at module import.
 
-Contract kept (AITER's ``aiter.ops.cache.fused_qk_rope_concat_and_cache_mla``, v0.1.9 to
-v0.1.20): the cos/sin tables are one row of ones/zeros in the query dtype; positions is an int64
-buffer of zeros, so no AITER kernel or version reads past that row (the general decode kernel and
-every kernel before v0.1.20 do not clamp positions); slot_mapping is int64 and exactly the tokens
-handed in (the launch grid is its length); the KV cache is passed in the fp8 dtype, never as uint8;
-q_out is fp8 like the cache."""
+Contract kept (AITER's ``aiter.ops.cache.fused_qk_rope_concat_and_cache_mla``, read in its source
+from v0.1.8 to v0.1.20 and a later commit, e4048607a5; the v0.1.21+ releases vLLM 0.33 pins were not
+read): the cos/sin tables are one row of ones/zeros in the query dtype; positions is an int64 buffer
+of zeros, so no AITER kernel or version reads past that row (the general decode kernel and every
+kernel before v0.1.19.post1 do not clamp positions); slot_mapping is int64, dense, and exactly the
+tokens handed in (the launch grid is its length; the kernels read it by pointer); the KV cache is
+passed in the fp8 dtype, never as uint8; q_out is fp8 like the cache, its heads L+R apart (the
+kernels bound each token's stores to heads x (L+R) elements)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 
 AITER_OP_MODULE = "aiter.ops.cache"
 AITER_OP_NAME = "fused_qk_rope_concat_and_cache_mla"
-# Arguments before compute_all_q_rope, which AITER added with its position clamp (v0.1.20, #4342).
+# Arguments before compute_all_q_rope, which AITER added with its position clamp (v0.1.19.post1, #4342).
 AITER_BASE_ARITY = 14
 
 _op: Callable[..., Any] | None = None
@@ -34,7 +36,7 @@ def load_op() -> Callable[..., Any]:
         module = __import__(AITER_OP_MODULE, fromlist=[AITER_OP_NAME])
         op = getattr(module, AITER_OP_NAME, None)
         if op is None:
-            raise ImportError(f"{AITER_OP_MODULE} has no {AITER_OP_NAME} (AITER too old: needs >= v0.1.9)")
+            raise ImportError(f"{AITER_OP_MODULE} has no {AITER_OP_NAME} (AITER too old: needs >= v0.1.8)")
         _op = op
     return _op
 
@@ -122,6 +124,10 @@ def run(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: tor
         kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
         q_scale: torch.Tensor, q_out: torch.Tensor) -> None:
     """Call AITER on validated inputs: k_pe 2-D, kv_cache and q_out in the fp8 dtype."""
+    width = kv_cache.shape[-1]
+    if q_out.shape[1] > 1 and q_out.stride(1) != width:
+        raise ValueError(f"AITER {AITER_OP_NAME}: q_out's heads must be {width} elements apart (its kernels bound "
+                         f"each token's stores to heads x {width}), got strides {q_out.stride()}")
     op = load_op()
     num_tokens = slot_mapping.shape[0]
     cos, sin = identity_rope_table(ql_nope.device, ql_nope.dtype, q_pe.shape[-1])

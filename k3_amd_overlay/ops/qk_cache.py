@@ -89,6 +89,8 @@ def check_inputs(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, 
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens or slot_mapping.dtype != torch.int64:
         raise _fail(f"slot_mapping must be int64 [T={num_tokens}], "
                     f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if num_tokens > 1 and slot_mapping.stride(0) != 1:  # every provider's kernel reads it by pointer
+        raise _fail(f"slot_mapping must be dense (stride 1), got stride {slot_mapping.stride(0)}")
     for name, s in (("k_scale", k_scale), ("q_scale", q_scale)):
         if s.dtype != torch.float32 or s.numel() != 1:
             raise _fail(f"{name} must be a one-element float32 tensor, got {s.dtype} with {s.numel()} elements")
