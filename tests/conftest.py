@@ -26,6 +26,7 @@ RELEASE_INDEPENDENT_MODULES = frozenset({
     "test_bench_layer_step.py",
     "test_census.py",
     "test_census_attribution.py",
+    "test_census_provenance.py",
     "test_check_merge.py",
     "test_check_off.py",
     "test_cli_contract.py",

@@ -3,6 +3,7 @@ runtime event on the CPU thread) by correlation id, optionally inside the overla
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +18,23 @@ def kernel_trace(path: Path, kernels: dict[str, int], **fields: Any) -> Path:
     events = [{"ph": "X", "cat": "kernel", "name": name, "ts": i, "dur": 2.0}
               for name, count in kernels.items() for i in range(count)]
     path.write_text(json.dumps({"traceEvents": events, **fields}))
+    return path
+
+
+# A kernel no fusion touches (the census's table claims none of it): vLLM's MLA attention kernel on
+# ROCm, one launch per layer step in both arms of a comparison, as in every serving trace.
+ATTENTION = "mla_a8w8_decode_kernel"
+
+
+def with_kernels(source: Path, path: Path, kernels: dict[str, int]) -> Path:
+    """A copy at ``path`` of the trace at ``source`` (``.json`` or ``.json.gz``) with ``kernels`` added,
+    each name ``count`` launches of 2 µs without a launch event (as graph-replayed kernels): a committed
+    trace of the fused region alone, given the model's other work a profiled serving window holds."""
+    raw = source.read_bytes()
+    data = json.loads(gzip.decompress(raw) if source.name.endswith(".gz") else raw)
+    data["traceEvents"] += [{"ph": "X", "cat": "kernel", "name": name, "ts": 10.0**9 + i, "dur": 2.0}
+                            for name, count in kernels.items() for i in range(count)]
+    path.write_text(json.dumps(data))
     return path
 
 

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kineto_traces import kernel_trace, ranged_events
+from kineto_traces import ATTENTION, kernel_trace, ranged_events, with_kernels
 
 from k3_amd_overlay.commands import census
 from k3_amd_overlay.commands.cli import main
@@ -49,14 +49,23 @@ def _read(*paths: Path) -> census.Census:
     return census.read_census(list(paths))
 
 
-def test_the_shipped_graph_traces_credit_only_the_launch_that_ran():
+def _graph_window(tmp_path: Path) -> tuple[census.Census, census.Census]:
+    """The committed graph traces (the region alone), each given the attention kernel of its 4 steps x
+    3 layers, which a serving window holds: the kernel no fusion touches that shows the windows match."""
+    base, fused = (_read(with_kernels(trace, tmp_path / f"{arm}-rank0.json", {ATTENTION: 12}))
+                   for arm, trace in (("base", GRAPH_BASE), ("fused", GRAPH_FUSED)))
+    return base, fused
+
+
+def test_the_shipped_graph_traces_credit_only_the_launch_that_ran(tmp_path):
     """Only qk_cache_kernel ran: qk_cache's section and ratio, and none for absorb_qk_cache (the old
     census printed "absorb_qk_cache region: 57.7 µs -> 15.1 µs (3.83x)")."""
-    text = census.render_comparison(_read(GRAPH_BASE), _read(GRAPH_FUSED), steps=4, layers=3)
+    base, fused = _graph_window(tmp_path)
+    text = census.render_comparison(base, fused, steps=4, layers=3)
     assert "absorb_qk_cache region" not in text and "absorb_qk_cache (summed" not in text
     assert "qk_cache region: 57.7 µs -> 15.1 µs (3.83x)" in text
     assert text.count("| concat_and_cache_mla |") == 1
-    comparison = census.compare(_read(GRAPH_BASE), _read(GRAPH_FUSED), steps=4, layers=3)
+    comparison = census.compare(base, fused, steps=4, layers=3)
     assert [s.fusions for s in comparison.sections] == [("qk_cache",)] and comparison.holds
     assert comparison.not_run["absorb_qk_cache"].startswith(
         "absorb_qk_cache: its own launch (absorb_qk_cache_kernel, ") and "no section, no ratio" in text
@@ -290,7 +299,7 @@ def test_two_traces_of_one_rank_are_refused(tmp_path, capsys):
     assert f"NO COMPARISON: the candidate's {two}" in out and "region:" not in out
     assert census.compare(_read(sessions), _read(GRAPH_FUSED), steps=None, layers=1).problems == [
         f"the baseline's {two}"]
-    assert census.compare(_read(GRAPH_BASE), _read(GRAPH_FUSED), steps=None, layers=1).holds  # one session a side
+    assert census.compare(*_graph_window(tmp_path), steps=None, layers=1).holds  # one session a side
     assert main(["census", str(sessions)]) == 0  # a table, no verdict: it says what it summed
     assert capsys.readouterr().err == f"warning: {two}\n"
 

@@ -90,10 +90,10 @@ def test_the_comparison_json_exactly(tmp_path):
              "baseline": _stats(12, 14.815, 1.235), "candidate": _stats(6, 11.926, 1.988), "ratio": 1.242,
              "launch_change": -6, "launched": {"qkv_norm": 6},
              "per_layer_step_us": {"layers": 2, "steps": 3, "baseline": 2.469, "candidate": 1.988}}],
-        "not_run": {"qk_cache": "qk_cache: its own launch (fuse_qk_rope_concat_and_cache_mla, qk_cache_kernel) did not "
-                                "run in the candidate (counted inside its k3_amd_overlay::mla_decode ranges); the "
-                                "absorb_qk_cache launch did its work, and the kernels that launch removed are counted "
-                                "once, in absorb_qk_cache's section"},
+        "not_run": {"qk_cache": "qk_cache: its own launch (qk_cache_kernel) did not run in the candidate (counted "
+                                "inside its k3_amd_overlay::mla_decode ranges); the absorb_qk_cache launch did its "
+                                "work, and the kernels that launch removed are counted once, in absorb_qk_cache's "
+                                "section"},
         "launches": {"unit": "per rank per step", "baseline": 20.667, "candidate": 11.333, "change": -9.333,
                      "percent": -45.161}}
     named = census.compare(_arm(tmp_path / "bn_rank0.json", layers, drop=(DECODE,)), _arm(

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kineto_traces import kernel_trace
+from kineto_traces import ATTENTION, kernel_trace
 
 from k3_amd_overlay.commands import census
 from k3_amd_overlay.commands.cli import main
@@ -42,9 +42,10 @@ def test_one_rank_of_world_size_one_is_a_whole_deployment(tmp_path: Path, capsys
 def test_gpus_are_gathered_over_every_rank_of_an_arm(tmp_path: Path) -> None:
     """A baseline whose rank 0 ran on an MI300X and rank 1 on an H200 is not the H200 candidate's
     GPU, though the last file read names an H200."""
-    base = [_trace(tmp_path / "base" / f"rank{r}.json", {"concat_and_cache_mla_kernel": 4}, **_on(gpu))
+    base = [_trace(tmp_path / "base" / f"rank{r}.json", {"concat_and_cache_mla_kernel": 4, ATTENTION: 4}, **_on(gpu))
             for r, gpu in enumerate((MI300X, H200))]
-    cand = [_trace(tmp_path / "cand" / f"rank{r}.json", {"qk_cache_kernel": 4}, **_on(H200)) for r in range(2)]
+    cand = [_trace(tmp_path / "cand" / f"rank{r}.json", {"qk_cache_kernel": 4, ATTENTION: 4}, **_on(H200))
+            for r in range(2)]
     baseline, candidate = census.read_census(base), census.read_census(cand)
     assert baseline.gpus == {MI300X, H200} and candidate.gpus == {H200}
     comparison = census.compare(baseline, candidate, steps=None, layers=1)
@@ -53,8 +54,8 @@ def test_gpus_are_gathered_over_every_rank_of_an_arm(tmp_path: Path) -> None:
         "different GPUs say nothing of a fusion; profile both arms on the same GPU"]
     assert census.compare(candidate, baseline, steps=None, layers=1).problems[-1].startswith(
         f"the baseline ran on {H200}, the candidate on {MI300X}, {H200} (deviceProperties)")
-    alike = [_trace(tmp_path / "alike" / f"rank{r}.json", {"concat_and_cache_mla_kernel": 4}, **_on(H200))
-             for r in range(2)]
+    alike = [_trace(tmp_path / "alike" / f"rank{r}.json", {"concat_and_cache_mla_kernel": 4, ATTENTION: 4},
+                    **_on(H200)) for r in range(2)]
     same = census.compare(census.read_census(alike), candidate, steps=None, layers=1)
     assert same.holds and same.problems == [], same.problems
 

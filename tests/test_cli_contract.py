@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kineto_traces import kernel_trace
+from kineto_traces import ATTENTION, kernel_trace
 from records import off_process, process
 
 from k3_amd_overlay import k3, markers
@@ -801,8 +801,8 @@ def test_census_json_without_expect_holds_and_says_so(tmp_path, capsys):
 
 def test_census_json_with_a_baseline_carries_it_and_the_comparison(tmp_path, capsys):
     before, after = random.randint(5, 40), random.randint(1, 4)
-    base = kernel_trace(tmp_path / "b_rank0.json", {"void vllm::rms_norm_kernel<x>": before})
-    cand = kernel_trace(tmp_path / "c_rank0.json", {"rmsnorm_pair_kernel": after})
+    base = kernel_trace(tmp_path / "b_rank0.json", {"void vllm::rms_norm_kernel<x>": before, ATTENTION: 2})
+    cand = kernel_trace(tmp_path / "c_rank0.json", {"rmsnorm_pair_kernel": after, ATTENTION: 2})
     code, alone = census_json(capsys, str(base))
     assert code == 0
     code, data = census_json(capsys, str(cand), "--baseline", str(base), "--expect", f"rmsnorm_pair_kernel={after}")

@@ -20,10 +20,16 @@ kernel is attributed to the range its launch was made in (the kernel's ``correla
 its launch on a CPU thread): the comparison then counts only kernels inside those ranges, and inside
 a decode range a GEMM only where the region's own work follows it (the W_UK absorption precedes the
 KV write, concat and quant or the fused launch; the W_UV GEMM after the attention kernel does not).
-Traces without the ranges (overlay off, CUDA-graph replays) fall back to names, and say so.
+Traces without the ranges (overlay off, CUDA-graph replays) fall back to names, and say so; then the
+kernels no fusion touches (the table claims none of them: attention, the model's other GEMMs, MoE,
+all-reduce) must have run in both arms, as often on every rank, or nothing shows that the arms profiled
+the same steps and no section counted by name stands.
 
 Each kernel counts in one section, that of the launch that replaced it, and a fusion has a section
-only where its own launch ran in the candidate: the absorbed launch also does qk_cache's work
+only where its own launch, an overlay kernel (``OVERLAY_KERNELS``), ran in the candidate: vLLM's and
+AITER's fused kernels of the table alone are vLLM's own fusion, or the overlay's aiter or vllm
+provider launching the same kernel, which neither names nor ranges tell apart, so never the
+overlay's fusion by this evidence. The absorbed launch also does qk_cache's work
 (``verdict.DOES_THE_WORK_OF``), so where only it ran the kernels it removed are its own, and where
 both launches ran they share one section (the baseline cannot say which stock kernel each replaced).
 No ratio comes from evidence that cannot carry one: an empty trace, two traces of one rank (profiler
@@ -88,6 +94,12 @@ FUSION_KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
         "adds": ("fused_qk_rmsnorm", "FusedQKVRMSNormKernel", RMSNORM_PAIR_KERNEL),
     },
 }
+# The overlay's own kernels (kernels/names.py). The table's other added kernels are vLLM's or AITER's:
+# vLLM launches them itself where it fuses the layer (the overlay's decision ``upstream``), and the
+# overlay's aiter and vllm providers launch the same ones, which neither a name nor the overlay's
+# ranges (open around vLLM's own fused calls too) tell apart; only these prove the overlay's fusion.
+OVERLAY_KERNELS = frozenset({QK_CACHE_KERNEL, ABSORB_QK_CACHE_KERNEL, ABSORB_FP8_QK_CACHE_KERNEL,
+                             ABSORB_MXFP4_QK_CACHE_KERNEL, STATIC_QUANT_KERNEL, RMSNORM_PAIR_KERNEL})
 KERNEL_CATEGORIES = frozenset({"kernel", "gpu_op"})
 # The patterns of GEMM kernels: inside a decode range, the W_UK absorption's (before the region's
 # own work) and the W_UV up-projection's (after the attention kernel) look alike.
@@ -760,9 +772,38 @@ def _range_problems(baseline: Census, candidate: Census, region: str) -> tuple[l
                                               if has[side] else "none") for side in ("baseline", "candidate"))
         problems.append(f"{region}: only some traces have its ranges ({where}): one arm counted by range and the other "
                         f"by name would credit kernels outside the region; {PROFILE_ALIKE}")
-    if all(full.values()) and not problems:
-        problems += _window_problems(baseline, candidate, region)
     return problems, all(full.values())
+
+
+def _untouched(census: Census, rank: str) -> dict[str, int]:
+    """The launches per kernel name on one rank of the kernels no fusion touches (the table claims none
+    of them): the attention kernel, the model's other GEMMs, MoE, all-reduce, the sampler."""
+    return {name: stats.count for name, stats in census.ranks[rank].items() if claiming_pattern(name) is None}
+
+
+def _name_window_problems(baseline: Census, candidate: Census) -> list[str]:
+    """Counted by name (no ranges to count the steps by), where nothing shows that the arms profiled the
+    same window: on some rank a kernel no fusion touches ran a different number of times in the two arms
+    (for the same steps it runs the same), or the arms ran no such kernel in common."""
+    how = "counted by kernel name (no overlay ranges to count the steps by), and on rank"
+    for rank in sorted(baseline.ranks):
+        base, cand = _untouched(baseline, rank), _untouched(candidate, rank)
+        shared = sorted(set(base) & set(cand))
+        if not shared:
+            return [f"{how} {rank} the arms ran no kernel in common that no fusion touches (the attention kernel, "
+                    "the model's other GEMMs, MoE, all-reduce): nothing shows they profiled the same steps, so their "
+                    "totals cannot be compared; profile the same steps in both arms with the whole model in the window "
+                    "(the same requests, the same profiler window), or eager (--enforce-eager) with the overlay on, "
+                    "K3_AMD_OVERLAY=stock for the baseline, whose ranges count the steps"]
+        differ = [name for name in shared if base[name] != cand[name]]
+        if differ:
+            name = max(differ, key=lambda n: max(base[n], cand[n]))
+            more = f" ({len(differ)} such kernels differ)" if len(differ) > 1 else ""
+            return [f"{how} {rank} {name}, which no fusion touches, ran {base[name]} times in the baseline and "
+                    f"{cand[name]} in the candidate{more}: the arms profiled windows of different lengths, so their "
+                    "totals cannot be compared; profile the same number of steps in both arms (the same requests, the "
+                    "same profiler window)"]
+    return []
 
 
 def _window_problems(baseline: Census, candidate: Census, region: str) -> list[str]:
@@ -797,7 +838,24 @@ def _work_shared(fusion: str) -> set[str]:
 
 
 def _launch_names(fusion: str) -> str:
-    return ", ".join(FUSION_KERNELS[fusion]["adds"])
+    """The overlay's own kernels among the fusion's added ones: those that prove it ran."""
+    return ", ".join(p for p in FUSION_KERNELS[fusion]["adds"] if p in OVERLAY_KERNELS)
+
+
+def _why_no_section(fusion: str, where: str, doer: str | None, foreign: dict[str, int]) -> str:
+    """Why ``fusion`` has no section: no overlay kernel of it ran in the candidate, and ``foreign``
+    (pattern -> count) are the vLLM or AITER fused kernels of its table that ran instead."""
+    if foreign:
+        ran = ", ".join(f"{p} {n}" for p, n in foreign.items())
+        head = (f"{fusion}: only vLLM's or AITER's own fused kernel ran in the candidate ({ran}, counted {where}), "
+                f"no overlay kernel ({_launch_names(fusion)}): this is not the overlay's fusion but vLLM's own (the "
+                "overlay's decision upstream), or the overlay's aiter or vllm provider launching the same kernel, "
+                "which neither kernel names nor the overlay's ranges tell apart (k3-amd-overlay check says which ran; "
+                "the triton provider runs the overlay's own kernel)")
+    else:
+        head = f"{fusion}: its own launch ({_launch_names(fusion)}) did not run in the candidate (counted {where})"
+    return head + (f"; the {doer} launch did its work, and the kernels that launch removed are counted once, in "
+                   f"{doer}'s section" if doer else ": no section, no ratio")
 
 
 def _region_sections(baseline: Census, candidate: Census, region: str, by_ranges: bool, steps: int | None,
@@ -810,17 +868,17 @@ def _region_sections(baseline: Census, candidate: Census, region: str, by_ranges
         return name_claims(census, patterns)
 
     where = f"inside its {region} ranges" if by_ranges else "by kernel name"
-    ran = {f: sum(s.count for s in claims(candidate, FUSION_KERNELS[f]["adds"], (f,)).values()) for f in fusions}
+    added = {f: claims(candidate, FUSION_KERNELS[f]["adds"], (f,)) for f in fusions}
+    ran = {f: sum(s.count for s in added[f].values()) for f in fusions}
+    own = {f: sum(s.count for p, s in added[f].items() if p in OVERLAY_KERNELS) for f in fusions}
     groups: list[tuple[str, ...]] = []
     for fusion in fusions:
-        if not ran[fusion]:
-            doer = next((f for f in fusions if DOES_THE_WORK_OF.get(f) == fusion and ran[f]), None)
-            comparison.not_run[fusion] = (
-                f"{fusion}: its own launch ({_launch_names(fusion)}) did not run in the candidate (counted {where})"
-                + (f"; the {doer} launch did its work, and the kernels that launch removed are counted once, in "
-                   f"{doer}'s section" if doer else ": no section, no ratio"))
+        if not own[fusion]:  # a section is the overlay's fusion only where an overlay kernel of it ran
+            doer = next((f for f in fusions if DOES_THE_WORK_OF.get(f) == fusion and own[f]), None)
+            comparison.not_run[fusion] = _why_no_section(fusion, where, doer, {
+                p: s.count for p, s in added[fusion].items() if s.count})
         elif not any(fusion in group for group in groups):  # one section with the fusions sharing its launch's work
-            groups.append(tuple(f for f in fusions if f == fusion or (ran[f] and fusion in _work_shared(f))))
+            groups.append(tuple(f for f in fusions if f == fusion or (own[f] and fusion in _work_shared(f))))
     for group in groups:
         adds = _unique(p for f in group for p in FUSION_KERNELS[f]["adds"])
         removes = tuple(p for p in _unique(p for f in group for p in FUSION_KERNELS[f]["removes"]) if p not in adds)
@@ -843,24 +901,36 @@ def _region_sections(baseline: Census, candidate: Census, region: str, by_ranges
 
 
 def compare(baseline: Census, candidate: Census, steps: int | None, layers: int) -> Comparison:
-    """The before/after of each region a fusion replaces. A fusion gets a section only where its own
-    launch ran in the candidate; each kernel counts in one section (the absorbed launch does
-    qk_cache's work: where it ran, the kernels it removed are its own). Nothing is compared from
-    empty traces, two traces of one rank, missing ranks, different rank sets or GPUs, nested ranges,
-    one arm with a region's ranges and one without, or a baseline that ran the fused launch."""
+    """The before/after of each region a fusion replaces. A fusion gets a section only where an overlay
+    kernel of it ran in the candidate (vLLM's or AITER's fused kernels alone are not the overlay's
+    fusion); each kernel counts in one section (the absorbed launch does qk_cache's work: where it
+    ran, the kernels it removed are its own). Nothing is compared from empty traces, two traces of one
+    rank, missing ranks, different rank sets or GPUs, nested ranges, one arm with a region's ranges and
+    one without, windows of different lengths (told by the ranges, or by name by the kernels no fusion
+    touches), or a baseline that ran the fused launch."""
     comparison = Comparison(steps=steps, problems=_evidence_problems(baseline, candidate))
     if comparison.problems:
         return comparison
+    windows_differ = False
     for region in _unique(FUSION_REGIONS[f] for f in FUSION_KERNELS):
         problems, by_ranges = _range_problems(baseline, candidate, region)
+        if not problems and by_ranges:
+            problems = _window_problems(baseline, candidate, region)
+            windows_differ |= bool(problems)
         if problems:
             comparison.problems += problems
             continue
         _region_sections(baseline, candidate, region, by_ranges, steps, layers, comparison)
+    window = _name_window_problems(baseline, candidate) if any(not s.by_ranges for s in comparison.sections) else []
+    if window:  # no section counted by name stands where nothing shows that the windows match
+        comparison.sections = [s for s in comparison.sections if s.by_ranges]
+        comparison.problems += window
+        windows_differ = True
     if not comparison.sections and not comparison.problems:
         comparison.problems.append("no fusion's own launch ran in the candidate: nothing to compare")
-    before, after = (census.launches() / len(census.ranks) / (steps or 1) for census in (baseline, candidate))
-    comparison.launches = (before, after)
+    if not windows_differ:  # launches of windows not shown to match say nothing either
+        before, after = (census.launches() / len(census.ranks) / (steps or 1) for census in (baseline, candidate))
+        comparison.launches = (before, after)
     return comparison
 
 
