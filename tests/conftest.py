@@ -18,8 +18,10 @@ from machine import HAS_GPU, HAS_VLLM
 # the baseline-hazard check reads the installed vLLM's K3 code), shapes, activation, the installer,
 # sites, predicates, field faults (vllm_env), the vLLM plugin, layer and call tests.
 RELEASE_INDEPENDENT_MODULES = frozenset({
+    "test_ab_attribution.py",
     "test_ab_bad_input.py",
     "test_ab_serve_contract.py",
+    "test_ab_verdict_evidence.py",
     "test_amd_rules_derived.py",
     "test_bench_args.py",
     "test_bench_json_out.py",

@@ -15,6 +15,7 @@ from cli_process import with_defaults
 
 from k3_amd_overlay.commands import ab_stats as stats
 from k3_amd_overlay.commands import arms
+from k3_amd_overlay.package import FUSIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 STANDINS = Path(__file__).parent / "standins"
@@ -87,7 +88,7 @@ def test_the_serving_table_and_its_json():
     a = [20.0, 22.0, 21.0, 20.5, 21.5, 20.8]
     (row,) = stats.serving_rows({"A": {8: bench_runs("median_tpot_ms", a)},
                                  "B": {8: bench_runs("median_tpot_ms", [x / 1.05 for x in a])}})
-    assert "| 8 | TPOT p50 (ms) | 20.90 | 19.90 | 1.050x | 1.050-1.050x | 0.031 | 6 | faster |" in \
+    assert "| 8 | TPOT p50 (ms) [primary] | 20.90 | 19.90 | 1.050x | 1.050-1.050x | 0.031 | 0.031 | 6 | faster |" in \
         stats.render_serving([row])
     assert row.to_json()["verdict"] == "faster"
     assert [m for m, _, _ in stats.SERVING_METRICS] == [
@@ -160,19 +161,25 @@ def test_ab_serve_end_to_end(tmp_path):
     assert "HOLDS: expect fused" in (tmp_path / "repeat0-armB" / "check.txt").read_text()
     assert "HOLDS: expect off" in (tmp_path / "repeat0-armA" / "check.txt").read_text()
     assert "HOLDS: expect fused" in (tmp_path / "repeat1-armB" / "check-after.txt").read_text()
+    assert json.loads((tmp_path / "repeat1-armB" / "check-after.json").read_text())["holds"] is True
+    assert summary["fusions"] == {"A": {"mode": "off", "fusions": {f: ["disabled"] for f in FUSIONS}},
+                                  "B": {"mode": "auto", "fusions": {f: ["applied"] for f in FUSIONS}}}
+    assert "### B (K3_AMD_OVERLAY=1) vs A (K3_AMD_OVERLAY=0): the overlay's fusions vs vLLM as shipped" in proc.stdout
     assert (tmp_path / "repeat1-armA" / "bench-c8.json").exists()
     (tmp_path / "summary.md").unlink()
     again = subprocess.run([sys.executable, "-m", "k3_amd_overlay", "ab-serve", "report", str(tmp_path)],
                            capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
-    assert "| 8 | TPOT p50 (ms) |" in again.stdout and (tmp_path / "summary.md").exists()
+    assert "| 8 | TPOT p50 (ms) [primary] |" in again.stdout and (tmp_path / "summary.md").exists()
 
 
 def test_ab_serve_with_the_stock_arm_compares_both_with_off(tmp_path):
     proc = serve_standin(tmp_path, "--concurrency", "1", "--repeats", "1", "--with-stock")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "### B (K3_AMD_OVERLAY=1) vs A (K3_AMD_OVERLAY=0)" in proc.stdout
-    assert "### C (K3_AMD_OVERLAY=stock) vs A (K3_AMD_OVERLAY=0)" in proc.stdout
+    assert "### B (K3_AMD_OVERLAY=1) vs A (K3_AMD_OVERLAY=0): the overlay's fusions vs vLLM as shipped" in proc.stdout
+    assert "### C (K3_AMD_OVERLAY=stock) vs A (K3_AMD_OVERLAY=0): all unfused vs vLLM as shipped" in proc.stdout
+    assert "- C (K3_AMD_OVERLAY=stock): absorb_qk_cache forced-stock; qk_cache forced-stock; qkv_norm forced-stock" \
+        in proc.stdout
     assert "HOLDS: expect stock" in (tmp_path / "repeat0-armC" / "check.txt").read_text()
 
 

@@ -18,10 +18,11 @@ HAZARD_ENV = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1", "VLLM_ROCM_USE_AITER": "1"}
 K3_ARGS = "--tensor-parallel-size 8 --kv-cache-dtype fp8 --trust-remote-code"
 
 
-def hazard(switch="0", env=None, args=K3_ARGS, own=True, version="0.33.0"):
+def hazard(switch="0", env=None, args=K3_ARGS, own=True, version="0.33.0", arch=None):
     from k3_amd_overlay.commands.baseline_hazard import VllmFacts, baseline_hazard
 
-    return baseline_hazard(VllmFacts(version, own), HAZARD_ENV if env is None else env, args, switch)
+    facts = VllmFacts(version, own) if arch is None else VllmFacts(version, own, arch)
+    return baseline_hazard(facts, HAZARD_ENV if env is None else env, args, switch)
 
 
 def test_the_off_arm_on_a_vllm_with_its_own_fused_decode_under_breakable_graphs_is_named():
@@ -29,7 +30,12 @@ def test_the_off_arm_on_a_vllm_with_its_own_fused_decode_under_breakable_graphs_
     assert why.startswith("K3_AMD_OVERLAY='0' is no valid baseline: vLLM 0.33.0's own K3 fused decode "
                           "(_fused_decode) stays live in this arm")
     assert "decode-only dummy batch" in why and "keyed by token count only" in why
-    assert "use K3_AMD_OVERLAY=stock as the baseline" in why
+    # ruling the configuration out (vLLM as shipped stays the baseline) first; stock, with its caveat, second
+    rule_out = why.index("rule the configuration out, so that vLLM as shipped (K3_AMD_OVERLAY=0) stays a sound "
+                         "baseline: set VLLM_USE_BREAKABLE_CUDAGRAPH=0 or leave it unset")
+    assert rule_out < why.index("else use K3_AMD_OVERLAY=stock as the baseline (--arm-a stock")
+    assert why.endswith("knowing that the candidate arm then runs vLLM's own fusions as well (the A/B summary names "
+                        "each arm's fusions)")
     assert hazard("") == hazard("0").replace("'0'", "''")  # unset is off
     assert hazard("qkv_norm")  # the overlay on, but vLLM's fused decode left as vLLM wrote it
 
@@ -49,7 +55,7 @@ def test_arms_where_the_overlay_owns_or_disables_the_fused_decode_are_valid(swit
     (HAZARD_ENV, K3_ARGS + """ --compilation-config '{"cudagraph_mode": "NONE"}'"""),
     ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, K3_ARGS),  # AITER off: vLLM never fuses the decode
     ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_MLA": "0"}, K3_ARGS),
-    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, K3_ARGS),  # fp8 BMM on (default), fp4 off
+    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_FP8BMM": "1", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, K3_ARGS),  # fp8 on, fp4 off
     (HAZARD_ENV, "--tensor-parallel-size 8 --kv-cache-dtype bfloat16"),
     (HAZARD_ENV, K3_ARGS + " -dcp 2"),
 ])
@@ -61,12 +67,81 @@ def test_what_rules_the_hazard_out(env, args):
 @pytest.mark.parametrize("env,args", [
     ({**HAZARD_ENV, "VLLM_USE_V2_MODEL_RUNNER": "1"}, K3_ARGS),
     ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_FP8BMM": "0", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, K3_ARGS),
+    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, K3_ARGS),  # 0.33: the fp8 BMM is off by default, vLLM fuses
     (HAZARD_ENV, "--tensor-parallel-size 8"),  # auto KV cache: may be fp8 from the checkpoint
     (HAZARD_ENV, K3_ARGS + " -cc.cudagraph_mode=FULL_AND_PIECEWISE"),
     (HAZARD_ENV, K3_ARGS + " --compilation-config.cudagraph_mode=PIECEWISE"),
 ])
 def test_what_does_not_rule_it_out(env, args):
     assert hazard(env=env, args=args)
+
+
+FP8, FP4 = "VLLM_ROCM_USE_AITER_FP8BMM", "VLLM_ROCM_USE_AITER_FP4BMM"
+
+
+@pytest.mark.parametrize("version,bmm,arch,fires", [
+    ("0.33.0", {FP4: "0"}, None, True),  # 0.33's fp8 BMM is off unset: vLLM fuses (the audit's missed hazard)
+    ("0.33.0", {}, "gfx942", True),
+    ("0.33.0", {FP8: "1"}, None, False),  # the fp4 switch off by 0.33's default: never taken, whatever the GPU
+    ("0.33.0", {FP8: "1"}, "gfx950", False),
+    ("0.33.0", {FP8: "1", FP4: "1"}, "gfx950", True),  # the fp4 BMM taken: vLLM fuses
+    ("0.33.0", {FP8: "1", FP4: "0"}, "gfx950", False),
+    ("0.32.0", {FP4: "0"}, None, False),  # 0.32's fp8 BMM is on unset
+    ("0.32.0", {}, "gfx942", False),  # fp4 on by 0.32's default, but taken only on gfx950: vLLM never fuses
+    ("0.32.0", {}, "gfx950", True),
+    ("0.32.0", {}, None, True),  # the GPU unknown: the fp4 BMM may be taken
+    ("0.32.0", {FP8: "0"}, "gfx942", True),
+    ("0.35.0", {FP4: "0"}, "gfx942", True),  # a release whose defaults are not in the table: not assumed on
+    (None, {FP4: "0"}, "gfx942", True),
+    ("0.35.0", {FP8: "1", FP4: "0"}, None, False),  # both set: no default needed
+    ("0.33.0rc2.dev7+rocm", {FP8: "1"}, "gfx942", False),  # the release read from a local version
+])
+def test_the_bmm_switches_are_read_with_each_release_s_defaults_and_the_gpu(version, bmm, arch, fires):
+    """vLLM fuses the decode where the FP4 BMM is taken (its switch on, gfx950) or the FP8 BMM is off;
+    each switch unset takes its release's default (0.29-0.32: on, 0.33-0.34: off)."""
+    assert bool(hazard(env={**HAZARD_ENV, **bmm}, version=version, arch=arch)) is fires
+
+
+@pytest.mark.parametrize("version", MATRIX)
+def test_the_bmm_defaults_are_each_release_s_envs_py(version):
+    """BMM_DEFAULTS against each release's vllm/envs.py, and the line its comment names."""
+    import re
+    from pathlib import Path
+
+    from k3_amd_overlay.commands import baseline_hazard
+
+    lines = (tree_of(version) / "envs.py").read_text().splitlines()
+    found = {}
+    reading = re.compile(r'os\.getenv\("(VLLM_ROCM_USE_AITER_FP[48]BMM)", "(True|False)"\)\.lower\(\) in '
+                         r'\("true", "1"\)')
+    for number, line in enumerate(lines, start=1):
+        read = reading.search(line)
+        if read:
+            found[read.group(1)] = (read.group(2) == "True", number)
+    assert baseline_hazard.BMM_DEFAULTS[minor(version)] == (found[FP8][0], found[FP4][0])
+    source = Path(baseline_hazard.__file__).read_text()
+    assert f'"{minor(version)}": ' in source and f"vllm/envs.py:{found[FP8][1]} and :{found[FP4][1]}" in source
+
+
+def test_the_gpu_arch_is_read_from_the_driver_s_topology(tmp_path):
+    from k3_amd_overlay.commands.baseline_hazard import gfx_arch, gpu_arch
+
+    assert (gfx_arch(90402), gfx_arch(90500), gfx_arch(90010)) == ("gfx942", "gfx950", "gfx90a")
+    for node, version in (("0", 0), ("1", 90402), ("2", 90402)):  # node 0: the CPU
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "properties").write_text(f"cpu_cores_count 0\ngfx_target_version {version}\nsimd_count 1\n")
+    assert gpu_arch(tmp_path) == "gfx942"
+    (tmp_path / "3").mkdir()
+    (tmp_path / "3" / "properties").write_text("gfx_target_version 90500\n")
+    assert gpu_arch(tmp_path) is None  # GPUs of two archs: which one a server runs on is not known here
+    assert gpu_arch(tmp_path / "none") is None
+
+
+def test_facts_here_carry_this_host_s_gpu(monkeypatch):
+    from k3_amd_overlay.commands import baseline_hazard
+
+    monkeypatch.setattr(baseline_hazard, "gpu_arch", lambda: "gfx942")
+    assert baseline_hazard.facts_here().arch == "gfx942"
 
 
 def test_unknown_facts_are_reported_not_assumed_away():

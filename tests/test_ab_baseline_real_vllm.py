@@ -91,6 +91,25 @@ def test_on_rocm_breakable_graphs_are_the_k3_default_only_on_0_29(version):
         assert rocm_return == "return frozenset({'DeepseekV41ForCausalLM'})"
 
 
+@pytest.mark.parametrize("version", MATRIX)
+def test_vllm_fuses_the_decode_where_the_fp4_bmm_is_taken_or_the_fp8_bmm_is_off_and_fp4_only_on_gfx950(version):
+    """What baseline_hazard's BMM rule rests on (0.32-0.33): the K3 wrapper fuses only for the W_UK
+    variants its _fused_decode reproduces (the FP4 BMM taken, or the FP8 BMM off); the MLA layer
+    takes the FP4 BMM only where its switch is on, on CDNA 4 (gfx950), with a bf16 kv_b_proj."""
+    if minor(version) < "0.32":
+        return  # no fused decode of vLLM's own
+    supported = ast.unparse(function(tree(version, K3_MLA), "_fused_qk_prep_supported", K3_WRAPPER))
+    last = supported[supported.rindex("return "):]
+    assert "attn.is_aiter_triton_fp4_bmm_enabled or" in last and "not attn.is_aiter_triton_fp8_bmm_enabled" in last
+    enabled = ast.unparse(function(tree(version, "_aiter_ops.py"), "is_fp4bmm_enabled"))
+    assert "return cls._AITER_ENABLED and cls._FP4BMM_ENABLED and (get_cdna_version() == 4)" in enabled
+    cdna = ast.unparse(function(tree(version, "platforms/rocm.py"), "get_cdna_version"))
+    assert "if on_gfx950():\n        return 4" in cdna
+    layer = ast.unparse(tree(version, "model_executor/layers/attention/mla_attention.py"))
+    assert ("self.is_aiter_triton_fp4_bmm_enabled = rocm_aiter_ops.is_fp4bmm_enabled() and hasattr(self.kv_b_proj, "
+            "'weight') and (self.kv_b_proj.weight.dtype == torch.bfloat16)") in layer
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("num_tokens,max_num_reqs,decode_only", [(1, 256, True), (64, 256, True), (256, 256, True),
                                                                    (512, 256, False)])

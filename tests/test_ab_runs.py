@@ -77,7 +77,7 @@ def test_report_re_summarises_its_own_run_and_refuses_a_mixed_or_unmarked_direct
                               capture_output=True, text=True)
 
     again = report(out)
-    assert again.returncode == 0 and "| 1 | TPOT p50 (ms) |" in again.stdout, again.stderr
+    assert again.returncode == 0 and "| 1 | TPOT p50 (ms) [primary] |" in again.stdout, again.stderr
     shutil.copytree(out / "repeat0-armA", out / "repeat1-armA")
     (out / "repeat1-armA" / "run-id").write_text("0123abcd\n")  # another run's folder moved in
     mixed = report(out)

@@ -36,9 +36,17 @@ from k3_amd_overlay.settings import SWITCH, Mode, SettingsError, load_settings
 BENCH_ARGS = ("--backend openai-chat --endpoint /v1/chat/completions --dataset-name random "
               "--random-input-len 1024 --random-output-len 8192 --random-range-ratio 0 --ignore-eos "
               "--seed 42 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99")
-NOTE = ("Paired over the ABBA repeats: the ratio is the median of the per-repeat ratios; 95% CI: percentile "
-        "bootstrap (10,000 resamples) of the mean paired log-ratio; p: exact two-sided sign-flip test; "
-        "verdict at p < 0.05.")
+NOTE = ("Paired over the ABBA repeats: the ratio is the geometric mean of the per-repeat ratios (exp of the mean "
+        "paired log-ratio); 95% CI: percentile bootstrap (10,000 resamples) of the mean paired log-ratio; p: exact "
+        "two-sided sign-flip test of the paired log-ratios; TPOT p50 (ms), the primary metric, is judged alone at each "
+        "concurrency, every other row with Holm's correction across the comparison (p adj.); a verdict needs p adj. < "
+        "0.05, the whole CI on the ratio's side of 1x and an effect of at least 1%.")
+FUSIONS_HEAD = ("Fusions as each arm's check proved them after its measurement (applied: the overlay's; upstream: "
+                "vLLM's own; forced-stock: off in stock mode):")
+OFF_LINE = "overlay off (vLLM as shipped, its own fusions where it has them)"
+ALL_APPLIED = "absorb_qk_cache applied; qk_cache applied; qkv_norm applied"
+ALL_STOCK = "absorb_qk_cache forced-stock; qk_cache forced-stock; qkv_norm forced-stock"
+NOT_RECORDED = "not recorded (no saved check for every measured repeat)"
 NO_PLOT = "plot skipped: " + MATPLOTLIB_MISSING
 GPU_COMMANDS = (["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], ["amd-smi", "static", "--asic", "--csv"],
                 ["rocm-smi", "--showproductname"])
@@ -155,6 +163,8 @@ class Lab:
         if workdir.name in self.fail_after:
             raise arms.ArmFailed(f"arm {arm.label} ({SWITCH}={arm.switch}) is no longer {arm.expect} after its "
                                  f"measurement (its results are not used):\nREFUSED\nlogs: {workdir}")
+        (workdir / arms.CHECK_AFTER_JSON).write_text(json.dumps({"command": "check", "holds": True,
+                                                                 "records": check_records(arm.switch)}))
 
     def check_baselines(self, named, serve_args: str, accept: bool) -> list[str]:
         self.baselines.append((list(named), serve_args, accept))
@@ -194,20 +204,43 @@ def lab(tmp_path, monkeypatch):
     made.loopback.server.server_close()
 
 
-def title(label: str, switch: str, switch_a: str) -> str:
-    return f"### {label} ({SWITCH}={switch}) vs A ({SWITCH}={switch_a}); B vs A > 1: the candidate is better"
+def check_records(switch: str) -> list[dict]:
+    """What a held `check --json` lists for an arm's server: a model process (each fusion on 61
+    layers, applied, forced-stock or an off record) and an API server that builds no layer."""
+    mode, fusions = arms.setting(switch)
+    if mode is Mode.OFF:
+        return [{"pid": 101, "mode": "off", "role": "main", "fusions": {}}]
+    state = "forced-stock" if mode is Mode.STOCK else "applied"
+    return [{"pid": 101, "mode": mode.value, "role": "main",
+             "fusions": {f: {"state": state, "layers": 61} for f in sorted(fusions)}},
+            {"pid": 102, "mode": mode.value, "role": "api-server",
+             "fusions": {f: {"state": "pending", "layers": 0} for f in sorted(fusions)}}]
 
 
-def expected_text(results: dict, candidates: list[tuple[str, str]], switch_a: str, aborted: str | None = None,
-                  hazards: tuple[str, ...] = (), left_out: tuple[str, ...] = ()) -> tuple[str, dict]:
-    """summary.md's text and summary.json's rows, restated here."""
+def proved(switch: str) -> dict:
+    """summary.json's "fusions" entry of an arm whose every repeat saved check_records(switch)."""
+    mode, fusions = arms.setting(switch)
+    state = {Mode.OFF: "disabled", Mode.STOCK: "forced-stock"}.get(mode, "applied")
+    return {"mode": mode.value, "fusions": {} if mode is Mode.OFF else {f: [state] for f in sorted(fusions)}}
+
+
+def title(label: str, switch: str, switch_a: str, ran: str, ran_a: str) -> str:
+    return f"### {label} ({SWITCH}={switch}) vs A ({SWITCH}={switch_a}): {ran} vs {ran_a}; {label} vs A > 1: " \
+           f"{label} is better"
+
+
+def expected_text(results: dict, candidates: list[tuple[str, str, str]], switch_a: str, ran_a: str,
+                  fusions: list[str], aborted: str | None = None, hazards: tuple[str, ...] = (),
+                  left_out: tuple[str, ...] = ()) -> tuple[str, dict]:
+    """summary.md's text and summary.json's rows, restated here: each candidate (label, switch, what
+    it ran), what A ran, each arm's fusion line."""
     sections, rows = [], {}
-    for label, switch in candidates:
+    for label, switch, ran in candidates:
         found = stats.serving_rows(results, label, "A")
-        table = stats.render_serving(found) if found else "no repeat completed by both arms: nothing to compare"
-        sections.append(f"{title(label, switch, switch_a)}\n\n{table}")
+        table = stats.render_serving(found, label) if found else "no repeat completed by both arms: nothing to compare"
+        sections.append(f"{title(label, switch, switch_a, ran, ran_a)}\n\n{table}")
         rows[f"{label}_vs_A"] = [r.to_json() for r in found]
-    text = "\n\n".join(sections) + "\n\n" + NOTE
+    text = "\n\n".join(sections) + "\n\n" + FUSIONS_HEAD + "\n" + "\n".join(fusions) + "\n\n" + NOTE
     if left_out:
         text = (f"not compared: {', '.join(left_out)} (the arm did not finish its benches with its check still "
                 f"holding)\n\n{text}")
@@ -261,7 +294,8 @@ def test_every_option_of_ab_serve_and_its_report_word_for_word():
         "concurrency": (["--concurrency"], "bench concurrencies, each run", [1, 8, 32], int, "+", None, False),
         "num_prompts": (["--num-prompts"], "requests per bench run (default: 4 x the concurrency)", None, int, None,
                         None, False),
-        "repeats": (["--repeats"], "ABBA repeats; the exact test can call a difference (p < 0.05) only from 6 on",
+        "repeats": (["--repeats"], "ABBA repeats; the exact test can call a difference (p < 0.05) on the primary "
+                    "metric (TPOT p50 (ms)) only from 6 on, on the other rows (Holm-corrected together) only from more",
                     6, int, None, None, False),
         "with_stock": (["--with-stock"], "a third arm C with K3_AMD_OVERLAY=stock: the unfused path, vLLM's own "
                        "fusions off too (on vLLM 0.30+ that also turns off what vLLM fuses by itself), compared with "
@@ -389,7 +423,8 @@ def test_a_run_prints_benches_and_summarises_exactly_this(lab, capsys):
                      f"[{step}/4] arm {label}: bench at concurrency 8"]
     results = lab.results()
     assert sorted(results) == ["A", "B"] and [len(results[a][c]) for a in "AB" for c in (1, 8)] == [2, 2, 2, 2]
-    text, rows = expected_text(results, [("B", "1")], "0")
+    text, rows = expected_text(results, [("B", "1", "the overlay's fusions")], "0", "vLLM as shipped",
+                               [f"- A (K3_AMD_OVERLAY=0): {OFF_LINE}", f"- B (K3_AMD_OVERLAY=1): {ALL_APPLIED}"])
     assert printed.out == "\n".join(progress) + "\n\n" + text + "\n\n" + NO_PLOT + "\n"
     assert printed.err == ("k3-amd-overlay ab-serve: warning: --repeats 2: with n=2 the smallest possible p is 0.5: "
                            "no verdict possible (p < 0.05 needs n >= 6)\n")
@@ -405,7 +440,8 @@ def test_a_run_prints_benches_and_summarises_exactly_this(lab, capsys):
     summary = json.loads(raw)
     env = expected_environment(lab, summary["environment"], {"A": ("0", "off"), "B": ("1", "fused")},
                                concurrency=[1, 8], repeats=2, serve_args="--tensor-parallel-size 8")
-    assert summary == {"run_id": run_id, "environment": env, "aborted": None, "rows": rows}
+    assert summary == {"run_id": run_id, "environment": env, "aborted": None,
+                       "fusions": {"A": proved("0"), "B": proved("1")}, "rows": rows}
     assert raw == json.dumps(summary, indent=1, default=str)
     assert sorted(p.name for p in lab.out.iterdir()) == ["repeat0-armA", "repeat0-armB", "repeat1-armA",
                                                          "repeat1-armB", "run.json", "summary.json", "summary.md"]
@@ -440,7 +476,11 @@ def test_served_name_tokenizer_prompts_bench_args_the_stock_arm_and_an_accepted_
     assert [(s[0].label, s[0].switch, s[0].expect, s[6], s[7]) for s in lab.serves] == [
         (a, sw, e, 0.5, "kimi") for a, sw, e in steps]
     assert lab.baselines == [([("arm A", "0"), ("arm B", "1"), ("arm C", "stock")], "", True)]
-    text, rows = expected_text(lab.results(), [("B", "1"), ("C", "stock")], "0", hazards=("arm A: a hazard",))
+    text, rows = expected_text(lab.results(), [("B", "1", "the overlay's fusions"), ("C", "stock", "all unfused")], "0",
+                               "vLLM as shipped", [f"- A (K3_AMD_OVERLAY=0): {OFF_LINE}",
+                                                   f"- B (K3_AMD_OVERLAY=1): {ALL_APPLIED}",
+                                                   f"- C (K3_AMD_OVERLAY=stock): {ALL_STOCK}"],
+                               hazards=("arm A: a hazard",))
     assert printed.out.endswith("\n\n" + text + "\n\n" + NO_PLOT + "\n")
     assert list(rows) == ["B_vs_A", "C_vs_A"] and rows["C_vs_A"]
     summary = json.loads((lab.out / "summary.json").read_text())
@@ -448,7 +488,8 @@ def test_served_name_tokenizer_prompts_bench_args_the_stock_arm_and_an_accepted_
                                {"A": ("0", "off"), "B": ("1", "fused"), "C": ("stock", "stock")},
                                gpu="AMD Instinct MI355X", served_model_name="kimi", concurrency=[3], num_prompts=1,
                                bench_args="--seed 7 --ignore-eos", baseline_hazards=["arm A: a hazard"])
-    assert summary == {"run_id": run_id_of(lab.out), "environment": env, "aborted": None, "rows": rows}
+    assert summary == {"run_id": run_id_of(lab.out), "environment": env, "aborted": None,
+                       "fusions": {"A": proved("0"), "B": proved("1"), "C": proved("stock")}, "rows": rows}
 
 
 def test_the_gpu_is_the_first_tool_that_names_it(lab, tmp_path):
@@ -482,7 +523,9 @@ def test_an_arm_that_fails_ends_the_run_and_the_summary_says_so(lab, capsys):
     printed = capsys.readouterr()
     folder = lab.out / "repeat0-armB"
     aborted = "arm B (K3_AMD_OVERLAY=1) is not fused:"
-    text, rows = expected_text(lab.results(), [("B", "1")], "0", aborted=aborted, left_out=("repeat0-armB",))
+    text, rows = expected_text(lab.results(), [("B", "1", "fusions not recorded")], "0", "vLLM as shipped",
+                               [f"- A (K3_AMD_OVERLAY=0): {OFF_LINE}", f"- B (K3_AMD_OVERLAY=1): {NOT_RECORDED}"],
+                               aborted=aborted, left_out=("repeat0-armB",))
     assert rows == {"B_vs_A": []} and "nothing to compare" in text
     assert printed.out == ("[1/4] repeat 0, arm A (K3_AMD_OVERLAY=0): starting\n[1/4] arm A proved off\n"
                            "[1/4] arm A: bench at concurrency 1\n[2/4] repeat 0, arm B (K3_AMD_OVERLAY=1): starting\n"
@@ -505,8 +548,9 @@ def test_an_arm_whose_proof_lapses_during_its_benches_is_not_compared(lab, capsy
     assert printed.err.endswith(f"ABORTED: {aborted}\nREFUSED\nlogs: {folder}\n")
     assert (folder / "bench-c1.json").is_file() and not (folder / ab_run.MEASURED_FILE).exists()
     assert ab_run.measured(lab.out / "repeat0-armA", run_id_of(lab.out))
-    text, rows = expected_text({"A": lab.results()["A"]}, [("B", "1")], "0", aborted=aborted,
-                               left_out=("repeat0-armB",))
+    text, rows = expected_text({"A": lab.results()["A"]}, [("B", "1", "fusions not recorded")], "0", "vLLM as shipped",
+                               [f"- A (K3_AMD_OVERLAY=0): {OFF_LINE}", f"- B (K3_AMD_OVERLAY=1): {NOT_RECORDED}"],
+                               aborted=aborted, left_out=("repeat0-armB",))
     assert rows == {"B_vs_A": []} and printed.out.endswith(f"\n{text}\n\n{NO_PLOT}\n")
     summary = json.loads((lab.out / "summary.json").read_text())
     assert (summary["aborted"], summary["rows"]) == (aborted, rows)
@@ -782,10 +826,12 @@ def test_the_plot_draws_each_arms_median_with_the_repeats_range(lab, monkeypatch
                 (lab.out / f"repeat{repeat}-arm{label}" / f"bench-c{c}.json").write_text(json.dumps(result))
     arm_list = [arms.Arm("A", "stock", "stock"), arms.Arm("B", "qk_cache", "fused")]
     text = ab_serve.summarise(lab.out, run_id, arm_list, {"baseline_hazards": []}, None)
-    expected, rows = expected_text(lab.results(), [("B", "qk_cache")], "stock")
+    expected, rows = expected_text(lab.results(), [("B", "qk_cache", "fusions not recorded")], "stock",
+                                   "fusions not recorded", [f"- A (K3_AMD_OVERLAY=stock): {NOT_RECORDED}",
+                                                            f"- B (K3_AMD_OVERLAY=qk_cache): {NOT_RECORDED}"])
     assert text == expected + f"\n\nplot: {lab.out / 'summary.png'}"
     assert json.loads((lab.out / "summary.json").read_text()) == {"run_id": run_id, "environment": {
-        "baseline_hazards": []}, "aborted": None, "rows": rows}
+        "baseline_hazards": []}, "aborted": None, "fusions": {"A": None, "B": None}, "rows": rows}
 
     def bars(label, xs, mid, low, high, switch):
         return ("errorbar", (xs, mid), {"yerr": [low, high], "marker": "o", "capsize": 3,

@@ -1,8 +1,9 @@
 """The A/B statistics (``k3_amd_overlay.commands.ab_stats``) on outcome sets that tell the quantities apart:
-medians that are not means, a median paired ratio that is not the ratio of medians, zero and
-missing metrics, unequal repeat counts, one pair, ties and all-zero differences, the sign-flip
-test past its exact range, and McNemar's test on small and lopsided splits. Verdict wording is
-checked only where n can reach a verdict (n >= 6 pairs or discordant questions)."""
+medians that are not means, a geometric-mean paired ratio that is neither the median paired ratio nor
+the ratio of medians, zero and missing metrics, unequal repeat counts, one pair, ties and all-zero
+differences, the sign-flip test past its exact range, and McNemar's test on small and lopsided
+splits. Verdict wording is checked only where n can reach a verdict (n >= 6 pairs or discordant
+questions)."""
 
 from __future__ import annotations
 
@@ -18,20 +19,22 @@ def _runs(key, values):
     return [{key: v} for v in values]
 
 
-def test_a_row_takes_medians_not_means_and_the_median_paired_ratio_not_the_ratio_of_medians():
+def test_a_row_takes_medians_not_means_and_the_geometric_mean_paired_ratio_not_the_ratio_of_medians():
     a = [10.0, 10.0, 11.0, 12.0, 40.0, 100.0]  # median 11.5, mean 30.5
     b = [5.0, 10.0, 22.0, 6.0, 20.0, 10.0]  # median 10, ratios a/b: 2, 1, 0.5, 2, 2, 10
     row = stats.paired_row(4, "TPOT p50 (ms)", False, a, b)
     assert (row.concurrency, row.metric, row.repeats) == (4, "TPOT p50 (ms)", 6)
     assert (row.median_a, row.median_b) == (11.5, 10.0)
-    assert row.ratio == 2.0  # median of (0.5, 1, 2, 2, 2, 10); the ratio of medians would be 1.15
+    # (2 * 1 * 0.5 * 2 * 2 * 10) ** (1/6): the median paired ratio would be 2, the ratio of medians 1.15
+    assert row.ratio == pytest.approx(40 ** (1 / 6))
     logs = [math.log(x / y) for x, y in zip(a, b, strict=True)]
+    assert row.ratio == pytest.approx(math.exp(statistics.fmean(logs)))  # the quantity the CI and the test are about
     low, high = stats.bootstrap_interval(logs)
     assert (row.ci_low, row.ci_high) == (math.exp(low), math.exp(high))  # geometric: of the log-ratios
-    assert row.ci_low < math.exp(statistics.fmean(logs)) < row.ci_high
+    assert row.ci_low < row.ratio < row.ci_high
     assert row.p_value == stats.sign_flip_p(logs)
     higher = stats.paired_row(4, "out tok/s", True, a, b)  # throughput: B/A
-    assert higher.ratio == 0.5 and (higher.median_a, higher.median_b) == (11.5, 10.0)
+    assert higher.ratio == pytest.approx(40 ** (-1 / 6)) and (higher.median_a, higher.median_b) == (11.5, 10.0)
     assert higher.p_value == row.p_value
 
 
@@ -90,17 +93,24 @@ def test_the_bootstrap_interval_is_seeded_and_brackets_the_mean():
     assert stats.bootstrap_interval([3.0]) == (3.0, 3.0)
 
 
-def test_the_verdict_needs_p_below_the_level_and_takes_its_direction_from_the_ratio():
-    def row(ratio, p):
-        return stats.MetricRow(8, "TPOT p50 (ms)", 6, 1.0, 1.0, ratio, 0.9, 1.1, p)
+def test_the_verdict_needs_p_below_the_level_the_interval_on_the_ratios_side_and_an_effect_of_1pct():
+    def row(ratio, p, low=None, high=None):
+        low, high = (ratio, ratio) if low is None else (low, high)
+        return stats.MetricRow(8, "TPOT p50 (ms)", 6, 1.0, 1.0, ratio, low, high, p)
 
     assert row(1.1, 0.049).verdict == "faster" and row(0.9, 0.049).verdict == "slower"
-    assert row(1.0, 0.01).verdict == "slower"  # not better is not faster
+    assert row(1.0, 0.01).verdict.startswith("no verdict: p is below the level, but the 95% CI includes 1x")
+    assert row(1.005, 0.01).verdict == "no verdict: effect under 1%"  # better by too little to name
+    assert row(1.0099, 0.01).verdict == "no verdict: effect under 1%"
+    assert row(1.0101, 0.01).verdict == "faster" and row(1 / 1.0101, 0.01).verdict == "slower"
+    assert row(1.1, 0.049, 0.9, 1.2).verdict == ("no verdict: p is below the level, but the 95% CI includes 1x (the "
+                                                  "test and the interval disagree)")
+    assert row(1.1, 0.049, 0.8, 0.95).verdict == "no verdict: the ratio lies on the other side of 1x from its 95% CI"
     assert row(1.5, 0.05).verdict == "no difference detected at this n"  # the level itself is not below it
     assert row(1.5, 0.05).to_json() == {"concurrency": 8, "metric": "TPOT p50 (ms)", "repeats": 6, "median_a": 1.0,
-                                        "median_b": 1.0, "ratio": 1.5, "ci_low": 0.9, "ci_high": 1.1, "p_value": 0.05,
-                                        "verdict": "no difference detected at this n"}
-    assert stats.SIGNIFICANCE == 0.05 and stats.BOOTSTRAP_RESAMPLES == 10_000
+                                        "median_b": 1.0, "ratio": 1.5, "ci_low": 1.5, "ci_high": 1.5, "p_value": 0.05,
+                                        "family": 1, "p_adjusted": 0.05, "verdict": "no difference detected at this n"}
+    assert stats.SIGNIFICANCE == 0.05 and stats.BOOTSTRAP_RESAMPLES == 10_000 and stats.MIN_EFFECT == 0.01
 
 
 def test_mcnemar_on_small_and_lopsided_splits():
@@ -152,10 +162,12 @@ def test_the_table_is_one_row_a_line_and_names_what_n_cannot_reach():
     six = stats.paired_row(8, "TPOT p50 (ms)", False, a, a)
     three = stats.paired_row(16, "TPOT p50 (ms)", False, a[:3], a[:3])
     lines = stats.render_serving([six, three]).split("\n")
-    assert lines[:2] == ["| conc | metric | A median | B median | B vs A (paired) | 95% CI | p | n | verdict |",
-                         "|---|---|---|---|---|---|---|---|---|"]
-    assert lines[2].startswith("| 8 | TPOT p50 (ms) | 12.50 | 12.50 | 1.000x |") and lines[3].startswith("| 16 |")
+    assert lines[:2] == ["| conc | metric | A median | B median | B vs A (geo. mean of paired ratios) | 95% CI | p | "
+                         "p adj. | n | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    assert lines[2].startswith("| 8 | TPOT p50 (ms) [primary] | 12.50 | 12.50 | 1.000x |")
+    assert lines[3].startswith("| 16 |")
     assert lines[4:] == ["", "with n=3 the smallest possible p is 0.25: no verdict possible (p < 0.05 needs n >= 6)"]
+    assert stats.render_serving([six], "C").split("\n")[0].startswith("| conc | metric | A median | C median | C vs A")
 
 
 def test_paired_outcomes_are_frozen():

@@ -19,9 +19,12 @@ K3_ARGS = ["--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8", "--trust-re
 TAIL = ("with breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1) under Model Runner V2 the PIECEWISE capture "
         "runs a decode-only dummy batch, so that fused decode (no eager break) is recorded into the graph segment, "
         "and segments are keyed by token count only: a mixed batch of a captured size replays the decode-only "
-        "path; use K3_AMD_OVERLAY=stock as the baseline (vLLM's own fused decode off, e.g. --arm-a stock), or rule "
-        "the configuration out (VLLM_USE_BREAKABLE_CUDAGRAPH=0, VLLM_USE_V2_MODEL_RUNNER=0, --enforce-eager or a "
-        "cudagraph_mode without PIECEWISE)")
+        "path; rule the configuration out, so that vLLM as shipped (K3_AMD_OVERLAY=0) stays a sound baseline: set "
+        "VLLM_USE_BREAKABLE_CUDAGRAPH=0 or leave it unset (on ROCm vLLM 0.30-0.33 do not turn breakable graphs on for "
+        "K3 by themselves), or VLLM_USE_V2_MODEL_RUNNER=0, --enforce-eager or a cudagraph_mode without PIECEWISE; "
+        "else use K3_AMD_OVERLAY=stock as the baseline (--arm-a stock: every fusion off, vLLM's own too), knowing "
+        "that the candidate arm then runs vLLM's own fusions as well (the A/B summary names each arm's fusions)")
+FACTS = VllmFacts("0.33.0", True)
 
 
 def test_the_hazard_word_for_word():
@@ -49,8 +52,14 @@ DCP = random.randint(2, 64)
      "cudagraph_mode FULL (no PIECEWISE graphs)"),
     ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, K3_ARGS,
      "AITER MLA is off (VLLM_ROCM_USE_AITER / VLLM_ROCM_USE_AITER_MLA): vLLM never fuses the decode"),
-    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, K3_ARGS,
-     "VLLM_ROCM_USE_AITER_FP8BMM on and VLLM_ROCM_USE_AITER_FP4BMM off: vLLM never fuses the decode"),
+    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_FP8BMM": "True", "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, K3_ARGS,
+     "VLLM_ROCM_USE_AITER_FP8BMM=True, and the FP4 BMM is not taken (VLLM_ROCM_USE_AITER_FP4BMM=0): vLLM never fuses "
+     "the decode"),
+    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_FP8BMM": "1"}, K3_ARGS,
+     "VLLM_ROCM_USE_AITER_FP8BMM=1, and the FP4 BMM is not taken (VLLM_ROCM_USE_AITER_FP4BMM unset: off by vLLM "
+     "0.33's default): vLLM never fuses the decode"),
+    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER": " true "}, K3_ARGS,  # vLLM strips nothing: " true " is not "true"
+     "AITER MLA is off (VLLM_ROCM_USE_AITER / VLLM_ROCM_USE_AITER_MLA): vLLM never fuses the decode"),
     (HAZARD_ENV, ["--kv-cache-dtype", "bfloat16"],
      "--kv-cache-dtype bfloat16 (vLLM fuses the decode only with an fp8 KV cache)"),
     (HAZARD_ENV, ["--kv-cache-dtype", "bfloat16", "--kv-cache-dtype"],  # a last word without a value: ignored
@@ -61,13 +70,32 @@ DCP = random.randint(2, 64)
      f"--decode-context-parallel-size {DCP} (vLLM does not fuse the decode under DCP)"),
 ])
 def test_every_reason_that_rules_the_hazard_out_word_for_word(env, args, reason):
-    assert ruled_out(env, args) == reason
-    assert baseline_hazard(VllmFacts("0.33.0", True), env, args, "0") is None
+    assert ruled_out(env, args, FACTS) == reason
+    assert baseline_hazard(FACTS, env, args, "0") is None
+
+
+@pytest.mark.parametrize("version,arch,env,reason", [
+    ("0.32.0", None, {"VLLM_ROCM_USE_AITER_FP4BMM": "false"},
+     "VLLM_ROCM_USE_AITER_FP8BMM unset: on by vLLM 0.32's default, and the FP4 BMM is not taken "
+     "(VLLM_ROCM_USE_AITER_FP4BMM=false): vLLM never fuses the decode"),
+    ("0.32.0", "gfx942", {},
+     "VLLM_ROCM_USE_AITER_FP8BMM unset: on by vLLM 0.32's default, and the FP4 BMM is not taken (a gfx942 GPU; vLLM "
+     "takes it only on gfx950): vLLM never fuses the decode"),
+    ("0.32.0", "gfx950", {}, None),
+    ("0.32.0", None, {}, None),
+    ("0.33.0", "gfx942", {}, None),  # the FP8 BMM off by 0.33's default: vLLM fuses
+    ("0.36.1", "gfx942", {"VLLM_ROCM_USE_AITER_FP4BMM": "0"}, None),  # its FP8 default not known here
+])
+def test_the_bmm_reasons_word_for_word_per_release_and_gpu(version, arch, env, reason):
+    facts = VllmFacts(version, True) if arch is None else VllmFacts(version, True, arch)
+    assert ruled_out({**HAZARD_ENV, **env}, K3_ARGS, facts) == reason
+    assert (baseline_hazard(facts, {**HAZARD_ENV, **env}, K3_ARGS, "0") is None) is (reason is not None)
 
 
 @pytest.mark.parametrize("env,args", [
     ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER": "True"}, K3_ARGS),  # vLLM reads "1" or "true", any case
-    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER": " true "}, K3_ARGS),
+    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_FP4BMM": "0"}, K3_ARGS),  # 0.33: the FP8 BMM off by default, vLLM fuses
+    ({**HAZARD_ENV, "VLLM_ROCM_USE_AITER_FP8BMM": " 1"}, K3_ARGS),  # vLLM reads " 1" as off: it fuses
     ({**HAZARD_ENV, "VLLM_USE_V2_MODEL_RUNNER": "yes"}, K3_ARGS),  # vLLM refuses it itself: not ruled out here
     (HAZARD_ENV, ["--tensor-parallel-size", "8", "--kv-cache-dtype", "auto"]),  # may be fp8 from the checkpoint
     (HAZARD_ENV, ["--kv-cache-dtype=fp8_e4m3"]),
@@ -79,8 +107,8 @@ def test_every_reason_that_rules_the_hazard_out_word_for_word(env, args, reason)
     (HAZARD_ENV, [*K3_ARGS, "-cc", '{"cudagraph_mode": "PIECEWISE"}']),
 ])
 def test_what_leaves_the_hazard_standing(env, args):
-    assert ruled_out(env, args) is None
-    assert baseline_hazard(VllmFacts("0.33.0", True), env, args, "0").startswith("K3_AMD_OVERLAY='0' is no valid")
+    assert ruled_out(env, args, FACTS) is None
+    assert baseline_hazard(FACTS, env, args, "0").startswith("K3_AMD_OVERLAY='0' is no valid")
 
 
 def test_a_bad_switch_is_no_hazard_here():
@@ -103,3 +131,4 @@ def test_the_facts_are_an_immutable_value(tmp_path):
     assert {facts, VllmFacts("0.33.0", True)} == {facts}
     assert facts_of(None, "0.33.0") == VllmFacts("0.33.0", None)  # no vLLM here: unknown
     assert facts_of(tmp_path, "0.34.0") == VllmFacts("0.34.0", None)  # no K3 code vLLM's shapes know: unknown
+    assert facts_of(None, "0.32.0", "gfx942") == VllmFacts("0.32.0", None, "gfx942")  # the GPU carried as given

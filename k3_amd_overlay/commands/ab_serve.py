@@ -7,9 +7,15 @@ the run aborts and that repeat is not compared), stop the server. Every raw resu
 stamped with that id and marked measured (ab_run.py), so no earlier run, and no arm whose proof
 lapsed, is ever mixed in. An arm vLLM itself gets wrong (baseline_hazard.py) is refused before any
 server starts. The table (ab_stats.py) gives per concurrency and metric each arm's median, the
-paired ratio over the repeats with its 95% bootstrap interval, an exact test's p and the verdict
-("faster", "slower", "no difference detected at this n", or "no verdict possible" where n pairs
-cannot reach p < 0.05: fewer than 6); summary.json adds what ran where, summary.png plots it.
+geometric mean of the paired ratios over the repeats with its 95% bootstrap interval, an exact
+test's p (Holm-adjusted across every row but the primary metric, TPOT p50, judged alone at each
+concurrency) and the verdict: "faster" or "slower" only where that p is below 0.05, the interval
+lies on the ratio's side of 1x and the effect is at least 1%; else "no difference detected at this
+n", "no verdict: ..." saying which of those failed, or "no verdict possible" where n pairs cannot
+reach p < 0.05 (fewer than 6 for the primary metric, 10 for the other 24 rows at 3 concurrencies).
+Each arm's fusions are named as its check proved them (applied: the overlay's; upstream: vLLM's
+own; forced-stock), and each comparison is headed by what its arms ran, so vLLM's own fusions are
+never credited to the overlay; summary.json adds what ran where, summary.png plots it.
 
     k3-amd-overlay ab-serve --model /models/Kimi-K3 --concurrency 1 8 32 --repeats 6 \\
         --serve-args "--tensor-parallel-size 8 --kv-cache-dtype fp8 --trust-remote-code" --out ab-out
@@ -52,6 +58,7 @@ from k3_amd_overlay.commands.usage import (
     split_command,
 )
 from k3_amd_overlay.package import __version__
+from k3_amd_overlay.settings import SWITCH
 
 BENCH_DEFAULTS = ("--backend openai-chat --endpoint /v1/chat/completions --dataset-name random "
                   "--random-input-len 1024 --random-output-len 8192 --random-range-ratio 0 --ignore-eos "
@@ -73,8 +80,9 @@ def parser() -> Parser:
     p.add_argument("--num-prompts", type=int,
                    help=f"requests per bench run (default: {PROMPTS_PER_CONCURRENCY} x the concurrency)")
     p.add_argument("--repeats", type=int, default=ab_stats.pairs_for_a_verdict(),
-                   help=f"ABBA repeats; the exact test can call a difference (p < {ab_stats.SIGNIFICANCE}) only from "
-                        f"{ab_stats.pairs_for_a_verdict()} on")
+                   help=f"ABBA repeats; the exact test can call a difference (p < {ab_stats.SIGNIFICANCE}) on the "
+                        f"primary metric ({ab_stats.PRIMARY_METRIC}) only from {ab_stats.pairs_for_a_verdict()} on, on "
+                        "the other rows (Holm-corrected together) only from more")
     p.add_argument("--with-stock", action="store_true",
                    help="a third arm C with K3_AMD_OVERLAY=stock: the unfused path, vLLM's own fusions off too "
                         "(on vLLM 0.30+ that also turns off what vLLM fuses by itself), compared with A as well")
@@ -172,21 +180,43 @@ def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, resul
     return record
 
 
+def arm_folders(out: Path, run_id: str) -> tuple[list[tuple[str, Path]], list[str]]:
+    """The (arm label, folder) of every folder run ``run_id`` marked measured under ``out``, in
+    repeat order, and the names of its folders left out (not so marked); ab_run.ForeignResults where
+    any repeat folder there is not this run's."""
+    runs = sorted((int(m.group(1)), m.group(2), d) for d in out.iterdir() if (m := RUN_DIR.fullmatch(d.name)))
+    ab_run.check_owned((d for _, _, d in runs), run_id)
+    measured, left_out = [], []
+    for _, label, directory in runs:
+        if ab_run.measured(directory, run_id):
+            measured.append((label, directory))
+        else:
+            left_out.append(directory.name)
+    return measured, left_out
+
+
 def load_results(out: Path, run_id: str) -> tuple[dict[str, dict[int, list[dict[str, Any]]]], list[str]]:
     """Every bench result run ``run_id`` saved under ``out`` in the folders it marked measured, by
     arm and concurrency, in repeat order, and the names of its folders left out (not so marked);
     ab_run.ForeignResults where any repeat folder there is not this run's."""
-    runs = sorted((int(m.group(1)), m.group(2), d) for d in out.iterdir() if (m := RUN_DIR.fullmatch(d.name)))
-    ab_run.check_owned((d for _, _, d in runs), run_id)
+    folders, left_out = arm_folders(out, run_id)
     results: dict[str, dict[int, list[dict[str, Any]]]] = {}
-    left_out = []
-    for _, label, directory in runs:
-        if not ab_run.measured(directory, run_id):
-            left_out.append(directory.name)
-            continue
+    for label, directory in folders:
         for path in sorted(directory.glob("bench-c*.json")):
             results.setdefault(label, {}).setdefault(bench_concurrency(path), []).append(read_bench(path))
     return results, left_out
+
+
+def proved_arms(out: Path, run_id: str, arm_list: list[arms.Arm]) -> dict[str, dict[str, Any] | None]:
+    """Per arm, what the checks that held after its measurements proved it ran (arms.proved_fusions,
+    over its measured folders); None for an arm with a folder that saved no such check, or none
+    measured. ab_run.ForeignResults naming a saved check that cannot be read."""
+    folders, _ = arm_folders(out, run_id)
+    try:
+        return {arm.label: arms.merge_proved(arms.proved_fusions(d / arms.CHECK_AFTER_JSON)
+                                             for label, d in folders if label == arm.label) for arm in arm_list}
+    except arms.ProofUnreadable as exc:
+        raise ab_run.ForeignResults(str(exc)) from None
 
 
 def bench_concurrency(path: Path) -> int:
@@ -265,24 +295,74 @@ def environment(args: argparse.Namespace, arm_list: list[arms.Arm]) -> dict[str,
     }
 
 
+def arm_runs(proved: dict[str, Any] | None) -> str:
+    """What an arm ran, in a few words, as its proofs show it (arms.proved_fusions)."""
+    if proved is None:
+        return "fusions not recorded"
+    if proved["mode"] in ("off", "stock"):
+        return {"off": "vLLM as shipped", "stock": "all unfused"}[proved["mode"]]
+    states = {state for found in proved["fusions"].values() for state in found}
+    overlay, own = "applied" in states, "upstream" in states
+    return {(True, True): "the overlay's + vLLM's own fusions", (True, False): "the overlay's fusions",
+            (False, True): "vLLM's own fusions only", (False, False): "no fusion"}[(overlay, own)]
+
+
+def upstream_note(label: str, candidate: dict[str, Any] | None, baseline: dict[str, Any] | None) -> str | None:
+    """Where the candidate ran fusions of vLLM's own (upstream), whose they are and what the
+    comparison therefore measures; None where it ran none (or its fusions are not recorded)."""
+    upstream = sorted(f for f, states in (candidate or {}).get("fusions", {}).items() if "upstream" in states)
+    if not upstream:
+        return None
+    own = f"{label}'s upstream fusions ({', '.join(upstream)}) are vLLM's own code, not the overlay's"
+    if baseline is not None and baseline["mode"] == "off":
+        return f"{own}; A (vLLM as shipped) runs them too, so the difference is the overlay's applied fusions"
+    return (f"{own}; vLLM as shipped runs them too, but A ({arm_runs(baseline)}) does not: this table measures them "
+            f"together with the overlay's, and a {label} better than A is not the overlay's alone (for the overlay "
+            f"alone, compare with {SWITCH}=0 where it is a sound baseline)")
+
+
+def fusion_lines(arm_list: list[arms.Arm], proved: dict[str, dict[str, Any] | None]) -> list[str]:
+    """Each arm's fusions as its checks proved them, one line an arm."""
+    lines = []
+    for arm in arm_list:
+        found = proved.get(arm.label)
+        if found is None:
+            said = "not recorded (no saved check for every measured repeat)"
+        elif found["mode"] == "off":
+            said = "overlay off (vLLM as shipped, its own fusions where it has them)"
+        else:
+            said = "; ".join(f"{name} {'/'.join(states)}" for name, states in found["fusions"].items()) or "none"
+        lines.append(f"- {arm.label} ({SWITCH}={arm.switch}): {said}")
+    return lines
+
+
+def comparison(candidate: arms.Arm, baseline: arms.Arm, rows: list[ab_stats.MetricRow],
+               proved: dict[str, dict[str, Any] | None]) -> str:
+    """One comparison's section: headed by what each arm ran, the upstream note, the table."""
+    ran_c, ran_a = proved.get(candidate.label), proved.get(baseline.label)
+    title = (f"### {candidate.label} ({SWITCH}={candidate.switch}) vs A ({SWITCH}={baseline.switch}): "
+             f"{arm_runs(ran_c)} vs {arm_runs(ran_a)}; {candidate.label} vs A > 1: {candidate.label} is better")
+    note = upstream_note(candidate.label, ran_c, ran_a)
+    table = ab_stats.render_serving(rows, candidate.label) if rows else \
+        "no repeat completed by both arms: nothing to compare"
+    return "\n\n".join([title, *([f"note: {note}"] if note else []), table])
+
+
 def summarise(out: Path, run_id: str, arm_list: list[arms.Arm], env: dict[str, Any],
               aborted: str | None = None) -> str:
     """Write summary.md, summary.json and summary.png from the results run ``run_id`` saved under
     ``out``; return the text (what an abort leaves is summarised too, over the repeats both arms
     completed). ab_run.ForeignResults where ``out`` holds another run's folder."""
     results, left_out = load_results(out, run_id)
+    proved = proved_arms(out, run_id, arm_list)
     sections, rows_json = [], {}
     for candidate in [a for a in arm_list if a.label != "A"]:
         rows = ab_stats.serving_rows(results, candidate.label, "A")
-        title = (f"{candidate.label} (K3_AMD_OVERLAY={candidate.switch}) vs A (K3_AMD_OVERLAY={arm_list[0].switch}); "
-                 "B vs A > 1: the candidate is better")
-        table = ab_stats.render_serving(rows) if rows else "no repeat completed by both arms: nothing to compare"
-        sections.append(f"### {title}\n\n{table}")
+        sections.append(comparison(candidate, arm_list[0], rows, proved))
         rows_json[f"{candidate.label}_vs_A"] = [r.to_json() for r in rows]
-    text = "\n\n".join(sections) + "\n\n" + (
-        "Paired over the ABBA repeats: the ratio is the median of the per-repeat ratios; 95% CI: percentile "
-        "bootstrap (10,000 resamples) of the mean paired log-ratio; p: exact two-sided sign-flip test; "
-        f"verdict at p < {ab_stats.SIGNIFICANCE}.")
+    fusions = ("Fusions as each arm's check proved them after its measurement (applied: the overlay's; upstream: "
+               "vLLM's own; forced-stock: off in stock mode):\n" + "\n".join(fusion_lines(arm_list, proved)))
+    text = "\n\n".join(sections) + "\n\n" + fusions + "\n\n" + ab_stats.METHOD
     if left_out:
         text = (f"not compared: {', '.join(left_out)} (the arm did not finish its benches with its check still "
                 f"holding)\n\n{text}")
@@ -292,7 +372,7 @@ def summarise(out: Path, run_id: str, arm_list: list[arms.Arm], env: dict[str, A
         text = f"WARNING, measured with {ACCEPT_FLAG}: {hazard}\n\n{text}"
     (out / "summary.md").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps({"run_id": run_id, "environment": env, "aborted": aborted,
-                                                  "rows": rows_json},
+                                                  "fusions": proved, "rows": rows_json},
                                                  indent=1, default=str))
     plotted = plot_serving(results, arm_list, out / "summary.png")
     return text + ("\n\nplot: " + str(out / "summary.png") if plotted else f"\n\nplot skipped: {plot_missing()}")

@@ -2,17 +2,32 @@
 outcome sets whose answer is known.
 
 Serving: both arms run once per repeat (ABBA order), so repeat r gives a pair (A_r, B_r) per metric.
-Each pair's ratio (> 1: B better) is one observation; the table gives each arm's median, the median
-paired ratio, a 95% percentile-bootstrap interval of the mean paired log-ratio (10,000 resamples of
-the pairs, seeded), and an exact two-sided sign-flip test of the paired log-ratios (every one of the
-2^n sign patterns) for the verdict. With n pairs the smallest p an exact test can give is 2 / 2^n:
-from 6 repeats on it can fall below 0.05; below that the table says no verdict is possible.
+Each pair's ratio (> 1: B better) is one observation, and one quantity is estimated, tested and
+bounded: the mean paired log-ratio. The table gives each arm's median, the geometric mean of the
+paired ratios (exp of that mean: the point estimate), a 95% percentile-bootstrap interval of it
+(10,000 resamples of the pairs, seeded) and an exact two-sided sign-flip test of the paired
+log-ratios (every one of the 2^n sign patterns). The median paired ratio is not reported: it can
+sit on the other side of 1 from the mean the test and the interval are about (7 pairs 0.1% better
+and 6 pairs 26% worse), and a verdict must not read its direction from another quantity.
+
+A verdict ("faster", "slower") holds only on positive, matching evidence: p below SIGNIFICANCE after
+the correction below, the whole interval on the point estimate's side of 1x, and an effect of at
+least MIN_EFFECT. Multiplicity: a table holds 9 metrics per concurrency (27 rows at 3), and at 5%
+one of 27 null rows is called by chance more often than not. PRIMARY_METRIC (TPOT p50, the decode
+step the overlay's fusions change) is declared in advance and judged alone at each concurrency, one
+question per workload; every other row of the comparison is judged with Holm's step-down
+correction across all of them (family-wise error 5%). Holm over all 27 rows would make a verdict
+impossible at the documented minimum of 6 repeats (the smallest exact p, 2/64, exceeds 0.05/27), so
+the primary rows are kept out of that family: at 6 repeats only they can be called; the secondary
+rows need the n ``pairs_for_a_verdict(family)`` names (10 for 24 rows).
 
 Accuracy: both arms answer the same questions, so the questions only one arm got right decide
-(McNemar's exact test); with d such questions its smallest p is 2 / 2^d as well."""
+(McNemar's exact test, one test per run: no correction); with d such questions its smallest p is
+2 / 2^d as well."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -23,7 +38,12 @@ from typing import Any
 
 from k3_amd_overlay import json_values
 
-SIGNIFICANCE = 0.05  # the two-sided level at which a paired difference is called a difference
+SIGNIFICANCE = 0.05  # the two-sided level (family-wise, for the rows judged together) of a verdict
+# The smallest effect a verdict names: a geometric-mean ratio within 1% of 1x is no verdict however small
+# its p. Serving numbers move by about that much between otherwise identical runs (GPU clocks, heat,
+# scheduling), so a consistent 0.2% at n=6 says nothing an operator could act on.
+MIN_EFFECT = 0.01
+PRIMARY_METRIC = "TPOT p50 (ms)"  # judged alone at each concurrency; every other row: Holm across the comparison
 BOOTSTRAP_RESAMPLES = 10_000
 EXACT_MAX_PAIRS = 16  # up to 2^16 sign patterns enumerated; beyond, the same number drawn at random
 
@@ -39,6 +59,12 @@ SERVING_METRICS: tuple[tuple[str, str, bool], ...] = (
     ("E2EL p99 (ms)", "p99_e2el_ms", False),
     ("out tok/s", "output_throughput", True),
 )
+METHOD = ("Paired over the ABBA repeats: the ratio is the geometric mean of the per-repeat ratios (exp of the mean "
+          "paired log-ratio); 95% CI: percentile bootstrap (10,000 resamples) of the mean paired log-ratio; p: exact "
+          f"two-sided sign-flip test of the paired log-ratios; {PRIMARY_METRIC}, the primary metric, is judged alone "
+          "at each concurrency, every other row with Holm's correction across the comparison (p adj.); a verdict "
+          f"needs p adj. < {SIGNIFICANCE}, the whole CI on the ratio's side of 1x and an effect of at least "
+          f"{MIN_EFFECT:.0%}.")
 
 
 def unusable_metric(record: Any) -> str | None:
@@ -72,17 +98,36 @@ def smallest_p(n: int) -> float:
     return min(1.0, 2.0 / 2 ** n) if n > 0 else 1.0
 
 
-def pairs_for_a_verdict() -> int:
-    """The fewest pairs whose smallest possible p is below SIGNIFICANCE (6 at 0.05)."""
-    return next(n for n in itertools.count(1) if smallest_p(n) < SIGNIFICANCE)
+def pairs_for_a_verdict(family: int = 1) -> int:
+    """The fewest pairs whose smallest possible p, Holm-adjusted in a family of ``family`` rows (the
+    first step multiplies it by ``family``), is below SIGNIFICANCE: 6 for a row judged alone, 10 for 24."""
+    return next(n for n in itertools.count(1) if family * smallest_p(n) < SIGNIFICANCE)
 
 
-def no_verdict_reason(n: int) -> str | None:
-    """Why n pairs can never give a verdict, or None where they can."""
-    if smallest_p(n) < SIGNIFICANCE:
+def no_verdict_reason(n: int, family: int = 1) -> str | None:
+    """Why n pairs can never give a verdict in a family of ``family`` rows judged together (1: a row
+    judged alone), or None where they can."""
+    least = min(1.0, family * smallest_p(n))
+    if least < SIGNIFICANCE:
         return None
-    return (f"with n={n} the smallest possible p is {smallest_p(n):.3g}: no verdict possible "
-            f"(p < {SIGNIFICANCE} needs n >= {pairs_for_a_verdict()})")
+    if family == 1:
+        return (f"with n={n} the smallest possible p is {least:.3g}: no verdict possible "
+                f"(p < {SIGNIFICANCE} needs n >= {pairs_for_a_verdict()})")
+    return (f"with n={n} and {family} rows judged together (Holm) the smallest possible adjusted p is {least:.3g}: "
+            f"no verdict possible on them (p adj. < {SIGNIFICANCE} needs n >= {pairs_for_a_verdict(family)})")
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given: sorted ascending, the k-th smallest
+    (from 0) times (m - k), never below the one before it, capped at 1. Each adjusted p below a
+    level rejects at that family-wise level."""
+    m = len(p_values)
+    adjusted = [1.0] * m
+    running = 0.0
+    for rank, index in enumerate(sorted(range(m), key=lambda i: p_values[i])):
+        running = max(running, min(1.0, (m - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
 
 
 def sign_flip_p(values: Sequence[float]) -> float:
@@ -126,26 +171,48 @@ class MetricRow:
     repeats: int
     median_a: float | None
     median_b: float | None
-    ratio: float | None  # median paired ratio; > 1: arm B is better (lower latency or higher throughput)
-    ci_low: float | None  # 95% bootstrap interval of the paired ratio (geometric mean)
+    ratio: float | None  # geometric mean of the paired ratios; > 1: arm B is better (lower latency, higher throughput)
+    ci_low: float | None  # 95% bootstrap interval of that geometric mean
     ci_high: float | None
     p_value: float | None  # exact sign-flip test of the paired log-ratios
     unusable: str | None = None  # why the row has no usable ratio; None where it has one
+    family: int = 1  # rows judged together with this one (Holm); 1: judged alone (the primary metric)
+    p_adjusted: float | None = None  # Holm-adjusted p over ``family`` rows; None: p_value (judged alone)
+
+    @property
+    def p_judged(self) -> float | None:
+        """The p the verdict reads: Holm-adjusted where the row is judged in a family."""
+        return self.p_value if self.p_adjusted is None else self.p_adjusted
 
     @property
     def verdict(self) -> str:
-        if self.unusable or self.ratio is None or self.p_value is None:
+        """faster / slower only on matching evidence (module docstring); else why there is none."""
+        p = self.p_judged
+        if self.unusable or self.ratio is None or p is None or self.ci_low is None or self.ci_high is None:
             return f"{UNUSABLE}: {self.unusable or 'no finite ratio'}"
-        if no_verdict_reason(self.repeats):
-            return f"no verdict possible at n={self.repeats}"
-        if self.p_value < SIGNIFICANCE:
-            return "faster" if self.ratio > 1 else "slower"
-        return "no difference detected at this n"
+        if no_verdict_reason(self.repeats, self.family):
+            return f"no verdict possible at n={self.repeats}" + (
+                f" (Holm over {self.family} rows)" if self.family > 1 else "")
+        if p >= SIGNIFICANCE:
+            return "no difference detected at this n"
+        return _judged(self.ratio, self.ci_low, self.ci_high)
 
     def to_json(self) -> dict[str, Any]:
         """The row as summary.json holds it: standard JSON (no NaN or Infinity), its verdict said."""
-        fields = {k: v for k, v in asdict(self).items() if k != "unusable"}
-        return {**fields, "verdict": self.verdict}
+        fields = {k: v for k, v in asdict(self).items() if k not in ("unusable", "p_adjusted")}
+        return {**fields, "p_adjusted": self.p_judged, "verdict": self.verdict}
+
+
+def _judged(ratio: float, ci_low: float, ci_high: float) -> str:
+    """The verdict of a row whose p is below the level: its direction where the interval agrees
+    with the ratio and the effect is large enough to name."""
+    if ci_low <= 1.0 <= ci_high:
+        return "no verdict: p is below the level, but the 95% CI includes 1x (the test and the interval disagree)"
+    if (ratio > 1.0) != (ci_low > 1.0):
+        return "no verdict: the ratio lies on the other side of 1x from its 95% CI"
+    if abs(math.log(ratio)) < math.log1p(MIN_EFFECT):
+        return f"no verdict: effect under {MIN_EFFECT:.0%}"
+    return "faster" if ratio > 1 else "slower"
 
 
 def _finite(value: float) -> float | None:
@@ -163,15 +230,16 @@ def _exp(value: float) -> float:
 def paired_row(concurrency: int, metric: str, higher_better: bool, a: Sequence[float],
                b: Sequence[float]) -> MetricRow:
     """One metric at one concurrency from the arms' per-repeat values (each more than 0 and finite),
-    paired by repeat; an unusable row (its verdict says why) where a paired ratio or a median is
-    beyond what a float holds."""
+    paired by repeat, judged alone; an unusable row (its verdict says why) where a paired ratio or a
+    median is beyond what a float holds."""
     ratios = [(y / x if higher_better else x / y) for x, y in zip(a, b, strict=True)]
     median_a, median_b = statistics.median(a), statistics.median(b)
     if all(0 < r < math.inf for r in ratios):  # else a ratio overflowed, or underflowed to 0 (no logarithm)
         logs = [math.log(r) for r in ratios]
         low, high = bootstrap_interval(logs)
-        ratio, ci_low, ci_high = statistics.median(ratios), _exp(low), _exp(high)
-        if all(math.isfinite(v) for v in (median_a, median_b, ratio, ci_low, ci_high)):
+        ratio, ci_low, ci_high = _exp(statistics.fmean(logs)), _exp(low), _exp(high)
+        if all(math.isfinite(v) and v > 0 for v in (ratio, ci_low, ci_high)) and \
+                all(math.isfinite(v) for v in (median_a, median_b)):
             return MetricRow(concurrency, metric, len(ratios), median_a, median_b, ratio, ci_low, ci_high,
                              sign_flip_p(logs))
     why = (f"arm A's values {list(a)} and arm B's {list(b)} are too far apart for a finite paired ratio or median "
@@ -180,11 +248,22 @@ def paired_row(concurrency: int, metric: str, higher_better: bool, a: Sequence[f
                      why)
 
 
+def judge_together(rows: Sequence[MetricRow]) -> list[MetricRow]:
+    """``rows`` (one comparison) as they are judged: PRIMARY_METRIC's rows alone, every other usable
+    row with Holm's correction across all of them (unusable rows have no p to correct)."""
+    secondary = [i for i, r in enumerate(rows) if r.metric != PRIMARY_METRIC and r.p_value is not None]
+    adjusted = holm([rows[i].p_value for i in secondary])  # type: ignore[misc]  # not None: filtered above
+    judged = list(rows)
+    for index, p in zip(secondary, adjusted, strict=True):
+        judged[index] = dataclasses.replace(rows[index], family=len(secondary), p_adjusted=p)
+    return judged
+
+
 def serving_rows(results: dict[str, dict[int, list[dict[str, Any]]]], candidate: str = "B",
                  baseline: str = "A") -> list[MetricRow]:
     """results[arm label][concurrency] = one bench JSON per repeat, in repeat order -> the rows of
     ``candidate`` against ``baseline``, over the repeats both arms completed (a metric either arm
-    lacks is left out)."""
+    lacks is left out), judged together (judge_together)."""
     rows = []
     for concurrency in sorted(results.get(baseline, {})):
         runs_a, runs_b = results[baseline][concurrency], results.get(candidate, {}).get(concurrency, [])
@@ -194,7 +273,7 @@ def serving_rows(results: dict[str, dict[int, list[dict[str, Any]]]], candidate:
             if usable:
                 a, b = zip(*usable, strict=True)
                 rows.append(paired_row(concurrency, label, higher_better, a, b))
-    return rows
+    return judge_together(rows)
 
 
 def _shown(value: float | None, spec: str, unit: str = "") -> str:
@@ -202,18 +281,24 @@ def _shown(value: float | None, spec: str, unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
-def render_serving(rows: Sequence[MetricRow]) -> str:
-    lines = ["| conc | metric | A median | B median | B vs A (paired) | 95% CI | p | n | verdict |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def _metric_cell(row: MetricRow) -> str:
+    """The metric's name, marked where it is the primary metric judged alone."""
+    return f"{row.metric} [primary]" if row.metric == PRIMARY_METRIC and row.family == 1 else row.metric
+
+
+def render_serving(rows: Sequence[MetricRow], candidate: str = "B") -> str:
+    """The comparison's table (``candidate`` against A), then each reason a row can give no verdict."""
+    lines = [f"| conc | metric | A median | {candidate} median | {candidate} vs A (geo. mean of paired ratios) | "
+             "95% CI | p | p adj. | n | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         interval = "n/a" if r.ci_low is None or r.ci_high is None else f"{r.ci_low:.3f}-{r.ci_high:.3f}x"
-        lines.append(f"| {r.concurrency} | {r.metric} | {_shown(r.median_a, '.2f')} | {_shown(r.median_b, '.2f')} | "
-                     f"{_shown(r.ratio, '.3f', 'x')} | {interval} | {_shown(r.p_value, '.3f')} | {r.repeats} | "
-                     f"{r.verdict} |")
-    lines += [f"\n{reason}" for reason in sorted({no_verdict_reason(r.repeats) for r in rows} - {None})]
+        lines.append(f"| {r.concurrency} | {_metric_cell(r)} | {_shown(r.median_a, '.2f')} | "
+                     f"{_shown(r.median_b, '.2f')} | {_shown(r.ratio, '.3f', 'x')} | {interval} | "
+                     f"{_shown(r.p_value, '.3f')} | {_shown(r.p_judged, '.3f')} | {r.repeats} | {r.verdict} |")
+    reasons = {no_verdict_reason(r.repeats, r.family) for r in rows}
+    lines += [f"\n{reason}" for reason in sorted(reasons - {None})]
     return "\n".join(lines)
-
-
 
 
 def mcnemar_exact_p(only_a: int, only_b: int) -> float:

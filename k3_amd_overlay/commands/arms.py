@@ -2,7 +2,11 @@
 arguments except ``K3_AMD_OVERLAY``, proved (``k3-amd-overlay check``) to run the path it claims
 before anything is measured and again after the measurement, while it still serves (a fused kernel
 that fails mid-run leaves the rest of that process stock: kernel_failures.py), then stopped
-cleanly. Shared by ``k3-amd-overlay ab-serve`` and ``gsm8k-ab`` (their statistics: ab_stats.py)."""
+cleanly. Shared by ``k3-amd-overlay ab-serve`` and ``gsm8k-ab`` (their statistics: ab_stats.py).
+Each proof is ``check --json``: kept whole (CHECK_JSON, CHECK_AFTER_JSON), as ``check`` would print
+it (CHECK_FILE, CHECK_AFTER_FILE), and read back by ``proved_fusions`` for what each fusion ran as
+(applied: the overlay's; upstream: vLLM's own; forced-stock; ...), so a summary credits each
+fusion to the code that ran it."""
 
 from __future__ import annotations
 
@@ -18,12 +22,16 @@ import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from k3_amd_overlay import json_files
 from k3_amd_overlay.commands.usage import UsageError, check_baselines, check_executables, check_switches, split_command
 from k3_amd_overlay.settings import MARKER_DIR, SWITCH, Mode, SettingsError, load_settings
 
 CHECK_FILE = "check.txt"  # in each arm's folder: the check before its measurement
 CHECK_AFTER_FILE = "check-after.txt"  # ... and the check after it, with its server still up
+CHECK_JSON = "check.json"  # each as `check --json` gave it
+CHECK_AFTER_JSON = "check-after.json"
 
 
 ARM_LABELS = ("arm A", "arm B", "arm C")  # each arm's name in what the tools say, in the order given
@@ -127,6 +135,93 @@ def reason(exc: Exception) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def _check_object(stdout: str) -> dict[str, Any] | None:
+    """``check --json``'s object, or None where its output is none (it crashed before printing one)."""
+    try:
+        result = json.loads(stdout)
+    except ValueError:
+        return None
+    return result if isinstance(result, dict) else None
+
+
+def check_text(result: dict[str, Any]) -> str:
+    """A ``check --json`` object as ``check`` prints it without ``--json`` (cli.cmd_check): its notes
+    and lines, then whether it holds over how many processes."""
+    count = len(result.get("records") or [])
+    holds = "HOLDS" if result.get("holds") is True else "DOES NOT HOLD"
+    lines = [*(result.get("notes") or []), *(result.get("lines") or [])]
+    return "\n".join([*map(str, lines), f"{holds}: expect {result.get('expect')} "
+                                         f"({count} process{'es' if count != 1 else ''})"]) + "\n"
+
+
+class ProofUnreadable(ValueError):
+    """A saved proof (check.json / check-after.json) that is not what ``check --json`` writes."""
+
+
+def _states(record: dict[str, Any]) -> dict[str, tuple[str, int]] | None:
+    """Each fusion's (state, layers) in a record as ``check --json`` gives it; None where its
+    "fusions" is not an object of such entries."""
+    fusions = record.get("fusions") or {}
+    if not isinstance(fusions, dict):
+        return None
+    states = {}
+    for name, entry in fusions.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("state"), str)):
+            return None
+        layers = entry.get("layers", 0)
+        states[str(name)] = (entry["state"], layers if isinstance(layers, int) else 0)
+    return states
+
+
+def proved_fusions(path: Path) -> dict[str, Any] | None:
+    """What the proof saved at ``path`` (a held ``check --json``) shows the arm ran: {"mode": the
+    overlay's mode, "fusions": {fusion: [each state it had]}} over the processes that built K3 MLA
+    layers (every process where none did); None where no proof was saved there. ProofUnreadable
+    names the file and what is wrong where one was saved but is not such a proof."""
+    try:
+        result = json_files.load(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ProofUnreadable(f"{path} is no saved check: {exc}") from None
+    records = result.get("records") if isinstance(result, dict) else None
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ProofUnreadable(f"{path} is no saved check: its \"records\" is not a list of records")
+    read = []
+    for record in records:
+        states = _states(record)
+        if states is None:
+            raise ProofUnreadable(f"{path} is no saved check: a record's \"fusions\" is not an object of fusion "
+                                  "states")
+        if record.get("role") != "cli-client":  # as check judges: a CLI client runs no model
+            read.append((record, states))
+    judged = [(r, s) for r, s in read if any(layers > 0 for _, layers in s.values())] or read
+    modes = sorted({str(r.get("mode")) for r, _ in judged})
+    fusions: dict[str, set[str]] = {}
+    for _, states in judged:
+        for name, (state, _) in states.items():
+            fusions.setdefault(name, set()).add(state)
+    return {"mode": "/".join(modes) or "none", "fusions": {n: sorted(s) for n, s in sorted(fusions.items())}}
+
+
+def merge_proved(proofs: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One arm's proofs over its repeats as one: each fusion's states in any of them; None where any
+    repeat saved none (what ran there is not known)."""
+    mode: set[str] = set()
+    fusions: dict[str, set[str]] = {}
+    seen = False
+    for proof in proofs:
+        if proof is None:
+            return None
+        seen = True
+        mode.update(proof["mode"].split("/"))
+        for name, states in proof["fusions"].items():
+            fusions.setdefault(name, set()).update(states)
+    if not seen:
+        return None
+    return {"mode": "/".join(sorted(mode)), "fusions": {n: sorted(s) for n, s in sorted(fusions.items())}}
+
+
 class Server:
     """One ``vllm serve`` (or stand-in) for one arm, in its own process group."""
 
@@ -182,17 +277,22 @@ class Server:
                             f"{detail}{hint}; log: {self.log_path}") from None
 
     def prove(self, after: bool = False) -> str:
-        """Run the check against this server's own markers; raise ArmFailed unless it holds. The
-        proof before the measurement is kept in CHECK_FILE, the one ``after`` it in CHECK_AFTER_FILE."""
+        """Run the check (``--json``) against this server's own markers; raise ArmFailed unless it
+        holds. The proof before the measurement is kept in CHECK_FILE and CHECK_JSON, the one
+        ``after`` it in CHECK_AFTER_FILE and CHECK_AFTER_JSON. Its text, as ``check`` prints it."""
         proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay", "check", "--expect", self.arm.expect,
-                               "--marker-dir", str(self.marker_dir)], capture_output=True, text=True)
-        (self.workdir / (CHECK_AFTER_FILE if after else CHECK_FILE)).write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
+                               "--marker-dir", str(self.marker_dir), "--json"], capture_output=True, text=True)
+        result = _check_object(proc.stdout)
+        text = check_text(result) if result is not None else proc.stdout + proc.stderr
+        (self.workdir / (CHECK_AFTER_FILE if after else CHECK_FILE)).write_text(text)
+        if result is not None:
+            (self.workdir / (CHECK_AFTER_JSON if after else CHECK_JSON)).write_text(proc.stdout)
+        if proc.returncode != 0 or result is None or result.get("holds") is not True:
             state = "no longer" if after else "not"
             when = " after its measurement (its results are not used)" if after else ""
             raise ArmFailed(f"arm {self.arm.label} ({SWITCH}={self.arm.switch}) is {state} {self.arm.expect}{when}:\n"
-                            f"{proc.stdout.strip()}\nlogs: {self.workdir}")
-        return proc.stdout
+                            f"{text.strip()}\nlogs: {self.workdir}")
+        return text
 
     def stop(self, grace: float = 60.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
