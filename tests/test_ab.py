@@ -236,6 +236,20 @@ def test_ab_serve_proves_each_arm_again_after_its_benches(tmp_path):
     assert "not compared: repeat0-armB" in (tmp_path / "summary.md").read_text()
 
 
+def test_ab_serve_fails_an_arm_whose_fused_path_ran_in_no_batch_of_its_measurement(tmp_path):
+    """Proved fused on its probe request, arm B's server ran every bench batch stock (a self-measurement
+    sent those batch sizes to stock): its check still held after the benches, on the probe's batches, and
+    the run credited stock's TPOT to the overlay. Now the proofs' counts of served batches must grow."""
+    proc = serve_standin(tmp_path, "--concurrency", "1", "--repeats", "1", env={"STANDIN_GATED": "1"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert ("ABORTED: arm B (K3_AMD_OVERLAY=1) ran the overlay's fused path in no batch of its measurement (its "
+            "results are not used): decode (2 batches before it, 2 after); qkv_norm (1 batches before it, 1 after)"
+            ) in proc.stderr
+    assert "HOLDS: expect fused" in (tmp_path / "repeat0-armB" / "check-after.txt").read_text()
+    assert json.loads((tmp_path / "summary.json").read_text())["aborted"].startswith(
+        "arm B (K3_AMD_OVERLAY=1) ran the overlay's fused path in no batch")
+
+
 def test_gsm8k_ab_proves_each_arm_again_after_lm_eval(tmp_path):
     proc = run_script("gsm8k_ab.py", "--model", "k3", "--out", str(tmp_path), "--port", str(free_port()),
                       "--health-timeout", "60", "--serve-cmd", f"{sys.executable} {STANDINS / 'fake_serve.py'}",

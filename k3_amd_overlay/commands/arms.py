@@ -26,6 +26,7 @@ from typing import Any
 
 from k3_amd_overlay import json_files
 from k3_amd_overlay.commands.usage import UsageError, check_baselines, check_executables, check_switches, split_command
+from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import MARKER_DIR, SWITCH, Mode, SettingsError, load_settings
 
 CHECK_FILE = "check.txt"  # in each arm's folder: the check before its measurement
@@ -173,6 +174,46 @@ def _states(record: dict[str, Any]) -> dict[str, tuple[str, int]] | None:
     return states
 
 
+# The fused paths whose batches a measurement must show ran: the norm pair, and the decode, where the
+# absorbed launch takes the batches qk_cache's would (verdict.DOES_THE_WORK_OF), so the two count as one.
+PATHS = {QKV_NORM: QKV_NORM, QK_CACHE: "decode", ABSORB_QK_CACHE: "decode"}
+
+
+def batches_run(result: dict[str, Any]) -> dict[str, int]:
+    """Per fused path (PATHS), the served and replayed batches its fused launches ran in, as a held
+    ``check --json`` object counts them over its records (a CLI client's aside; a malformed entry
+    counts nothing)."""
+    counted: dict[str, int] = {}
+    for record in result.get("records") or []:
+        if not isinstance(record, dict) or record.get("role") == "cli-client":
+            continue
+        fusions = record.get("fusions")
+        for name, entry in (fusions.items() if isinstance(fusions, dict) else ()):
+            runs = entry.get("runs") if isinstance(entry, dict) else None
+            if name in PATHS and isinstance(runs, dict):
+                served = sum(n for phase, n in runs.items() if phase in ("served", "replay") and type(n) is int)
+                counted[PATHS[name]] = counted.get(PATHS[name], 0) + served
+    return counted
+
+
+def applied_paths(result: dict[str, Any]) -> set[str]:
+    """The fused paths (PATHS) some record of a held ``check --json`` object has the overlay's own
+    (state ``applied``)."""
+    found = set()
+    for record in result.get("records") or []:
+        states = _states(record) if isinstance(record, dict) else None
+        found.update(PATHS[n] for n, (state, _) in (states or {}).items() if n in PATHS and state == "applied")
+    return found
+
+
+def unrun_paths(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The overlay's fused paths of the proof ``before`` a measurement that ran in no further served or
+    replayed batch by the proof ``after`` it, each with its two counts."""
+    ran_before, ran_after = batches_run(before), batches_run(after)
+    return [f"{path} ({ran_before.get(path, 0)} batches before it, {ran_after.get(path, 0)} after)"
+            for path in sorted(applied_paths(before)) if ran_after.get(path, 0) <= ran_before.get(path, 0)]
+
+
 def proved_fusions(path: Path) -> dict[str, Any] | None:
     """What the proof saved at ``path`` (a held ``check --json``) shows the arm ran: {"mode": the
     overlay's mode, "fusions": {fusion: [each state it had]}} over the processes that built K3 MLA
@@ -292,7 +333,25 @@ class Server:
             when = " after its measurement (its results are not used)" if after else ""
             raise ArmFailed(f"arm {self.arm.label} ({SWITCH}={self.arm.switch}) is {state} {self.arm.expect}{when}:\n"
                             f"{text.strip()}\nlogs: {self.workdir}")
+        if after and self.arm.expect == "fused":
+            self.check_measured_fused(result)
         return text
+
+    def check_measured_fused(self, after: dict[str, Any]) -> None:
+        """ArmFailed unless each of the overlay's fused paths the first proof found ran in some batch of
+        the measurement: a proof holds on batches run before it (the probe request), so a path a
+        self-measurement gate sent to stock at every batch size the measurement used would still hold."""
+        try:
+            before = json_files.load(self.workdir / CHECK_JSON)
+        except (OSError, ValueError) as exc:
+            raise ArmFailed(f"arm {self.arm.label}: its first proof {self.workdir / CHECK_JSON} cannot be read back "
+                            f"({exc}); logs: {self.workdir}") from None
+        unrun = unrun_paths(before if isinstance(before, dict) else {}, after)
+        if unrun:
+            raise ArmFailed(f"arm {self.arm.label} ({SWITCH}={self.arm.switch}) ran the overlay's fused path in no "
+                            f"batch of its measurement (its results are not used): {'; '.join(unrun)}; the marker says "
+                            f"where stock runs and why (a self-measurement may send these batch sizes to stock)\n"
+                            f"logs: {self.workdir}")
 
     def stop(self, grace: float = 60.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

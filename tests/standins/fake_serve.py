@@ -5,7 +5,9 @@ STANDIN_LIE=stock makes it record stock whatever the switch says (an arm mix-up 
 STANDIN_SERVED_NAME answers 404 to a completion for any other model name, as vLLM does.
 STANDIN_KERNEL_FAILS=1 makes every fused kernel fail when the bench (or lm-eval) first asks
 /standin/arm: the overlay's own refusal (kernel_failures.refuse) marks each fusion refused and the
-process runs stock from then on, as a server whose kernel fails mid-run does."""
+process runs stock from then on, as a server whose kernel fails mid-run does. Otherwise each ask of
+/standin/arm serves one batch through each fusion's fused path, as the measurement's batches do,
+unless STANDIN_GATED=1: a self-measurement sends every batch the measurement makes to stock."""
 
 import json
 import os
@@ -66,6 +68,9 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path == "/standin/arm":
             if os.environ.get("STANDIN_KERNEL_FAILS"):
                 kernels_fail()
+            elif evidence and settings.mode is Mode.AUTO and not os.environ.get("STANDIN_GATED"):
+                for fusion in settings.fusions:
+                    execute_model(evidence.effective_hook(fusion, "model.layers.3.self_attn.attn"))
             self._reply({"switch": os.environ.get("K3_AMD_OVERLAY", "")})
         else:
             self.send_error(404)
