@@ -2,13 +2,16 @@
 files, bench results, model configs): one reader, so each refuses the same things with a reason
 the caller puts in its own error: a path that is not a regular file (a FIFO would block the reader
 forever), a file that cannot be read or is not UTF-8, text that is not JSON, and JSON nested deeper
-than Python's parser can follow (``json`` raises RecursionError there, which no caller expects)."""
+than Python's parser can follow (``json`` raises RecursionError there, which no caller expects).
+And the one writer of such files that other processes read while they change (markers, the
+self-measurement): a temporary file beside the target and one rename."""
 
 from __future__ import annotations
 
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 NOT_REGULAR = "not a regular file (a FIFO, socket, device or folder): not read"
@@ -38,3 +41,24 @@ def load(path: str | os.PathLike[str]) -> object:
     """The JSON value in the file at ``path``: OSError where it cannot be read (NOT_REGULAR where it is
     not a regular file), ValueError where it is not UTF-8 JSON a parser can follow."""
     return parse(read_regular(Path(path)))
+
+
+def replace_atomically(path: Path, text: str, prefix: str, durable: bool = False) -> None:
+    """``text`` as the file at ``path``, written to a temporary file beside it (``prefix``...``.tmp``)
+    and renamed over it: a reader sees the old file or the new, never half of one; ``durable``: flushed
+    to disk before the rename (a crash then leaves the old file or the whole new one). The temporary
+    file is removed on any failure."""
+    fd, temporary = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except FileNotFoundError:
+            pass
+        raise

@@ -110,17 +110,7 @@ def _refusal(directory: Path, info: os.stat_result) -> str | None:
 def write_marker(directory: Path, pid: int, record: dict[str, Any]) -> Path:
     """Atomically replace ``<pid>.json``: readers see the old record or the new, never half."""
     target = directory / f"{pid}{MARKER_SUFFIX}"
-    fd, tmp = tempfile.mkstemp(prefix=f".{pid}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(record, handle, sort_keys=True)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    json_files.replace_atomically(target, json.dumps(record, sort_keys=True), f".{pid}.")
     return target
 
 

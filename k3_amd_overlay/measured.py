@@ -506,28 +506,32 @@ def fused_anywhere(measurement: Measurement, fusion: str) -> bool:
                for _, why in gate_for(measurement, fusion, heads, variant).buckets)
 
 
+def _loaded_gate(loaded: Loaded, fusion: str, heads: int | None, variant: str | None, provider: str | None,
+                 upstream_fuses: bool, activations: str) -> BucketGate | None:
+    """``gate_for`` from what the server found: None without a file (every batch as the decisions
+    say); a file that cannot be used refuses every batch."""
+    if loaded.unusable:
+        return BucketGate((), loaded.unusable)
+    if loaded.measurement is None:
+        return None
+    return gate_for(loaded.measurement, fusion, heads, variant, provider, upstream_fuses, activations)
+
+
 def decode_gates(loaded: Loaded, heads: int, variant: str, providers: Mapping[str, str | None] | None = None,
                  upstream_fuses: bool = False, activations: str = ACTIVATIONS) -> dict[str, BucketGate] | None:
     """The decode plan's gates for a layer of ``heads`` heads per rank and this W_UK absorption, each
     fusion's for the provider ``providers`` names, on a layer vLLM fuses itself or not (None without
     a file: every batch as the decisions say; a file that cannot be used refuses every batch)."""
-    if loaded.unusable:
-        return {fusion: BucketGate((), loaded.unusable) for fusion in DECODE_FUSIONS}
-    if loaded.measurement is None:
-        return None
-    return {fusion: gate_for(loaded.measurement, fusion, heads, variant, (providers or {}).get(fusion),
-                             upstream_fuses, activations)
-            for fusion in DECODE_FUSIONS}
+    gates = {fusion: _loaded_gate(loaded, fusion, heads, variant, (providers or {}).get(fusion), upstream_fuses,
+                                  activations) for fusion in DECODE_FUSIONS}
+    return None if any(gate is None for gate in gates.values()) else gates
 
 
 def norm_gate(loaded: Loaded, provider: str | None = None, upstream_fuses: bool = False,
               activations: str = ACTIVATIONS) -> BucketGate | None:
     """The qkv_norm site's gate for ``provider``'s launch on ``activations``, on a layer vLLM fuses
     itself or not (None without a file; a file that cannot be used refuses every batch)."""
-    if loaded.unusable:
-        return BucketGate((), loaded.unusable)
-    return None if loaded.measurement is None else gate_for(loaded.measurement, QKV_NORM, provider=provider,
-                                                            upstream_fuses=upstream_fuses, activations=activations)
+    return _loaded_gate(loaded, QKV_NORM, None, None, provider, upstream_fuses, activations)
 
 
 def measured_first(missing: Mapping[str, str | None], setting: str,

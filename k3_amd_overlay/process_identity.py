@@ -28,6 +28,7 @@ PROCESS_NAME_ROLES = (("EngineCore", "engine-core"), ("Worker", "worker"), ("Api
 # The roles of processes that build (or, offline, are) the engine that runs the model: evidence of what
 # ran comes from them. An API server only tokenises and forwards requests.
 MODEL_ROLES = ("engine-core", "worker", "main")
+CLI_CLIENT = "cli-client"  # the role of a `vllm` command that only talks to a server: it runs no model
 
 
 def _vllm_command(argv: list[str]) -> list[str] | None:
@@ -57,7 +58,7 @@ def process_role(argv: list[str] | None = None, name: str | None = None) -> str:
         if needle in name:
             return role
     if is_cli_client(argv):
-        return "cli-client"
+        return CLI_CLIENT
     command = _vllm_command(argv)
     if (command and command[0] == "serve") or (argv and argv[0].endswith(API_SERVER_MODULE_FILE)):
         return "api-server"

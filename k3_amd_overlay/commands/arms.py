@@ -26,7 +26,9 @@ from typing import Any
 
 from k3_amd_overlay import json_files
 from k3_amd_overlay.commands.usage import UsageError, check_baselines, check_executables, check_switches, split_command
+from k3_amd_overlay.commands.verdict import report_lines
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
+from k3_amd_overlay.process_identity import CLI_CLIENT
 from k3_amd_overlay.settings import MARKER_DIR, SWITCH, Mode, SettingsError, load_settings
 
 CHECK_FILE = "check.txt"  # in each arm's folder: the check before its measurement
@@ -146,13 +148,9 @@ def _check_object(stdout: str) -> dict[str, Any] | None:
 
 
 def check_text(result: dict[str, Any]) -> str:
-    """A ``check --json`` object as ``check`` prints it without ``--json`` (cli.cmd_check): its notes
-    and lines, then whether it holds over how many processes."""
-    count = len(result.get("records") or [])
-    holds = "HOLDS" if result.get("holds") is True else "DOES NOT HOLD"
-    lines = [*(result.get("notes") or []), *(result.get("lines") or [])]
-    return "\n".join([*map(str, lines), f"{holds}: expect {result.get('expect')} "
-                                         f"({count} process{'es' if count != 1 else ''})"]) + "\n"
+    """A ``check --json`` object as ``check`` prints it without ``--json`` (verdict.report_lines)."""
+    return "\n".join(report_lines(result.get("notes") or [], result.get("lines") or [], result.get("holds") is True,
+                                  result.get("expect"), len(result.get("records") or []))) + "\n"
 
 
 class ProofUnreadable(ValueError):
@@ -185,7 +183,7 @@ def batches_run(result: dict[str, Any]) -> dict[str, int]:
     counts nothing)."""
     counted: dict[str, int] = {}
     for record in result.get("records") or []:
-        if not isinstance(record, dict) or record.get("role") == "cli-client":
+        if not isinstance(record, dict) or record.get("role") == CLI_CLIENT:
             continue
         fusions = record.get("fusions")
         for name, entry in (fusions.items() if isinstance(fusions, dict) else ()):
@@ -234,7 +232,7 @@ def proved_fusions(path: Path) -> dict[str, Any] | None:
         if states is None:
             raise ProofUnreadable(f"{path} is no saved check: a record's \"fusions\" is not an object of fusion "
                                   "states")
-        if record.get("role") != "cli-client":  # as check judges: a CLI client runs no model
+        if record.get("role") != CLI_CLIENT:  # as check judges: a CLI client runs no model
             read.append((record, states))
     judged = [(r, s) for r, s in read if any(layers > 0 for _, layers in s.values())] or read
     modes = sorted({str(r.get("mode")) for r, _ in judged})
@@ -274,6 +272,7 @@ class Server:
         self.marker_dir = workdir / "markers"
         self.log_path = workdir / "server.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.first_proof: dict[str, Any] | None = None  # the held check --json before the measurement
 
     @property
     def url(self) -> str:
@@ -333,7 +332,9 @@ class Server:
             when = " after its measurement (its results are not used)" if after else ""
             raise ArmFailed(f"arm {self.arm.label} ({SWITCH}={self.arm.switch}) is {state} {self.arm.expect}{when}:\n"
                             f"{text.strip()}\nlogs: {self.workdir}")
-        if after and self.arm.expect == "fused":
+        if not after:
+            self.first_proof = result
+        elif self.arm.expect == "fused":
             self.check_measured_fused(result)
         return text
 
@@ -341,12 +342,10 @@ class Server:
         """ArmFailed unless each of the overlay's fused paths the first proof found ran in some batch of
         the measurement: a proof holds on batches run before it (the probe request), so a path a
         self-measurement gate sent to stock at every batch size the measurement used would still hold."""
-        try:
-            before = json_files.load(self.workdir / CHECK_JSON)
-        except (OSError, ValueError) as exc:
-            raise ArmFailed(f"arm {self.arm.label}: its first proof {self.workdir / CHECK_JSON} cannot be read back "
-                            f"({exc}); logs: {self.workdir}") from None
-        unrun = unrun_paths(before if isinstance(before, dict) else {}, after)
+        if self.first_proof is None:
+            raise ArmFailed(f"arm {self.arm.label}: proved after its measurement with no proof before it; logs: "
+                            f"{self.workdir}")
+        unrun = unrun_paths(self.first_proof, after)
         if unrun:
             raise ArmFailed(f"arm {self.arm.label} ({SWITCH}={self.arm.switch}) ran the overlay's fused path in no "
                             f"batch of its measurement (its results are not used): {'; '.join(unrun)}; the marker says "

@@ -37,6 +37,7 @@ from k3_amd_overlay.commands.verdict import (
     judge,
     judge_doctor,
     judge_merge,
+    report_lines,
 )
 from k3_amd_overlay.package import FUSIONS, __version__
 from k3_amd_overlay.record import MarkerRecord, RecordError
@@ -275,10 +276,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                           **({} if verdict.holds else {"error": _check_error(args.expect, verdict.lines)})},
                          indent=1))
     else:
-        for line in notes + verdict.lines:
+        for line in report_lines(notes, verdict.lines, verdict.holds, args.expect, len(records)):
             print(line)
-        print(f"{'HOLDS' if verdict.holds else 'DOES NOT HOLD'}: expect {args.expect} "
-              f"({len(records)} process{'es' if len(records) != 1 else ''})")
     return 0 if verdict.holds else 1
 
 

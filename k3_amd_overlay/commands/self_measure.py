@@ -52,7 +52,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,17 +193,7 @@ def write(measurement: measured.Measurement, directory: Path, out: Callable[[str
         measurement = merged(measurement, path, out)
         data = measurement.to_json()
         measured.parse(json.loads(json.dumps(data)), str(path))
-        handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(handle, "w") as file:
-                file.write(json.dumps(data, indent=1) + "\n")
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(name, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(name)
-            raise
+        json_files.replace_atomically(path, json.dumps(data, indent=1) + "\n", f".{path.name}.", durable=True)
     return path
 
 

@@ -16,7 +16,7 @@ from k3_amd_overlay import measured
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import ABSORB_QK_CACHE, FUSIONS, QK_CACHE, __version__
 from k3_amd_overlay.phases import Phase
-from k3_amd_overlay.process_identity import MODEL_ROLES
+from k3_amd_overlay.process_identity import CLI_CLIENT, MODEL_ROLES
 from k3_amd_overlay.record import FusionEntry, MarkerRecord
 from k3_amd_overlay.settings import SWITCH, Mode, SettingsError, parse_switch
 
@@ -163,6 +163,14 @@ def _readable(what: str, entry: dict[str, Any], lines: Callable[[dict[str, Any]]
 NOT_RECORDED = FusionEntry(FusionState.DISABLED, reason="not in this process's record")
 
 
+def report_lines(notes: Iterable[object], lines: Iterable[object], holds: bool, expect: object,
+                 processes: int) -> list[str]:
+    """``check``'s report as it prints it without ``--json``: its notes and lines, then whether it
+    holds over how many processes."""
+    count = f"{processes} process{'es' if processes != 1 else ''}"
+    return [*map(str, notes), *map(str, lines), f"{'HOLDS' if holds else 'DOES NOT HOLD'}: expect {expect} ({count})"]
+
+
 def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] | None,
           require_effective: bool, static: bool = False, allow_mixed: bool = False) -> Verdict:
     """``fused`` holds where every process runs the overlay on (auto), each process that built K3
@@ -184,7 +192,7 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
     record of a fresh process that loaded the plugin and imported the K3 code but built no layer:
     ``fused`` then holds where each fusion is patched (``pending``) or already decided fused."""
     verdict = Verdict()
-    records = [r for r in records if r.role != "cli-client"]
+    records = [r for r in records if r.role != CLI_CLIENT]
     if expect == "off":
         return _judge_off(records)
     named = list(fusions) if fusions is not None else None
@@ -370,7 +378,7 @@ def judge_merge(nodes: list[NodeEvidence], expect: str, fusions: Iterable[str] |
             if record.host != node.host:
                 verdict.fail(f"{name}: holds {who(record)}, another host's process: that node's file proves "
                              "only its own processes")
-        own = [r for r in node.records if r.host == node.host and r.role != "cli-client"]
+        own = [r for r in node.records if r.host == node.host and r.role != CLI_CLIENT]
         judged += own
         if not own:
             missing = NO_OFF_RECORD if expect == "off" else (
