@@ -35,6 +35,7 @@ class OverlayActivationError(RuntimeError):
 
 NO_SHAPE = "its K3 AMD code matches no shape this overlay knows"
 NO_ANCHORS = "this vLLM lacks anchors of every fusion asked for"
+LIVE_ANCHOR_FAILED = "a failed live anchor check reverts every overlay patch and refuses every fusion, strict or not"
 DEACTIVATED = ("deactivated (k3_amd_overlay.deactivate()): the overlay's patches reverted in this process; layers "
                "built before keep the overlay's sites, later ones run vLLM's own code: neither one arm nor the other")
 
@@ -157,7 +158,8 @@ class Activation:
                 return
             for fusion in fusions:  # the marker says so before the stop
                 self.evidence.set_fusion(fusion, FusionState.REFUSED, message)
-            stop = f"k3-amd-overlay (vLLM {installed_vllm_version()}): {message}; {_how_to_proceed()}"
+            stop = (f"k3-amd-overlay (vLLM {installed_vllm_version()}): {message}; "
+                    f"{_how_to_proceed(LIVE_ANCHOR_FAILED)}")
             # raised from an import hook, vLLM's model registry may catch it and say only that the
             # architecture failed to be inspected: this line says why in the overlay's words
             logger.error("%s", stop)

@@ -33,7 +33,9 @@ class MarkerWriter:
 
     def write(self, record: MarkerRecord) -> None:
         """``record``, stamped now, as this process's marker; a failure is recorded and warned about
-        once: serving must never fail over evidence."""
+        once: serving must never fail over evidence. A failed write voids the last marker (its record
+        is what the process was, not what it is: a state change since, a refusal, would not reach it),
+        so ``check`` fails on this process rather than trust it; the next write that succeeds restores it."""
         record.updated = time.time()
         self._last_write = time.monotonic()
         if self._directory is None:
@@ -41,8 +43,9 @@ class MarkerWriter:
         try:
             self.path = markers.write_marker(self._directory, record.pid, record.to_json())
         except OSError as exc:
+            voided = markers.void_marker(self._directory, record.pid)
             if self.error is None:
-                self.error = f"marker write failed in {self._directory}: {exc}"
+                self.error = f"marker write failed in {self._directory}: {exc}; {voided}"
                 log_lines.emit(logging.WARNING, f"k3-amd-overlay: {self.error}")
 
     def forget_path(self) -> None:

@@ -1,5 +1,7 @@
 """Per-process evidence markers on disk: the directory (per user, 0700, no symlinks, owned by
-this user), atomic writes, reading them back, and telling live processes from stale files."""
+this user), atomic writes, reading them back, and telling live processes from stale files and
+from foreign ones (a file that is not the marker its writer would have left: another name than
+``<pid>.json``, or another owner than the process it names)."""
 
 from __future__ import annotations
 
@@ -69,18 +71,24 @@ def _uncreatable(directory: Path) -> str | None:
 
 
 def forgeable(directory: Path) -> str | None:
-    """Why markers read from ``directory`` could have been written by anyone: it is a symlink, or
-    writable by group or others, so no process of this overlay wrote there (``ensure_marker_dir``
-    refuses it) and another user could have; None otherwise, and where it does not exist. Another
-    owner is no reason: root checks the markers of the user vLLM runs as."""
+    """Why markers read from ``directory`` could have been written by someone else than a process of
+    this overlay run by this user: it is a symlink, writable by group or others, or (for a checker that
+    is not root) owned by another user, so ``ensure_marker_dir`` refuses it for this user's processes
+    and another user could have put anything there; None otherwise, and where it does not exist.
+    Root may read another owner's directory (it checks the markers of the user vLLM runs as): each
+    marker's own owner is then checked against its process's (``read_markers``)."""
     try:
         info = os.lstat(directory)
     except OSError:
         return None
     if stat.S_ISLNK(info.st_mode):
         return _a_symlink(directory)
-    if stat.S_ISDIR(info.st_mode) and info.st_mode & 0o022:  # the reason that decided it, whoever owns it
+    if not stat.S_ISDIR(info.st_mode):
+        return None
+    if info.st_mode & 0o022:  # the reason that decided it, whoever owns it
         return _writable(directory, info)
+    if os.getuid() != 0 and info.st_uid != os.getuid():
+        return _owned_by_another(directory, info)
     return None
 
 
@@ -93,6 +101,11 @@ def _writable(directory: Path, info: os.stat_result) -> str:
             f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 700 it")
 
 
+def _owned_by_another(directory: Path, info: os.stat_result) -> str:
+    return (f"marker directory {directory} is owned by uid {info.st_uid}, not this user "
+            f"({os.getuid()}); set K3_AMD_OVERLAY_MARKER_DIR to a directory you own")
+
+
 def _refusal(directory: Path, info: os.stat_result) -> str | None:
     """Why the existing ``directory`` (``info``: its lstat) is unsafe as the marker directory, or None."""
     if stat.S_ISLNK(info.st_mode):
@@ -100,18 +113,45 @@ def _refusal(directory: Path, info: os.stat_result) -> str | None:
     if not stat.S_ISDIR(info.st_mode):
         return f"marker directory {directory} is not a directory"
     if info.st_uid != os.getuid():
-        return (f"marker directory {directory} is owned by uid {info.st_uid}, not this user "
-                f"({os.getuid()}); set K3_AMD_OVERLAY_MARKER_DIR to a directory you own")
+        return _owned_by_another(directory, info)
     if info.st_mode & 0o022:
         return _writable(directory, info)
     return None
 
 
+def marker_path(directory: Path, pid: int) -> Path:
+    """The one name the marker of ``pid`` has (``<pid>.json``): the writer gives no other, and a reader
+    trusts no other."""
+    return directory / f"{pid}{MARKER_SUFFIX}"
+
+
 def write_marker(directory: Path, pid: int, record: dict[str, Any]) -> Path:
     """Atomically replace ``<pid>.json``: readers see the old record or the new, never half."""
-    target = directory / f"{pid}{MARKER_SUFFIX}"
+    target = marker_path(directory, pid)
     json_files.replace_atomically(target, json.dumps(record, sort_keys=True), f".{pid}.")
     return target
+
+
+def void_marker(directory: Path, pid: int) -> str:
+    """After a failed write of the marker of ``pid``: make its last contents unreadable, so that no
+    reader trusts a record the process has moved on from; say what became of it. Emptied in place
+    where it can be (truncating frees its blocks, so it works on a full disk, and an empty marker of a
+    live process fails ``check``), else removed (``check`` then no longer sees the process)."""
+    path = marker_path(directory, pid)
+    try:
+        os.truncate(path, 0)
+        return f"its last marker {path} emptied, so `check` fails on this process until a write succeeds"
+    except FileNotFoundError:
+        return "it had no marker yet"
+    except OSError:
+        pass
+    try:
+        path.unlink()
+        return f"its last marker {path} removed, so `check` no longer sees this process"
+    except FileNotFoundError:
+        return "it had no marker yet"
+    except OSError as exc:
+        return f"its last marker {path} could be neither emptied nor removed ({exc.strerror or exc}): it is stale"
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -172,19 +212,46 @@ def _running_stat(pid: int) -> list[str] | Literal[False] | None:
     return fields
 
 
+def process_uid(pid: int) -> int | None:
+    """The uid owning ``/proc/<pid>`` (the user the process runs as), or None where it cannot be read."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except (OSError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class MarkerFile:
     path: Path
     record: MarkerRecord | None
     error: str | None
     live: bool
+    foreign: str | None = None  # why the file is not the marker of the process it names: it proves nothing
+
+
+def _named_pid(path: Path) -> int | None:
+    """The pid a marker's file name gives (``<pid>.json``), or None."""
+    stem = path.stem
+    return int(stem) if stem.isascii() and stem.isdigit() and is_pid(int(stem)) else None
 
 
 def unreadable_of_live_processes(found: list[MarkerFile]) -> list[tuple[MarkerFile, int]]:
     """The unreadable markers named for a process running here (``<pid>.json``), with that pid: what such a
     process ran is unknown, so no verdict on this machine's processes can hold beside it."""
-    named = [(m, int(m.path.stem)) for m in found if m.error and m.path.stem.isascii() and m.path.stem.isdigit()]
-    return [(m, pid) for m, pid in named if is_pid(pid) and is_running(pid)]
+    named = [(m, _named_pid(m.path)) for m in found if m.error]
+    return [(m, pid) for m, pid in named if pid is not None and is_running(pid)]
+
+
+def foreign_of_live_processes(found: list[MarkerFile], host: str) -> list[tuple[MarkerFile, int]]:
+    """The foreign markers that name a process running on ``host`` (this one), by their record or by their
+    file name, with that pid: a file no writer of that process left sits where its evidence is read."""
+    hits = []
+    for marker in found:
+        if not marker.foreign or marker.record is None or marker.record.host != host:
+            continue
+        pids = dict.fromkeys(p for p in (marker.record.pid, _named_pid(marker.path)) if p is not None)
+        hits += [(marker, pid) for pid in pids if is_running(pid)]
+    return hits
 
 
 def marker_paths(directory: Path) -> list[Path]:
@@ -201,15 +268,53 @@ def marker_paths(directory: Path) -> list[Path]:
     return sorted(directory / name for name in names)
 
 
+def _foreign(path: Path, record: MarkerRecord, live: bool) -> str | None:
+    """Why the file at ``path`` holding ``record`` is not the marker of the process it names (None where
+    it may be): another name than its writer gives it (a copy would count that process twice), or, where
+    that process runs, another owner than the user it runs as (another user wrote it)."""
+    expected = marker_path(path.parent, record.pid).name
+    if path.name != expected:
+        return (f"named {path.name}, but the marker of pid {record.pid} is named {expected}: a copy or a file "
+                "written by hand, not that process's marker")
+    if not live:
+        return None  # stale: ignored as such, and its process cannot be asked
+    try:
+        owner = os.stat(path).st_uid
+    except OSError as exc:
+        return f"its owner cannot be read ({exc.strerror or exc})"
+    runs_as = process_uid(record.pid)
+    if runs_as is None:
+        return f"the user pid {record.pid} runs as cannot be read from /proc/{record.pid}"
+    if owner != runs_as:
+        return f"owned by uid {owner}, but pid {record.pid} runs as uid {runs_as}: another user wrote it"
+    return None
+
+
+def _unreadable(path: Path, exc: Exception) -> str:
+    if isinstance(exc, ValueError) and _is_empty(path):
+        return ("unreadable marker: empty (its process emptied it when a write failed: a full disk? its "
+                "warning says why)")
+    return f"unreadable marker: {exc}"
+
+
+def _is_empty(path: Path) -> bool:
+    try:
+        return os.stat(path).st_size == 0
+    except OSError:
+        return False
+
+
 def read_markers(directory: Path) -> list[MarkerFile]:
     """Every marker in ``directory``, read: those that cannot be (not JSON, not a record, not a
-    regular file) with their error. MarkerDirError where the directory cannot be listed."""
+    regular file) with their error, and those that are not the marker of the process they name
+    (``_foreign``) with why. MarkerDirError where the directory cannot be listed."""
     found = []
     for path in marker_paths(directory):
         try:
             record = MarkerRecord.from_json(json_files.load(path))
         except (OSError, ValueError, RecordError) as exc:
-            found.append(MarkerFile(path, None, f"unreadable marker: {exc}", False))
+            found.append(MarkerFile(path, None, _unreadable(path, exc), False))
             continue
-        found.append(MarkerFile(path, record, None, is_alive(record.pid, record.start_ticks)))
+        live = is_alive(record.pid, record.start_ticks)
+        found.append(MarkerFile(path, record, None, live, _foreign(path, record, live)))
     return found

@@ -1,8 +1,8 @@
 """Where in a vLLM process's life a fused path runs: inside a CUDA/HIP-graph capture, in one of
 vLLM's own dummy or warm-up batches (profile run, compile warm-up, kernel warm-up, graph warm-up,
-DP padding), on a batch the engine is serving, or in a replay of a graph whose capture recorded
-it. ``check --expect fused`` counts only served batches and replays as proof: a capture alone
-happens at startup, before any request.
+DP padding, a drafter's dummy run), on a batch the engine is serving, or in a replay of a graph
+whose capture recorded it. ``check --expect fused`` counts only served batches and replays as
+proof: a capture alone happens at startup, before any request.
 
 The phase is the phase of the engine step that runs the batch, read from the thread that runs the
 step (vLLM's worker or model runner, 0.29-0.33): served only where a step method that serves the
@@ -34,11 +34,14 @@ class Phase(str, enum.Enum):
 
 
 # vLLM's model-runner and worker methods (v1/worker/, 0.29-0.33) that run batches of their own
-# making; any of them in the step makes the batch a warm-up batch. Read, never patched.
+# making; any of them in the step makes the batch a warm-up batch. Read, never patched. ``dummy_run``
+# is the drafters' (v1/spec_decode/: EAGLE/MTP, draft model, DFlash, Medusa...): the V1 model runner
+# calls it from ``_dummy_run`` and, with data parallelism, from ``sample_tokens`` on a batch of one
+# token that keeps the ranks in step; no served path has that name.
 WARMUP_FRAMES = frozenset({
     "_dummy_run", "profile_run", "capture_model", "_warmup_and_capture", "_capture_cudagraphs",
     "warming_up_model", "compile_or_warm_up_model", "execute_dummy_batch", "profile_cudagraph_memory",
-    "warmup", "capture", "warmup_kernels", "run_mixed_prefill_decode_warmup",
+    "warmup", "capture", "warmup_kernels", "run_mixed_prefill_decode_warmup", "dummy_run",
 })
 # The worker's and model runners' methods that run the scheduler's batch (the forward in
 # ``execute_model``, the speculative proposer in ``sample_tokens``).

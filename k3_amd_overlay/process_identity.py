@@ -14,10 +14,16 @@ CLI_MODULE_FILE = os.path.join("vllm", "entrypoints", "cli", "main.py")  # the `
 # A Ray actor's process (vLLM's Ray executor runs its workers as Ray actors) runs this script.
 RAY_WORKER_SCRIPT = os.path.join("ray", "_private", "workers", "default_worker.py")
 
-# `vllm` CLI commands that only talk to a server or print: they never build a model, so they
-# leave no evidence (a client would otherwise be counted by `check` as a vLLM process).
-CLI_CLIENT_COMMANDS = (("bench", "serve"), ("chat",), ("complete",), ("collect-env",), ("--version",),
-                       ("-v",), ("--help",), ("-h",))
+# The `vllm` CLI commands, deny by default: `serve` is the API server; the commands below build the
+# model's engine in their own process (vLLM 0.29-0.33: each builds an `LLM` or, run-batch, the
+# engine client itself; `bench startup` builds it in children that keep its command line; `bench
+# forward` is 0.33's). Every other command (`bench serve`, `bench sweep`, `chat`, `complete`,
+# `collect-env`, `launch render`, `preload`, `snapshot`, `download-kernels`, `--version`, `--help`, an
+# unknown one) drives or talks to servers, or prints: it runs no model, so it leaves no evidence (it
+# would otherwise be counted by `check` as a vLLM process).
+SERVER_COMMANDS = (("serve",),)
+ENGINE_COMMANDS = (("bench", "latency"), ("bench", "throughput"), ("bench", "startup"), ("bench", "forward"),
+                   ("bench", "mm-processor"), ("run-batch",))
 # vLLM's model registry reads a model class's facts in a child it starts as `python -m
 # vllm.model_executor.models.registry` (``_run_in_subprocess``, vLLM 0.29-0.33): the child loads the
 # general plugins, reads the facts and exits; it builds no model. Its evidence would only ever be a
@@ -28,7 +34,8 @@ PROCESS_NAME_ROLES = (("EngineCore", "engine-core"), ("Worker", "worker"), ("Api
 # The roles of processes that build (or, offline, are) the engine that runs the model: evidence of what
 # ran comes from them. An API server only tokenises and forwards requests.
 MODEL_ROLES = ("engine-core", "worker", "main")
-CLI_CLIENT = "cli-client"  # the role of a `vllm` command that only talks to a server: it runs no model
+CLI_CLIENT = "cli-client"  # the role of a `vllm` command that runs no model
+MAIN_PROCESS = "MainProcess"  # multiprocessing's name of a process it did not start
 
 
 def _vllm_command(argv: list[str]) -> list[str] | None:
@@ -38,9 +45,23 @@ def _vllm_command(argv: list[str]) -> list[str] | None:
     return argv[1:] if is_cli else None
 
 
-def is_cli_client(argv: list[str] | None = None) -> bool:
-    command = _vllm_command(sys.argv if argv is None else argv)
-    return command is not None and any(tuple(command[:len(c)]) == c for c in CLI_CLIENT_COMMANDS)
+def _starts_with(command: list[str], known: tuple[tuple[str, ...], ...]) -> bool:
+    return any(tuple(command[:len(words)]) == words for words in known)
+
+
+def _cli_role(command: list[str], name: str) -> str:
+    """The role of a ``vllm`` CLI process running ``command``: a client unless it is known to serve or
+    to build the engine."""
+    if _starts_with(command, SERVER_COMMANDS):
+        return "api-server"
+    if _starts_with(command, ENGINE_COMMANDS):
+        return "main" if name == MAIN_PROCESS else name
+    return CLI_CLIENT
+
+
+def is_cli_client(argv: list[str] | None = None, name: str | None = None) -> bool:
+    """Whether this process is a ``vllm`` CLI command that runs no model (``process_role``'s cli-client)."""
+    return process_role(argv, name) == CLI_CLIENT
 
 
 def is_model_inspection(argv: list[str] | None = None) -> bool:
@@ -50,18 +71,20 @@ def is_model_inspection(argv: list[str] | None = None) -> bool:
 
 
 def process_role(argv: list[str] | None = None, name: str | None = None) -> str:
-    """engine-core, worker (a vLLM worker process or a Ray actor), api-server (``vllm serve`` or
-    the OpenAI server module), cli-client, or main (an offline engine: ``LLM``, ``vllm bench throughput``, a script)."""
+    """engine-core, worker (a vLLM worker process or a Ray actor), api-server (``vllm serve`` or the
+    OpenAI server module), cli-client (any other ``vllm`` command but those that build the engine:
+    ``ENGINE_COMMANDS``), or main (an offline engine: ``LLM``, ``vllm bench throughput``, a script).
+    A process named by vLLM as an engine core, worker or API server is that, whatever its command line."""
     argv = sys.argv if argv is None else argv
     name = multiprocessing.current_process().name if name is None else name
     for needle, role in PROCESS_NAME_ROLES:
         if needle in name:
             return role
-    if is_cli_client(argv):
-        return CLI_CLIENT
     command = _vllm_command(argv)
-    if (command and command[0] == "serve") or (argv and argv[0].endswith(API_SERVER_MODULE_FILE)):
+    if command is not None:
+        return _cli_role(command, name)
+    if argv and argv[0].endswith(API_SERVER_MODULE_FILE):
         return "api-server"
     if argv and argv[0].endswith(RAY_WORKER_SCRIPT):
         return "worker"
-    return "main" if name == "MainProcess" else name
+    return "main" if name == MAIN_PROCESS else name

@@ -127,6 +127,7 @@ def test_the_gpu_arch_is_read_from_the_driver_s_topology(tmp_path):
     from k3_amd_overlay.commands.baseline_hazard import gfx_arch, gpu_arch
 
     assert (gfx_arch(90402), gfx_arch(90500), gfx_arch(90010)) == ("gfx942", "gfx950", "gfx90a")
+    assert (gfx_arch(110000), gfx_arch(120001)) == ("gfx1100", "gfx1201")  # two-digit majors
     for node, version in (("0", 0), ("1", 90402), ("2", 90402)):  # node 0: the CPU
         (tmp_path / node).mkdir()
         (tmp_path / node / "properties").write_text(f"cpu_cores_count 0\ngfx_target_version {version}\nsimd_count 1\n")

@@ -27,6 +27,11 @@ HOW_TO_PROCEED = ("to serve without the overlay set K3_AMD_OVERLAY=0; to serve w
 HOW_TO_PROCEED_UNRECOGNISED = ("to serve without the overlay set K3_AMD_OVERLAY=0; K3_AMD_OVERLAY_STRICT=0 would "
                                "install nothing here (its K3 AMD code matches no shape this overlay knows); or "
                                "install a k3-amd-overlay that supports this vLLM")
+# after a live anchor check fails non-strict reverts every patch and refuses every fusion too
+HOW_TO_PROCEED_AFTER_A_LIVE_ANCHOR = (
+    "to serve without the overlay set K3_AMD_OVERLAY=0; K3_AMD_OVERLAY_STRICT=0 would install nothing here (a failed "
+    "live anchor check reverts every overlay patch and refuses every fusion, strict or not); or install a "
+    "k3-amd-overlay that supports this vLLM")
 MLA, LINEAR = "vllm.models.kimi_k3.amd.mla", "vllm.models.kimi_k3.amd.linear"
 
 
@@ -184,7 +189,9 @@ def test_a_live_anchor_failing_reverts_everything_and_later_hooks_do_nothing(tmp
             on_mla(drifted)
         message = str(error.value)
         assert message.startswith(f"k3-amd-overlay (vLLM 0.33.0): live anchor check failed in {MLA}: ")
-        assert message.endswith(f"; every overlay patch reverted; {HOW_TO_PROCEED}")
+        # non-strict would revert every patch and refuse every fusion as well: the advice says so (it
+        # said STRICT=0 would "serve with what can be installed")
+        assert message.endswith(f"; every overlay patch reverted; {HOW_TO_PROCEED_AFTER_A_LIVE_ANCHOR}")
         assert isinstance(error.value.__cause__, activation.AnchorError)
         # vLLM's model registry may catch the stop and say only that inspecting the model failed: the
         # overlay's own ERROR line says why, and the marker says refused (it said "patched" before)

@@ -154,3 +154,13 @@ def test_the_overlays_section_holds_beside_vllms_own_fused_norm_which_gets_none(
                                                                    "query_fp8_quant_kernel": 1}))
     assert absorb.holds and [s.fusions for s in absorb.sections] == [("absorb_qk_cache",)]
     assert absorb.sections[0].launched == {"absorb_qk_cache": 960}
+
+
+def test_each_of_vllms_own_fused_kernels_that_ran_is_named_with_its_count(tmp_path):
+    """Two of vLLM's or AITER's fused norm kernels in one candidate: each named with its count."""
+    base = _arm(tmp_path / "stock" / "rank0.json", 20, {**STOCK, "void vllm::rms_norm_kernel<bf16>": 2})
+    cand = _arm(tmp_path / "fused" / "rank0.json", 20,
+                {"qk_cache_kernel": 1, AITER_NORM: 1, "void vllm::FusedQKVRMSNormKernel<bf16>": 2})
+    assert _compare(base, cand).not_run["qkv_norm"].startswith(
+        "qkv_norm: only vLLM's or AITER's own fused kernel ran in the candidate (fused_qk_rmsnorm 480, "
+        "FusedQKVRMSNormKernel 960, counted by kernel name), no overlay kernel (rmsnorm_pair_kernel)")

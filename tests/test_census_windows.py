@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def test_arms_with_different_numbers_of_layer_steps_give_no_ratio(tmp_path, caps
     cand = _trace(tmp_path / "c_rank0.json", 4, ["absorb_qk_cache_kernel"])
     code, out = _run(capsys, str(cand), "--baseline", str(base), "--steps", "4")
     assert code == 1 and not out["ok"] and out["comparison"]["sections"] == [], out
+    assert out["comparison"]["launches"] is None  # launches per step of windows not shown to match: none
     assert out["comparison"]["problems"] == [
         f"{DECODE}: the baseline has 8 {DECODE} ranges on rank 0, the candidate 4: one range is one layer's decode "
         "step, so the arms profiled windows of different lengths and their totals cannot be compared; profile the "
@@ -116,6 +118,37 @@ def test_a_folder_that_cannot_be_listed_is_an_error_not_an_empty_census(tmp_path
     monkeypatch.setattr(os, "scandir", refuse)
     with pytest.raises(census.TraceError, match=f"^{folder / 'locked'}: cannot list \\(Permission denied\\)$"):
         census.trace_files([folder])
+
+
+def _unsearchable(monkeypatch, folder: Path) -> None:
+    """``folder`` as a non-root user sees a folder of mode r--: its names can be listed, but nothing
+    in it can be looked at (root bypasses the permission, so the refusal is stood in)."""
+    for name in ("is_file", "is_dir", "exists"):
+        real = getattr(Path, name)
+
+        def refuse(self, *args, _real=real, **kwargs):
+            if self.parent == folder:
+                raise PermissionError(13, "Permission denied", str(self))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, name, refuse)
+
+
+@pytest.mark.parametrize("named", ["folder", "file in it"])
+def test_a_folder_that_can_be_listed_but_not_searched_is_an_error_not_a_traceback(tmp_path, monkeypatch, capsys,
+                                                                                  named):
+    """Audit: a folder of mode r-- (listed, not searched) ended the census in a PermissionError
+    traceback, whether the folder or a file in it was named; now exit 2 naming the path."""
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    _trace(folder / "rank0.json", 2, STOCK)
+    _unsearchable(monkeypatch, folder)
+    given = folder if named == "folder" else folder / "rank0.json"
+    message = f"{folder / 'rank0.json'}: cannot read (Permission denied)"
+    with pytest.raises(census.TraceError, match=f"^{re.escape(message)}$"):
+        census.trace_files([given])
+    code, out = _run(capsys, str(given))
+    assert code == 2 and out["usage_error"] == message, out
 
 
 def test_many_ranges_are_read_in_one_pass(tmp_path):

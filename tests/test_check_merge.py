@@ -250,3 +250,21 @@ def test_a_node_file_can_come_through_a_pipe_as_from_process_substitution(tmp_pa
     writer.join(timeout=10)
     assert code == 0, out
     assert "ok   host node-b pid 12 (worker, vLLM 0.33.0): qk_cache=applied" in out
+
+
+def test_a_process_listed_twice_in_a_node_file_counts_once(tmp_path, capsys):
+    """A node file whose records list one process twice (a copied marker read by an older check, a file
+    edited by hand): that process counts once, its batches once; two records of it that differ fail."""
+    a = node(tmp_path, "node-a", process(pid=11), process(pid=11))
+    b = node(tmp_path, "node-b", process(pid=12))
+    code, out = merge(capsys, "fused", a, b)
+    assert code == 0, out
+    assert f"ok   node host node-a ({a}): 1 live process prove fused there" in out
+    assert "info host node-a pid 11: 2 copies of its record, counted once" in out
+    assert f"note {a}: 1 process from host node-a" in out
+    assert "6 eager batches after startup (host node-a pid 11: 3, host node-b pid 12: 3)" in out, out
+    assert out.endswith("HOLDS: expect fused (2 processes)\n"), out
+    differ = node(tmp_path, "node-a", process(pid=11), process(pid=11, served=40), file="differ.json")
+    code, out = merge(capsys, "fused", differ, b)
+    assert code == 1 and "FAIL host node-a pid 11: 2 records of one process that differ: which one is its own is " \
+                         "unknown" in out, out

@@ -17,6 +17,7 @@ from records import judge, off_process, process
 
 from k3_amd_overlay import markers
 from k3_amd_overlay.commands.cli import main
+from k3_amd_overlay.package import __version__
 
 REGISTER = """
 import json, multiprocessing, os, sys
@@ -73,13 +74,20 @@ def test_the_plugin_off_leaves_an_off_record_and_patches_nothing(tmp_path, switc
 
 
 @pytest.mark.parametrize("argv", [["vllm", "bench", "serve", "--model", "m"],
+                                  ["vllm", "bench", "sweep", "serve", "--serve-cmd", "vllm serve m", "--bench-cmd",
+                                   "vllm bench serve"],
+                                  ["vllm", "launch", "render", "m"], ["vllm", "preload", "--model", "m"],
                                   ["/venv/lib/python3.11/site-packages/vllm/model_executor/models/registry.py"]],
-                         ids=["cli-client", "model-inspection"])
-def test_a_process_building_no_model_leaves_no_record_where_a_server_leaves_one(tmp_path, argv):
+                         ids=["cli-client", "bench-sweep", "launch-render", "preload", "model-inspection"])
+def test_a_process_building_no_model_leaves_no_record_where_a_server_leaves_one(tmp_path, argv, capsys):
+    """A `vllm` command that runs no model (each builds the serve parser, so vLLM loads the plugins) leaves
+    no off record: with no server up, `check --expect off` does not hold on its record alone."""
     register(tmp_path, argv, marker_dir=tmp_path / "client")
     register(tmp_path, ["vllm", "serve", "m"], marker_dir=tmp_path / "server")
     assert not (tmp_path / "client").exists() or not list((tmp_path / "client").glob("*.json"))
     assert len(list((tmp_path / "server").glob("*.json"))) == 1
+    assert main(["check", "--expect", "off", "--marker-dir", str(tmp_path / "client")]) == 1
+    assert "FAIL no live vLLM process left an off record" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fork,role", [("os", "api-server"), ("multiprocessing", "engine-core")])
@@ -192,6 +200,37 @@ def test_off_verdict_lines_word_for_word():
         "FAIL mixed: 1 process with the overlay off, 1 with it on: not one arm"]
     # a CLI client's record proves nothing: it builds no model
     assert not judge([off_process(role="cli-client")], "off", None, require_effective=True).holds
+
+
+def _fails(verdict) -> list[str]:
+    return [line for line in verdict.lines if line.startswith("FAIL ")]
+
+
+def test_off_records_of_two_deployments_are_not_one_baseline():
+    """Off processes of two installs (another vLLM, another overlay) are not one arm, as fused and
+    stock processes are not: `off` fails naming what differs."""
+    verdict = judge([off_process(pid=3, host="h", vllm_version="0.32.0"), off_process(pid=4, host="h")], "off", None,
+                    require_effective=False)
+    assert not verdict.holds
+    assert _fails(verdict) == ["FAIL not one deployment: vllm versions differ: 0.32.0 (host h pid 3); 0.33.0 (host h "
+                               "pid 4)"], verdict.lines
+
+
+@pytest.mark.parametrize("version", ["0.1.0", ""])
+def test_an_off_record_of_another_overlay_version_fails(version):
+    verdict = judge([off_process(pid=3, host="h", overlay_version=version)], "off", None, require_effective=False)
+    assert not verdict.holds
+    assert _fails(verdict) == [
+        f"FAIL host h pid 3 (worker, vLLM 0.33.0): its record was written by k3-amd-overlay {version or '(unknown)'}, "
+        f"this check is {__version__}: judge it with the k3-amd-overlay of the install that wrote it (check in the "
+        "Python vLLM runs in; --merge with that version)"], verdict.lines
+
+
+def test_off_switches_that_name_the_same_arm_are_one_baseline():
+    """Unset (``''``) and ``0`` both leave the overlay off: one arm."""
+    verdict = judge([off_process(pid=3, host="h", switch=""), off_process(pid=4, host="h", switch=" 0")], "off", None,
+                    require_effective=False)
+    assert verdict.holds and not _fails(verdict), verdict.lines
 
 
 def test_check_json_when_off_is_not_proved(tmp_path, capsys):

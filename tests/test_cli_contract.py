@@ -38,19 +38,25 @@ def marker(directory: Path, name: str, record: dict[str, Any] | str) -> Path:
     return path
 
 
+PARENT = os.getppid()  # a running pid that is not this process
+OTHER_HOSTS_PIDS = (ME + 1, ME + 2)  # pids on other nodes (any: they are not looked up here)
+
+
 @pytest.fixture
 def markers_dir(tmp_path: Path) -> dict[str, Path]:
-    """One file of each kind, named so that they sort a, b, c, d, e: live here, stale here (this
-    pid with another start time: a reused pid), unreadable, another host's live pid, another
-    host's dead one."""
+    """One file of each kind, each named as its writer names it (``<pid>.json``; the unreadable one
+    aside): live here, stale here (a running pid with another start time: a reused pid), unreadable,
+    another host's live pid, another host's dead one."""
     directory = tmp_path / "markers"
     directory.mkdir()
+    live_elsewhere, dead_elsewhere = OTHER_HOSTS_PIDS
     return {
-        "live": marker(directory, "a.json", off_process(pid=ME, host=HOST)),
-        "stale": marker(directory, "b.json", off_process(pid=ME, host=HOST, start_ticks=1)),
+        "live": marker(directory, f"{ME}.json", off_process(pid=ME, host=HOST)),
+        "stale": marker(directory, f"{PARENT}.json", off_process(pid=PARENT, host=HOST, start_ticks=1)),
         "unreadable": marker(directory, "c.json", "{not json"),
-        "foreign": marker(directory, "d.json", off_process(pid=ME, host="node-z")),
-        "foreign_dead": marker(directory, "e.json", off_process(pid=ME, host="node-y", start_ticks=1)),
+        "foreign": marker(directory, f"{live_elsewhere}.json", off_process(pid=live_elsewhere, host="node-z")),
+        "foreign_dead": marker(directory, f"{dead_elsewhere}.json",
+                               off_process(pid=dead_elsewhere, host="node-y", start_ticks=1)),
     }
 
 
@@ -58,52 +64,52 @@ def test_live_records_counts_each_kind_and_notes_each_file_word_for_word(markers
     directory = markers_dir["live"].parent
     records, notes = cli.live_records(directory, prune=False)
     assert [(r.pid, r.host, r.start_ticks) for r in records] == [(ME, HOST, markers.process_start_ticks(ME))]
-    error = notes[2].split(": ", 1)[1]
-    assert error.startswith("unreadable marker: ")
-    assert notes == [
-        f"markers read from {directory}: 1 live, 1 stale, 1 unreadable, 2 of other hosts",
-        f"note {markers_dir['stale']}: host {HOST} pid {ME} is gone (or its pid was reused); stale, ignored "
-        "(--prune removes such files)",
-        f"note {markers_dir['unreadable']}: {error}",
-        f"note {markers_dir['foreign']}: host node-z pid {ME} was written on another host, whose processes cannot "
-        f"be checked from {HOST}; ignored (a marker directory shared between nodes? give each node its own and "
-        "judge them with --merge)",
-        f"note {markers_dir['foreign_dead']}: host node-y pid {ME} was written on another host, whose processes "
-        f"cannot be checked from {HOST}; ignored (a marker directory shared between nodes? give each node its own "
-        "and judge them with --merge)",
-    ]
+    live_elsewhere, dead_elsewhere = OTHER_HOSTS_PIDS
+    said = {
+        "stale": f"host {HOST} pid {PARENT} is gone (or its pid was reused); stale, ignored (--prune removes such "
+                 "files)",
+        "unreadable": "unreadable marker: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+        "foreign": f"host node-z pid {live_elsewhere} was written on another host, whose processes cannot be checked "
+                   f"from {HOST}; ignored (a marker directory shared between nodes? give each node its own and judge "
+                   "them with --merge)",
+        "foreign_dead": f"host node-y pid {dead_elsewhere} was written on another host, whose processes cannot be "
+                        f"checked from {HOST}; ignored (a marker directory shared between nodes? give each node its "
+                        "own and judge them with --merge)",
+    }
+    assert notes == [f"markers read from {directory}: 1 live, 1 stale, 1 unreadable, 2 of other hosts",
+                     *(f"note {markers_dir[kind]}: {said[kind]}" for kind in sorted(said, key=markers_dir.get))]
     assert all(path.exists() for path in markers_dir.values())  # without --prune nothing is removed
 
 
 def test_a_record_without_a_start_time_is_stale_where_this_host_shows_one(tmp_path):
     """The plugin records its start time; a record of a running pid without one (an earlier process
     with that pid, or a hand-made file) proves nothing about that process and counts as stale."""
-    marker(tmp_path, "a.json", off_process(pid=ME, host=HOST, start_ticks=None))
+    marker(tmp_path, f"{ME}.json", off_process(pid=ME, host=HOST, start_ticks=None))
     records, notes = cli.live_records(tmp_path, prune=False)
     assert records == [] and notes == [
         f"markers read from {tmp_path}: 0 live, 1 stale, 0 unreadable",
-        f"note {tmp_path / 'a.json'}: host {HOST} pid {ME} runs, but the record has no start time to tell it from "
-        "an earlier process with that pid; stale, ignored (--prune removes such files)"]
+        f"note {tmp_path / f'{ME}.json'}: host {HOST} pid {ME} runs, but the record has no start time to tell it "
+        "from an earlier process with that pid; stale, ignored (--prune removes such files)"]
 
 
 def test_prune_removes_only_this_hosts_stale_markers(markers_dir):
     directory = markers_dir["live"].parent
     records, notes = cli.live_records(directory, prune=True)
     assert [r.pid for r in records] == [ME]
-    assert f"note {markers_dir['stale']}: host {HOST} pid {ME} is gone; stale marker removed (--prune)" in notes
+    assert f"note {markers_dir['stale']}: host {HOST} pid {PARENT} is gone; stale marker removed (--prune)" in notes
     assert not markers_dir["stale"].exists()
     for kept in ("live", "unreadable", "foreign", "foreign_dead"):
         assert markers_dir[kept].exists(), kept  # another host's file is that host's to prune
 
 
 def test_a_directory_without_other_hosts_says_no_host_count(tmp_path):
-    marker(tmp_path, "1.json", off_process(pid=ME, host=HOST))
+    marker(tmp_path, f"{ME}.json", off_process(pid=ME, host=HOST))
     records, notes = cli.live_records(tmp_path, prune=False)
     assert notes == [f"markers read from {tmp_path}: 1 live, 0 stale, 0 unreadable"] and len(records) == 1
 
 
 def test_a_record_without_a_host_is_this_machines(tmp_path):
-    marker(tmp_path, "1.json", off_process(pid=ME))
+    marker(tmp_path, f"{ME}.json", off_process(pid=ME))
     records, _ = cli.live_records(tmp_path, prune=False)
     assert [r.host for r in records] == [HOST]
 
@@ -258,6 +264,13 @@ def test_each_way_the_static_probe_ends_is_one_line(monkeypatch, fake, reason):
     assert got is None and said.startswith(reason) and "\n" not in said
 
 
+def test_a_probe_whose_vllm_plugins_leave_the_overlay_out_says_so_not_not_installed(monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    got, said = probe(monkeypatch, FakeRun(stdout="K3_AMD_OVERLAY_RECORD=null\n"), timeout=7.0)
+    assert got is None and said.startswith("VLLM_PLUGINS='lora_filesystem_resolver' does not name k3_amd_overlay")
+    assert "VLLM_PLUGINS=lora_filesystem_resolver,k3_amd_overlay" in said and "installed" not in said
+
+
 def test_fusions_are_split_trimmed_and_checked():
     assert cli._fusions(None) is None
     with pytest.raises(UsageError, match="--fusions '' names no fusion"):
@@ -318,7 +331,7 @@ def test_fusions_still_name_the_fusions_a_stock_arm_is_judged_on(tmp_path: Path,
     """--fusions means something for --expect stock (only those fusions are judged): no usage error there."""
     record = process("stock", "forced-stock", pid=ME, host=HOST)
     record["fusions"]["qkv_norm"]["state"] = "refused"  # not the stock arm's state: judged, it fails
-    marker(tmp_path, "a.json", record)
+    marker(tmp_path, f"{ME}.json", record)
     assert cli.main(["check", "--expect", "stock", "--marker-dir", str(tmp_path)]) == 1
     capsys.readouterr()
     assert cli.main(["check", "--expect", "stock", "--fusions", "qk_cache", "--marker-dir", str(tmp_path)]) == 0
@@ -634,7 +647,7 @@ def test_merge_json_says_its_source_and_no_marker_dir(tmp_path, capsys):
 
 def test_no_effective_is_passed_to_the_verdict(tmp_path, capsys, monkeypatch):
     """A fused process whose fused path has not run yet: it holds only with --no-effective."""
-    marker(tmp_path, "1.json", process(pid=ME, host=HOST, served=0, warmup=0))
+    marker(tmp_path, f"{ME}.json", process(pid=ME, host=HOST, served=0, warmup=0))
     monkeypatch.setenv(MARKER_DIR, str(tmp_path))
     assert cli.main(["check", "--expect", "fused"]) == 1
     assert cli.main(["check", "--expect", "fused", "--no-effective"]) == 0
@@ -666,9 +679,9 @@ def test_pruning_a_marker_another_check_removed_first_is_no_error(tmp_path, monk
 
 
 def test_two_stale_markers_here_are_counted_apart_from_another_hosts(tmp_path):
-    for n in (1, 2):
-        marker(tmp_path, f"{n}.json", off_process(pid=ME, host=HOST, start_ticks=n))
-    marker(tmp_path, "3.json", off_process(pid=ME, host="node-z", start_ticks=1))
+    for pid in (ME, PARENT):
+        marker(tmp_path, f"{pid}.json", off_process(pid=pid, host=HOST, start_ticks=1))
+    marker(tmp_path, f"{ME + 1}.json", off_process(pid=ME + 1, host="node-z", start_ticks=1))
     _, notes = cli.live_records(tmp_path, prune=False)
     assert notes[0] == f"markers read from {tmp_path}: 0 live, 2 stale, 0 unreadable, 1 of other hosts"
 

@@ -623,6 +623,21 @@ def test_a_device_name_with_no_letter_or_digit_is_a_usage_error(monkeypatch, cap
     assert json.loads(out)["usage_error"] == message
 
 
+@pytest.mark.parametrize(("value", "said"), [
+    (" ", "K3_AMD_OVERLAY_KERNEL_CONFIGS=' ' names no "),
+    (" /tmp/x", "K3_AMD_OVERLAY_KERNEL_CONFIGS=' /tmp/x': spaces before or after the path; give '/tmp/x'"),
+], ids=["blank", "padded"])
+def test_a_kernel_configs_variable_naming_no_path_is_a_usage_error_naming_it(monkeypatch, capsys, value, said):
+    """Audit: a spaces-only K3_AMD_OVERLAY_KERNEL_CONFIGS gave exit 1 "cannot read launch configs  :";
+    the settings call it a settings error, and measure says so with exit 2: so does the report."""
+    asked = _report_from(monkeypatch, REPORT)
+    monkeypatch.setenv(KERNEL_CONFIGS, value)
+    assert compile_report.main(["--arch", "gfx942", "--device", "X", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert asked == [] and said in json.loads(out)["usage_error"] and "Traceback" not in err
+    assert f"k3-amd-overlay kernels: error: {said}" in err
+
+
 @pytest.mark.parametrize("argv", [["--device", ""], ["--arch", "gfx942", "--device", " "]], ids=["no-arch", "arch"])
 def test_without_torch_a_nameless_device_is_a_usage_error_not_a_missing_torch(argv):
     """The CLI runs the report's check_args before it looks for torch: a --device naming no GPU is exit 2

@@ -465,7 +465,7 @@ def test_with_a_measurement_the_outlook_chooses_as_the_server_does():
     outlook = doctor.fusion_outlook(load_settings({"K3_AMD_OVERLAY": "1"}), all_run, measured.Loaded("f", slower))
     assert {f: o["state"] for f, o in outlook.items()} == {f: "stock" for f in FUSIONS}
     assert outlook[QK_CACHE]["why"] == ("the self-measurement found qk_cache exact and at least as fast as stock in "
-                                        "no bucket on this GPU: stock runs at every batch size")
+                                        "no bucket on this GPU with a bf16 W_UK: stock runs at every batch size")
     named = load_settings({"K3_AMD_OVERLAY": "qk_cache", "K3_AMD_OVERLAY_QK_CACHE_PROVIDER": "aiter"})
     assert doctor.fusion_outlook(named, all_run, measured.Loaded("f", found))[QK_CACHE] == {
         "state": "stock", "provider": "aiter", "why": "stock: k3-amd-overlay measure timed the triton provider's "
@@ -474,6 +474,166 @@ def test_with_a_measurement_the_outlook_chooses_as_the_server_does():
     unusable = measured.Loaded("f", error="f: field 'torch' is '2.8.0'")
     outlook = doctor.fusion_outlook(load_settings({"K3_AMD_OVERLAY": "1"}), all_run, unusable)
     assert {f: (o["state"], o["why"]) for f, o in outlook.items()} == {f: ("stock", unusable.unusable) for f in FUSIONS}
+
+
+def _measurement(*rows):
+    from k3_amd_overlay import measured
+
+    return measured.Measurement(path="", arch="gfx942", device="MI300X", date="d", overlay_version="v",
+                                launch_configs="", torch="", triton="", aiter="", kv_cache_dtype="fp8", fp8_format="f",
+                                stock="s", seed=1, rows=tuple(rows))
+
+
+ALL_RUN = {f: {"triton": None, "aiter": None, "vllm": None} for f in FUSIONS}
+READY_SHAPE = {"vllm shape": {"recognised": "v0.33"}, "launch configs": {"compile report": {"falling short": []}},
+               "self-test": []}
+
+
+def test_a_self_measurement_that_sends_every_fusion_to_stock_is_not_ready():
+    """Audit: a self-measurement file for this GPU that cannot be used, or one that measured every
+    fusion slower, makes the server run stock at every batch size; the doctor said "ready: " (exit 0,
+    naming nothing), counting only a fusion with no provider as not ready."""
+    from k3_amd_overlay import measured
+
+    settings = load_settings({"K3_AMD_OVERLAY": "1"})
+    unusable = measured.Loaded("f", error="f: field 'torch' is '2.8.0'")
+    report = {**READY_SHAPE, "switch": {"mode": "auto"},
+              "fusions": doctor.fusion_outlook(settings, ALL_RUN, unusable)}
+    verdict, healthy = doctor.verdict_line(report)
+    assert not healthy and verdict == "not ready: " + "; ".join(
+        f"{f} would run stock at every batch size here ({p} can run, but: {unusable.unusable})"
+        for f, p in ((QKV_NORM, "aiter"), (QK_CACHE, "aiter"), (ABSORB_QK_CACHE, "triton")))
+    slower = _measurement(*(measured.Row(f, 8, None if f == QKV_NORM else 12, None if f == QKV_NORM else "bf16",
+                                         True, 1.0, 2.0) for f in FUSIONS))
+    report["fusions"] = doctor.fusion_outlook(settings, ALL_RUN, measured.Loaded("f", slower))
+    verdict, healthy = doctor.verdict_line(report)
+    assert not healthy and verdict.startswith(
+        "not ready: qkv_norm would run stock at every batch size here (triton can run, but: the self-measurement "
+        "found qkv_norm exact and at least as fast as stock in no bucket on this GPU: stock runs at every batch size)")
+    assert verdict.count("would run stock at every batch size here") == 3
+    # one fusion stock everywhere, the others fused: still not ready, naming that one alone
+    report["fusions"] = {**report["fusions"], QKV_NORM: _fused("triton"), QK_CACHE: _fused("triton")}
+    verdict, healthy = doctor.verdict_line(report)
+    assert not healthy and verdict.startswith("not ready: absorb_qk_cache would run stock ") and verdict.count(";") == 0
+
+
+def test_a_fusion_stock_in_some_buckets_only_is_ready_saying_where_stock_runs():
+    from k3_amd_overlay import measured
+
+    rows = [measured.Row(QKV_NORM, 8, None, None, True, 2.0, 1.0),
+            measured.Row(QK_CACHE, 8, 12, "bf16", True, 2.0, 1.0),
+            measured.Row(QK_CACHE, 16, 12, "bf16", True, 1.0, 2.0),
+            measured.Row(ABSORB_QK_CACHE, 8, 12, "bf16", True, 2.0, 1.0)]
+    outlook = doctor.fusion_outlook(load_settings({"K3_AMD_OVERLAY": "1"}), ALL_RUN,
+                                    measured.Loaded("f", _measurement(*rows)))
+    assert {f: (o["state"], o["provider"]) for f, o in outlook.items()} == {f: ("fused", "triton") for f in FUSIONS}
+    assert outlook[QK_CACHE]["stock at"] == ["12 heads, bf16 W_UK: stock at 9-16 tokens: 0.50x of stock on this GPU",
+                                             "12 heads, bf16 W_UK: stock above 16 tokens: not measured on this GPU"]
+    assert outlook[QKV_NORM]["stock at"] == ["stock above 8 tokens: not measured on this GPU"]
+    verdict, healthy = doctor.verdict_line({**READY_SHAPE, "switch": {"mode": "auto"}, "fusions": outlook})
+    assert healthy and verdict == (
+        "ready: qkv_norm, qk_cache, absorb_qk_cache fuse here via triton; qkv_norm runs stock in part: stock above 8 "
+        "tokens: not measured on this GPU; qk_cache runs stock in part: 12 heads, bf16 W_UK: stock at 9-16 tokens: "
+        "0.50x of stock on this GPU; 12 heads, bf16 W_UK: stock above 16 tokens: not measured on this GPU; "
+        "absorb_qk_cache runs stock in part: 12 heads, bf16 W_UK: stock above 8 tokens: not measured on this GPU")
+    table = doctor.render({**FULL, "fusions": outlook})
+    assert ("12 heads, bf16 W_UK: stock at 9-16 tokens: 0.50x of stock on this GPU; 12 heads, bf16 W_UK: stock above "
+            "16 tokens: not measured on this GPU") in table
+
+
+def test_an_empty_ready_verdict_is_impossible():
+    for report in ({}, {**READY_SHAPE, "switch": {"mode": "auto"}, "fusions": {}}):
+        verdict, healthy = doctor.verdict_line(report)
+        assert not healthy and verdict == "not ready: no fusion in this report to judge"
+
+
+@pytest.mark.parametrize(("env", "version", "arch", "aiter_off", "weights"), [
+    ({"VLLM_ROCM_USE_AITER_FP8BMM": "1"}, "0.33.0", "gfx942", "AITER off here",
+     {"bf16": "vLLM has AITER off, so neither AITER BMM"}),
+    ({"VLLM_ROCM_USE_AITER_FP8BMM": "1"}, "0.33.0", "gfx942", None, {"fp8": "VLLM_ROCM_USE_AITER_FP8BMM=1"}),
+    ({"VLLM_ROCM_USE_AITER_FP8BMM": "1", "VLLM_ROCM_USE_AITER_FP4BMM": "1"}, "0.33.0", "gfx942", None,
+     {"fp8": "VLLM_ROCM_USE_AITER_FP8BMM=1"}),
+    ({}, "0.33.0", "gfx942", None, {"bf16": "VLLM_ROCM_USE_AITER_FP8BMM unset: off by vLLM 0.33's default"}),
+    ({}, "0.32.1", "gfx950", None,
+     {"fp4": "VLLM_ROCM_USE_AITER_FP4BMM unset: on by vLLM 0.32's default, on gfx950, where the checkpoint's "
+             "kv_b_proj is bf16",
+      "fp8": "VLLM_ROCM_USE_AITER_FP8BMM unset: on by vLLM 0.32's default"}),
+    ({}, "0.40.0", None, None,
+     {"fp4": "VLLM_ROCM_USE_AITER_FP4BMM unset, the default of vLLM 0.40.0 not known here, on a GPU not known here, "
+             "where the checkpoint's kv_b_proj is bf16",
+      "fp8": "VLLM_ROCM_USE_AITER_FP8BMM unset, the default of vLLM 0.40.0 not known here",
+      "bf16": "VLLM_ROCM_USE_AITER_FP8BMM unset, the default of vLLM 0.40.0 not known here"}),
+], ids=["aiter-off", "fp8-bmm", "fp4-not-gfx950", "0.33-defaults", "0.32-gfx950", "unknown-release"])
+def test_absorb_weights_are_those_vllms_bmm_switches_select_here(env, version, arch, aiter_off, weights):
+    from k3_amd_overlay.commands.baseline_hazard import VllmFacts
+
+    assert doctor.absorb_weights(env, VllmFacts(version, None, arch), aiter_off) == weights
+
+
+FORCED_AITER = load_settings({"K3_AMD_OVERLAY": "absorb_qk_cache", "K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER": "aiter"})
+AITER_BY_WEIGHT = {**ALL_RUN, ABSORB_QK_CACHE: {"triton": None, "aiter": "AITER has no fused kernel for a bf16 W_UK_T"},
+                   f"{ABSORB_QK_CACHE} (fp8 W_K)": {"triton": None, "aiter": None},
+                   f"{ABSORB_QK_CACHE} (MXFP4 W_K)": {"triton": None, "aiter": None}}
+
+
+def test_a_forced_aiter_absorption_is_judged_against_the_weight_format_vllm_selects():
+    """Audit: the doctor judged absorb_qk_cache against the bf16 W_UK_T row alone, so a forced aiter
+    provider (for vLLM's fp8 and MXFP4 W_K only) was "not ready" where the installer applies it."""
+    fp8 = doctor.fusion_outlook(FORCED_AITER, AITER_BY_WEIGHT, weights={"fp8": "VLLM_ROCM_USE_AITER_FP8BMM=1"})
+    assert fp8[ABSORB_QK_CACHE] == {"state": "fused", "provider": "aiter", "why": (
+        "aiter: forced by setting (vLLM's fp8 W_K: VLLM_ROCM_USE_AITER_FP8BMM=1)")}
+    verdict, healthy = doctor.verdict_line({**READY_SHAPE, "switch": {"mode": "auto"}, "fusions": fp8})
+    assert healthy and verdict == "ready: absorb_qk_cache fuses here via aiter; qkv_norm, qk_cache not requested"
+    bf16 = doctor.fusion_outlook(FORCED_AITER, AITER_BY_WEIGHT, weights={"bf16": "VLLM_ROCM_USE_AITER_FP8BMM=0"})
+    assert bf16[ABSORB_QK_CACHE] == {"state": "stock", "provider": None, "why": (
+        "no provider can run here (aiter: AITER has no fused kernel for a bf16 W_UK_T) (vLLM's bf16 W_UK_T: "
+        "VLLM_ROCM_USE_AITER_FP8BMM=0)")}
+    assert not doctor.verdict_line({**READY_SHAPE, "switch": {"mode": "auto"}, "fusions": bf16})[1]
+
+
+def test_where_the_weight_format_is_not_known_each_gets_its_own_outlook():
+    weights = {"fp4": "FP4 on, on gfx950, where the checkpoint's kv_b_proj is bf16", "bf16": "FP8 off"}
+    outlook = doctor.fusion_outlook(FORCED_AITER, AITER_BY_WEIGHT, weights=weights)[ABSORB_QK_CACHE]
+    by_weight = {"fp4": {"state": "fused", "provider": "aiter", "why": "aiter: forced by setting"},
+                 "bf16": {"state": "stock", "provider": None,
+                          "why": "no provider can run here (aiter: AITER has no fused kernel for a bf16 W_UK_T)"}}
+    assert outlook == {
+        "state": "fused", "provider": "aiter", "by W_UK": by_weight,
+        "why": ("vLLM's MXFP4 W_K (FP4 on, on gfx950, where the checkpoint's kv_b_proj is bf16): aiter: forced by "
+                "setting; vLLM's bf16 W_UK_T (FP8 off): no provider can run here (aiter: AITER has no fused kernel "
+                "for a bf16 W_UK_T)"),
+        "stock at": ["with vLLM's bf16 W_UK_T (FP8 off): no provider can run here (aiter: AITER has no fused kernel "
+                     "for a bf16 W_UK_T)"]}
+    verdict, healthy = doctor.verdict_line({**READY_SHAPE, "switch": {"mode": "auto"},
+                                            "fusions": {ABSORB_QK_CACHE: outlook}})
+    assert healthy and verdict == (
+        "ready: absorb_qk_cache fuses here via aiter; absorb_qk_cache runs stock in part: with vLLM's bf16 W_UK_T "
+        "(FP8 off): no provider can run here (aiter: AITER has no fused kernel for a bf16 W_UK_T)")
+    stock = doctor.fusion_outlook(FORCED_AITER, {**AITER_BY_WEIGHT, f"{ABSORB_QK_CACHE} (MXFP4 W_K)": {
+        "triton": None, "aiter": "no AITER"}}, weights=weights)[ABSORB_QK_CACHE]
+    assert (stock["state"], stock["provider"]) == ("stock", None) and "stock at" not in stock
+    assert doctor.verdict_line({**READY_SHAPE, "switch": {"mode": "auto"}, "fusions": {ABSORB_QK_CACHE: stock}}) == (
+        f"not ready: absorb_qk_cache cannot fuse here: {stock['why']}", False)
+
+
+def test_run_doctor_judges_a_forced_aiter_absorption_on_an_fp8_w_k(monkeypatch):
+    """The audit's reproduction: AITER on and importable (two probes stood in), vLLM's fp8 BMM on,
+    absorb_qk_cache forced to aiter: the installer applies it on an fp8 W_K layer; the doctor agrees."""
+    from k3_amd_overlay.ops import aiter_absorb
+    from k3_amd_overlay.targets import vllm_env
+
+    monkeypatch.setattr(aiter_absorb, "missing", lambda *a, **k: None)
+    monkeypatch.setattr(vllm_env, "vllm_aiter_missing", lambda: None)
+    monkeypatch.setattr(doctor, "selftest", lambda device: [])
+    monkeypatch.setattr(doctor, "_activate_here", lambda env: {})
+    monkeypatch.setattr(doctor, "launch_configs_here", lambda device: {"arch": "gfx942", "device": None, "kernels": {}})
+    monkeypatch.setenv("K3_AMD_OVERLAY_ABSORB_QK_CACHE_PROVIDER", "aiter")
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_FP8BMM", "1")
+    monkeypatch.delenv("VLLM_ROCM_USE_AITER_FP4BMM", raising=False)
+    report, healthy = doctor.run_doctor(switch="absorb_qk_cache")
+    assert report["fusions"][ABSORB_QK_CACHE] == {"state": "fused", "provider": "aiter", "why": (
+        "aiter: forced by setting (vLLM's fp8 W_K: VLLM_ROCM_USE_AITER_FP8BMM=1)")}, report["fusions"]
+    assert healthy and "absorb_qk_cache fuses here via aiter" in report["verdict"], report["verdict"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -533,7 +693,6 @@ def test_verdict_line_when_ready():
     assert doctor.verdict_line({**fine_shape, "switch": {"mode": "auto"}, "fusions": {
         QKV_NORM: OFF, QK_CACHE: _fused("triton"), ABSORB_QK_CACHE: OFF}}) == (
         "ready: qk_cache fuses here via triton; qkv_norm, absorb_qk_cache not requested", True)
-    assert doctor.verdict_line({}) == ("ready: ", True)  # nothing looked at: no reason of its own
 
 
 # --------------------------------------------------------------------------------------------

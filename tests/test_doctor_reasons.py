@@ -87,3 +87,53 @@ def test_a_provider_that_raises_in_the_self_test_is_a_failed_row_not_a_crash(mon
     report, healthy = doctor.run_doctor(switch="0")  # the whole doctor, with the switch off: nothing activated
     assert not healthy and report["verdict"].startswith("not ready: self-test failed: qkv_norm boom, ")
     assert f"FAIL (raised RuntimeError: {why})" in doctor.render(report)
+
+
+@pytest.mark.parametrize(("value", "loads"), [("k3_amd_overlay", True), ("other,k3_amd_overlay", True),
+                                              ("other", False), ("", False), ("other, k3_amd_overlay", False)])
+def test_vllm_plugins_is_read_as_vllm_reads_it(value, loads):
+    """vLLM 0.29-0.33 (vllm/envs.py, vllm/plugins/__init__.py) split VLLM_PLUGINS at commas and load
+    the entry points whose names are among the pieces, exactly: unset loads every plugin."""
+    assert doctor.plugin_exclusion({}) is None
+    found = doctor.plugin_exclusion({"VLLM_PLUGINS": value})
+    assert (found is None) is loads
+    if not loads:
+        assert found.startswith(f"VLLM_PLUGINS={value!r} does not name k3_amd_overlay")
+        assert found.endswith(f"add k3_amd_overlay to it ({doctor.with_overlay_plugin(value)}) or unset it")
+
+
+def test_vllm_plugins_leaving_the_overlay_out_is_not_ready(monkeypatch):
+    """Audit: with VLLM_PLUGINS set and not naming the overlay's plugin, vLLM loads no overlay
+    (K3_AMD_OVERLAY=1 is ignored), and the doctor said "ready" listing the patches it applied itself."""
+    activated = []
+    monkeypatch.setattr(doctor, "selftest", lambda device: [])
+    monkeypatch.setattr(doctor, "_activate_here", lambda env: activated.append(env) or {"patched": []})
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver")
+    report, healthy = doctor.run_doctor(switch="1")
+    why = ("VLLM_PLUGINS='lora_resolver' does not name k3_amd_overlay: vLLM loads only the general plugins it names "
+           "(split at commas, each name exactly), so no vLLM process started with this environment loads the overlay "
+           "and K3_AMD_OVERLAY='1' is ignored; add k3_amd_overlay to it (VLLM_PLUGINS=lora_resolver,k3_amd_overlay) "
+           "or unset it")
+    assert not healthy and why in report["verdict"]
+    assert report["vllm plugins"] == {"VLLM_PLUGINS": "lora_resolver", "loads the overlay": False, "error": why}
+    assert activated == [] and "patched" not in report  # vLLM would patch nothing: neither does the doctor
+    assert f"== vLLM plugins\n  UNUSABLE: {why}" in doctor.render(report)
+    report, healthy = doctor.run_doctor(switch="0")  # off: nothing to load, no reason
+    assert report["vllm plugins"] == {"VLLM_PLUGINS": "lora_resolver", "loads the overlay": False}
+    assert "VLLM_PLUGINS" not in report["verdict"]
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver,k3_amd_overlay")
+    report, healthy = doctor.run_doctor(switch="1")
+    assert report["vllm plugins"] == {"VLLM_PLUGINS": "lora_resolver,k3_amd_overlay", "loads the overlay": True}
+    assert "VLLM_PLUGINS" not in report["verdict"] and activated
+
+
+def test_the_plugin_name_the_doctor_looks_for_is_the_entry_points():
+    """package.PLUGIN_NAME is the one name: the entry point pyproject.toml declares must be it."""
+    from pathlib import Path
+
+    from k3_amd_overlay.package import PLUGIN_NAME
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert list(project["entry-points"]["vllm.general_plugins"]) == [PLUGIN_NAME]

@@ -280,15 +280,16 @@ def test_check_reads_live_markers_and_ignores_dead_ones(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", sorted(phases.WARMUP_FRAMES))
 def test_each_warm_up_name_is_a_method_of_vllms_workers_and_marks_a_warm_up_batch(name):
-    """Every name the phase test looks for is a method vLLM's model runners or workers define
+    """Every name the phase test looks for is a method vLLM's model runners, workers or drafters define
     (0.29-0.33, read from the installed source), and a batch run under it counts as warm-up."""
     import pathlib
 
     import vllm
 
-    workers = pathlib.Path(vllm.__file__).parent / "v1" / "worker"
-    defined = any(f"def {name}(" in path.read_text() for path in workers.rglob("*.py"))
-    assert defined, f"{name} is not a method of this vLLM's workers"
+    v1 = pathlib.Path(vllm.__file__).parent / "v1"
+    defined = any(f"def {name}(" in path.read_text() for folder in ("worker", "spec_decode")
+                  for path in (v1 / folder).rglob("*.py"))
+    assert defined, f"{name} is not a method of this vLLM's workers or drafters"
 
     def batch_runner():
         return phases.current_phase()
@@ -512,18 +513,146 @@ def _marker_dir_case(tmp_path: Path, kind: str) -> tuple[Path, str | None]:
 
 
 def test_a_forgeable_directory_of_another_owner_is_named_by_what_decided_it(tmp_path: Path, monkeypatch) -> None:
-    """Root checking the vLLM user's markers: another owner is no reason for a live check, so a
-    group-writable directory of another user reads "writable", not the server's first reason ("owned
-    by uid ..."), and a private one of another user is not forgeable."""
+    """A group-writable directory of another user reads "writable" (what decided it, whoever owns it),
+    not the server's first reason ("owned by uid ..."). A private one of another user: root checking the
+    vLLM user's markers may read it (each marker's owner is checked against its process's); a checker
+    that is not root may not, as the server of that user refuses it (another user may have put anything
+    there)."""
     shared, private = tmp_path / "shared", tmp_path / "private"
     shared.mkdir()
     shared.chmod(0o770)
     private.mkdir(mode=0o700)
-    monkeypatch.setattr(markers.os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
+    owner = os.stat(tmp_path).st_uid
+    monkeypatch.setattr(markers.os, "getuid", lambda: owner + 1)
     assert markers.forgeable(shared) == (f"marker directory {shared} is writable by group or others (mode 770); "
                                          "chmod 700 it")
+    assert markers.forgeable(private) == markers.marker_dir_refusal(str(private)) == (
+        f"marker directory {private} is owned by uid {owner}, not this user ({owner + 1}); set "
+        "K3_AMD_OVERLAY_MARKER_DIR to a directory you own")
+    monkeypatch.setattr(markers.os, "getuid", lambda: 0)  # root
     assert markers.forgeable(private) is None
-    assert "is owned by uid" in markers.marker_dir_refusal(str(private))
+    assert markers.forgeable(shared).endswith("is writable by group or others (mode 770); chmod 700 it")
+
+
+def test_a_check_by_another_user_than_the_directorys_owner_does_not_hold(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Another user squats the checker's marker directory (its default one under a shared /tmp) and plants
+    a record naming the checker's live vLLM process: a checker that is not root fails, as its own vLLM
+    processes refuse to write there."""
+    from k3_amd_overlay.commands.cli import main
+
+    directory = tmp_path / "m"
+    directory.mkdir(mode=0o700)
+    markers.write_marker(directory, os.getpid(), record("auto", "applied", "applied", pid=os.getpid())
+                         | {"start_ticks": markers.process_start_ticks(os.getpid())})
+    owner = os.stat(directory).st_uid
+    monkeypatch.setattr(markers.os, "getuid", lambda: owner + 1)  # the checker: another user, not root
+    monkeypatch.setattr(markers, "process_uid", lambda pid: owner, raising=False)  # its owner wrote the file
+    assert main(["check", "--expect", "fused", "--marker-dir", str(directory)]) == 1
+    assert (f"FAIL marker directory {directory} is owned by uid {owner}, not this user ({owner + 1}); set "
+            "K3_AMD_OVERLAY_MARKER_DIR to a directory you own: no vLLM process of this overlay run by this user "
+            "writes its marker there, and another user could have written any of it: nothing read there is "
+            "evidence") in capsys.readouterr().out
+
+
+def _runs_as(pid: int) -> int:
+    return os.stat(f"/proc/{pid}").st_uid
+
+
+def _another_users_live_process() -> tuple[int, int]:
+    """A live process here and a uid other than the one it runs as: this one (a file chowned away
+    from it needs root), else pid 1 (init runs as root)."""
+    if os.getuid() == 0:
+        return os.getpid(), 4242
+    try:
+        init_runs_as = _runs_as(1)
+    except OSError:  # /proc mounted with hidepid
+        init_runs_as = os.getuid()
+    if init_runs_as == os.getuid():
+        pytest.skip("no process of another user to name here")
+    return 1, os.getuid()
+
+
+def test_a_marker_owned_by_another_user_than_its_process_is_foreign_and_fails_check(tmp_path, capsys):
+    """A record naming a live process (its start time is world-readable) in a file that another user
+    owns: no writer of that process left it. It proves nothing and the check fails, as on an unreadable
+    marker of a live process; the same record in a file its process's user owns holds."""
+    from k3_amd_overlay.commands.cli import main
+
+    pid, other = _another_users_live_process()
+    directory = tmp_path / "m"
+    directory.mkdir(mode=0o700)
+    path = markers.write_marker(directory, pid, record("auto", "applied", "applied", pid=pid)
+                                | {"start_ticks": markers.process_start_ticks(pid), "host": HOST})
+    owner, runs_as = os.stat(path).st_uid, _runs_as(pid)
+    if owner == runs_as:
+        os.chown(path, other, other)
+        owner = other
+    assert main(["check", "--expect", "fused", "--marker-dir", str(directory)]) == 1
+    out = capsys.readouterr().out
+    (found,) = markers.read_markers(directory)
+    assert found.live and found.foreign == f"owned by uid {owner}, but pid {pid} runs as uid {runs_as}: another " \
+                                           "user wrote it"
+    assert (f"note {path}: owned by uid {owner}, but pid {pid} runs as uid {runs_as}: another user wrote it; it "
+            "proves nothing (left in place)") in out
+    assert (f"FAIL {path}: names pid {pid}, which runs on this host, but it is not that process's marker (owned by "
+            f"uid {owner}, but pid {pid} runs as uid {runs_as}: another user wrote it): what it ran is unknown "
+            "(remove the file if it is a copy or not yours)") in out
+    assert "DOES NOT HOLD: expect fused (0 processes)" in out
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root: a process and files of another user")
+def test_root_checks_the_markers_of_the_user_vllm_runs_as(tmp_path, capsys):
+    """Root checking a directory of the user vLLM runs as, whose marker that user's live process wrote
+    (the owners match): it holds."""
+    from k3_amd_overlay.commands.cli import main
+
+    user = subprocess.Popen(["sleep", "60"], user=4242, group=4242)
+    try:
+        directory = tmp_path / "m"
+        directory.mkdir(mode=0o700)
+        path = markers.write_marker(directory, user.pid, record("off", "disabled", "disabled", pid=user.pid)
+                                    | {"start_ticks": markers.process_start_ticks(user.pid)})
+        os.chown(path, 4242, 4242)
+        os.chown(directory, 4242, 4242)
+        assert _runs_as(user.pid) == 4242
+        assert main(["check", "--expect", "off", "--marker-dir", str(directory)]) == 0, capsys.readouterr().out
+    finally:
+        user.kill()
+        user.wait()
+
+
+def test_a_copy_of_a_marker_is_foreign_and_never_counts_its_process_twice(tmp_path, capsys):
+    """A copy of a live process's marker under another name (backup.json) is not the marker its writer
+    left (``<pid>.json``): it proves nothing, the process counts once (its batches once), and the
+    check fails while the copy names a live process."""
+    from k3_amd_overlay.commands.cli import main
+
+    directory = markers.ensure_marker_dir(tmp_path / "m")
+    path = markers.write_marker(directory, os.getpid(), record("auto", "applied", "applied", pid=os.getpid())
+                                | {"start_ticks": markers.process_start_ticks(os.getpid())})
+    shutil.copy(path, directory / "backup.json")
+    assert main(["check", "--expect", "fused", "--marker-dir", str(directory)]) == 1
+    out = capsys.readouterr().out
+    assert "6 eager batches" not in out and "3 eager batches" in out, out
+    assert f"note {directory / 'backup.json'}: named backup.json, but the marker of pid {os.getpid()} is named " \
+           f"{os.getpid()}.json: a copy or a file written by hand, not that process's marker; it proves nothing" in out
+    assert out.endswith("DOES NOT HOLD: expect fused (1 process)\n"), out
+    (directory / "backup.json").unlink()
+    assert main(["check", "--expect", "fused", "--marker-dir", str(directory)]) == 0
+    assert capsys.readouterr().out.endswith("HOLDS: expect fused (1 process)\n")
+
+
+def test_a_process_with_two_records_counts_once_and_records_that_differ_fail():
+    one = record("auto", "applied", "applied", pid=7)
+    verdict = judge([one, dict(one)], "fused", ["qk_cache"], require_effective=True)
+    assert verdict.holds and f"info host {HOST} pid 7: 2 copies of its record, counted once" in verdict.lines
+    assert verdict.lines[-1].endswith(f"3 eager batches after startup (host {HOST} pid 7: 3)"), verdict.lines
+    verdict = judge([one, record("auto", "applied", "applied", pid=7, served=9)], "fused", ["qk_cache"],
+                    require_effective=True)
+    assert not verdict.holds
+    assert f"FAIL host {HOST} pid 7: 2 records of one process that differ: which one is its own is unknown" in \
+        verdict.lines
+    assert verdict.lines[-1].endswith(f"3 eager batches after startup (host {HOST} pid 7: 3)"), verdict.lines
 
 
 @pytest.mark.parametrize("kind", ["missing", "private", "file", "open", "symlink", "under a file"])
@@ -637,6 +766,66 @@ def test_the_summary_line_word_for_word(tmp_path, emitted):
     assert emitted[-1] == (logging.WARNING, f"k3-amd-overlay: {evidence.marker_error}")
 
 
+def test_a_failed_write_voids_the_last_marker_so_check_never_trusts_what_the_process_was(tmp_path, monkeypatch,
+                                                                                         emitted, capsys):
+    """A marker write that fails (a full disk) after a good one: the state change it carried (every
+    fusion refused: the stock path runs from now on) never reaches the file, so the last marker is
+    emptied and `check` fails on this live process instead of holding on what it was; the next write
+    that succeeds restores it."""
+    import errno
+
+    from k3_amd_overlay import json_files
+    from k3_amd_overlay.commands.cli import main
+
+    evidence = Evidence(settings_for(tmp_path))
+    for fusion in ("qkv_norm", "qk_cache", "absorb_qk_cache"):
+        evidence.note_layer(fusion, LayerDecision(FusionState.APPLIED, "triton", "ok"))
+        hook = evidence.effective_hook(fusion, "layer.0")
+        for _ in range(4):
+            execute_model(hook, 1)
+    evidence.flush()
+    marker = tmp_path / "m" / f"{os.getpid()}.json"
+    assert main(["check", "--expect", "fused", "--marker-dir", str(tmp_path / "m")]) == 0
+    capsys.readouterr()
+    written = json_files.replace_atomically
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json_files, "replace_atomically", full)
+    for fusion in ("qkv_norm", "qk_cache", "absorb_qk_cache"):
+        evidence.set_fusion(fusion, FusionState.REFUSED, "its kernel failed on this GPU: the stock path runs")
+    assert marker.read_text() == ""
+    assert evidence.marker_error == (f"marker write failed in {tmp_path / 'm'}: [Errno 28] No space left on device; "
+                                     f"its last marker {marker} emptied, so `check` fails on this process until a "
+                                     "write succeeds")
+    assert emitted[-1] == (logging.WARNING, f"k3-amd-overlay: {evidence.marker_error}")
+    assert main(["check", "--expect", "fused", "--marker-dir", str(tmp_path / "m")]) == 1
+    out = capsys.readouterr().out
+    assert (f"FAIL {marker}: pid {os.getpid()} runs on this host, but its marker is unreadable (unreadable marker: "
+            "empty (") in out, out
+    monkeypatch.setattr(json_files, "replace_atomically", written)  # space again: the next write tells the truth
+    evidence.flush()
+    assert main(["check", "--expect", "fused", "--marker-dir", str(tmp_path / "m")]) == 1
+    assert "qk_cache=refused" in capsys.readouterr().out
+
+
+def test_a_marker_that_can_be_neither_emptied_nor_removed_is_said_to_be_stale(tmp_path, monkeypatch):
+    writer = marker_writes.MarkerWriter(str(tmp_path / "m"))
+    record = MarkerRecord(pid=os.getpid(), mode=Mode.AUTO, fusions={})
+    writer.write(record)
+
+    def refused(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(markers.json_files, "replace_atomically", refused)
+    monkeypatch.setattr(markers.os, "truncate", refused)
+    monkeypatch.setattr(markers.Path, "unlink", refused)
+    writer.write(record)
+    assert writer.error.endswith(f"its last marker {writer.path} could be neither emptied nor removed (Read-only "
+                                 "file system): it is stale")
+
+
 @pytest.mark.parametrize("argv,role", [
     (["python", "serve"], "main"),  # only the `vllm` program's own arguments are commands
     ([], "main"),
@@ -644,10 +833,68 @@ def test_the_summary_line_word_for_word(tmp_path, emitted):
     (["vllm", "chat"], "cli-client"), (["vllm", "complete"], "cli-client"), (["vllm", "collect-env"], "cli-client"),
     (["vllm", "--version"], "cli-client"), (["vllm", "bench", "serve"], "cli-client"),
     (["vllm", "bench", "throughput"], "main"),  # an offline engine: it builds the model
+    # deny by default: a command that builds the serve parser (loading the plugins) but runs no model
+    (["vllm", "bench", "sweep", "serve", "--serve-cmd", "vllm serve m"], "cli-client"),
+    (["vllm", "launch", "render", "m"], "cli-client"), (["vllm", "preload", "--model", "m"], "cli-client"),
+    (["vllm", "snapshot", "create", "m"], "cli-client"), (["vllm", "download-kernels"], "cli-client"),
+    (["vllm"], "cli-client"), (["vllm", "a-command-of-a-later-release", "m"], "cli-client"),
+    # the commands that build the engine in their own process, 0.29-0.33
+    (["vllm", "bench", "latency", "--model", "m"], "main"), (["vllm", "bench", "startup", "--model", "m"], "main"),
+    (["vllm", "bench", "forward", "--model", "m"], "main"), (["vllm", "bench", "mm-processor"], "main"),
+    (["vllm", "run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", "m"], "main"),
 ])
 def test_command_lines_that_are_not_vllm_servers(argv, role):
     assert process_role(argv, "MainProcess") == role
     assert process_role([], "APIServer_0") == process_role([], "ApiServer_1") == "api-server"  # by name alone
+
+
+@pytest.mark.parametrize("name,role", [("EngineCore_DP0", "engine-core"), ("VllmWorker-0", "worker")])
+def test_a_child_vllm_names_is_its_role_whatever_command_it_inherited(name, role):
+    """A child of a command that is no engine command (one a later release adds) keeps that command
+    line: vLLM's name for it says it runs the model, so the plugin loads there and it leaves evidence."""
+    from k3_amd_overlay.process_identity import is_cli_client
+
+    argv = ["vllm", "a-command-of-a-later-release", "m"]
+    assert process_role(argv, name) == role and not is_cli_client(argv, name)
+    assert process_role(argv, "MainProcess") == "cli-client" and is_cli_client(argv, "MainProcess")
+
+
+def _bench_commands(vllm_dir: Path) -> dict[str, Path]:
+    """Each ``vllm bench`` subcommand of the installed vLLM with the benchmark module it runs."""
+    import re
+
+    found = {}
+    for path in (vllm_dir / "entrypoints" / "cli" / "benchmark").glob("*.py"):
+        text = path.read_text()
+        name = re.search(r'^    name = "([^"]+)"', text, re.MULTILINE)
+        module = re.search(r"^from (vllm\.benchmarks[\w.]*) import", text, re.MULTILINE)
+        if name and module and name.group(1) != "bench":
+            found[name.group(1)] = vllm_dir.parent / (module.group(1).replace(".", "/") + ".py")
+    return found
+
+
+@pytest.mark.vllm
+def test_each_vllm_command_of_this_release_has_the_role_of_what_it_runs():
+    """Read from the installed vLLM's CLI: a ``vllm bench`` subcommand whose benchmark builds an engine
+    (an ``LLM`` or an engine client) is an engine command (role main), every other one a client; the
+    top-level commands are those reviewed (a new one is a client until it is)."""
+    import re
+
+    import vllm
+
+    vllm_dir = Path(vllm.__file__).parent
+    bench = _bench_commands(vllm_dir)
+    assert {"latency", "throughput", "serve"} <= set(bench), bench
+    for name, module in bench.items():
+        builds = re.search(r"LLM\.from_engine_args|build_async_engine_client", module.read_text())
+        assert process_role(["vllm", "bench", name], "MainProcess") == ("main" if builds else "cli-client"), name
+    top = {m.group(1) for path in (vllm_dir / "entrypoints" / "cli").glob("*.py")
+           for m in re.finditer(r'^    name = "([^"]+)"', path.read_text(), re.MULTILINE)}
+    reviewed = {"serve", "run-batch", "bench", "chat", "complete", "collect-env", "launch", "render", "preload",
+                "snapshot", "download-kernels"}
+    assert top <= reviewed, f"commands no release 0.29-0.33 had: {top - reviewed}: review their roles"
+    assert process_role(["vllm", "serve", "m"], "MainProcess") == "api-server"
+    assert process_role(["vllm", "run-batch"], "MainProcess") == "main"
 
 
 def test_lines_go_through_vllms_logger_once_it_has_handlers(capsys, monkeypatch):

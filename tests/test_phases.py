@@ -297,6 +297,35 @@ def test_each_served_step_name_is_a_method_of_vllms_workers(name):
     assert any(f"def {name}(" in path.read_text() for path in workers.rglob("*.py"))
 
 
+def test_the_drafters_dummy_run_is_a_dummy_batch_of_this_release_and_names_no_served_path():
+    """Read from the installed source: the V1 model runner's ``sample_tokens`` runs ``drafter.dummy_run``
+    (data parallelism with a model drafter: EAGLE/MTP), which phases counts as warm-up; every function of
+    vLLM named ``dummy_run`` is a drafter's (v1/spec_decode/), and each call to one is from the runner's
+    ``_dummy_run`` or that dummy batch of ``sample_tokens``: none serves a request."""
+    import ast
+    import pathlib
+
+    import vllm
+
+    assert "dummy_run" in phases.WARMUP_FRAMES
+    root = pathlib.Path(vllm.__file__).parent
+    defining, callers = set(), set()
+    for path in root.rglob("*.py"):
+        text = path.read_text(errors="replace")
+        if "dummy_run(" not in text:
+            continue
+        for function in ast.walk(ast.parse(text)):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if function.name == "dummy_run":
+                defining.add(path.relative_to(root).parts[:2])
+            calls = [n for n in ast.walk(function) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+            if any(c.func.attr == "dummy_run" for c in calls):
+                callers.add((path.name, function.name))
+    assert defining == {("v1", "spec_decode")}, defining
+    assert callers == {("gpu_model_runner.py", "_dummy_run"), ("gpu_model_runner.py", "sample_tokens")}, callers
+
+
 def test_a_batch_outside_any_step_is_not_served():
     """No step of vLLM's on the stack (and no starting thread in one): not served."""
     assert phases.current_phase() is Phase.WARMUP

@@ -187,6 +187,31 @@ def test_the_phase_is_that_of_the_callers_frame_and_a_replays_that_of_the_caller
     assert (phases.current_phase(), replay()) == (Phase.WARMUP, Phase.WARMUP)
 
 
+class _Drafter:  # as vLLM's EAGLE/MTP proposer (v1/spec_decode/llm_base_proposer.py) names its dummy batch
+    def dummy_run(self, num_tokens: int) -> Phase:
+        return phases.current_phase()  # what the draft model's K3 MLA layer records for this batch
+
+    def propose(self) -> Phase:  # a served draft: the batch the scheduler asked for
+        return phases.current_phase()
+
+
+class _ModelRunner:  # the V1 model runner's served step, as 0.29-0.33 run the drafter from it
+    drafter = _Drafter()
+
+    def sample_tokens(self, data_parallel: bool) -> tuple[Phase, Phase | None]:
+        proposed = self.drafter.propose()
+        # with data parallelism, a rank whose batch does not fit the drafter runs one token to keep in step
+        return proposed, self.drafter.dummy_run(num_tokens=1) if data_parallel else None
+
+
+def test_a_drafters_dummy_batch_in_a_served_step_is_not_served():
+    """vLLM's V1 model runner (0.29-0.33), with data parallelism and a drafter that runs a model (EAGLE,
+    MTP: K3's), runs ``drafter.dummy_run(num_tokens=1)`` inside ``sample_tokens``: a dummy batch of its
+    own making, never served traffic; the drafter's real proposal in the same step is served."""
+    assert _ModelRunner().sample_tokens(data_parallel=True) == (Phase.SERVED, Phase.WARMUP)
+    assert _ModelRunner().sample_tokens(data_parallel=False) == (Phase.SERVED, None)
+
+
 class StandInGraph:
     """Stands in for ``torch.cuda.CUDAGraph`` (no capture without a GPU)."""
 

@@ -93,7 +93,7 @@ def test_the_durations_told_in_the_help_and_readme_are_the_plans_counts():
 def test_plan_with_an_arch_needs_no_gpu_and_writes_nothing(monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("--plan --arch asked for a GPU"))
-    assert tune.main(["--plan", "--arch", "gfx942", "--heads", "12", "--out", str(tmp_path)]) == 0
+    assert tune.main(["--plan", "--arch", "gfx942", "--heads", "12"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = tune.plan(tune.TUNED_KERNELS, [12], None, "gfx942")
     assert lines[0] == tune.plan_line("gfx942", rows)
@@ -429,6 +429,20 @@ def test_out_with_compare_is_a_usage_error_naming_both(monkeypatch, tmp_path, ca
         out = argv[argv.index("--out") + 1]
         _assert_usage_error(code, data, err, f"--out {out} and --compare: --compare writes no file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json"]
+
+
+def test_out_with_plan_is_a_usage_error_naming_both(monkeypatch, tmp_path, capsys):
+    """Audit: --plan writes nothing, and an --out beside it was silently ignored (exit 0, no file):
+    refused as --out beside --compare is, whichever comes first; nothing is written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("asked for a GPU before the check"))
+    _never_tuned(monkeypatch)
+    for argv in (["--plan", "--arch", "gfx942", "--out", str(tmp_path / "f.json")],
+                 ["--out", str(tmp_path), "--plan", "--arch", "gfx942"]):
+        code, data, err = _usage_error(argv, capsys)
+        out = argv[argv.index("--out") + 1]
+        _assert_usage_error(code, data, err, f"--out {out} and --plan: --plan writes no file (it counts the "
+                                             "candidates a run would time); give one of them")
+    assert list(tmp_path.iterdir()) == []
 
 
 def _nested_too_deep(path):

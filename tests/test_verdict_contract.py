@@ -196,16 +196,19 @@ def test_doctor_holds_each_arm_on_its_own_verdict_and_names_what_is_missing():
     assert doctor_lines(doctor_report("off", "off"), "fused") == (False, [f"FAIL doctor on this machine: {off}"])
     assert doctor_lines(doctor_report("stock", "stock"), "fused") == (
         False, [f"FAIL doctor on this machine for qkv_norm, qk_cache, absorb_qk_cache: {stock}"])
-    # asked for a fusion the report does not have: doctor is ready for the others, this one would not fuse
+    # asked for a fusion the report does not have: the doctor judges none of those asked (never an empty "ready")
     report = doctor_report("auto", "off", qkv_norm={"state": "fused", "provider": "triton", "why": "triton runs here"})
     del report["fusions"]["qk_cache"]
     assert doctor_lines(report, "fused", ["qk_cache"]) == (
-        False, ["FAIL doctor on this machine: qk_cache would not fuse here (not in its report)"])
+        False, ["FAIL doctor on this machine for qk_cache: not ready: no fusion in this report to judge"])
+
+
+STOCK_PIDS = {"api-server": 6100, "engine-core": 6101, "worker": 6102}  # one process a role: a pid counts once
 
 
 def stock_record(role: str, layers: int, patches: list[str], version: str = "0.33.0") -> MarkerRecord:
-    return record("gpu-a", mode="stock", state="forced-stock", pid=6100, role=role, layers=layers, patches=patches,
-                  vllm_version=version)
+    return record("gpu-a", mode="stock", state="forced-stock", pid=STOCK_PIDS[role], role=role, layers=layers,
+                  patches=patches, vllm_version=version)
 
 
 NO_LAYER = ("FAIL no live process has built a K3 MLA layer (is the model loaded in a process that shares this "

@@ -89,7 +89,7 @@ def _minor(version: str | None) -> str | None:
     return f"{found.group(1)}.{found.group(2)}" if found else None
 
 
-def _bmm_switch(env: Mapping[str, str], name: str, facts: VllmFacts) -> tuple[bool | None, str]:
+def bmm_switch(env: Mapping[str, str], name: str, facts: VllmFacts) -> tuple[bool | None, str]:
     """A BMM switch (FP8_BMM or FP4_BMM) as this vLLM reads it, and where that comes from: the
     environment, else the release's default (BMM_DEFAULTS); None where neither is known."""
     if name in env:
@@ -101,10 +101,10 @@ def _bmm_switch(env: Mapping[str, str], name: str, facts: VllmFacts) -> tuple[bo
     return on, f"{name} unset: {'on' if on else 'off'} by vLLM {_minor(facts.version)}'s default"
 
 
-def _fp4_bmm_not_taken(env: Mapping[str, str], facts: VllmFacts) -> str | None:
+def fp4_bmm_not_taken(env: Mapping[str, str], facts: VllmFacts) -> str | None:
     """Why vLLM's MLA never takes the FP4 BMM here, or None where it may (its switch on or unknown,
     on gfx950 or a GPU not known; whether kv_b_proj is bf16 is the checkpoint's, not read here)."""
-    on, said = _bmm_switch(env, FP4_BMM, facts)
+    on, said = bmm_switch(env, FP4_BMM, facts)
     if on is False:
         return said
     if facts.arch is not None and facts.arch != FP4_BMM_ARCH:
@@ -115,8 +115,8 @@ def _fp4_bmm_not_taken(env: Mapping[str, str], facts: VllmFacts) -> str | None:
 def _vllm_never_fuses_by_bmm(env: Mapping[str, str], facts: VllmFacts) -> str | None:
     """Why vLLM's K3 code keeps its fused decode off for its W_UK variant (it fuses only where the
     FP4 BMM is taken or the FP8 BMM is off: _fused_qk_prep_supported), or None where it may fuse."""
-    fp8, fp8_said = _bmm_switch(env, FP8_BMM, facts)
-    fp4_not_taken = _fp4_bmm_not_taken(env, facts)
+    fp8, fp8_said = bmm_switch(env, FP8_BMM, facts)
+    fp4_not_taken = fp4_bmm_not_taken(env, facts)
     if fp8 is True and fp4_not_taken:
         return f"{fp8_said}, and the FP4 BMM is not taken ({fp4_not_taken}): vLLM never fuses the decode"
     return None

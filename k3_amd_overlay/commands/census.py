@@ -52,7 +52,7 @@ import math
 import os
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,11 +181,11 @@ def trace_files(paths: Iterable[str | Path]) -> list[Path]:
         if not str(text).strip():
             raise TraceError("an empty path was given (it would scan the current directory): name the traces")
         item = Path(text)
-        if item.is_dir():
+        if _looked_at(item, item.is_dir):
             files += _traces_under(item)
-        elif item.is_file():
+        elif _looked_at(item, item.is_file):
             files.append(item)
-        elif item.exists():
+        elif _looked_at(item, item.exists):
             raise TraceError(f"{item}: not a regular file (a FIFO, a socket or a device): name a trace file")
         else:
             raise TraceError(f"{item}: no such file or directory")
@@ -207,6 +207,15 @@ def _refuse_named_twice(files: list[Path]) -> None:
                              f"it): read twice, one trace would count as two ranks; name each rank's trace once")
 
 
+def _looked_at(path: Path, test: Callable[[], bool]) -> bool:
+    """``test()`` (``path.is_dir`` and the like), or a TraceError naming ``path`` where it cannot be
+    looked at: a folder above it that can be listed but not searched (mode r--)."""
+    try:
+        return test()
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
 def _traces_under(directory: Path) -> list[Path]:
     """The trace files (regular files named ``*.json`` or ``*.json.gz``) under ``directory``: never a
     FIFO (reading one would block), a folder or a device; a folder it cannot list is an error, not an
@@ -217,7 +226,8 @@ def _traces_under(directory: Path) -> list[Path]:
         raise TraceError(f"{exc.filename or directory}: cannot list ({exc.strerror or exc})")
 
     for root, _, names in os.walk(directory, onerror=refuse, followlinks=False):
-        found += [Path(root, n) for n in names if n.endswith((".json", ".json.gz")) and Path(root, n).is_file()]
+        found += [Path(root, n) for n in names
+                  if n.endswith((".json", ".json.gz")) and _looked_at(Path(root, n), Path(root, n).is_file)]
     return sorted(found)
 
 

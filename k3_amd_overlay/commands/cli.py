@@ -34,6 +34,7 @@ from k3_amd_overlay.commands.verdict import (
     MERGE_MAX_AGE_S,
     NodeEvidence,
     Verdict,
+    distinct_processes,
     judge,
     judge_doctor,
     judge_merge,
@@ -74,6 +75,15 @@ def _fusions(value: str | None) -> list[str] | None:
     return names
 
 
+def _why_no_plugin_ran() -> str:
+    """Why the static probe's vLLM ran no overlay plugin: VLLM_PLUGINS leaving it out, else not installed."""
+    from k3_amd_overlay.commands.doctor import plugin_exclusion
+
+    return plugin_exclusion(os.environ) or (
+        "vLLM's plugin loading never ran k3-amd-overlay's plugin in this Python (is k3-amd-overlay installed in "
+        "it, under the vllm.general_plugins entry point?)")
+
+
 def static_record(timeout: float = 600.0) -> tuple[MarkerRecord | None, str]:
     """Load vLLM's general plugins and import the K3 AMD code in a fresh subprocess with the
     current environment (markers to a throwaway directory); return its evidence record (the
@@ -91,8 +101,7 @@ def static_record(timeout: float = 600.0) -> tuple[MarkerRecord | None, str]:
             try:
                 data = json.loads(line.split("=", 1)[1])
                 if data is None:
-                    return None, ("vLLM's plugin loading never ran k3-amd-overlay's plugin in this Python (is "
-                                  "k3-amd-overlay installed in it, under the vllm.general_plugins entry point?)")
+                    return None, _why_no_plugin_ran()
                 return MarkerRecord.from_json(data), ""
             except (ValueError, RecordError) as exc:
                 return None, f"unreadable record from the static probe: {exc}"
@@ -141,8 +150,8 @@ def merged_records(paths: list[str]) -> tuple[list[NodeEvidence], list[str]]:
             detail = f"it has no {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
             raise UsageError(f"--merge: {path} is not the output of `k3-amd-overlay check --json`: {detail}") from None
         nodes.append(node)
-        notes.append(f"note {path}: {len(records)} process{'es' if len(records) != 1 else ''} from host "
-                     f"{host or 'unknown'}")
+        count = len(distinct_processes(records))
+        notes.append(f"note {path}: {count} process{'es' if count != 1 else ''} from host {host or 'unknown'}")
     return nodes, notes
 
 
@@ -171,17 +180,21 @@ def live_records(directory: Path, prune: bool,
     note per file set aside (or removed)."""
     found = read_marker_dir(directory) if found is None else found
     host = socket.gethostname()
-    foreign = [m for m in found if m.record and m.record.host != host]
-    records = [m.record for m in found if m.live and m.record and m.record.host == host]
-    stale = [m for m in found if m.record and not m.live and m.record.host == host]
+    foreign = [m for m in found if m.record and m.foreign]
+    elsewhere = [m for m in found if m.record and not m.foreign and m.record.host != host]
+    records = [m.record for m in found if m.live and m.record and not m.foreign and m.record.host == host]
+    stale = [m for m in found if m.record and not m.live and not m.foreign and m.record.host == host]
     notes = [f"markers read from {directory}: {len(records)} live, {len(stale)} stale, "
-             f"{sum(1 for m in found if m.error)} unreadable" + (f", {len(foreign)} of other hosts" if foreign else "")
+             f"{sum(1 for m in found if m.error)} unreadable" + (f", {len(foreign)} foreign" if foreign else "")
+             + (f", {len(elsewhere)} of other hosts" if elsewhere else "")
              + ("" if directory.is_dir() else " (it is a file, not a directory)" if directory.exists()
                 else " (no such directory)")]
     for m in found:
         if m.error:
             notes.append(f"note {m.path}: {m.error}")
-        elif m in foreign:
+        elif m.foreign:
+            notes.append(f"note {m.path}: {m.foreign}; it proves nothing (left in place)")
+        elif m in elsewhere:
             assert m.record is not None
             notes.append(f"note {m.path}: host {m.record.host} pid {m.record.pid} was written on another host, whose "
                          f"processes cannot be checked from {host}; ignored (a marker directory shared between nodes? "
@@ -224,7 +237,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-age {max_age:g}: seconds, more than 0 and finite")
     if args.merge:
         nodes, notes = merged_records(args.merge)
-        records = [r for node in nodes for r in node.records]
+        records = distinct_processes(r for node in nodes for r in node.records)
         verdict = judge_merge(nodes, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed,
                               max_age_s=max_age, now=time.time())
     elif args.static:
@@ -261,12 +274,16 @@ def cmd_check(args: argparse.Namespace) -> int:
         verdict = judge(records, args.expect, wanted, not args.no_effective, allow_mixed=args.allow_mixed)
         forgeable = markers.forgeable(directory)
         if forgeable:
-            verdict.fail(f"{forgeable}: no vLLM process of this overlay writes its marker there, and any user "
-                         "could have: nothing read there is evidence")
+            verdict.fail(f"{forgeable}: no vLLM process of this overlay run by this user writes its marker there, "
+                         "and another user could have written any of it: nothing read there is evidence")
         for marker, pid in markers.unreadable_of_live_processes(found):
             verdict.fail(f"{marker.path}: pid {pid} runs on this host, but its marker is unreadable ({marker.error}): "
                          "what it ran is unknown (another overlay version's marker? restart it with this one; "
                          "remove the file if that process is no vLLM)")
+        for marker, pid in markers.foreign_of_live_processes(found, socket.gethostname()):
+            verdict.fail(f"{marker.path}: names pid {pid}, which runs on this host, but it is not that process's "
+                         f"marker ({marker.foreign}): what it ran is unknown (remove the file if it is a copy or "
+                         "not yours)")
     if args.json:
         print(json.dumps({"command": "check", "ok": verdict.holds, "exit_status": 0 if verdict.holds else EXIT_FAILED,
                           "expect": args.expect, "holds": verdict.holds, "lines": verdict.lines, "notes": notes,

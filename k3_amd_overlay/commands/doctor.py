@@ -8,17 +8,20 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from k3_amd_overlay import k3, kernel_failures, markers, measured
+from k3_amd_overlay.commands.baseline_hazard import FP4_BMM, FP8_BMM, VllmFacts, bmm_switch, fp4_bmm_not_taken
 from k3_amd_overlay.fp8 import FP8_FORMATS, device_format
+from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.fusions.states import FusionState
 from k3_amd_overlay.package import (
     ABSORB_QK_CACHE,
     FUSIONS,
+    PLUGIN_NAME,
     QK_CACHE,
     QKV_NORM,
     SUPPORTED_VLLM,
@@ -28,6 +31,12 @@ from k3_amd_overlay.settings import MARKER_DIR, SWITCH, SettingsError, load_sett
 from k3_amd_overlay.versions import first_installed, installed_aiter_version, installed_vllm_version
 
 K3_ABSORB_WIDTHS = (k3.QK_NOPE_HEAD_DIM, k3.KV_LORA_RANK, k3.QK_ROPE_HEAD_DIM)  # P, L, R of the absorbed op
+BF16, FP8, FP4 = AbsorbVariant.BF16.value, AbsorbVariant.FP8.value, AbsorbVariant.FP4.value
+# Each W_UK format vLLM may hold a K3 layer's absorption in: its "providers here" row and its words.
+W_UK_ROWS = {BF16: ABSORB_QK_CACHE, FP8: f"{ABSORB_QK_CACHE} (fp8 W_K)", FP4: f"{ABSORB_QK_CACHE} (MXFP4 W_K)"}
+W_UK_WORDS = {BF16: "bf16 W_UK_T", FP8: "fp8 W_K", FP4: "MXFP4 W_K"}
+STOCK_MODE = "stock mode (the unfused A/B baseline)"
+VLLM_PLUGINS = "VLLM_PLUGINS"  # vLLM 0.29-0.33: unset loads every plugin; else only those it names
 
 
 def versions() -> dict[str, Any]:
@@ -236,44 +245,160 @@ def json_report(value: Any) -> Any:
     return value
 
 
+def absorb_weights(env: Mapping[str, str], facts: VllmFacts, aiter_off: str | None) -> dict[str, str]:
+    """Each W_UK format (AbsorbVariant's value) vLLM may hold a K3 layer's absorption in here, in its
+    precedence (MXFP4, fp8, bf16), and why: its BMM switches as this vLLM reads them (baseline_hazard),
+    both off where vLLM has AITER off (``aiter_off``: why, None where it is on or not known). More than
+    one where a switch is not known here, or where the MXFP4 BMM may be taken: vLLM takes it only for
+    a bf16 kv_b_proj, which is the checkpoint's."""
+    if aiter_off:
+        return {BF16: "vLLM has AITER off, so neither AITER BMM"}
+    weights = {}
+    if fp4_bmm_not_taken(env, facts) is None:
+        fp4_said = bmm_switch(env, FP4_BMM, facts)[1]
+        weights[FP4] = (f"{fp4_said}, on {facts.arch or 'a GPU not known here'}, where the checkpoint's kv_b_proj "
+                        "is bf16")
+    fp8, fp8_said = bmm_switch(env, FP8_BMM, facts)
+    if fp8 is not False:
+        weights[FP8] = fp8_said
+    if fp8 is not True:
+        weights[BF16] = fp8_said
+    return weights
+
+
 def fusion_outlook(settings: Any, providers_here: dict[str, dict[str, str | None]],
-                   loaded: measured.Loaded | None = None) -> dict[str, dict[str, Any]]:
+                   loaded: measured.Loaded | None = None,
+                   weights: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Per fusion, what a K3 layer built here would get from the overlay (before the layer's own
     conditions: fp8 KV cache, heads, vLLM's own fusions, which the marker reports per layer): under
     ``auto`` with this GPU's self-measurement (``loaded``), the provider it timed, as the server
-    chooses; with a file that cannot be used, stock."""
-    from k3_amd_overlay.fusions.states import choose_provider
-    from k3_amd_overlay.package import FUSED_PROVIDERS
+    chooses, and the buckets where stock runs (``stock at``); with a file that cannot be used, stock.
+    absorb_qk_cache is judged on the providers of each W_UK format in ``weights`` (absorb_weights;
+    default vLLM's bf16 W_UK_T), and with more than one, on each (``by W_UK``)."""
     from k3_amd_overlay.settings import Mode
 
-    measurement = loaded.measurement if loaded else None
+    weights = dict(weights or {BF16: ""})
     outlook = {}
     for fusion in FUSIONS:
         if settings.mode is Mode.OFF or not settings.requested(fusion):
             outlook[fusion] = {"state": "off", "provider": None, "why": "not requested"}
         elif settings.mode is Mode.STOCK:
-            outlook[fusion] = {"state": "stock", "provider": None, "why": "stock mode (the unfused A/B baseline)"}
+            outlook[fusion] = {"state": "stock", "provider": None, "why": STOCK_MODE}
+        elif fusion == ABSORB_QK_CACHE:
+            outlook[fusion] = _by_weight({w: _judged(settings, fusion, providers_here[W_UK_ROWS[w]], loaded, (w,))
+                                          for w in weights}, weights)
         else:
-            decision = choose_provider(FUSED_PROVIDERS[fusion], settings.provider(fusion), measured.measured_first(
-                providers_here[fusion], settings.provider(fusion), measurement))
-            fused, why = decision.state is FusionState.APPLIED, decision.reason
-            if fused and loaded is not None and loaded.unusable:
-                fused, why = False, loaded.unusable
-            elif fused and measurement is not None and decision.provider != measurement.provider:
-                fused, why = False, measured.gate_for(measurement, fusion, provider=decision.provider).unmeasured
-            elif fused and measurement is not None and not measured.fused_anywhere(measurement, fusion):
-                fused, why = False, (f"the self-measurement found {fusion} exact and at least as fast as stock in no "
-                                     "bucket on this GPU: stock runs at every batch size")
-            outlook[fusion] = {"state": "fused" if fused else "stock", "provider": decision.provider, "why": why}
+            outlook[fusion] = _judged(settings, fusion, providers_here[fusion], loaded, tuple(weights))
     return outlook
+
+
+def _judged(settings: Any, fusion: str, missing: dict[str, str | None], loaded: measured.Loaded | None,
+            variants: tuple[str, ...]) -> dict[str, Any]:
+    """One fusion's outlook from its providers' ``missing`` and the self-measurement at the W_UK
+    formats ``variants`` (qkv_norm's launch has none), as the server's gates read it."""
+    from k3_amd_overlay.fusions.states import choose_provider
+    from k3_amd_overlay.package import FUSED_PROVIDERS
+
+    measurement = loaded.measurement if loaded else None
+    setting = settings.provider(fusion)
+    decision = choose_provider(FUSED_PROVIDERS[fusion], setting, measured.measured_first(missing, setting, measurement))
+    stock = {"state": "stock", "provider": decision.provider}
+    if decision.state is not FusionState.APPLIED:
+        return {**stock, "why": decision.reason}
+    if loaded is not None and loaded.unusable:
+        return {**stock, "why": loaded.unusable}
+    fused = {"state": "fused", "provider": decision.provider, "why": decision.reason}
+    if measurement is None:
+        return fused
+    if decision.provider != measurement.provider:
+        return {**stock, "why": measured.gate_for(measurement, fusion, provider=decision.provider).unmeasured}
+    somewhere, stock_at = _measured_buckets(measurement, fusion, variants)
+    if somewhere:
+        return {**fused, "stock at": stock_at}
+    return {**stock, "why": f"the self-measurement found {fusion} exact and at least as fast as stock in no bucket on "
+                            f"this GPU{_at_variants(fusion, variants)}: stock runs at every batch size"}
+
+
+def _at_variants(fusion: str, variants: tuple[str, ...]) -> str:
+    return "" if fusion == QKV_NORM else f" with a {' or '.join(variants)} W_UK"
+
+
+def _measured_buckets(measurement: measured.Measurement, fusion: str,
+                      variants: tuple[str, ...]) -> tuple[bool, list[str]]:
+    """Whether ``fusion`` may run in any bucket at a shape the measurement timed it at with one of
+    ``variants`` (its gates', as the server reads them), and every reason stock runs, per shape."""
+    shapes = sorted({(r.heads, r.variant) for r in measurement.rows
+                     if r.fusion == fusion and (fusion == QKV_NORM or r.variant in variants)},
+                    key=lambda shape: (shape[0] or 0, shape[1] or ""))
+    somewhere, stock_at = False, []
+    for heads, variant in shapes:
+        gate = measured.gate_for(measurement, fusion, heads, variant)
+        somewhere = somewhere or any(why is None for _, why in gate.buckets)
+        where = "" if heads is None else f"{measured.shape_words(heads, variant)}: "
+        stock_at += [where + why for why in gate.reasons()]
+    if fusion != QKV_NORM:
+        stock_at += [f"stock at every batch size with a {v} W_UK: not measured with it on this GPU"
+                     for v in variants if all(shape[1] != v for shape in shapes)]
+    return somewhere, stock_at
+
+
+def _by_weight(judged: dict[str, dict[str, Any]], weights: Mapping[str, str]) -> dict[str, Any]:
+    """absorb_qk_cache's outlook from its outlook per W_UK format (``judged``): with one format, that
+    one, saying which; with more, fused where any is, and where one is not, said as stock."""
+    if len(judged) == 1:
+        (weight, only), = judged.items()
+        return {**only, "why": f"{only['why']} (vLLM's {W_UK_WORDS[weight]}: {weights[weight]})"} if weights[weight] \
+            else only
+    said = {w: f"vLLM's {W_UK_WORDS[w]} ({weights[w]})" for w in judged}
+    fused = {w: o for w, o in judged.items() if o["state"] == "fused"}
+    providers = sorted({o["provider"] for o in (fused or judged).values() if o["provider"]})
+    entry = {"state": "fused" if fused else "stock", "provider": " or ".join(providers) or None,
+             "why": "; ".join(f"{said[w]}: {o['why']}" for w, o in judged.items())}
+    if fused:
+        entry["stock at"] = [f"{W_UK_WORDS[w]}: {why}" for w, o in fused.items() for why in o.get("stock at", [])] + [
+            f"with {said[w]}: {o['why']}" for w, o in judged.items() if w not in fused]
+    return {**entry, "by W_UK": judged}
+
+
+def plugin_exclusion(env: Mapping[str, str]) -> str | None:
+    """Why no vLLM process started with ``env`` loads the overlay's plugin, read as vLLM 0.29-0.33 read
+    VLLM_PLUGINS (vllm/envs.py: split at commas; vllm/plugins: a plugin loads where its entry-point
+    name is one of the pieces, exactly); None where it loads (the variable unset, or naming it)."""
+    raw = env.get(VLLM_PLUGINS)
+    if raw is None or PLUGIN_NAME in raw.split(","):
+        return None
+    return (f"{VLLM_PLUGINS}={raw!r} does not name {PLUGIN_NAME}: vLLM loads only the general plugins it names (split "
+            "at commas, each name exactly), so no vLLM process started with this environment loads the overlay "
+            f"and {SWITCH}={env.get(SWITCH, '')!r} is ignored; add {PLUGIN_NAME} to it ({with_overlay_plugin(raw)}) "
+            "or unset it")
+
+
+def with_overlay_plugin(raw: str) -> str:
+    """VLLM_PLUGINS=... naming the plugins ``raw`` names (spaces around a name dropped) and the overlay's."""
+    names = [n.strip() for n in raw.split(",") if n.strip() and n.strip() != PLUGIN_NAME]
+    return f"{VLLM_PLUGINS}={','.join([*names, PLUGIN_NAME])}"
+
+
+def plugins_here(env: Mapping[str, str], enabled: bool) -> dict[str, Any]:
+    """The "vllm plugins" section (only where VLLM_PLUGINS is set): whether it lets vLLM load the
+    overlay and, where the switch turns the overlay on (``enabled``) and it does not, why as ``error``."""
+    excluded = plugin_exclusion(env)
+    section: dict[str, Any] = {VLLM_PLUGINS: env[VLLM_PLUGINS], "loads the overlay": excluded is None}
+    if excluded and enabled:
+        section["error"] = excluded
+    return section
 
 
 def verdict_line(report: dict[str, Any]) -> tuple[str, bool]:
     """The doctor's last line and whether it is healthy: ready where every requested fusion has a
-    provider that runs here and passed its self-test, on a vLLM whose K3 AMD code is recognised."""
+    provider that runs here and passed its self-test and would run fused in some batch, on a vLLM
+    whose K3 AMD code is recognised and which loads the overlay; where a fusion runs stock in part
+    (buckets the self-measurement found slower, a W_UK format without a provider), it says where."""
     problems = []
     if "error" in report.get("switch", {}):
         problems.append(report["switch"]["error"])
+    if report.get("vllm plugins", {}).get("error"):
+        problems.append(report["vllm plugins"]["error"])
     if report.get("marker dir", {}).get("error"):
         problems.append(report["marker dir"]["error"])
     shape = report.get("vllm shape")  # absent: not looked at, which is no reason of its own
@@ -291,9 +416,7 @@ def verdict_line(report: dict[str, Any]) -> tuple[str, bool]:
     if failed:
         problems.append(f"self-test failed: {', '.join(failed)}")
     outlook = report.get("fusions", {})
-    refused = {f: o["why"] for f, o in outlook.items() if o["state"] == "stock" and o["provider"] is None
-               and not o["why"].startswith("stock mode")}
-    problems += [f"{f} cannot fuse here: {why}" for f, why in refused.items()]
+    problems += [_never_fuses(f, o) for f, o in outlook.items() if o["state"] == "stock" and o["why"] != STOCK_MODE]
     if problems:
         return "not ready: " + "; ".join(problems), False
     mode = report.get("switch", {}).get("mode")
@@ -306,11 +429,22 @@ def verdict_line(report: dict[str, Any]) -> tuple[str, bool]:
     for fusion, o in outlook.items():
         if o["state"] == "fused":
             by_provider.setdefault(o["provider"], []).append(fusion)
-    parts = [f"{', '.join(fs)} fuse{'s' if len(fs) == 1 else ''} here via {p}" for p, fs in by_provider.items()]
     off = [f for f, o in outlook.items() if o["state"] == "off"]
+    if not by_provider:  # none of the fusions judged fuses, or none is judged: never an empty "ready"
+        return f"not ready: {', '.join(off) + ' not requested' if off else 'no fusion in this report to judge'}", False
+    parts = [f"{', '.join(fs)} fuse{'s' if len(fs) == 1 else ''} here via {p}" for p, fs in by_provider.items()]
+    parts += [f"{f} runs stock in part: {'; '.join(o['stock at'])}" for f, o in outlook.items()
+              if o["state"] == "fused" and o.get("stock at")]
     if off:
         parts.append(f"{', '.join(off)} not requested")
     return "ready: " + "; ".join(parts), True
+
+
+def _never_fuses(fusion: str, outlook: dict[str, Any]) -> str:
+    """The reason a fusion the server would run stock at every batch size gives the verdict."""
+    if outlook["provider"] is None:
+        return f"{fusion} cannot fuse here: {outlook['why']}"
+    return f"{fusion} would run stock at every batch size here ({outlook['provider']} can run, but: {outlook['why']})"
 
 
 def run_doctor(switch: str | None = None, serve_args: str | None = None) -> tuple[dict[str, Any], bool]:
@@ -336,6 +470,8 @@ def run_doctor(switch: str | None = None, serve_args: str | None = None) -> tupl
     report["switch"] = {"K3_AMD_OVERLAY": settings.raw, "mode": settings.mode.value,
                         "fusions": sorted(settings.fusions), "strict": settings.strict,
                         "providers": dict(settings.providers)}
+    if VLLM_PLUGINS in env:
+        report["vllm plugins"] = plugins_here(env, settings.enabled)
     report["marker dir"] = marker_dir_here(settings.marker_dir)
     if has_vllm:
         report["qk_cache by tensor-parallel size (K3, 96 heads)"] = qk_cache_by_tp(shape.upstream[QK_CACHE]
@@ -352,19 +488,22 @@ def run_doctor(switch: str | None = None, serve_args: str | None = None) -> tupl
         f"{ABSORB_QK_CACHE} (fp8 W_K)": absorb_op.provider_missing(device, *K3_ABSORB_WIDTHS, fp8_weights=True),
         f"{ABSORB_QK_CACHE} (MXFP4 W_K)": absorb_op.provider_missing(device, *K3_ABSORB_WIDTHS, mxfp4_weights=True),
     }
+    aiter_off = None
     if has_vllm:  # in a vLLM process AITER follows vLLM's switch
-        from k3_amd_overlay.targets.vllm_env import with_vllm_aiter_switch
+        from k3_amd_overlay.targets import vllm_env
 
-        report["providers here"] = {f: with_vllm_aiter_switch(m) for f, m in report["providers here"].items()}
+        aiter_off = vllm_env.vllm_aiter_missing()
+        report["providers here"] = {f: vllm_env.with_vllm_aiter_switch(m) for f, m in report["providers here"].items()}
     report["launch configs"] = launch_configs_here(device)
     arch, device_name = report["launch configs"].get("arch"), report["launch configs"].get("device")
     loaded = measured.load_here(arch, device_name) if arch and device_name else None  # read once, used twice
     report["self-measurement"] = measured.doctor_section(arch, device_name, loaded=loaded)
     report["self-test"] = selftest(device)
-    if settings.enabled and has_vllm:
+    if settings.enabled and has_vllm and plugin_exclusion(env) is None:  # else vLLM would patch nothing
         report.update(_activate_here(env))
         report["versions"] = versions()  # vLLM is imported now: name the version the verdict judged
-    report["fusions"] = fusion_outlook(settings, report["providers here"], loaded)
+    weights = absorb_weights(env, VllmFacts(installed_vllm_version(), None, arch), aiter_off)
+    report["fusions"] = fusion_outlook(settings, report["providers here"], loaded, weights)
     report["a/b baseline"] = ab_baseline(env, shape, serve_args)
     report["verdict"], healthy = verdict_line(report)
     return report, healthy
@@ -462,6 +601,8 @@ def render(report: dict[str, Any]) -> str:
                  f"K3_AMD_OVERLAY={switch['K3_AMD_OVERLAY']!r}: mode {switch['mode']}, fusions "
                  f"{', '.join(switch['fusions']) or 'none'}, strict {switch['strict']}, providers "
                  + ", ".join(f"{f}={p}" for f, p in switch["providers"].items())))
+    if report.get("vllm plugins"):
+        lines.append(f"\n== vLLM plugins\n  {_plugins_line(report['vllm plugins'])}")
     marker_dir = report.get("marker dir")
     if marker_dir:
         lines.append(f"\n== marker directory\n  {marker_dir['path']} ("
@@ -535,9 +676,19 @@ def render(report: dict[str, Any]) -> str:
     if report.get("fusions"):
         lines.append("\n== what a K3 layer built here would get (before its own conditions: fp8 KV cache, heads)")
         lines += _table(["fusion", "outcome", "provider", "why"],
-                        [[f, o["state"], o["provider"], o["why"]] for f, o in report["fusions"].items()])
+                        [[f, o["state"], o["provider"], o["why"] + "".join(f"; {why}" for why in o.get("stock at", []))]
+                         for f, o in report["fusions"].items()])
     lines.append(f"\n{report['verdict']}")
     return "\n".join(lines)
+
+
+def _plugins_line(section: dict[str, Any]) -> str:
+    if section.get("error"):
+        return f"UNUSABLE: {section['error']}"
+    if section["loads the overlay"]:
+        return f"{VLLM_PLUGINS}={section[VLLM_PLUGINS]!r}: names the overlay's plugin"
+    return (f"{VLLM_PLUGINS}={section[VLLM_PLUGINS]!r}: does not name {PLUGIN_NAME}: vLLM loads no overlay (off, it "
+            "runs as it is, but leaves no off record: `check --expect off` cannot hold)")
 
 
 def _measure(row: dict[str, Any]) -> str:

@@ -450,9 +450,12 @@ def check_args(args: argparse.Namespace) -> None:
     if args.compare is not None and args.out is not None:
         raise UsageError(f"--out {args.out} and --compare: --compare writes no file (it times FILE's configs against "
                          "the shipped ones); give one of them")
+    if args.plan and args.out is not None:
+        raise UsageError(f"--out {args.out} and --plan: --plan writes no file (it counts the candidates a run would "
+                         "time); give one of them")
     if args.compare is not None:
         check_compare(args.compare)
-    elif not args.plan:  # --plan writes nothing (and takes the options of the run it counts, --out among them)
+    elif not args.plan:
         check_out(out_given(args))
 
 

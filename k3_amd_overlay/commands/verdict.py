@@ -129,26 +129,64 @@ NO_MODEL_PROCESS = ("only API server processes left an off record: no engine cor
                     f"on another node or another Python, or run with another {SWITCH})")
 
 
-def _judge_off(records: list[MarkerRecord]) -> Verdict:
+def _judge_off(records: list[MarkerRecord], verdict: Verdict) -> Verdict:
     """``off`` (the A/B baseline of vLLM as it is): at least one live process that runs the model
     (``MODEL_ROLES``) left an off record (the plugin loaded and patched nothing) and none runs the
-    overlay. Nothing at all proves nothing: the server may be down, or the plugin absent from its
-    Python; nor does an API server's record alone (it runs no model)."""
-    verdict = Verdict()
+    overlay, all of this check's overlay version and one arm (``_one_arm``: one vLLM version and one
+    switch; off records of two deployments are not one baseline). Nothing at all proves nothing: the
+    server may be down, or the plugin absent from its Python; nor does an API server's record alone
+    (it runs no model). Adds to ``verdict`` and returns it."""
     if not records:
         verdict.fail(NO_OFF_RECORD)
     for record in records:
         if record.mode is Mode.OFF:
             verdict.ok(f"{who(record)}: overlay off")
+            _same_overlay(record, verdict)
         else:
             verdict.fail(f"{who(record)}: overlay in {record.mode.value} mode ({SWITCH}={record.switch!r})")
     on = sum(r.mode is not Mode.OFF for r in records)
     if on and on < len(records):
         verdict.fail(f"mixed: {len(records) - on} process{'es' if len(records) - on != 1 else ''} with the overlay "
                      f"off, {on} with it on: not one arm")
+    _one_arm([r for r in records if r.mode is Mode.OFF], verdict)
     if records and not any(r.role in MODEL_ROLES for r in records):
         verdict.fail(NO_MODEL_PROCESS)
     return verdict
+
+
+def _same_overlay(record: MarkerRecord, verdict: Verdict) -> None:
+    """Fail ``verdict`` where ``record`` was written by another overlay version than this check's: its
+    rules are the ones that judge the record."""
+    if record.overlay_version != __version__:
+        written_by = record.overlay_version or "(unknown)"
+        verdict.fail(f"{who(record)}: its record was written by k3-amd-overlay {written_by}, this check is "
+                     f"{__version__}: judge it with the k3-amd-overlay of the install that wrote it (check in the "
+                     "Python vLLM runs in; --merge with that version)")
+
+
+def distinct_processes(records: Iterable[MarkerRecord]) -> list[MarkerRecord]:
+    """``records`` with one record per process (host, pid), the first: a process counts once."""
+    kept: dict[tuple[str, int], MarkerRecord] = {}
+    for record in records:
+        kept.setdefault((record.host, record.pid), record)
+    return list(kept.values())
+
+
+def _one_per_process(records: list[MarkerRecord], verdict: Verdict) -> list[MarkerRecord]:
+    """``distinct_processes(records)``; a process with more than one record is said, and fails
+    ``verdict`` where its records differ (which one is that process's own is unknown)."""
+    copies: dict[tuple[str, int], list[MarkerRecord]] = {}
+    for record in records:
+        copies.setdefault((record.host, record.pid), []).append(record)
+    for (host, pid), same in copies.items():
+        if len(same) < 2:
+            continue
+        if all(r.to_json() == same[0].to_json() for r in same):
+            verdict.info(f"host {host} pid {pid}: {len(same)} copies of its record, counted once")
+        else:
+            verdict.fail(f"host {host} pid {pid}: {len(same)} records of one process that differ: which one is "
+                         "its own is unknown")
+    return distinct_processes(records)
 
 
 def _readable(what: str, entry: dict[str, Any], lines: Callable[[dict[str, Any]], list[str]]) -> list[str]:
@@ -185,16 +223,17 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
     ``off`` holds only where some live process left an off record, one of them a process that runs
     the model (``MODEL_ROLES``: not an API server alone), and none runs the overlay.
     A process whose layers split (some fused, some not) is not a fused arm unless ``allow_mixed``.
-    Every expectation but ``off`` also needs one arm: the processes judged share one overlay version
-    (this check's: its rules are the ones that judge the record), one vLLM version and one switch,
-    and each has a fusion to judge; a process of another install must not prove this one.
+    Every expectation also needs one arm: the processes judged share one overlay version (this
+    check's: its rules are the ones that judge the record), one vLLM version and one switch, and
+    (but ``off``) each has a fusion to judge; a process of another install must not prove this one.
+    A process counts once (by host and pid): records of one process that differ fail.
     ``fusions`` None: each process's requested ones (those not ``disabled``). ``static``: the
     record of a fresh process that loaded the plugin and imported the K3 code but built no layer:
     ``fused`` then holds where each fusion is patched (``pending``) or already decided fused."""
     verdict = Verdict()
-    records = [r for r in records if r.role != CLI_CLIENT]
+    records = _one_per_process([r for r in records if r.role != CLI_CLIENT], verdict)
     if expect == "off":
-        return _judge_off(records)
+        return _judge_off(records, verdict)
     named = list(fusions) if fusions is not None else None
     if not records:
         verdict.fail("no live vLLM process has left overlay evidence (is the server up, the plugin "
@@ -209,10 +248,7 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
         if mode is Mode.OFF:
             verdict.fail(f"{name}: overlay off: proves neither fused nor stock")
             continue
-        if record.overlay_version != __version__:
-            verdict.fail(f"{name}: its record was written by k3-amd-overlay {record.overlay_version or '(unknown)'}, "
-                         f"this check is {__version__}: judge it with the k3-amd-overlay of the install that wrote it "
-                         "(check in the Python vLLM runs in; --merge with that version)")
+        _same_overlay(record, verdict)
         wanted = named if named is not None else [
             f for f, e in entries.items() if e.state is not FusionState.DISABLED]
         has_layers = record.builds_layers()
@@ -388,10 +424,11 @@ def judge_merge(nodes: list[NodeEvidence], expect: str, fusions: Iterable[str] |
             continue
         alone = judge(own, expect, fusions, require_effective, allow_mixed=allow_mixed)
         failed = [line.removeprefix("FAIL ") for line in [*node.lines, *alone.lines] if line.startswith("FAIL ")]
+        count = len(distinct_processes(own))
         if node.holds is not True or not alone.holds:
             verdict.fail(f"{name}: its own processes do not prove {expect}: " + "; ".join(dict.fromkeys(failed)))
         else:
-            verdict.ok(f"{name}: {len(own)} live process{'es' if len(own) != 1 else ''} prove {expect} there")
+            verdict.ok(f"{name}: {count} live process{'es' if count != 1 else ''} prove {expect} there")
     merged = judge(judged, expect, fusions, require_effective, allow_mixed=allow_mixed)
     verdict.lines += merged.lines
     verdict.holds = verdict.holds and merged.holds and bool(nodes)
