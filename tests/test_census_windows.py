@@ -160,3 +160,19 @@ def test_many_ranges_are_read_in_one_pass(tmp_path):
     assert time.perf_counter() - began < 8.0
     assert len(read.regions["0"]) == 24_000 and read.nested == {"0": []}
     assert all(kernels for _, kernels in read.regions["0"])
+
+
+def test_every_region_s_problem_is_kept_beside_the_by_name_window_s(tmp_path):
+    """One arm with the norm's ranges and one without (a region problem), and the decode counted by
+    name over windows of different lengths (the kernels no fusion touches ran 8 against 4 times): both
+    reasons are given, not only the last."""
+    def arm(name: str, steps: int, norm_range: str | None, decode: list[str]) -> census.Census:
+        step = [(norm_range, ["rms_norm_kernel"]), (None, [*decode, "attention_kernel"])]
+        path = tmp_path / f"{name}_rank0.json"
+        path.write_text(json.dumps({"traceEvents": ranged_events([step] * steps, True)}))
+        return census.read_census([path])
+
+    comparison = census.compare(arm("b", 8, NORM, STOCK), arm("c", 4, None, ["qk_cache_kernel"]), steps=4, layers=1)
+    assert not comparison.holds
+    assert any(NORM in problem for problem in comparison.problems), comparison.problems
+    assert any("counted by kernel name" in problem for problem in comparison.problems), comparison.problems

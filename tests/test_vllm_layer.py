@@ -94,6 +94,30 @@ def test_qk_cache_decode_matches_stock(provider, tmp_path, monkeypatch, layer_pa
         assert torch.equal(standin.calls[0]["slot_mapping"], batch.slot_mapping[:n])
 
 
+@pytest.mark.parametrize("switch", ["qk_cache", "absorb_qk_cache"])
+def test_a_batch_whose_attended_count_holds_its_padding_rows_writes_each_real_row_once(switch, monkeypatch,
+                                                                                      layer_pair):
+    """vLLM's model runner (0.30-0.33: ``num_actual_tokens=num_tokens_padded``) counts a graph's padding
+    rows (slot -1) among the attended tokens: the fused launch is the only KV writer, writes each real
+    slot once and no padding row, and gives stock's cache and real rows' output, bit for bit."""
+    monkeypatch.setattr(vllm_env, "vllm_aiter_missing", lambda: None)
+    stock, fused, _ = layer_pair(harness.LayerSpec(kv_cache_dtype="fp8"), {"K3_AMD_OVERLAY": switch})
+    pad = 3
+    batch = harness.decode_batch([stock, fused], SEQ_LENS, padding=pad)
+    n = batch.num_tokens
+    batch.metadata.num_actual_tokens = batch.metadata.num_decode_tokens = n + pad
+    decode = batch.metadata.decode
+    decode.seq_lens = torch.cat([decode.seq_lens, torch.ones(pad, dtype=decode.seq_lens.dtype)])
+    decode.block_table = torch.cat([decode.block_table, decode.block_table[:1].expand(pad, -1)])
+    before = fused.attn.kv_cache.clone()
+    out_stock, out_fused = harness.run(stock, batch), harness.run(fused, batch)
+    assert fused.kv_writes == [] and len(stock.kv_writes) == 1
+    changed = (fused.attn.kv_cache != before).any(dim=-1).view(-1)
+    assert set(changed.nonzero().flatten().tolist()) == set(batch.slot_mapping[batch.slot_mapping >= 0].tolist())
+    assert torch.equal(fused.attn.kv_cache, stock.attn.kv_cache)
+    assert torch.equal(out_fused[:n], out_stock[:n])
+
+
 @pytest.mark.parametrize("switch", ["qkv_norm", "qk_cache", "stock"])
 def test_layers_built_before_deactivate_prove_neither_arm(tmp_path, monkeypatch, layer_pair, switch):
     """``k3_amd_overlay.deactivate()`` after a layer is built: that layer keeps the overlay's sites and
