@@ -133,13 +133,16 @@ def test_qk_cache_errors_name_the_value_and_what_is_allowed():
     strided = torch.tensor([3, 99, 7, 99, 11, 99])[::2]  # every provider's kernel reads slots by pointer
     with pytest.raises(ValueError, match=r"slot_mapping must be dense \(stride 1\), got stride 2"):
         fused_qk_cache(*args[:5], strided, *args[6:], kv_format="e4m3fn")
-    # the kernels store cache rows 16 bytes at a time (their pointer unspecialized, the alignment stated)
-    shifted = torch.zeros(cache.numel() + 1, dtype=torch.uint8)[1:].view(cache.shape)
+    # the kernels store cache rows 16 bytes at a time (their pointer unspecialized, the alignment stated);
+    # on the device the triton provider runs on (a GPU's, or the CPU's under the interpreter)
+    on = make_qk_case(3, 2, E4M3FN, device=DEVICE)
+    shifted = torch.zeros(cache.numel() + 1, dtype=torch.uint8, device=DEVICE)[1:].view(cache.shape)
     with pytest.raises(ValueError, match=r"qk_cache_kernel: kv_cache rows must start on 16-byte boundaries \(the "
                                          r"kernel stores them 16 bytes at a time\): its data pointer is 1 bytes past "
                                          r"one and its block and row strides are \(9216, 576\); all must be multiples "
                                          r"of 16"):
-        fused_qk_cache(*args[:4], shifted, *args[5:], kv_format="e4m3fn", provider="triton")
+        fused_qk_cache(on.ql_nope, on.q_pe, on.kv_c, on.k_pe, shifted, on.slot_mapping, on.k_scale, on.q_scale,
+                       kv_format="e4m3fn", provider="triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
