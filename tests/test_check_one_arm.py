@@ -5,7 +5,7 @@ or one whose overlay was deactivated, must not let a verdict hold (each case hel
 from __future__ import annotations
 
 import pytest
-from records import judge, process
+from records import judge, off_process, process
 
 from k3_amd_overlay import activation
 from k3_amd_overlay.package import __version__
@@ -68,9 +68,11 @@ def test_another_install_that_served_does_not_prove_the_one_that_did_not():
     assert "FAIL not one deployment: vllm versions differ: 0.33.0 (host h pid 4); 0.31.0 (host h pid 5)" in fails
 
 
+@pytest.mark.parametrize("expect,make", [("fused", process), ("off", off_process)])
 @pytest.mark.parametrize("version", ["0.2.0", ""])
-def test_a_record_of_another_overlay_version_fails_alone(version):
-    verdict = judge([process(pid=4, host="h", overlay_version=version)], "fused", None, require_effective=True)
+def test_a_record_of_another_overlay_version_fails_alone(version, expect, make):
+    """Off records too (2026-12-07: `off` judged no overlay version)."""
+    verdict = judge([make(pid=4, host="h", overlay_version=version)], expect, None, require_effective=True)
     assert not verdict.holds
     assert _fails(verdict) == [
         f"FAIL host h pid 4 (worker, vLLM 0.33.0): its record was written by k3-amd-overlay {version or '(unknown)'}"

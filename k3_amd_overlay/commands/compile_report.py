@@ -32,7 +32,7 @@ from typing import Any
 from k3_amd_overlay.commands import usage
 from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, json_result, tool_main
 from k3_amd_overlay.kernels import launch_configs, names
-from k3_amd_overlay.settings import KERNEL_CONFIGS, SettingsError, parse_path
+from k3_amd_overlay.settings import KERNEL_CONFIGS
 
 AMD_ARCHS = ("gfx942", "gfx950")
 MIN_WAVES = 4
@@ -430,10 +430,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.device is not None and not launch_configs.device_slug(args.device):
         raise UsageError(f"--device {args.device!r}: a GPU name as k3-amd-overlay tune records it is needed, "
                          "e.g. 'AMD Instinct MI300X'")
-    try:
-        parse_path(KERNEL_CONFIGS, os.environ.get(KERNEL_CONFIGS))  # as the server reads it
-    except SettingsError as exc:
-        raise UsageError(str(exc)) from None
+    usage.kernel_configs_setting()
 
 
 def main(argv: list[str] | None = None) -> int:

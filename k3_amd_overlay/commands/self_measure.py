@@ -58,10 +58,18 @@ from pathlib import Path
 from typing import Any
 
 from k3_amd_overlay import json_files, json_values, k3, measured
-from k3_amd_overlay.commands.usage import EXIT_FAILED, Parser, UsageError, describe, json_result, tool_main
+from k3_amd_overlay.commands.usage import (
+    EXIT_FAILED,
+    Parser,
+    UsageError,
+    describe,
+    json_result,
+    kernel_configs_setting,
+    tool_main,
+)
 from k3_amd_overlay.fusions.qk_cache import AbsorbVariant
 from k3_amd_overlay.package import ABSORB_MAX_TOKENS, ABSORB_QK_CACHE, FUSIONS, QK_CACHE, QKV_NORM, __version__
-from k3_amd_overlay.settings import KERNEL_CONFIGS, SettingsError, parse_path
+from k3_amd_overlay.settings import KERNEL_CONFIGS
 
 DESCRIPTION = ("time each fused path against the stock sequence on this GPU per batch bucket; write the file the "
                "server keeps a fusion only where it measured exact and at least as fast")
@@ -345,10 +353,7 @@ def check_out_directory(given: Path, said: str | None = None,
 
 def check_default_directory() -> None:
     """The directory the result file goes to without --out (``measured.result_dir``), checked as --out is."""
-    try:
-        setting = parse_path(KERNEL_CONFIGS, os.environ.get(KERNEL_CONFIGS)) or ""  # as the server reads it
-    except SettingsError as exc:
-        raise UsageError(str(exc)) from None
+    setting = kernel_configs_setting() or ""
     try:
         directory = measured.result_dir(os.environ)
     except (RuntimeError, KeyError):  # Path.home(): no HOME and no passwd entry for this user

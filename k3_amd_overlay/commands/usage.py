@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import PurePath
 from typing import Any, NoReturn
 
-from k3_amd_overlay.settings import SWITCH, SettingsError, load_settings
+from k3_amd_overlay.settings import KERNEL_CONFIGS, SWITCH, SettingsError, load_settings, parse_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2  # the table: docs/cli.md
 EPILOG = ("Exit status: 0 ok; 1 a verdict, health check or run failed (no GPU, torch or triton missing "
@@ -225,6 +225,15 @@ def json_result(command: str, ok: bool, **fields: Any) -> str:
     """The JSON object a command prints on stdout with --json (``ok`` and ``exit_status`` always)."""
     return json.dumps({"command": command, "ok": ok, "exit_status": EXIT_OK if ok else EXIT_FAILED, **fields},
                       indent=1, default=str)
+
+
+def kernel_configs_setting() -> str | None:
+    """K3_AMD_OVERLAY_KERNEL_CONFIGS as the server reads it (None: unset or empty); a value the server
+    would stop on is a UsageError naming it."""
+    try:
+        return parse_path(KERNEL_CONFIGS, os.environ.get(KERNEL_CONFIGS))
+    except SettingsError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def check_switches(named: Iterable[tuple[str, str]]) -> None:

@@ -186,7 +186,7 @@ def _one_per_process(records: list[MarkerRecord], verdict: Verdict) -> list[Mark
         else:
             verdict.fail(f"host {host} pid {pid}: {len(same)} records of one process that differ: which one is "
                          "its own is unknown")
-    return distinct_processes(records)
+    return [same[0] for same in copies.values()]
 
 
 def _readable(what: str, entry: dict[str, Any], lines: Callable[[dict[str, Any]], list[str]]) -> list[str]:
