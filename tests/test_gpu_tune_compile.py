@@ -29,4 +29,5 @@ def test_the_workers_compile_what_the_tuning_process_then_launches(kernel, token
     case = tune.Case(kernel, tokens, heads, device_format(torch.device("cuda")))
     for config in configs:
         assert case.mismatches(config)[1] == 0, config
-    assert {p.name for p in tmp_path.iterdir()} - compiled == set()
+    new = {p.name: sorted(f.name for f in p.iterdir()) for p in tmp_path.iterdir() if p.name not in compiled}
+    assert new == {}, new  # each entry's files say what compiled: a kernel's, a launcher, a driver module

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from k3_amd_overlay import kernel_failures
-from k3_amd_overlay.kernels import launch_configs, target
+from k3_amd_overlay.kernels import cache_keys, launch_configs, target
 
 # The KV-cache rows the kernels write start on boundaries of this many bytes (its data pointer and block
 # and row strides multiples of it): their launchers check it, the kernels state it to Triton
@@ -98,6 +98,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **options: Any) -> No
     the table's config degrades it and raises ``ConfigDegraded`` (from the failure) where the safe
     config is left to try; otherwise the failure itself."""
     picked, _ = _picked.get(), _picked.set(None)
+    cache_keys.settle()
     session = target.compile_session()
     try:
         if session is None:
