@@ -47,7 +47,7 @@ def slowed(pair: self_measure.Pair, cycles: int) -> self_measure.Pair:
     return pair
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--variant", default="bf16", choices=measured.VARIANTS)
@@ -58,7 +58,7 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=20000, help="the planted spin (about 10 µs at 2 GHz)")
     parser.add_argument("--rounds", type=int, default=self_measure.ROUNDS)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     slow = (args.slow[0], int(args.slow[1]))
     if args.variant == "fp8":
         from k3_amd_overlay.commands.bench import aiter_peers
@@ -78,7 +78,7 @@ def main() -> int:
     if loaded.measurement is None:
         print(f"the server would not use {path}: {loaded.error}", file=sys.stderr)
         return 1
-    gates = measured.decode_gates(loaded.measurement, args.heads, args.variant)
+    gates = measured.decode_gates(loaded, args.heads, args.variant)
     assert gates is not None
     applied = LayerDecision(FusionState.APPLIED, "triton", "planted check")
     plan = DecodePlan(applied, applied, measured=gates)
@@ -98,7 +98,7 @@ def main() -> int:
             ok = ok and planted is not None and planted.exact and not planted.fused and path_taken is not SLOWED[slow[0]]
             if path_taken is None:  # stock runs, the reason in the batch's decision
                 ok = ok and f"{slow[0]}: stock at " in (why or "") and "of stock on this GPU" in (why or "")
-    entry = measured.marker_entry(loaded, {**gates, QKV_NORM: measured.norm_gate(loaded.measurement)},
+    entry = measured.marker_entry(loaded, {**gates, QKV_NORM: measured.norm_gate(loaded)},
                                   measured.shape_words(args.heads, args.variant))
     reasons = entry.get("stock", {}).get(slow[0], [])
     ok = ok and any(r.startswith("stock at ") and r.endswith("of stock on this GPU") and f"{slow[1]} token" in r
