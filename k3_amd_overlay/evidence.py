@@ -34,6 +34,7 @@ def process_record(settings: OverlaySettings, fusions: dict[str, FusionEntry], *
         mode=settings.mode,
         fusions=fusions,
         start_ticks=markers.process_start_ticks(pid),
+        boot_id=markers.boot_id(),
         role=process_role(),
         process_name=multiprocessing.current_process().name,
         overlay_version=__version__,
@@ -53,6 +54,7 @@ class Evidence:
             settings, {f: FusionEntry(self._initial_state(settings, f), reason=self._initial_reason(settings, f))
                        for f in FUSIONS}, vllm_shape=shape)
         self._forked = False
+        self._world_reader: Callable[[], tuple[int, int, int | None] | None] | None = None
         self._writer = MarkerWriter(settings.marker_dir)
         self._counts = RunCounter(self)
         process_hooks.after_fork_in_child(self, Evidence._after_fork)
@@ -73,6 +75,10 @@ class Evidence:
         record = self.record
         record.pid = os.getpid()
         record.start_ticks = markers.process_start_ticks(record.pid)
+        # The parent's place in the world is not the child's, and vLLM's world state the child inherits
+        # names the parent's rank: the child follows a world only once it builds a model itself.
+        record.rank = record.world_size = record.nodes = None
+        self._world_reader = None
         self._writer.forget_path()
         self._counts.start_in_child(list(record.fusions.values()))
         self._write()
@@ -160,6 +166,20 @@ class Evidence:
             entry.state, entry.reason, entry.provider = state, reason, provider
             self._write()
 
+    def follow_world(self, reader: Callable[[], tuple[int, int, int | None] | None]) -> None:
+        """Record this process's rank, world size and node count as ``reader`` gives them
+        (vllm_env.world_position) now and at every later write: a world that changes (vLLM's elastic
+        expert parallelism rescales it) is the one recorded."""
+        with self.lock:
+            if self._world_reader is not reader:
+                self._world_reader = reader
+                self._write()
+
+    def _read_world(self) -> None:
+        position = self._world_reader() if self._world_reader is not None else None
+        if position is not None:
+            self.record.rank, self.record.world_size, self.record.nodes = position
+
     def note_layer(self, name: str, decision: LayerDecision) -> None:
         """A K3 MLA layer was built and decided: tally it by state (with that state's reason); the
         first decision sets the fusion's state, a later layer that decides differently makes it
@@ -225,6 +245,7 @@ class Evidence:
     def _write(self) -> None:
         if self._forked:
             self._refresh_identity()
+        self._read_world()
         self._writer.write(self.record)
 
     def publish(self) -> None:

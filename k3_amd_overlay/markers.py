@@ -212,6 +212,25 @@ def _running_stat(pid: int) -> list[str] | Literal[False] | None:
     return fields
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"  # Linux: a fresh id at each boot, one per host (not per container)
+
+
+def boot_id() -> str | None:
+    """This host's boot id, or None where it cannot be read."""
+    try:
+        with open(BOOT_ID) as handle:
+            return handle.read().strip() or None
+    except OSError:
+        return None
+
+
+def of_another_boot(record: MarkerRecord) -> bool:
+    """Whether ``record`` was written before this host last booted: its pid and start time then named
+    a process of that boot, not of this one. A record or a host without a boot id cannot tell."""
+    now = boot_id()
+    return record.boot_id is not None and now is not None and record.boot_id != now
+
+
 def process_uid(pid: int) -> int | None:
     """The uid owning ``/proc/<pid>`` (the user the process runs as), or None where it cannot be read."""
     try:
@@ -315,6 +334,6 @@ def read_markers(directory: Path) -> list[MarkerFile]:
         except (OSError, ValueError, RecordError) as exc:
             found.append(MarkerFile(path, None, _unreadable(path, exc), False))
             continue
-        live = is_alive(record.pid, record.start_ticks)
+        live = is_alive(record.pid, record.start_ticks) and not of_another_boot(record)
         found.append(MarkerFile(path, record, None, live, _foreign(path, record, live)))
     return found

@@ -170,6 +170,13 @@ class MarkerRecord:
     # The machine the process runs on: its pid and start time mean something only there. A record
     # without one (an older writer) is read as this machine's.
     host: str = field(default_factory=socket.gethostname)
+    # This host's boot (the kernel's boot id): a pid and start time name a process only within one boot.
+    boot_id: str | None = None
+    # Where a process that built layers sits in vLLM's distributed world (vllm_env.world_position): its
+    # global rank, the world's size (TP x PP x DP) and vLLM's node count, so that a check misses no rank.
+    rank: int | None = None
+    world_size: int | None = None
+    nodes: int | None = None
     overlay_version: str = ""
     vllm_version: str | None = None
     switch: str = ""
@@ -210,6 +217,7 @@ class MarkerRecord:
         ticks, updated = data.get("start_ticks"), data.get("updated", 0.0)
         if ticks is not None:
             _count(ticks, "start_ticks")
+        _world(data.get("rank", MISSING), data.get("world_size", MISSING), data.get("nodes"))
         if json_values.finite(updated) is None:
             raise RecordError(f"marker field 'updated' is {updated!r}, expected a finite time in seconds")
         values = {k: v for k, v in data.items() if k in known}
@@ -220,6 +228,24 @@ class MarkerRecord:
             raise RecordError(f"marker field {exc}") from None
         values["fusions"] = {str(n): FusionEntry.from_json(e, str(n)) for n, e in (data.get("fusions") or {}).items()}
         return cls(**values)
+
+
+def _world(rank: Any, size: Any, nodes: Any) -> None:
+    """RecordError unless the world fields are all null, or a rank within a world of 1 or more
+    (and a node count of 1 or more, or null)."""
+    absent = (None, MISSING)
+    if rank in absent and size in absent and nodes is None:
+        return
+    if rank in absent or size in absent:
+        said = ["null" if v is None else _said(v) for v in (rank, size)]
+        raise RecordError(f"marker fields 'rank' ({said[0]}) and 'world_size' ({said[1]}): both null, or a rank 0 "
+                          "to world_size - 1 of a world of 1 or more")
+    if _count(size, "world_size", 1) > MAX_WORLD:
+        raise RecordError(f"marker field 'world_size' is {size!r}, expected at most {MAX_WORLD}")
+    if _count(rank, "rank") >= size:
+        raise RecordError(f"marker field 'rank' is {rank!r}, expected 0 to world_size - 1 ({size - 1})")
+    if nodes is not None:
+        _count(nodes, "nodes", 1)
 
 
 def is_pid(value: object) -> bool:
@@ -236,10 +262,12 @@ def _pid(value: Any) -> int:
 
 
 MAX_PID = 2**31 - 1  # pid_t's largest
+MAX_WORLD = 2**20  # more ranks than any deployment has: a check lists the ranks of a world one by one
 # The JSON kind of each record field read as it is (bool is an int in Python: strict is checked
 # as a bool, and no count field takes one).
 _FIELD_KINDS: dict[str, tuple[type, ...]] = {
-    "start_ticks": (int, type(None)), "role": (str,), "process_name": (str,), "host": (str,),
+    "start_ticks": (int, type(None)), "boot_id": (str, type(None)), "rank": (int, type(None)),
+    "world_size": (int, type(None)), "nodes": (int, type(None)), "role": (str,), "process_name": (str,), "host": (str,),
     "overlay_version": (str,), "vllm_version": (str, type(None)), "switch": (str,), "strict": (bool,),
     "vllm_shape": (str, type(None)), "patches": (list,), "upstream_defects": (list,), "coverage": (dict,),
     "launch_configs": (dict,), "measurement": (dict,), "updated": (int, float), "fusions": (dict, type(None)),

@@ -202,7 +202,9 @@ def live_records(directory: Path, prune: bool,
         elif not m.live:
             assert m.record is not None
             why = "is gone" if prune else "is gone (or its pid was reused)"
-            if m.record.start_ticks is None and markers.is_running(m.record.pid):
+            if markers.of_another_boot(m.record):
+                why = "was written before this host last booted"
+            elif m.record.start_ticks is None and markers.is_running(m.record.pid):
                 why = "runs, but the record has no start time to tell it from an earlier process with that pid"
             if prune:
                 m.path.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,7 +211,8 @@ def report_lines(notes: Iterable[object], lines: Iterable[object], holds: bool, 
 
 
 def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] | None,
-          require_effective: bool, static: bool = False, allow_mixed: bool = False) -> Verdict:
+          require_effective: bool, static: bool = False, allow_mixed: bool = False,
+          whole_world: bool = False) -> Verdict:
     """``fused`` holds where every process runs the overlay on (auto), each process that built K3
     MLA layers has each fusion applied (the overlay's) or upstream (this vLLM's own), some process
     built layers, and, with ``require_effective``, each fusion's fused path served traffic: a graph
@@ -227,6 +229,8 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
     check's: its rules are the ones that judge the record), one vLLM version and one switch, and
     (but ``off``) each has a fusion to judge; a process of another install must not prove this one.
     A process counts once (by host and pid): records of one process that differ fail.
+    Every rank of vLLM's world that the records name must have left a live record (``_all_ranks``):
+    on one node here, across nodes with ``whole_world`` (``--merge``).
     ``fusions`` None: each process's requested ones (those not ``disabled``). ``static``: the
     record of a fresh process that loaded the plugin and imported the K3 code but built no layer:
     ``fused`` then holds where each fusion is patched (``pending``) or already decided fused."""
@@ -299,7 +303,9 @@ def judge(records: Iterable[MarkerRecord], expect: str, fusions: Iterable[str] |
                 if entry.ran:
                     described += "; its fused path ran"
             (verdict.ok if good else verdict.fail)(described)
-    _one_arm([r for r in records if r.mode is (Mode.AUTO if expect == "fused" else Mode.STOCK)], verdict)
+    arm = [r for r in records if r.mode is (Mode.AUTO if expect == "fused" else Mode.STOCK)]
+    _one_arm(arm, verdict)
+    _all_ranks(records, verdict, whole_world)
     if expect in ("fused", "stock") and not any_layers and not static:
         verdict.fail("no live process has built a K3 MLA layer (is the model loaded in a process that "
                      "shares this marker directory?)")
@@ -351,6 +357,54 @@ def _one_arm(records: list[MarkerRecord], verdict: Verdict) -> None:
         if len(seen) > 1:
             verdict.fail(f"not one deployment: {what} differ: " + "; ".join(
                 f"{value} ({', '.join(where)})" for value, where in seen.items()))
+
+
+def _spans(numbers: Iterable[int]) -> str:
+    """Whole numbers as runs: ``0-3, 5, 7-8``."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _ranks(numbers: list[int]) -> str:
+    return f"rank{'s' if len(numbers) != 1 else ''} {_spans(numbers)}"
+
+
+def _all_ranks(records: list[MarkerRecord], verdict: Verdict, whole_world: bool) -> None:
+    """Fail ``verdict`` unless every rank of each world the records name (a process that built layers
+    names its rank, its world's size and node count) left as many live records as the world's other
+    ranks: a rank with fewer ran what is unknown (its marker unwritten). Several deployments of one
+    world size (two replicas, a prefill and a decode instance on one host; vLLM's independent data-parallel
+    ranks of a dense model) each hold every rank once, so each rank is held as many times. A world over
+    several nodes has ranks on other hosts: a check of one node says which it did not see, and
+    ``whole_world`` (the merge of every node's check) needs them all."""
+    worlds: dict[tuple[int, int | None], Counter[int]] = {}
+    for record in records:
+        if record.world_size is not None and record.rank is not None:
+            worlds.setdefault((record.world_size, record.nodes), Counter())[record.rank] += 1
+    for (size, nodes), held in sorted(worlds.items(), key=lambda item: (item[0][0], item[0][1] or 0)):
+        copies = max(held.values())
+        short = [rank for rank in range(size) if held[rank] < copies]
+        world = f"a world of {size} rank{'s' if size != 1 else ''}" + (
+            f" over {nodes} node{'s' if nodes != 1 else ''}" if nodes else "")
+        several = f" ({copies} deployments of this world)" if copies > 1 else ""
+        if not short:
+            verdict.info(f"{_ranks(list(range(size)))} of {world}: each left a live record{several}")
+        elif whole_world or not nodes or nodes == 1:
+            what = ("left no live record" if copies == 1 else
+                    f"left fewer live records than the others, {copies} each{several}: one is incomplete")
+            verdict.fail(f"{_ranks(short)} of {world} {what}: what ran there is unknown (a rank whose marker could "
+                         "not be written says why in its log; "
+                         + ("every node's check must be merged)" if whole_world else
+                            "on several nodes, judge each node's check --json together with --merge)"))
+        else:
+            verdict.info(f"{_ranks(short)} of {world} {'is' if len(short) == 1 else 'are'} not on this host: this "
+                         "check proves this host's processes; --merge of every node's check --json proves the "
+                         "deployment")
 
 
 @dataclass
@@ -429,7 +483,7 @@ def judge_merge(nodes: list[NodeEvidence], expect: str, fusions: Iterable[str] |
             verdict.fail(f"{name}: its own processes do not prove {expect}: " + "; ".join(dict.fromkeys(failed)))
         else:
             verdict.ok(f"{name}: {count} live process{'es' if count != 1 else ''} prove {expect} there")
-    merged = judge(judged, expect, fusions, require_effective, allow_mixed=allow_mixed)
+    merged = judge(judged, expect, fusions, require_effective, allow_mixed=allow_mixed, whole_world=True)
     verdict.lines += merged.lines
     verdict.holds = verdict.holds and merged.holds and bool(nodes)
     return verdict

@@ -168,8 +168,14 @@ class LayerInstaller:
         if found:
             self.evidence.update_launch_configs({"degraded": found})
 
+    def follow_world(self) -> None:
+        """From now on the marker records this process's place in vLLM's world (a model is being built:
+        the process has joined it), at each write."""
+        self.evidence.follow_world(vllm_env.world_position)
+
     def note(self, fusion: str, decision: LayerDecision) -> None:
         """Tally this layer's decision; a fusion whose kernel failed in this process stays refused."""
+        self.follow_world()
         self.evidence.note_layer(fusion, decision)
         why = kernel_failures.reason(fusion)
         if why is not None:

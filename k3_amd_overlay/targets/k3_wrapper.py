@@ -41,6 +41,7 @@ def report_layers(installer: LayerInstaller) -> Callable[..., None]:
                                   kwargs: dict[str, Any]) -> None:
         wrapped(*args, **kwargs)
         if not installer.retired:  # left inert under another tool's wrapper: nothing of the overlay to report
+            installer.follow_world()  # a pipeline stage without MLA layers is a rank of the world too
             installer.evidence.publish_layers()
 
     return _k3_overlay_report_layers

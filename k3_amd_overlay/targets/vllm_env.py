@@ -126,6 +126,28 @@ def kv_transfer_hooks() -> Any:
     return maybe_transfer_kv_layer(_k3_overlay_fused_attention)
 
 
+def world_position() -> tuple[int, int, int | None] | None:
+    """This process's place in vLLM's distributed world once it has joined it (a process building
+    layers has): its global rank, the world's size (every TP/PP/DP rank) and the node count vLLM
+    detected, from ``vllm.distributed.parallel_state`` (``get_world_group``, ``get_node_count``; vLLM
+    0.29-0.33). None where the process has not joined one (the ops' own tests, doctor)."""
+    try:
+        from vllm.distributed import parallel_state
+
+        group = parallel_state.get_world_group()
+        rank, size = group.rank, group.world_size
+    except Exception:  # not joined: get_world_group asserts
+        return None
+    try:
+        nodes = parallel_state.get_node_count()
+    except Exception:
+        nodes = None
+    ints = all(isinstance(n, int) and not isinstance(n, bool) for n in (rank, size))
+    if not ints or not 0 <= rank < size:
+        return None
+    return rank, size, nodes if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1 else None
+
+
 DSPARK_NOT_COVERED = ("the DSpark drafter (speculative method 'dspark', K3DSparkModel) builds vLLM's NVIDIA MLA, "
                       "not the K3 AMD layers the overlay patches: its decode runs stock")
 

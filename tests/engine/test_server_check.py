@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from engine_support import OFFLINE_TIMEOUT_S, engine_env, read_records
 
+from k3_amd_overlay import markers
 from k3_amd_overlay.commands import arms
 
 
@@ -46,6 +47,8 @@ def test_switch_on_proves_fused_only_after_served_traffic(serve, vllm_bin, tmp_p
     report = json.loads(server.check("--expect", "fused", "--json").stdout)
     assert report["holds"] is True and report["marker_dir"] == str(server.marker_dir)
     assert sorted(r["role"] for r in report["records"]) == ["api-server", "engine-core", "worker"]
+    assert [(r["rank"], r["world_size"], r["nodes"]) for r in report["records"] if r["role"] == "worker"] == [(0, 1, 1)]
+    assert {r["boot_id"] for r in report["records"]} == {markers.boot_id()} != {None}
 
     # a `vllm` CLI client started with the same switch leaves no evidence
     env = {**server.env(), "PATH": f"{vllm_bin}{os.pathsep}{os.environ['PATH']}"}

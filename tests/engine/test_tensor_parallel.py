@@ -49,3 +49,10 @@ def test_tp2_each_rank_built_its_layers_with_its_heads_and_ran_the_fused_paths(t
     verdict = judge(records, "fused", None, require_effective=True)
     assert verdict.holds, verdict.lines
     assert sum(": qk_cache=applied provider=reference on 2 layers" in line for line in verdict.lines) == 2
+    # each rank names its place in vLLM's world: without one rank's record, the other's proves nothing of it
+    assert sorted((r["rank"], r["world_size"], r["nodes"]) for r in ranks) == [(0, 2, 1), (1, 2, 1)]
+    assert "info ranks 0-1 of a world of 2 ranks over 1 node: each left a live record" in verdict.lines
+    for lost in ranks:
+        without = judge([r for r in records if r is not lost], "fused", None, require_effective=True)
+        assert not without.holds and (f"FAIL rank {lost['rank']} of a world of 2 ranks over 1 node left no live "
+                                      "record") in " ".join(without.lines), without.lines
