@@ -217,7 +217,7 @@ class MarkerRecord:
         ticks, updated = data.get("start_ticks"), data.get("updated", 0.0)
         if ticks is not None:
             _count(ticks, "start_ticks")
-        _world(data.get("rank", MISSING), data.get("world_size", MISSING), data.get("nodes"))
+        check_world(data.get("rank", MISSING), data.get("world_size", MISSING), data.get("nodes"))
         if json_values.finite(updated) is None:
             raise RecordError(f"marker field 'updated' is {updated!r}, expected a finite time in seconds")
         values = {k: v for k, v in data.items() if k in known}
@@ -230,7 +230,7 @@ class MarkerRecord:
         return cls(**values)
 
 
-def _world(rank: Any, size: Any, nodes: Any) -> None:
+def check_world(rank: Any, size: Any, nodes: Any) -> None:
     """RecordError unless the world fields are all null, or a rank within a world of 1 or more
     (and a node count of 1 or more, or null)."""
     absent = (None, MISSING)

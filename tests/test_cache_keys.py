@@ -55,3 +55,18 @@ def test_a_launch_settles_the_keys_before_it_runs(monkeypatch):
 
     launch.launch(Kernel(), (1,))
     assert order == ["settle", "launch"]
+
+
+def test_the_keys_are_worked_out_once_a_process():
+    """A launch of every layer's eager decode calls ``settle``: after the first, it does nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = ("import importlib\n"
+             "from k3_amd_overlay.kernels import cache_keys\n"
+             "cache_keys.settle()\n"
+             "calls = []\n"
+             "importlib.import_module = lambda name: calls.append(name)\n"
+             "cache_keys.settle()\n"
+             "print(len(calls))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "0", proc.stderr[-2000:]
+

@@ -59,6 +59,9 @@ def test_one_node_of_two_holds_for_its_own_ranks_and_says_which_it_did_not_see()
     assert verdict.holds, verdict.lines
     assert ("info ranks 8-15 of a world of 16 ranks over 2 nodes are not on this host: this check proves this host's "
             "processes; --merge of every node's check --json proves the deployment") in verdict.lines
+    one = judge([ranked(r, size=4, nodes=2) for r in range(3)], "fused", None, require_effective=True)
+    assert one.holds and "info rank 3 of a world of 4 ranks over 2 nodes is not on this host: this check proves " \
+        "this host's processes; --merge of every node's check --json proves the deployment" in one.lines, one.lines
 
 
 def test_deployments_sharing_the_evidence_each_hold_every_rank_or_one_is_incomplete():
@@ -76,11 +79,12 @@ def test_deployments_sharing_the_evidence_each_hold_every_rank_or_one_is_incompl
         "deployments of this world): one is incomplete: what ran there is unknown (a rank whose marker could not "
         "be written says why in its log; on several nodes, judge each node's check --json together with "
         "--merge)"], incomplete.lines
-    worlds = judge([ranked(0, size=1), ranked(1, size=2), {**ranked(0, size=2), "pid": 300}], "fused", None,
+    worlds = judge([ranked(1, size=2), {**ranked(0, size=2), "pid": 300}, ranked(0, size=1)], "fused", None,
                    require_effective=False)
     assert worlds.holds, worlds.lines
-    assert "info rank 0 of a world of 1 rank over 1 node: each left a live record" in worlds.lines
-    assert "info ranks 0-1 of a world of 2 ranks over 1 node: each left a live record" in worlds.lines
+    assert [line for line in worlds.lines if "of a world of" in line] == [  # smallest world first
+        "info rank 0 of a world of 1 rank over 1 node: each left a live record",
+        "info ranks 0-1 of a world of 2 ranks over 1 node: each left a live record"]
 
 
 def test_a_rank_in_another_mode_fails_for_its_mode_not_as_missing():
@@ -96,20 +100,37 @@ def test_records_without_a_world_are_judged_as_before():
     assert verdict.holds, verdict.lines
 
 
+BOTH = "both null, or a rank 0 to world_size - 1 of a world of 1 or more"
+
+
 @pytest.mark.parametrize("fields,said", [
-    ({"rank": 8, "world_size": 8}, "'rank' is 8, expected 0 to world_size - 1 (7)"),
-    ({"rank": 0}, "'rank' (0) and 'world_size' (missing)"),
+    ({"rank": 8, "world_size": 8}, "marker field 'rank' is 8, expected 0 to world_size - 1 (7)"),
+    ({"rank": 0}, f"marker fields 'rank' (0) and 'world_size' (missing): {BOTH}"),
+    ({"rank": None, "world_size": 4}, f"marker fields 'rank' (null) and 'world_size' (4): {BOTH}"),
     ({"world_size": 0, "rank": 0}, "'world_size' is 0, expected a whole number >= 1"),
     ({"rank": True, "world_size": 2}, "'rank' is True, expected a whole number >= 0"),
     ({"rank": 0, "world_size": 2, "nodes": 0}, "'nodes' is 0, expected a whole number >= 1"),
-    ({"nodes": 2}, "'rank' (missing) and 'world_size' (missing)"),
-    ({"boot_id": 7}, "'boot_id' is 7, expected a string or null"),
-    ({"rank": 0, "world_size": 2**20 + 1}, "'world_size' is 1048577, expected at most 1048576"),
+    ({"nodes": 2}, f"marker fields 'rank' (missing) and 'world_size' (missing): {BOTH}"),
+    ({"boot_id": 7}, "marker field 'boot_id' is 7, expected a string or null"),
+    ({"rank": 0, "world_size": 2**20 + 1}, "marker field 'world_size' is 1048577, expected at most 1048576"),
+    ({"role": 5}, "marker field 'role' is 5, expected a string"),
+    ({"process_name": None}, "marker field 'process_name' is None, expected a string"),
+    ({"host": ["h"]}, "marker field 'host' is ['h'], expected a string"),
 ])
 def test_a_record_naming_an_impossible_place_is_unreadable(fields, said):
     with pytest.raises(RecordError) as caught:
         MarkerRecord.from_json({**process(pid=3), **fields})
-    assert said in str(caught.value)
+    assert str(caught.value) == said
+
+
+def test_the_largest_world_a_record_may_name_is_read():
+    record = MarkerRecord.from_json({**process(pid=3), "rank": 2**20 - 1, "world_size": 2**20, "nodes": 128})
+    assert (record.rank, record.world_size, record.nodes) == (2**20 - 1, 2**20, 128)
+
+
+def test_ranks_apart_are_named_apart():
+    verdict = judge([ranked(r, size=9) for r in (0, 1, 3, 4, 8)], "fused", None, require_effective=False)
+    assert "FAIL ranks 2, 5-7 of a world of 9 ranks over 1 node left no live record" in " ".join(verdict.lines)
 
 
 def _node(tmp_path: Path, host: str, ranks: range, size: int = 16, nodes: int = 2) -> str:

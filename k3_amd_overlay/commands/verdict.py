@@ -386,7 +386,7 @@ def _all_ranks(records: list[MarkerRecord], verdict: Verdict, whole_world: bool)
     for record in records:
         if record.world_size is not None and record.rank is not None:
             worlds.setdefault((record.world_size, record.nodes), Counter())[record.rank] += 1
-    for (size, nodes), held in sorted(worlds.items(), key=lambda item: (item[0][0], item[0][1] or 0)):
+    for (size, nodes), held in sorted(worlds.items(), key=lambda item: item[0][0]):  # smallest world first
         copies = max(held.values())
         short = [rank for rank in range(size) if held[rank] < copies]
         world = f"a world of {size} rank{'s' if size != 1 else ''}" + (

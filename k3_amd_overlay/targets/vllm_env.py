@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from k3_amd_overlay import json_values
 from k3_amd_overlay.fp8 import Fp8Format, format_of
+from k3_amd_overlay.record import RecordError, check_world
 
 
 def vllm_fp8_format() -> Fp8Format:
@@ -139,13 +141,14 @@ def world_position() -> tuple[int, int, int | None] | None:
     except Exception:  # not joined: get_world_group asserts
         return None
     try:
-        nodes = parallel_state.get_node_count()
+        nodes = json_values.whole(parallel_state.get_node_count(), 1)
     except Exception:
         nodes = None
-    ints = all(isinstance(n, int) and not isinstance(n, bool) for n in (rank, size))
-    if not ints or not 0 <= rank < size:
+    try:
+        check_world(rank, size, nodes)  # as check reads it back: a place it would refuse is not recorded
+    except RecordError:
         return None
-    return rank, size, nodes if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1 else None
+    return rank, size, nodes
 
 
 DSPARK_NOT_COVERED = ("the DSpark drafter (speculative method 'dspark', K3DSparkModel) builds vLLM's NVIDIA MLA, "
