@@ -264,10 +264,10 @@ def _pid(value: Any) -> int:
 MAX_PID = 2**31 - 1  # pid_t's largest
 MAX_WORLD = 2**20  # more ranks than any deployment has: a check lists the ranks of a world one by one
 # The JSON kind of each record field read as it is (bool is an int in Python: strict is checked
-# as a bool, and no count field takes one).
+# as a bool, and no count field takes one); rank, world_size and nodes are check_world's.
 _FIELD_KINDS: dict[str, tuple[type, ...]] = {
-    "start_ticks": (int, type(None)), "boot_id": (str, type(None)), "rank": (int, type(None)),
-    "world_size": (int, type(None)), "nodes": (int, type(None)), "role": (str,), "process_name": (str,), "host": (str,),
+    "start_ticks": (int, type(None)), "boot_id": (str, type(None)), "role": (str,), "process_name": (str,),
+    "host": (str,),
     "overlay_version": (str,), "vllm_version": (str, type(None)), "switch": (str,), "strict": (bool,),
     "vllm_shape": (str, type(None)), "patches": (list,), "upstream_defects": (list,), "coverage": (dict,),
     "launch_configs": (dict,), "measurement": (dict,), "updated": (int, float), "fusions": (dict, type(None)),
