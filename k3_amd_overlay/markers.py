@@ -5,6 +5,7 @@ from foreign ones (a file that is not the marker its writer would have left: ano
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
@@ -215,8 +216,9 @@ def _running_stat(pid: int) -> list[str] | Literal[False] | None:
 BOOT_ID = "/proc/sys/kernel/random/boot_id"  # Linux: a fresh id at each boot, one per host (not per container)
 
 
+@functools.cache
 def boot_id() -> str | None:
-    """This host's boot id, or None where it cannot be read."""
+    """This host's boot id, or None where it cannot be read (read once: a process lives in one boot)."""
     try:
         with open(BOOT_ID) as handle:
             return handle.read().strip() or None

@@ -1,10 +1,11 @@
 """On a GPU: which Triton cache entries ``tune``'s tuning process compiles that its compile workers
 did not leave for it, and how each differs from the workers' compile of the same config: the files in
 each entry (a kernel's, or a launcher's or a driver module's), and for a kernel the fields of its
-metadata JSON (options, specialisation, target) that differ from each worker entry of that kernel. For
-the open case of 2026-12-07 (docs/benchmarks.md, tests/test_gpu_tune_compile.py): a kernel tested
-after another in one process compiled again. Cases run in turn in this one process, each with an
-empty Triton cache directory of its own, as the GPU test's cases do:
+metadata JSON (options, specialisation, target) that differ from each worker entry of that kernel. It
+found the case of 2026-12-07 (docs/benchmarks.md, tests/test_gpu_tune_compile.py): a kernel tested
+after another in one process compiled again, until kernels/cache_keys.py settled the keys. Cases run in
+turn in this one process, each with an empty Triton cache directory of its own, as the GPU test's
+cases do:
 
     python3 scripts/tune_worker_keys.py qk_cache_kernel:8 absorb_qk_cache_kernel:64
 """
@@ -38,7 +39,11 @@ def text_difference(mine: str, theirs: str, suffix: str) -> str:
     texts = []
     for entry in (mine, theirs):
         paths = glob.glob(os.path.join(entry, "*" + suffix))
-        texts.append(open(paths[0]).read().splitlines() if paths else [])
+        if paths:
+            with open(paths[0]) as handle:
+                texts.append(handle.read().splitlines())
+        else:
+            texts.append([])
     diff = list(difflib.unified_diff(texts[0], texts[1], "tuning process", "worker", n=0, lineterm=""))
     return "same" if not diff else "\n".join(line[:400] for line in diff[:12])
 
