@@ -96,8 +96,8 @@ def result_dir(environ: Mapping[str, str]) -> Path:
     """Where the result files are written and read (see the module's docstring)."""
     configs = environ.get(KERNEL_CONFIGS, "")
     if configs:
-        path = Path(configs)
-        return path if path.is_dir() or not path.suffix else path.parent
+        path = Path(configs)  # a directory; a file (of launch configs: any name) beside its result files
+        return path if path.is_dir() or (not path.suffix and not path.exists()) else path.parent
     return user_dir(environ)
 
 
@@ -546,10 +546,19 @@ def measured_first(missing: Mapping[str, str | None], setting: str,
                     "against stock") for name, why in missing.items()}
 
 
+def config_failed_reason(entry: Mapping[str, Any]) -> str:
+    """The marker's reason for the batches a failed launch config (a ``launch_configs.degraded`` entry)
+    would have run: stock, since only the table's config was measured."""
+    return (f"stock where rules {', '.join(entry.get('rules') or [])} pick {entry.get('config')}: it failed on this "
+            f"GPU ({entry.get('why')}) and the safe config that runs in its place was never measured")
+
+
 def marker_entry(loaded: Loaded, gates: Mapping[str, BucketGate | None] | None = None,
-                 shape: str | None = None) -> dict[str, Any]:
+                 shape: str | None = None, failed: Mapping[str, list[Mapping[str, Any]]] | None = None
+                 ) -> dict[str, Any]:
     """The marker's ``measurement`` field: the file, its date, and per fusion the buckets where its
-    fused path may run and every reason stock runs elsewhere (for the layers of ``shape``)."""
+    fused path may run and every reason stock runs elsewhere (for the layers of ``shape``; ``failed``:
+    per fusion, its kernel's launch configs that failed in this process, whose batches run stock)."""
     found = loaded.measurement
     entry: dict[str, Any] = {"file": loaded.path, "state": "used" if found else UNUSABLE if loaded.error else "none"}
     if loaded.error:
@@ -563,7 +572,7 @@ def marker_entry(loaded: Loaded, gates: Mapping[str, BucketGate | None] | None =
     for fusion, gate in (gates or {}).items():
         if gate is not None:
             fused[fusion] = [tokens for tokens, why in gate.buckets if why is None]
-            stock[fusion] = gate.reasons()
+            stock[fusion] = [*gate.reasons(), *(config_failed_reason(e) for e in (failed or {}).get(fusion, []))]
     entry.update(fused_buckets=fused, stock=stock)
     return entry
 

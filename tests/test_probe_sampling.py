@@ -71,12 +71,16 @@ def test_precompile_compiles_every_sample_in_a_compile_only_session_for_the_devi
 
     monkeypatch.setattr(probe, "launch_at", launch_at)
     device = torch.device("cuda", 0)
-    assert probe.precompile(names.ABSORB_QK_CACHE_KERNEL, device, torch.float16, 12, E4M3FNUZ, 16) == 4
+    assert probe.precompile(names.QK_CACHE_KERNEL, device, torch.float16, 12, E4M3FNUZ, 16) == 4
     assert table == [("gfx942", "AMD Instinct MI300X")]
     assert [(t, h) for _, _, _, t, h, *_ in launched] == [(1, 12), (2, 12), (16, 12), (65, 12), (80, 12),
                                                          (2049, 12), (2064, 12)]
     assert {(k, d, dt, f, b, s) for k, d, dt, _, _, f, b, s in launched} == {
-        (names.ABSORB_QK_CACHE_KERNEL, device, torch.float16, E4M3FNUZ, 16, None)}  # None: the device's target
+        (names.QK_CACHE_KERNEL, device, torch.float16, E4M3FNUZ, 16, None)}  # None: the device's target
+    launched.clear()
+    # the absorbed launch serves batches up to ABSORB_MAX_TOKENS only: configs past it are not compiled
+    assert probe.precompile(names.ABSORB_QK_CACHE_KERNEL, device, torch.float16, 12, E4M3FNUZ, 16) == 3
+    assert [(t, h) for _, _, _, t, h, *_ in launched] == [(1, 12), (2, 12), (16, 12), (65, 12), (80, 12)]
     assert target.compile_session() is None  # the session ends with the compile
     launched.clear()
     probe.precompile(names.QK_CACHE_KERNEL, device, torch.bfloat16, 3, E4M3FNUZ)
@@ -148,6 +152,71 @@ def test_a_sample_whose_config_was_degraded_is_compiled_again(table, monkeypatch
     monkeypatch.setattr(probe, "launch_at", launch_at)
     probe.precompile(names.QK_CACHE_KERNEL, torch.device("cuda", 0), torch.bfloat16, 12, E4M3FNUZ)
     assert launched == [(1, 12), (2, 12), (2, 12), (16, 12), (65, 12), (80, 12), (2049, 12), (2064, 12)]
+
+
+def test_a_config_that_fails_at_one_batch_is_compiled_on_the_safe_config_at_every_batch_it_served(table,
+                                                                                                 monkeypatch):
+    arch, gpu, kernel = "gfx942", "AMD Instinct MI300X", names.QK_CACHE_KERNEL
+    monkeypatch.setattr(launch_configs, "_degraded", {})
+    monkeypatch.setattr(target, "of", lambda device: target.Target(target.HIP, arch))
+    monkeypatch.setattr(launch, "device_name", lambda device: gpu)
+    compiled = []
+
+    def launch_at(kernel, device, dtype, tokens, heads, fmt, block_size=1):
+        config = launch_configs.choose(kernel, arch, gpu, tokens, heads, amd=True)
+        if config == dict(B) and tokens == 16:  # B builds at 2 tokens, fails at 16 (another kind of batch)
+            assert launch_configs.degrade(kernel, arch, gpu, tokens, heads, "planted")
+            raise launch_configs.ConfigDegraded("B")
+        compiled.append((tuple(sorted(config.items())), probe._specialization(tokens)))
+
+    monkeypatch.setattr(probe, "launch_at", launch_at)
+    probe.precompile(kernel, torch.device("cuda", 0), torch.bfloat16, 12, E4M3FNUZ)
+    served = {(tuple(sorted(launch_configs.choose(kernel, arch, gpu, t, 12, amd=True).items())),
+               probe._specialization(t)) for t in range(1, 2100)}
+    assert served <= set(compiled)  # the safe config at 2-15 tokens too, which B took before it failed
+
+
+def test_the_absorb_kernels_and_their_query_quant_are_sampled_only_up_to_the_batches_they_serve():
+    from k3_amd_overlay.package import ABSORB_MAX_TOKENS
+
+    capped = (names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL, names.ABSORB_MXFP4_QK_CACHE_KERNEL,
+              names.STATIC_QUANT_KERNEL)
+    assert set(probe.SERVED_MOST) == set(capped) and set(probe.SERVED_MOST.values()) == {ABSORB_MAX_TOKENS}
+    for arch in launch_configs.SHIPPED_ARCHS:
+        for kernel in capped:
+            served = probe.reachable(kernel, arch, (12,))
+            every = probe.reachable(kernel, arch, (12,), every_rule=True)
+            assert max(t for _, samples, _ in served for t, _ in samples) <= ABSORB_MAX_TOKENS, (arch, kernel)
+            assert {c for c, _, _ in served} <= {c for c, _, _ in every}, (arch, kernel)
+    # at K3's TP 8 on an MI300X the table's rule past 256 tokens has a config of its own: compiled by
+    # `kernels --arch` (every rule), not at model load
+    served, every = (probe.reachable(names.ABSORB_QK_CACHE_KERNEL, "gfx942", (12,), every_rule=e)
+                     for e in (False, True))
+    assert {c for c, _, _ in every} - {c for c, _, _ in served}
+
+
+def test_a_safe_config_no_served_batch_takes_is_not_compiled_so_its_failure_refuses_nothing(monkeypatch):
+    from k3_amd_overlay import kernel_failures
+
+    arch, gpu, kernel = "gfx942", "AMD Instinct MI300X", names.ABSORB_QK_CACHE_KERNEL
+    monkeypatch.setattr(launch_configs, "_degraded", {})
+    monkeypatch.setattr(target, "of", lambda device: target.Target(target.HIP, arch))
+    monkeypatch.setattr(launch, "device_name", lambda device: gpu)
+    safe = dict(launch_configs.safe_config(kernel, arch))
+    built = []
+
+    def launch_at(kernel, device, dtype, tokens, heads, fmt, block_size=1):
+        config = launch_configs.choose(kernel, arch, gpu, tokens, heads, amd=True)
+        if config == safe:
+            if launch_configs.degrade(kernel, arch, gpu, tokens, heads, "planted: the safe config fails"):
+                raise launch_configs.ConfigDegraded("safe")
+            raise RuntimeError("the safe config failed")
+        built.append(tokens)
+
+    monkeypatch.setattr(probe, "launch_at", launch_at)
+    kernel_failures.guarded("absorb_qk_cache", lambda: probe.precompile(kernel, torch.device("cuda", 0),
+                                                                        torch.bfloat16, 12, E4M3FNUZ))
+    assert built and launch_configs.degraded() == {}
 
 
 def test_no_ahead_of_time_compile_for_another_provider_or_off_gpu(precompiled):
@@ -275,7 +344,7 @@ def test_the_default_sweep_reaches_every_shipped_rule_that_some_batch_can_pick()
         for kernel in launch_configs.KERNEL_PARAMETERS:
             rules, _ = launch_configs.resolve(arch)[kernel]
             heads = (1,) if kernel == names.RMSNORM_PAIR_KERNEL else (12,)
-            beyond = max([r.tokens or 0 for r in rules] + [1024]) + 64
+            beyond = min(max([r.tokens or 0 for r in rules] + [1024]) + 64, probe.SERVED_MOST.get(kernel, 10**6) + 1)
             wanted = {(dict(launch_configs.rule_for(rules, t, h).config).__repr__(), probe._specialization(t), h)
                       for h in heads for t in range(1, beyond)}
             got = {(dict(config).__repr__(), probe._specialization(t), h)

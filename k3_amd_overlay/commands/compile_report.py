@@ -316,7 +316,7 @@ def compile_arch(arch: str, device_name: str | None = None) -> dict[str, Any]:
     entries = []
     for kernel in KERNEL_ORDER:
         for dtype in query_dtypes(kernel, arch):
-            for config, samples, labels in probe.reachable(kernel, arch, device_name=device_name):
+            for config, samples, labels in probe.reachable(kernel, arch, device_name=device_name, every_rule=True):
                 tokens, heads = samples[0]
                 entry = compile_config(kernel, arch, config, dtype, tokens, heads)
                 entry.shapes = labels

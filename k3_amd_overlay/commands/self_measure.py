@@ -273,15 +273,31 @@ def pairs(heads_list: Sequence[int], variants: Sequence[str], buckets: Sequence[
                     yield pair(fusion, tokens, heads, variant, n)
 
 
+def config_failed(row: measured.Row) -> measured.Row:
+    """``row`` if every launch config ran as the table picks it; else (a config failed in this process,
+    launch_configs.degrade, and the safe config runs from then on in its place) the row not usable: it
+    may have timed the safe config, which a server where the table's config builds never runs."""
+    from k3_amd_overlay.kernels import launch_configs
+
+    failed = [f"{kernel} {entry['config']} ({entry['why']})"
+              for kernel, entries in launch_configs.degraded().items() for entry in entries]
+    if not failed:
+        return row
+    return measured.Row(row.fusion, row.tokens, row.heads, row.variant, exact=False, problems=(
+        *row.problems, f"measured after a launch config failed in this run ({'; '.join(failed)}): the safe config "
+        f"ran in its place, which a server where that config builds does not run; run {measured.COMMAND} again",))
+
+
 def measure(all_pairs: Iterable[Pair], timer: Timer, rounds: int = ROUNDS,
             out: Callable[[str], None] = print) -> list[measured.Row]:
-    """Measure each pair in turn, printing the table as it goes."""
+    """Measure each pair in turn, printing the table as it goes; the rows from a launch config's
+    failure on are not usable (``config_failed``)."""
     rows: list[measured.Row] = []
     last: dict[tuple[str, int | None, str | None], int] = {}
     for line in HEADER:
         out(line)
     for pair in all_pairs:
-        row = measure_pair(pair, timer, rounds)
+        row = config_failed(measure_pair(pair, timer, rounds))
         del pair  # its tensors go before the next bucket's are made
         shape = row.key[:3]
         out(table_row(row, last.get(shape, 0) + 1))

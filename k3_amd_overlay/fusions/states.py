@@ -4,6 +4,7 @@ evidence, the log line and the check command."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from k3_amd_overlay.package import AUTO
@@ -59,14 +60,23 @@ class BucketGate:
     ``measured.py``): the measured buckets ascending, each ``(tokens, why)``, a bucket covering the
     token counts above the one before it up to ``tokens``; ``why`` None where the fusion measured
     exact and at least as fast as stock there, else why stock runs there. Above the largest bucket
-    (or where nothing was measured at this shape) stock runs, for ``unmeasured``: fail closed."""
+    (or where nothing was measured at this shape) stock runs, for ``unmeasured``: fail closed.
+    ``unlike_measured``, asked where a bucket allows the fusion: why its launch at that size would not
+    be the one measured (its launch config failed in this process and the safe config runs in its
+    place, launch_configs.failed_here), which sends the batch to stock too."""
 
     buckets: tuple[tuple[int, str | None], ...] = field(default=())
     unmeasured: str = "not measured on this GPU"
+    unlike_measured: Callable[[int], str | None] | None = field(default=None, compare=False)
 
     def refusal(self, num_tokens: int) -> str | None:
         """Why a batch of ``num_tokens`` tokens runs stock, or None where the fusion may run it."""
-        return next((why for tokens, why in self.buckets if num_tokens <= tokens), self.unmeasured)
+        why = next((why for tokens, why in self.buckets if num_tokens <= tokens), self.unmeasured)
+        if why is None and self.unlike_measured is not None:
+            unlike = self.unlike_measured(num_tokens)
+            if unlike is not None:
+                return f"stock at {num_tokens} tokens: {unlike}, and only the table's config was measured on this GPU"
+        return why
 
     def allows(self, num_tokens: int) -> bool:
         return self.refusal(num_tokens) is None

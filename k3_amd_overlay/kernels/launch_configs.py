@@ -520,6 +520,18 @@ def degraded() -> dict[str, list[dict[str, Any]]]:
     return found
 
 
+def failed_here(kernel: str, arch: str, device_name: str | None, num_tokens: int, num_heads: int = 1) -> str | None:
+    """Why a launch of ``kernel`` at this size would not run its table's config (that config failed
+    in this process and the safe config runs in its place), or None where it runs the table's."""
+    if not _degraded:  # the common case, asked once per batch: no rule lookup
+        return None
+    rules, _ = resolve(arch, device_name)[kernel]
+    entry = _degraded.get((arch, device_name, kernel, rule_for(rules, num_tokens, num_heads).config))
+    if entry is None:
+        return None
+    return f"{kernel}'s launch config {entry['config']} failed here ({entry['why']}); the safe config runs in its place"
+
+
 def choose(kernel: str, arch: str, device_name: str | None, num_tokens: int, num_heads: int = 1,
            amd: bool = False) -> dict[str, int]:
     """The config of a launch of ``kernel`` for ``num_tokens`` tokens and ``num_heads`` heads

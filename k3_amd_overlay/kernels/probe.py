@@ -15,12 +15,19 @@ import torch
 from k3_amd_overlay import k3, mxfp4
 from k3_amd_overlay.fp8 import Fp8Format
 from k3_amd_overlay.kernels import launch_configs, names, target
+from k3_amd_overlay.package import ABSORB_MAX_TOKENS
 
 logger = logging.getLogger("vllm.k3_amd_overlay")
 
 # Decode batches and per-rank query heads swept to reach every rule (K3: 96 heads over TP 1..96).
 TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 HEADS = tuple(sorted(set(k3.HEADS_PER_RANK.values())))
+# The most tokens a batch of these kernels holds when served: the absorbed launch (and the aiter absorb
+# providers' query quant after AITER's launch) takes decode batches up to ABSORB_MAX_TOKENS (the decode
+# plan, fusions/qk_cache.py); the other kernels any batch.
+SERVED_MOST = {kernel: ABSORB_MAX_TOKENS for kernel in (
+    names.ABSORB_QK_CACHE_KERNEL, names.ABSORB_FP8_QK_CACHE_KERNEL, names.ABSORB_MXFP4_QK_CACHE_KERNEL,
+    names.STATIC_QUANT_KERNEL)}
 
 
 def launch_at(kernel: str, device: torch.device, dtype: torch.dtype, tokens: int, heads: int,
@@ -83,15 +90,18 @@ def _specialization(tokens: int) -> int:
 Config = launch_configs.Config
 
 
-def reachable(kernel: str, arch: str, heads: tuple[int, ...] = HEADS,
-              device_name: str | None = None) -> list[tuple[Config, list[tuple[int, int]], list[str]]]:
-    """Each distinct config the dispatch picks for ``kernel`` on ``arch`` over vLLM's decode batches
-    and these per-rank heads: (config, batches and heads that reach it, one for each kind of batch
-    size Triton compiles apart, the rules it serves)."""
+def reachable(kernel: str, arch: str, heads: tuple[int, ...] = HEADS, device_name: str | None = None,
+              every_rule: bool = False) -> list[tuple[Config, list[tuple[int, int]], list[str]]]:
+    """Each distinct config the dispatch picks for ``kernel`` on ``arch`` over the decode batches it
+    serves (SERVED_MOST; with ``every_rule``, any batch: every rule of the table, as ``kernels --arch``
+    compiles them) and these per-rank heads: (config, batches and heads that reach it, one for each
+    kind of batch size Triton compiles apart, the rules it serves)."""
     rules, _ = launch_configs.resolve(arch, device_name)[kernel]
     heads_swept = (1,) if kernel == names.RMSNORM_PAIR_KERNEL else heads
     # every batch size up to past the largest bound: each rule's first batch of each kind, in order
     last = max([r.tokens for r in rules if r.tokens is not None] + [max(TOKENS)]) + 32
+    if not every_rule:
+        last = min(last, SERVED_MOST.get(kernel, last))
     found: dict[Config, tuple[dict[tuple[int, int], tuple[int, int]], list[str]]] = {}
     for rule in rules:
         hits = [(t, h) for h in heads_swept for t in range(1, last + 1) if launch_configs.rule_for(rules, t, h) is rule]
@@ -108,22 +118,30 @@ def precompile(kernel: str, device: torch.device, dtype: torch.dtype, heads: int
                block_size: int = 1) -> int:
     """Compile (not run) every config the arch's table can pick for ``kernel`` at ``heads`` heads on
     ``device``, for each kind of batch size Triton compiles apart; returns how many configs. A config
-    that fails is degraded to the safe config, which is compiled in its place; raises what Triton
-    raises for the safe config."""
+    that fails is degraded to the safe config, which is compiled in its place, for every batch that
+    config served (the batches compiled before it failed too: all are compiled again while a pass
+    degrades another config); raises what Triton raises for the safe config."""
     where = target.of(device)
     from k3_amd_overlay.kernels.launch import device_name
 
     configs = reachable(kernel, where.arch, (heads,), device_name(device))
     with target.compile_only(None):
-        for _, samples, _ in configs:
-            for tokens, config_heads in samples:
-                while True:  # each retry follows a newly degraded config: they end
-                    try:
-                        launch_at(kernel, device, dtype, tokens, config_heads, fmt, block_size)
-                    except launch_configs.ConfigDegraded:
-                        continue
-                    break
-    return len(configs)
+        while True:  # each pass after the first follows newly degraded configs: they end
+            failed = _failed_count()
+            for _, samples, _ in configs:
+                for tokens, config_heads in samples:
+                    while True:
+                        try:
+                            launch_at(kernel, device, dtype, tokens, config_heads, fmt, block_size)
+                        except launch_configs.ConfigDegraded:
+                            continue
+                        break
+            if _failed_count() == failed:
+                return len(configs)
+
+
+def _failed_count() -> int:
+    return sum(len(entries) for entries in launch_configs.degraded().values())
 
 
 _precompiled: set[tuple[str, torch.device, torch.dtype, int, str, int]] = set()

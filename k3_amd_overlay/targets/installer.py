@@ -6,6 +6,7 @@ run). Runs in vLLM processes only, as each K3 MLA layer is built."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -30,13 +31,13 @@ from k3_amd_overlay.fusions.qk_cache import (
 )
 from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
 from k3_amd_overlay.fusions.states import BucketGate, FusionState, LayerDecision
-from k3_amd_overlay.kernels import launch, launch_configs
-from k3_amd_overlay.kernels.names import RMSNORM_PAIR_KERNEL
+from k3_amd_overlay.kernels import launch, launch_configs, target
+from k3_amd_overlay.kernels.names import ABSORB_QK_CACHE_KERNEL, QK_CACHE_KERNEL, RMSNORM_PAIR_KERNEL
 from k3_amd_overlay.ops import absorb_qk_cache, aiter_qk_cache, qk_cache, rmsnorm_pair
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import Mode, OverlaySettings
 from k3_amd_overlay.targets import attend_hook, vllm_env
-from k3_amd_overlay.targets.decode import DECODE_SITE, DecodeSite, EagerStep, into_output
+from k3_amd_overlay.targets.decode import ABSORB_KERNELS, DECODE_SITE, DecodeSite, EagerStep, into_output
 from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormCallback, QkvNormSite
 
 DECODE_FUSIONS = frozenset({QK_CACHE, ABSORB_QK_CACHE})  # both act at the one decode site
@@ -86,6 +87,8 @@ class LayerInstaller:
     compile_seconds: dict[str, float] = field(default_factory=dict)  # per kernel, this process's installs
     measurement: measured.Loaded = field(default_factory=lambda: measured.Loaded(None))  # this GPU's, if any
     gates: dict[str, BucketGate | None] = field(default_factory=dict)  # per fusion, as the marker records them
+    gated_kernels: dict[str, str] = field(default_factory=dict)  # per gated fusion, the kernel it launches
+    gate_shape: str | None = None  # the decode gates' heads and W_UK absorption, as the marker names them
     layers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # every layer given sites, while alive
     retired: bool = False  # the overlay's patches are off (or inert): a layer built from now on gets no site
 
@@ -153,10 +156,28 @@ class LayerInstaller:
         return measured.measured_first(missing, self.settings.provider(fusion), self.measurement.measurement)
 
     def record_gates(self, gates: dict[str, BucketGate | None], shape: str | None) -> None:
-        """The marker's record of where each fusion may run and every reason stock runs elsewhere."""
+        """The marker's record of where each fusion may run and every reason stock runs elsewhere (the
+        decode gates name their ``shape``; the norm's, which has none, keeps it)."""
         if self.measurement.measurement is not None or self.measurement.error:
             self.gates.update(gates)
-            self.evidence.set_measurement(measured.marker_entry(self.measurement, self.gates, shape))
+            self.gate_shape = shape or self.gate_shape
+            self.evidence.set_measurement(measured.marker_entry(self.measurement, self.gates, self.gate_shape,
+                                                                self.failed_configs()))
+
+    def as_launched(self, gate: BucketGate, fusion: str, kernel: str, device: torch.device,
+                    heads: int) -> BucketGate:
+        """``gate``, also sending to stock each batch whose launch of ``kernel`` would not take the
+        config the measurement timed: its config failed in this process and the safe one runs in its
+        place, never measured against stock (launch_configs.failed_here)."""
+        self.gated_kernels[fusion] = kernel
+        where = target.of(device)
+        return dataclasses.replace(gate, unlike_measured=functools.partial(
+            launch_configs.failed_here, kernel, where.arch, launch.device_name(device), num_heads=heads))
+
+    def failed_configs(self) -> dict[str, list[dict[str, Any]]]:
+        """Per gated fusion, its kernel's configs that failed in this process (launch_configs.degraded)."""
+        found = launch_configs.degraded()
+        return {fusion: found[kernel] for fusion, kernel in self.gated_kernels.items() if kernel in found}
 
     def refuse_failed(self, fusion: str, why: str) -> None:
         """A fused kernel failed in this process: ``fusion`` is refused from now on (stock runs)."""
@@ -167,6 +188,8 @@ class LayerInstaller:
         found = launch_configs.degraded()
         if found:
             self.evidence.update_launch_configs({"degraded": found})
+            if self.gates:  # the measurement's buckets where the failed configs ran: stock now
+                self.record_gates({}, None)
 
     def follow_world(self) -> None:
         """From now on the marker records this process's place in vLLM's world (a model is being built:
@@ -221,6 +244,8 @@ class LayerInstaller:
             else None
         gate = measured.norm_gate(self.measurement, decision.provider, upstream_fuses,
                                   dtype_name(kv_norm.weight.dtype)) if callback is not None else None
+        if gate is not None:
+            gate = self.as_launched(gate, QKV_NORM, RMSNORM_PAIR_KERNEL, layer_device(wrapper), 1)
         site = QkvNormSite(decision, callback,
                            self.evidence.effective_hook(QKV_NORM, wrapper.mla_attn.layer_name),
                            on_failure=self.refuse_failed, on_degraded=self.record_degraded, gate=gate)
@@ -277,6 +302,11 @@ class LayerInstaller:
         gates = measured.decode_gates(self.measurement, inputs.num_heads, inputs.absorb.value,
                                       {QK_CACHE: decision.provider, ABSORB_QK_CACHE: absorb.provider},
                                       upstream_fuses=upstream_fuses, activations=inputs.activation_dtype)
+        if gates is not None:
+            kernels = {QK_CACHE: QK_CACHE_KERNEL,
+                       ABSORB_QK_CACHE: ABSORB_KERNELS.get(inputs.absorb, ABSORB_QK_CACHE_KERNEL)}
+            gates = {fusion: self.as_launched(gate, fusion, kernels[fusion], layer_device(wrapper), inputs.num_heads)
+                     for fusion, gate in gates.items()}
         plan = DecodePlan(decision, absorb, inputs.absorb, upstream_fuses, measured=gates)
         if gates is not None and plan.overlay_fuses:
             applied = {QK_CACHE: decision, ABSORB_QK_CACHE: absorb}
