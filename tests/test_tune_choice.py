@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from fakes_gpu import ScriptedTimer, config_key, no_compile_workers
 from k3_amd_overlay import fp8
 from k3_amd_overlay.commands import tune
 from k3_amd_overlay.commands.bench import shapes
+from k3_amd_overlay.commands.usage import UsageError
 from k3_amd_overlay.kernels import launch, launch_configs, names, target
 
 SHIPPED = {"HEADS": 4, "num_warps": 4}
@@ -30,6 +33,9 @@ BROKEN = {"HEADS": 1, "num_warps": 8}
 
 class FakeCase:
     """A case whose bytes check answers ``checks[config]``: (near, far), or an exception raised."""
+
+    exact_outputs = ()
+    allowance = tune.Case.allowance
 
     def __init__(self, checks, numel=(6000, 3000)):
         self.kernel = names.QK_CACHE_KERNEL
@@ -286,8 +292,8 @@ def test_the_output_path_for_a_directory_or_a_file(tmp_path):
     assert tune.out_path(str(tmp_path / "mine.json"), "sm90", "H200") == tmp_path / "mine.json"
 
 
-def _rules(config):
-    return [{"tokens": 8, "heads": 3, "config": config}, {"config": config}]
+def _rules(config, heads=3):
+    return [{"tokens": 8, "heads": heads, "config": config}]
 
 
 def test_the_file_keeps_another_kernels_tuning_for_the_same_arch_and_gpu_only(tmp_path):
@@ -379,7 +385,8 @@ def test_tune_on_a_fake_mi300x_writes_each_kernels_winners_for_this_gpu(fake_gpu
     import triton
 
     lines = out.splitlines()
-    assert lines[:4] == [f"AMD Instinct MI300X (gfx942), torch {torch.__version__}, triton {triton.__version__}",
+    assert lines[:5] == [f"AMD Instinct MI300X (gfx942), torch {torch.__version__}, triton {triton.__version__}",
+                         f"{names.ABSORB_MXFP4_QK_CACHE_KERNEL}: not tuned, it does not run on gfx942",
                          tune.plan_line("gfx942", tune.plan(kernels, [3, 6], [1, 8], "gfx942")),
                          "| kernel | T | H | shipped µs | tuned µs | shipped / tuned | tuned config |",
                          "|---|---|---|---|---|---|---|"]
@@ -387,16 +394,19 @@ def test_tune_on_a_fake_mi300x_writes_each_kernels_winners_for_this_gpu(fake_gpu
     lines = out.splitlines()
     first = tune.candidates(names.QK_CACHE_KERNEL, 8, amd=True)[0]
     assert f"| {names.QK_CACHE_KERNEL} | 8 | 6 | 12.50 | 10.00 | 1.25 | {first} |" in lines
-    assert lines[-1] == f"wrote {path}; the overlay uses it with K3_AMD_OVERLAY_KERNEL_CONFIGS={path} (or its " \
-                        "directory)"
+    assert lines[-1] == (f"wrote {path}; the overlay uses it with K3_AMD_OVERLAY_KERNEL_CONFIGS={path} or "
+                         f"K3_AMD_OVERLAY_KERNEL_CONFIGS={tmp_path}")
     tune.main(["--out", str(tmp_path), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "8", "--verbose"])
     assert "tried " in capsys.readouterr().err
     assert {h for (_, _, h), _, _ in picked[6:]} == set(shapes.HEADS)
 
 
 @pytest.mark.parametrize(("argv", "message", "code"), [
-    (["--heads", "0"], "error: --heads [0]: every value must be a positive integer", 2),
-    (["--tokens", "4", "-1"], "error: --tokens [4, -1]: every value must be a positive integer", 2),
+    (["--heads", "0"], "error: --heads [0]: every value must be an integer from 1 to 96 (K3 has 96 query heads)", 2),
+    (["--heads", "12", "5000"], "error: --heads [12, 5000]: every value must be an integer from 1 to 96 (K3 has 96 "
+                                "query heads)", 2),
+    (["--tokens", "4", "-1"], "error: --tokens [4, -1]: every value must be an integer from 1 to 16384", 2),
+    (["--tokens", "1000000000"], "error: --tokens [1000000000]: every value must be an integer from 1 to 16384", 2),
     (["--compare", "/nonexistent.json"], "error: --compare /nonexistent.json: no such file", 2),
     (["--compare", "/"], "error: --compare /: a directory, not a file", 2),  # said "no such file" before
     (["--compare", ""], "error: argument --compare: '' names no path (an empty value: an unset variable?); give the "
@@ -485,8 +495,8 @@ def test_the_module_runs_as_a_command():
     proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.commands.tune", "--heads", "0"], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("usage: k3-amd-overlay tune "), proc.stderr
-    assert proc.stderr.splitlines()[-1] == "k3-amd-overlay tune: error: --heads [0]: every value must be a " \
-                                           "positive integer"
+    assert proc.stderr.splitlines()[-1] == ("k3-amd-overlay tune: error: --heads [0]: every value must be an "
+                                            "integer from 1 to 96 (K3 has 96 query heads)")
 
 
 def test_the_help_names_each_option_and_what_it_does(capsys):
@@ -511,3 +521,70 @@ def test_without_out_the_file_goes_to_the_working_directory(fake_gpu, monkeypatc
     monkeypatch.chdir(tmp_path)
     assert tune.main(["--kernels", names.QK_CACHE_KERNEL, "--tokens", "4", "--heads", "3"]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["gfx942-AMD_Instinct_MI300X.json"]
+
+
+def test_a_run_for_other_heads_keeps_the_head_counts_tuned_before(tmp_path):
+    """Tuning 12 heads after 3 (one head count per run, as the help suggests) keeps the rules of 3."""
+    path = tmp_path / "t.json"
+    three, twelve = {"HEADS": 2, "num_warps": 4}, {"HEADS": 4, "num_warps": 8}
+    tune.write(path, "gfx942", "MI300X", {names.QK_CACHE_KERNEL: _rules(three, 3)}, "2.9", "3.4")
+    tune.write(path, "gfx942", "MI300X", {names.QK_CACHE_KERNEL: _rules(twelve, 12)}, "2.9", "3.4")
+    rules = launch_configs.load(path).kernels[names.QK_CACHE_KERNEL]
+    assert [(r.tokens, r.heads, dict(r.config)) for r in rules] == [
+        (8, 3, three), (None, 3, three), (8, 12, twelve), (None, None, twelve)]
+    tune.write(path, "gfx942", "MI300X", {names.QK_CACHE_KERNEL: _rules(twelve, 3)}, "2.9", "3.4")  # 3 again
+    rules = launch_configs.load(path).kernels[names.QK_CACHE_KERNEL]
+    assert [(r.tokens, r.heads, dict(r.config)) for r in rules] == [
+        (8, 3, twelve), (None, 3, twelve), (8, 12, twelve), (None, None, twelve)]
+
+
+def test_a_write_that_fails_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    path = tmp_path / "t.json"
+    tune.write(path, "gfx942", "MI300X", {names.QK_CACHE_KERNEL: _rules({"HEADS": 2, "num_warps": 4})}, "2.9", "3.4")
+    before = path.read_bytes()
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        tune.write(path, "gfx942", "MI300X", {names.ABSORB_FP8_QK_CACHE_KERNEL: _rules(
+            {"BLOCK_N": 32, "BLOCK_T": 16, "num_warps": 1})}, "2.9", "3.4")
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["t.json"]
+
+
+def test_out_may_not_name_the_packages_own_configs_or_a_file_it_cannot_write(tmp_path, monkeypatch):
+    shipped = launch_configs.CONFIG_DIR / "gfx942.json"
+    with pytest.raises(UsageError, match="in the package's own launch-config directory"):
+        tune.check_out_file(shipped, shipped)
+    with pytest.raises(UsageError, match="in the package's own launch-config directory"):
+        tune.check_out_file(launch_configs.CONFIG_DIR / "gfx942-AMD_Instinct_MI300X.json", launch_configs.CONFIG_DIR)
+    path = tmp_path / "t.json"
+    tune.write(path, "gfx942", "MI300X", {names.QK_CACHE_KERNEL: _rules({"HEADS": 2, "num_warps": 4})}, "2.9", "3.4")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == path else real_access(p, mode))
+    with pytest.raises(UsageError, match=r"t\.json exists and is not writable here$"):
+        tune.check_out_file(path, path)
+
+
+def test_tune_refuses_to_replace_another_gpus_tuning_and_to_tune_nothing(fake_gpu, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tune, "tune_case", lambda case, shipped, tried, log: (shipped, 1.0, 1.0))
+    other = tmp_path / "mine.json"
+    tune.write(other, "gfx942", "AMD Instinct MI325X", {names.QK_CACHE_KERNEL: _rules({"HEADS": 2, "num_warps": 4})},
+               "2.9", "3.4")
+    before = other.read_bytes()
+    assert tune.main(["--out", str(other), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "8"]) == 1
+    assert other.read_bytes() == before
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"k3-amd-overlay tune: --out {other}: {other} holds launch configs tuned on AMD Instinct MI325X (gfx942); "
+        "tune keeps no other GPU's tuning by replacing it: name another file or directory; nothing tuned")
+    assert tune.main(["--out", str(tmp_path), "--kernels", names.ABSORB_MXFP4_QK_CACHE_KERNEL, "--tokens", "8",
+                      "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False and out["file"] is None and "none runs on gfx942" in out["error"]
+    assert not (tmp_path / "gfx942-AMD_Instinct_MI300X.json").exists()
+    mine = tmp_path / "mi300x-tuned.json"
+    assert tune.main(["--out", str(mine), "--kernels", names.QK_CACHE_KERNEL, "--tokens", "8", "--heads", "3"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"wrote {mine}; the overlay uses it with K3_AMD_OVERLAY_KERNEL_CONFIGS={mine} (a directory is read for "
+        "gfx942-AMD_Instinct_MI300X.json only)")

@@ -505,7 +505,7 @@ def test_an_out_under_a_missing_directory_is_a_usage_error_before_any_tuning(
     assert not (tmp_path / "missing").exists()
 
 
-def test_an_out_file_for_another_gpu_is_still_replaced_and_one_for_this_gpu_keeps_its_other_kernels(
+def test_an_out_file_for_another_gpu_is_refused_untouched_and_one_for_this_gpu_keeps_its_other_kernels(
         fake_h200, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(tune, "tune_case", lambda case, shipped, tried, log: (shipped, 8.0, 10.0))
     out = tmp_path / "mine.json"
@@ -517,8 +517,9 @@ def test_an_out_file_for_another_gpu_is_still_replaced_and_one_for_this_gpu_keep
     assert sorted(launch_configs.load(out).kernels) == [names.QK_CACHE_KERNEL, names.RMSNORM_PAIR_KERNEL]
     out.write_text(json.dumps({"schema": launch_configs.SCHEMA, "arch": "sm90", "tuned_on": {"device": "other"},
                                "kernels": {names.RMSNORM_PAIR_KERNEL: kept}}))
-    assert tune.main(argv) == 0
-    assert sorted(launch_configs.load(out).kernels) == [names.QK_CACHE_KERNEL]
+    before = out.read_bytes()
+    assert tune.main(argv) == 1  # another GPU's tuning is never replaced (before: replaced whole)
+    assert out.read_bytes() == before
 
 
 def test_with_json_a_failure_while_tuning_still_prints_one_object_and_keeps_the_traceback(

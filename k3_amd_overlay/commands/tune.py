@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from k3_amd_overlay import json_files
+from k3_amd_overlay import json_files, k3
 from k3_amd_overlay.commands import tune_compile
 from k3_amd_overlay.commands.usage import (
     EXIT_FAILED,
@@ -49,6 +49,7 @@ from k3_amd_overlay.kernels import launch_configs, names
 TUNED_KERNELS = (names.RMSNORM_PAIR_KERNEL, names.QK_CACHE_KERNEL, names.ABSORB_QK_CACHE_KERNEL,
                  names.ABSORB_FP8_QK_CACHE_KERNEL, names.ABSORB_MXFP4_QK_CACHE_KERNEL)
 MIN_GAIN = 0.02  # a candidate replaces the shipped config only if faster by more than this
+MOST_TOKENS = 16384  # the largest batch --tokens takes (a larger one takes the largest tuned batch's config)
 # From this many tokens the absorb kernels are also tried with KV programs of KV_ROWS_TRIED rows (on the
 # H200, 16 rows a program beat one at 256 and 512 tokens and tied at 64-128: docs/benchmarks.md).
 KV_ROWS_FROM_TOKENS, KV_ROWS_TRIED = 128, 16
@@ -126,7 +127,11 @@ def _codes_apart(got: Any, want: Any) -> tuple[int, int]:
 
 
 class Case:
-    """One kernel at one batch and head count: inputs, the reference's bytes, a launch."""
+    """One kernel at one batch and head count: inputs, the reference's bytes, a launch.
+    ``exact_outputs``: per output, whether every byte must equal the reference's (the KV cache: a copy
+    and a quant, no sum whose order may round otherwise); the others may have codes one step off."""
+
+    exact_outputs: tuple[bool, ...] = ()  # () : none
 
     def __init__(self, kernel: str, tokens: int, heads: int, fmt: Any) -> None:
         import torch
@@ -152,6 +157,7 @@ class Case:
             return
         q_nope, q_pe, kv_c, k_pe, cache, slots, k_scale, q_scale, q_out = decode_step_inputs(tokens, heads)
         self.outputs = (q_out, cache)
+        self.exact_outputs = (False, True)
         self.poison()  # the cache rows the step does not write stay poisoned in both
         want_out, want_cache = torch.empty_like(q_out), cache.clone()
 
@@ -197,17 +203,26 @@ class Case:
 
     def mismatches(self, config: dict[str, int] | None) -> tuple[int, int]:
         """Run once under ``config`` (None: the shipped one) into poisoned outputs: (codes one step
-        off, codes further off or never written) against the reference."""
+        off, codes further off or never written) against the reference; in an exact output every
+        byte that differs counts as further off."""
         from k3_amd_overlay.kernels.launch import forced
 
         self.poison()
         with forced(config) if config is not None else contextlib.nullcontext():
             self.run()
         near = far = 0
-        for out, want in zip(self.outputs, self.wanted, strict=True):
+        exact = self.exact_outputs or (False,) * len(self.outputs)
+        for out, want, whole in zip(self.outputs, self.wanted, exact, strict=True):
             differ, apart = _codes_apart(out, want)
-            near, far = near + differ - apart, far + apart
+            near, far = (near, far + differ) if whole else (near + differ - apart, far + apart)
         return near, far
+
+    def allowance(self) -> int:
+        """How many more codes one step off than the shipped config a candidate may have:
+        MISMATCH_ALLOWANCE of the codes of the outputs that may have any (never the exact ones)."""
+        exact = self.exact_outputs or (False,) * len(self.wanted)
+        return int(MISMATCH_ALLOWANCE * sum(w.numel() for w, whole in zip(self.wanted, exact, strict=True)
+                                            if not whole))
 
 
 def time_us(run: Callable[[], None], config: dict[str, int] | None) -> float:
@@ -237,7 +252,7 @@ def tune_case(case: Case, shipped: dict[str, int], tried: Iterable[dict[str, int
     base_near, base_far = case.mismatches(shipped)
     if base_far:
         raise RuntimeError(f"{case.kernel}: the shipped config is {base_far} codes off the reference")
-    allowed = base_near + int(MISMATCH_ALLOWANCE * sum(w.numel() for w in case.wanted))
+    allowed = base_near + case.allowance()
     best: tuple[float, dict[str, int]] | None = None
     for config in tried:
         if config == shipped:
@@ -351,7 +366,7 @@ device_slug = launch_configs.device_slug
 
 def out_path(out: Path, arch: str, device: str) -> Path:
     path = Path(out)
-    return path / f"{arch}-{device_slug(device)}.json" if path.is_dir() or not path.suffix else path
+    return path / launch_configs.tuned_name(arch, device) if path.is_dir() or not path.suffix else path
 
 
 def out_given(args: argparse.Namespace) -> Path:
@@ -391,11 +406,16 @@ def check_out_file(path: Path, given: Path) -> None:
     """An existing file at ``path`` (what --out ``given`` writes) must be one tune can keep the kernels of or
     replace: a launch-config file whose ``tuned_on``, if any, is an object; a UsageError otherwise (nothing
     tuned yet, nothing lost)."""
+    where = f"--out {given}: {path}" if path != given else f"--out {given}"
+    if path.resolve().parent == launch_configs.CONFIG_DIR.resolve():
+        raise UsageError(f"{where} is in the package's own launch-config directory, whose files the overlay needs "
+                         "as shipped: name a file or directory outside it")
     if not path.exists():
         return
-    where = f"--out {given}: {path}" if path != given else f"--out {given}"
     if not path.is_file():
         raise UsageError(f"{where} exists and is not a regular file")
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"{where} exists and is not writable here")
     try:
         data: Any = json_files.load(path)
         launch_configs.parse(data, str(path))
@@ -438,9 +458,10 @@ def parser() -> Parser:
 def check_args(args: argparse.Namespace) -> None:
     """The checks of tune's arguments that need no torch (the CLI runs them before it looks for it):
     UsageError naming the value and what is allowed."""
-    for name, values in (("--heads", args.heads), ("--tokens", args.tokens)):
-        if values is not None and any(v < 1 for v in values):
-            raise UsageError(f"{name} {values}: every value must be a positive integer")
+    for name, values, most in (("--heads", args.heads, k3.NUM_HEADS), ("--tokens", args.tokens, MOST_TOKENS)):
+        if values is not None and any(not 1 <= v <= most for v in values):
+            raise UsageError(f"{name} {values}: every value must be an integer from 1 to {most}"
+                             + (f" (K3 has {k3.NUM_HEADS} query heads)" if name == "--heads" else ""))
     if args.jobs < 1:
         raise UsageError(f"--jobs {args.jobs}: give a positive number of worker processes (1: none)")
     if args.arch is not None and not args.plan:
@@ -563,6 +584,19 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     path = out_path(out_given(args), where.arch, name)
     check_out_file(path, out_given(args))
+    if (other := tuned_elsewhere(path, where.arch, name)) is not None:
+        args.error = (f"--out {out_given(args)}: {path} holds launch configs tuned on {other}; tune keeps no other "
+                      "GPU's tuning by replacing it: name another file or directory; nothing tuned")
+        print(f"k3-amd-overlay tune: {args.error}", file=sys.stderr)
+        return EXIT_FAILED
+    skipped = [k for k in args.kernels if not reachable_here(k, where.arch, amd)]
+    if len(skipped) == len(args.kernels):
+        args.error = (f"--kernels {' '.join(args.kernels)}: none runs on {where.arch} (vLLM takes the MXFP4 W_K "
+                      "absorption on gfx950 only); nothing tuned")
+        print(f"k3-amd-overlay tune: {args.error}", file=sys.stderr)
+        return EXIT_FAILED
+    for kernel in skipped:
+        print(f"{kernel}: not tuned, it does not run on {where.arch}")
     print(plan_line(where.arch, plan(args.kernels, heads, tokens, where.arch)), flush=True)
     print("| kernel | T | H | shipped µs | tuned µs | shipped / tuned | tuned config |")
     print("|---|---|---|---|---|---|---|")
@@ -583,21 +617,44 @@ def run(args: argparse.Namespace) -> int:
                 if kernel != names.RMSNORM_PAIR_KERNEL:
                     rule["heads"] = heads_here
                 rules.append(rule)
-            write(path, where.arch, name, {kernel: with_catch_alls(rules)}, torch.__version__, triton.__version__)
+            write(path, where.arch, name, {kernel: rules}, torch.__version__, triton.__version__)
             args.written = str(path)
-    print(f"wrote {path}; the overlay uses it with {launch_configs.KERNEL_CONFIGS}={path} (or its directory)")
+    named = path.name == launch_configs.tuned_name(where.arch, name)
+    print(f"wrote {path}; the overlay uses it with {launch_configs.KERNEL_CONFIGS}={path}"
+          + (f" or {launch_configs.KERNEL_CONFIGS}={path.parent}" if named else
+             f" (a directory is read for {launch_configs.tuned_name(where.arch, name)} only)"))
     return 0
+
+
+def tuned_elsewhere(path: Path, arch: str, device: str | None) -> str | None:
+    """The GPU (arch and name) the launch-config file at ``path`` was tuned on where that is not this
+    one, else None (no file, an untuned one, or one of this GPU: check_out_file accepted it)."""
+    if not path.is_file():
+        return None
+    table = launch_configs.parse(json_files.load(path), str(path))
+    if table.tuned_on is None or (table.arch, table.tuned_on) == (arch, device):
+        return None
+    return f"{table.tuned_on} ({table.arch})"
 
 
 def write(path: Path, arch: str, device: str, kernels: dict[str, list[dict[str, Any]]], torch_version: str,
           triton_version: str) -> None:
-    """Write (after each kernel, so an interrupted run keeps what it finished) ``kernels``' rules into
-    ``path``, keeping the other kernels of a file tuned before for this arch and GPU."""
+    """Write (after each kernel, so an interrupted run keeps what it finished) ``kernels``' tuned rules
+    (each a batch and, but for the norm, a head count; the catch-alls are added here) into ``path``,
+    atomically, keeping what a file tuned before for this arch and GPU holds of the other kernels and,
+    of these kernels, of the other head counts."""
+    merged = {kernel: with_catch_alls(rules) for kernel, rules in kernels.items()}
     if path.is_file():
         before: Any = json_files.load(path)
         table = launch_configs.parse(before, str(path))  # check_out_file accepted it before tuning began
         if table.arch == arch and table.tuned_on == device:
-            kernels = {**before["kernels"], **kernels}
+            merged = {**before["kernels"]}
+            for kernel, rules in kernels.items():
+                tuned_heads = {rule.get("heads") for rule in rules}
+                kept = [rule for rule in before["kernels"].get(kernel, ())
+                        if "tokens" in rule and rule.get("heads") not in tuned_heads]
+                merged[kernel] = with_catch_alls(kept + rules)
+    kernels = merged
     data = {"schema": launch_configs.SCHEMA, "arch": arch,
             "origin": "k3-amd-overlay tune: per shape the fastest candidate passing the bytes check, graph replay, "
                       f"median; the shipped config kept unless beaten by more than {MIN_GAIN:.0%}",
@@ -605,7 +662,7 @@ def write(path: Path, arch: str, device: str, kernels: dict[str, list[dict[str, 
                          "triton": triton_version},
             "kernels": kernels}
     launch_configs.parse(data, str(path))  # what the overlay will read back
-    path.write_text(launch_configs.dumps(data))
+    json_files.replace_atomically(path, launch_configs.dumps(data), f".{path.name}.", durable=True)
 
 
 if __name__ == "__main__":
