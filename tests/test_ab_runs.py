@@ -101,12 +101,13 @@ def test_load_results_reads_only_its_own_run(tmp_path):
         (tmp_path / "out" / f"repeat0-arm{label}" / "bench-c1.json").write_text(json.dumps({"median_tpot_ms": 1.0}))
     ab_run.mark_measured(tmp_path / "out" / "repeat0-armA", run_id)
     # B's benches saved a result but the arm was never marked measured (its proof lapsed, or it never finished)
-    assert ab_serve.load_results(tmp_path / "out", run_id) == ({"A": {1: [{"median_tpot_ms": 1.0}]}}, ["repeat0-armB"])
+    assert ab_serve.load_results(tmp_path / "out", run_id) == (
+        {"A": {1: {0: {"median_tpot_ms": 1.0}}}}, ["repeat0-armB"])
     (tmp_path / "out" / "repeat0-armB" / ab_run.MEASURED_FILE).write_text("0123abcd\n")  # another run's mark
     assert ab_serve.load_results(tmp_path / "out", run_id)[1] == ["repeat0-armB"]
     ab_run.mark_measured(tmp_path / "out" / "repeat0-armB", run_id)
     assert ab_serve.load_results(tmp_path / "out", run_id) == (
-        {label: {1: [{"median_tpot_ms": 1.0}]} for label in "AB"}, [])
+        {label: {1: {0: {"median_tpot_ms": 1.0}}} for label in "AB"}, [])
     (tmp_path / "out" / "repeat1-armB").mkdir()
     with pytest.raises(ab_run.ForeignResults, match="repeat1-armB \\(no run id\\)"):
         ab_serve.load_results(tmp_path / "out", run_id)
@@ -163,3 +164,23 @@ def test_gsm8k_ab_stamps_its_arms_with_its_run(tmp_path, unproved, capsys):
     run_id = json.loads((tmp_path / "out" / "run.json").read_text())["run_id"]
     assert {(tmp_path / "out" / f"arm{a}" / "run-id").read_text().strip() for a in "AB"} == {run_id}
     assert f"run {run_id}" in capsys.readouterr().out
+
+
+def test_the_report_pairs_each_repeat_of_one_arm_with_the_same_repeat_of_the_other(tmp_path):
+    """A repeat one arm lacks (an unmeasured folder or a lost bench file) is left out; the repeats
+    after it are never shifted onto another repeat of the other arm (they were, by list position)."""
+    from k3_amd_overlay.commands import ab_run
+
+    out = tmp_path / "out"
+    run_id = ab_run.claim(out, "ab-serve")
+    for repeat in range(4):
+        for label, tpot in (("A", 10.0 + repeat), ("B", 20.0 + repeat)):
+            folder = out / f"repeat{repeat}-arm{label}"
+            ab_run.stamp(folder, run_id)
+            if (repeat, label) != (0, "A"):  # A's first repeat lost its bench file
+                (folder / "bench-c8.json").write_text(json.dumps({"median_tpot_ms": tpot}))
+            ab_run.mark_measured(folder, run_id)
+    results, _ = ab_serve.load_results(out, run_id)
+    paired = ab_serve.in_pairs(results, "B")
+    assert [(a["median_tpot_ms"], b["median_tpot_ms"]) for a, b in zip(paired["A"][8], paired["B"][8], strict=True)] \
+        == [(11.0, 21.0), (12.0, 22.0), (13.0, 23.0)]

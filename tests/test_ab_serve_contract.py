@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -646,7 +647,7 @@ def test_progress_and_warnings_reach_their_reader_before_each_next_step(lab, tmp
                                 "k3-amd-overlay ab-serve: warning (--accept-baseline-hazard): arm A: a hazard\n")
 
 
-def test_the_profile_window_posts_start_then_stop_from_a_daemon_thread(lab, monkeypatch):
+def test_the_profile_window_posts_start_then_stop_from_a_daemon_thread_ended_with_the_bench(lab, monkeypatch):
     made = []
 
     class Recorded(threading.Thread):
@@ -656,16 +657,16 @@ def test_the_profile_window_posts_start_then_stop_from_a_daemon_thread(lab, monk
 
     monkeypatch.setattr(ab_serve.threading, "Thread", Recorded)
     args = ab_serve.parser().parse_args(["--model", "k3", "--out", str(lab.out), "--bench-cmd", lab.bench_cmd,
-                                         "--profile-window", "0.2", "--num-prompts", "9"])
+                                         "--profile-window", "0.01", "--num-prompts", "9"])
     workdir = lab.out / "repeat0-armB"
     workdir.mkdir(parents=True)
     lab.loopback.switch = "1"
     server = arms.Server(["serve"], arms.Arm("B", "1", "fused"), workdir, lab.loopback.port)
     saved = ab_serve.bench(args, server, 2, workdir / "bench-c2.json")
     assert saved == json.loads((workdir / "bench-c2.json").read_text()) and saved["output_throughput"] > 0
-    window = [t for t in made if t.name.endswith("(window)")]
+    window = [t for t in made if t.name.endswith("(profile window)")]
     assert len(window) == 1 and window[0].daemon
-    window[0].join(timeout=60)
+    assert not window[0].is_alive()  # joined before bench returns: nothing of it reaches a later bench
     assert lab.loopback.requests == [("POST", "/start_profile"), ("POST", "/stop_profile")]
     assert [b["argv"] for b in lab.benches()] == [lab.bench_argv("k3", "k3", BENCH_ARGS, 9, 2, "repeat0-armB")]
 
@@ -853,3 +854,25 @@ def test_the_plot_draws_each_arms_median_with_the_repeats_range(lab, monkeypatch
     calls += [("tight_layout",), ("savefig", lab.out / "summary.png", {"dpi": 120}), ("close", True)]
     assert fake.calls == calls
     assert os.path.getsize(lab.out / "summary.png") == 3
+
+
+def test_a_profile_window_never_outlives_its_bench(lab):
+    """Closed when its bench ends: one that had not begun posts nothing (and says the bench gave no
+    trace); one that began is stopped before close returns; a window's post that fails is said, never
+    lost in its thread."""
+    url = f"http://127.0.0.1:{lab.loopback.port}"
+    early = ab_serve.ProfileWindow(url, 30.0)
+    assert early.close() == ("it ended before its profile window began (30 s in): no trace; give a shorter "
+                             "--profile-window or more prompts")
+    assert lab.loopback.requests == []
+    open_window = ab_serve.ProfileWindow(url, 0.05)
+    deadline = time.monotonic() + 30
+    while not open_window.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert open_window.close() is None
+    assert lab.loopback.requests == [("POST", "/start_profile"), ("POST", "/stop_profile")]
+    refused = ab_serve.ProfileWindow("http://127.0.0.1:9", 0.01)  # nothing listens on the discard port
+    deadline = time.monotonic() + 30
+    while refused.thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert refused.close().startswith("the profile window failed (URLError: ")

@@ -187,6 +187,42 @@ def test_no_request_completed_is_unusable_and_a_latency_of_0_is_left_out():
     assert {r.metric for r in rows} == {"TTFT p50 (ms)", "out tok/s"}
 
 
+@pytest.mark.parametrize("failed", [1, 126, "2", None, 1.5])
+def test_a_bench_with_any_failed_request_is_unusable(failed):
+    """vLLM's bench exits 0 with failed requests and times only those that completed, under less load
+    than the run's: an arm whose requests mostly failed read as faster (0.33's bench serve records
+    "failed")."""
+    record = {"completed": 2, "failed": failed, "median_tpot_ms": 15.0, "output_throughput": 1.0}
+    assert ab_stats.unusable_metric(record) == (
+        f'"failed" is {failed!r}: requests failed, so its latencies and throughputs are those of the requests that '
+        "completed under less load, not of the run (vLLM's bench exits 0 all the same)")
+    assert ab_stats.unusable_metric({**record, "failed": 0}) is None
+    del record["failed"]  # a bench that does not say: as before
+    assert ab_stats.unusable_metric(record) is None
+
+
+def test_a_probe_request_that_gets_no_answer_fails_the_arm_not_the_tool(tmp_path):
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def hang_up() -> None:
+        connection, _ = listener.accept()
+        connection.recv(65536)
+        connection.close()  # the server died on the POST: no status line
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    server = arms.Server(["serve"], arms.Arm("A", "0", "off"), tmp_path, listener.getsockname()[1])
+    with pytest.raises(arms.ArmFailed, match=r"^arm A: the probe completion for model 'k3' got no answer \("):
+        server.request("k3")
+    listener.close()  # nothing listens now: refused
+    with pytest.raises(arms.ArmFailed, match=r"got no answer \(URLError: "):
+        server.request("k3")
+
+
 def test_a_nan_metric_is_still_left_out_rather_than_unusable():
     assert ab_stats.unusable_metric({"median_tpot_ms": float("nan"), "output_throughput": 1.0}) is None
 

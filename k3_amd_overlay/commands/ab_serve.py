@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -150,19 +149,56 @@ def bench_command(args: argparse.Namespace, url: str, concurrency: int, result: 
             "--result-filename", result.name]
 
 
+class ProfileWindow:
+    """The profiler of the server at ``url`` on for ``seconds``, from ``seconds`` into a bench: started
+    only while the bench runs, and stopped at the latest when it ends (``close``), so no request of the
+    window reaches a later bench or another arm's server on the same port."""
+
+    def __init__(self, url: str, seconds: float) -> None:
+        self.url, self.seconds = url, seconds
+        self.ended = threading.Event()
+        self.started = False
+        self.failure: str | None = None
+        self.thread = threading.Thread(target=self._run, name="k3-amd-overlay (profile window)", daemon=True)
+        self.thread.start()
+
+    def _post(self, what: str) -> None:
+        urllib.request.urlopen(urllib.request.Request(f"{self.url}/{what}", method="POST"), timeout=60).read()
+
+    def _run(self) -> None:
+        try:
+            if self.ended.wait(self.seconds):
+                return
+            self._post("start_profile")
+            self.started = True
+            self.ended.wait(self.seconds)
+            self._post("stop_profile")
+        except (OSError, ValueError) as exc:  # refused, dropped, an HTTP error
+            self.failure = f"{type(exc).__name__}: {exc}"
+
+    def close(self) -> str | None:
+        """The bench ended: stop a window still open, and say what went wrong (None: the window ran)."""
+        self.ended.set()
+        self.thread.join()
+        if self.failure is not None:
+            return f"the profile window failed ({self.failure})"
+        if not self.started:
+            return (f"it ended before its profile window began ({self.seconds:g} s in): no trace; give a shorter "
+                    "--profile-window or more prompts")
+        return None
+
+
 def bench(args: argparse.Namespace, server: arms.Server, concurrency: int, result: Path) -> dict:
     command = bench_command(args, server.url, concurrency, result)
     log = result.with_suffix(".log")
     with open(log, "w") as handle:
-        if args.profile_window:
-            def window() -> None:
-                time.sleep(args.profile_window)
-                urllib.request.urlopen(urllib.request.Request(f"{server.url}/start_profile", method="POST")).read()
-                time.sleep(args.profile_window)
-                urllib.request.urlopen(urllib.request.Request(f"{server.url}/stop_profile", method="POST")).read()
-
-            threading.Thread(target=window, daemon=True).start()
-        code = subprocess.run(command, stdout=handle, stderr=handle).returncode
+        window = ProfileWindow(server.url, args.profile_window) if args.profile_window else None
+        try:
+            code = subprocess.run(command, stdout=handle, stderr=handle).returncode
+        finally:
+            problem = window.close() if window is not None else None
+    if problem is not None:
+        raise arms.ArmFailed(f"arm {server.arm.label}: bench at concurrency {concurrency}: {problem}; log: {log}")
     if code != 0 or not result.exists():
         raise arms.ArmFailed(f"arm {server.arm.label}: bench at concurrency {concurrency} failed; log: {log}")
     try:
@@ -195,16 +231,34 @@ def arm_folders(out: Path, run_id: str) -> tuple[list[tuple[str, Path]], list[st
     return measured, left_out
 
 
-def load_results(out: Path, run_id: str) -> tuple[dict[str, dict[int, list[dict[str, Any]]]], list[str]]:
+# results[arm label][concurrency][repeat] = the bench result that repeat of the arm saved
+Results = dict[str, dict[int, dict[int, dict[str, Any]]]]
+
+
+def load_results(out: Path, run_id: str) -> tuple[Results, list[str]]:
     """Every bench result run ``run_id`` saved under ``out`` in the folders it marked measured, by
-    arm and concurrency, in repeat order, and the names of its folders left out (not so marked);
+    arm, concurrency and repeat, and the names of its folders left out (not so marked);
     ab_run.ForeignResults where any repeat folder there is not this run's."""
     folders, left_out = arm_folders(out, run_id)
-    results: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    results: Results = {}
     for label, directory in folders:
+        repeat = int(RUN_DIR.fullmatch(directory.name).group(1))  # type: ignore[union-attr]  # arm_folders matched it
         for path in sorted(directory.glob("bench-c*.json")):
-            results.setdefault(label, {}).setdefault(bench_concurrency(path), []).append(read_bench(path))
+            results.setdefault(label, {}).setdefault(bench_concurrency(path), {})[repeat] = read_bench(path)
     return results, left_out
+
+
+def in_pairs(results: Results, candidate: str, baseline: str = "A") -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """``candidate``'s and ``baseline``'s results per concurrency over the repeats both saved one for,
+    in repeat order: the i-th of each list is one repeat's, as ab_stats.serving_rows pairs them (a
+    repeat one arm lacks is left out, never paired with another repeat)."""
+    paired: dict[str, dict[int, list[dict[str, Any]]]] = {baseline: {}, candidate: {}}
+    for concurrency, base in results.get(baseline, {}).items():
+        other = results.get(candidate, {}).get(concurrency, {})
+        both = sorted(set(base) & set(other))
+        paired[baseline][concurrency] = [base[r] for r in both]
+        paired[candidate][concurrency] = [other[r] for r in both]
+    return paired
 
 
 def proved_arms(out: Path, run_id: str, arm_list: list[arms.Arm]) -> dict[str, dict[str, Any] | None]:
@@ -357,7 +411,7 @@ def summarise(out: Path, run_id: str, arm_list: list[arms.Arm], env: dict[str, A
     proved = proved_arms(out, run_id, arm_list)
     sections, rows_json = [], {}
     for candidate in [a for a in arm_list if a.label != "A"]:
-        rows = ab_stats.serving_rows(results, candidate.label, "A")
+        rows = ab_stats.serving_rows(in_pairs(results, candidate.label, "A"), candidate.label, "A")
         sections.append(comparison(candidate, arm_list[0], rows, proved))
         rows_json[f"{candidate.label}_vs_A"] = [r.to_json() for r in rows]
     fusions = ("Fusions as each arm's check proved them after its measurement (applied: the overlay's; upstream: "
@@ -384,7 +438,7 @@ plot_missing = matplotlib_missing  # the one install hint (commands/bench/plot.p
 PLOTTED = (("TPOT p50 (ms)", "median_tpot_ms"), ("TTFT p50 (ms)", "median_ttft_ms"), ("out tok/s", "output_throughput"))
 
 
-def plot_serving(results: dict[str, dict[int, list[dict[str, Any]]]], arm_list: list[arms.Arm], path: Path) -> bool:
+def plot_serving(results: Results, arm_list: list[arms.Arm], path: Path) -> bool:
     """Latency and throughput per concurrency and arm: the median over the repeats, bars from the
     lowest to the highest repeat."""
     if plot_missing():
@@ -397,7 +451,7 @@ def plot_serving(results: dict[str, dict[int, list[dict[str, Any]]]], arm_list: 
     figure, axes = plt.subplots(1, len(PLOTTED), figsize=(5 * len(PLOTTED), 4))
     for axis, (label, key) in zip(axes, PLOTTED, strict=True):
         for arm in arm_list:
-            by_c = {c: [r[key] for r in runs if key in r] for c, runs in results.get(arm.label, {}).items()}
+            by_c = {c: [r[key] for r in runs.values() if key in r] for c, runs in results.get(arm.label, {}).items()}
             points = sorted((c, v) for c, v in by_c.items() if v)
             if not points:
                 continue

@@ -69,7 +69,7 @@ METHOD = ("Paired over the ABBA repeats: the ratio is the geometric mean of the 
 
 def unusable_metric(record: Any) -> str | None:
     """Why a saved bench result cannot enter the table, naming the field, or None where it can: a
-    JSON object with requests completed, a throughput above 0 and latencies of 0 or more. A metric it
+    JSON object with requests completed and none failed, a throughput above 0 and latencies of 0 or more. A metric it
     lacks, NaN where the bench measured none, and a latency of 0 (a time between tokens of outputs
     one token long) are left out of the table; an infinite one has no ratio; no request completed,
     or a throughput of 0, is what an arm whose requests all failed records; a negative one is no
@@ -78,6 +78,9 @@ def unusable_metric(record: Any) -> str | None:
         return f"it holds {json_values.kind(record)}, not a JSON object"
     if "completed" in record and json_values.whole(record["completed"], least=1) is None:
         return f'"completed" is {record["completed"]!r}: no request completed (every request of the arm failed?)'
+    if "failed" in record and json_values.whole(record["failed"]) != 0:
+        return (f'"failed" is {record["failed"]!r}: requests failed, so its latencies and throughputs are those of the '
+                "requests that completed under less load, not of the run (vLLM's bench exits 0 all the same)")
     for _, key, higher_better in SERVING_METRICS:
         if key not in record:
             continue

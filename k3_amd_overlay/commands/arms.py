@@ -11,6 +11,7 @@ fusion to the code that ran it."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -315,6 +316,9 @@ class Server:
             hint = "; the server serves another name: pass --served-model-name" if exc.code == 404 else ""
             raise ArmFailed(f"arm {self.arm.label}: the probe completion for model {model!r} got HTTP {exc.code}: "
                             f"{detail}{hint}; log: {self.log_path}") from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, dropped, timed out
+            raise ArmFailed(f"arm {self.arm.label}: the probe completion for model {model!r} got no answer "
+                            f"({type(exc).__name__}: {exc}); log: {self.log_path}") from None
 
     def prove(self, after: bool = False) -> str:
         """Run the check (``--json``) against this server's own markers; raise ArmFailed unless it
