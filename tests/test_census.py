@@ -386,8 +386,10 @@ def test_launches_are_compared_per_rank_of_each_side(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--layers", "0"], "--layers 0: at least 1"),
-    (["--steps", "-3"], "--steps -3: at least 1"),
+    (["--layers", "0"], "--layers 0: from 1 to 1000000000"),
+    (["--steps", "-3"], "--steps -3: from 1 to 1000000000"),
+    (["--steps", "1" + "0" * 400], "--steps 1" + "0" * 400 + ": from 1 to 1000000000"),  # overflowed a float before
+    (["--layers", "1000000001"], "--layers 1000000001: from 1 to 1000000000"),
 ])
 def test_census_nonsense_arguments_are_usage_errors(tmp_path, capsys, argv, message):
     trace = kernel_trace(tmp_path / "rank0.json", {"qk_cache_kernel": 2})

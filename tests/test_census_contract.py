@@ -170,7 +170,7 @@ def test_both_decode_launches_share_one_section_and_one_title(tmp_path):
     assert comparison.sections[1].render()[0] == (
         "\nqkv_norm (summed over ranks; count × mean µs = total µs; counted inside the overlay's "
         "k3_amd_overlay::qkv_norm ranges)")
-    refused = census.compare(cand, cand, steps=1, layers=2)
+    refused = census.compare(_arm(tmp_path / "c2_rank0.json", both), cand, steps=1, layers=2)
     assert refused.problems[0] == (
         "qk_cache + absorb_qk_cache: the baseline ran the fused launch too (qk_cache_kernel 1, "
         "absorb_qk_cache_kernel 1 inside its k3_amd_overlay::mla_decode ranges): not an unfused baseline; profile "

@@ -51,6 +51,7 @@ import json
 import math
 import os
 import re
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -106,6 +107,17 @@ KERNEL_CATEGORIES = frozenset({"kernel", "gpu_op"})
 GEMM_PATTERNS = frozenset({"batched_gemm_a8w8", "batched_gemm_a16wfp4", "bmm", "gemm", "Cijk_", "nvjet"})
 FUSION_REGIONS = {QKV_NORM: QKV_NORM_REGION, QK_CACHE: DECODE_REGION, ABSORB_QK_CACHE: DECODE_REGION}
 RANGE_CATEGORIES = frozenset({"user_annotation"})
+# The one kernel no fusion's table claims that the overlay's decode may leave out, so that it runs in the
+# baseline alone: vLLM's rotation of q_pe and k_pe, which the fused launches skip where it is the identity
+# (the fusions' predicate).
+BASELINE_ALONE = "rotary_embedding"
+MOST_STEPS = 10**9  # the largest --steps or --layers (a count of decode steps or layers, not of anything larger)
+# What vLLM 0.33 writes beside the ranks' traces in a profiler folder, read only where named: the API
+# frontend's CPU-only trace (``<host>_<pid>.async_llm.<time>.pt.trace.json.gz``, vllm/v1/engine/async_llm.py,
+# unless the profiler config's ``ignore_frontend``) and, with ``capture_torch_profiler``, rank 0's trace
+# of its CUDA-graph capture in a ``capture_traces`` folder (vllm/v1/worker/gpu_model_runner.py).
+NOT_A_RANK = re.compile(r".*\.async_llm\..*")
+CAPTURE_FOLDER = "capture_traces"
 
 
 class TraceError(ValueError):
@@ -137,6 +149,8 @@ class Census:
     world_sizes: dict[Path, int] = field(default_factory=dict)
     gpus: set[str] = field(default_factory=set)
     copies: list[tuple[Path, Path]] = field(default_factory=list)  # (a file, a later one of the same bytes)
+    digests: dict[bytes, Path] = field(default_factory=dict)  # each trace's sha256 -> the first file holding it
+    unranked: list[Path] = field(default_factory=list)  # files naming no rank (given one by their place)
 
     def total(self) -> dict[str, KernelStats]:
         summed: dict[str, KernelStats] = defaultdict(KernelStats)
@@ -225,9 +239,10 @@ def _traces_under(directory: Path) -> list[Path]:
     def refuse(exc: OSError) -> None:
         raise TraceError(f"{exc.filename or directory}: cannot list ({exc.strerror or exc})")
 
-    for root, _, names in os.walk(directory, onerror=refuse, followlinks=False):
-        found += [Path(root, n) for n in names
-                  if n.endswith((".json", ".json.gz")) and _looked_at(Path(root, n), Path(root, n).is_file)]
+    for root, folders, names in os.walk(directory, onerror=refuse, followlinks=False):
+        folders[:] = [f for f in folders if f != CAPTURE_FOLDER]  # graph-capture traces: no served step
+        found += [Path(root, n) for n in names if n.endswith((".json", ".json.gz")) and not NOT_A_RANK.fullmatch(n)
+                  and _looked_at(Path(root, n), Path(root, n).is_file)]
     return sorted(found)
 
 
@@ -235,8 +250,10 @@ def trace_bytes(path: Path) -> bytes:
     """The JSON text of the trace at ``path`` (gunzipped where it is ``.gz``), as bytes."""
     try:
         return gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise TraceError(f"{path}: cannot read ({type(exc).__name__}: {exc}); truncated or not gzip?") from None
+    except MemoryError:
+        raise TraceError(f"{path}: too large to read in this process's memory; profile a shorter window") from None
 
 
 def load_trace(path: Path, raw: bytes | None = None) -> dict[str, Any]:
@@ -254,11 +271,17 @@ def load_trace(path: Path, raw: bytes | None = None) -> dict[str, Any]:
 
 
 def rank_of(path: Path, data: dict[str, Any], index: int) -> str:
+    """The rank the trace names (its ``distributedInfo``, else its file name), else ``index`` (see
+    ``Census.unranked``)."""
+    return named_rank(path, data) or str(index)
+
+
+def named_rank(path: Path, data: dict[str, Any]) -> str | None:
     info = data.get("distributedInfo")
     if isinstance(info, dict) and "rank" in info:
         return str(info["rank"])
     match = re.search(r"rank[_-]?(\d+)", path.name) or re.search(r"_(\d+)\.(?:pt\.)?trace", path.name)
-    return match.group(1) if match else str(index)
+    return match.group(1) if match else None
 
 
 def world_size_of(path: Path, data: dict[str, Any]) -> int | None:
@@ -284,14 +307,15 @@ def gpu_names(data: dict[str, Any]) -> set[str]:
 def read_census(paths: Iterable[str | Path]) -> Census:
     paths = list(paths)
     census = Census()
-    contents: dict[bytes, Path] = {}  # the digest of each trace's text -> the first file holding it
     for index, path in enumerate(trace_files(paths)):
         raw = trace_bytes(path)
-        first = contents.setdefault(hashlib.sha256(raw).digest(), path)
+        first = census.digests.setdefault(hashlib.sha256(raw).digest(), path)
         if first is not path:
             census.copies.append((first, path))
         data = load_trace(path, raw)
         rank = rank_of(path, data, index)
+        if named_rank(path, data) is None:
+            census.unranked.append(path)
         census.files.setdefault(rank, []).append(path)
         size = world_size_of(path, data)
         if size is not None:
@@ -468,6 +492,10 @@ def rank_problems(census: Census) -> list[str]:
     first: dict[int, Path] = {}  # world size -> the first file read that gives it
     for path, size in census.world_sizes.items():
         first.setdefault(size, path)
+    if first and census.unranked:
+        problems.append(f"{', '.join(map(str, census.unranked))}: no rank in the trace (distributedInfo) or its name, "
+                        "beside traces of a world of ranks: it cannot stand for one of them (a stray file, or a copy "
+                        f"re-written without its rank?); {ONE_SESSION}")
     if len(first) > 1:
         problems.append("traces disagree on the world size (distributedInfo): " + ", ".join(
             f"{size} in {path}" for size, path in sorted(first.items())) + f"; {ONE_SESSION}")
@@ -749,6 +777,9 @@ def _evidence_problems(baseline: Census, candidate: Census) -> list[str]:
             problems.append(f"the {side} has no trace")
         problems += [f"the {side}'s " + problem for problem in rank_problems(census)]
         problems += [f"the {side}'s " + EMPTY.format(rank=rank) for rank in empty_ranks(census)]
+    both = [(baseline.digests[d], candidate.digests[d]) for d in baseline.digests.keys() & candidate.digests.keys()]
+    problems += [f"{base} (baseline) and {cand} (candidate): the same trace byte for byte, so one run's kernels "
+                 "would stand for both arms; profile each arm in its own run" for base, cand in sorted(both)]
     if baseline.ranks and candidate.ranks and sorted(baseline.ranks) != sorted(candidate.ranks):
         base, cand = ", ".join(sorted(baseline.ranks)), ", ".join(sorted(candidate.ranks))
         problems.append(f"the baseline has {len(baseline.ranks)} rank trace(s) (ranks {base}), the candidate "
@@ -805,6 +836,17 @@ def _name_window_problems(baseline: Census, candidate: Census) -> list[str]:
                     "totals cannot be compared; profile the same steps in both arms with the whole model in the window "
                     "(the same requests, the same profiler window), or eager (--enforce-eager) with the overlay on, "
                     "K3_AMD_OVERLAY=stock for the baseline, whose ranges count the steps"]
+        alone = sorted((set(base) ^ set(cand)) - {n for n in base if BASELINE_ALONE in n},
+                       key=lambda n: -max(base.get(n, 0), cand.get(n, 0)))
+        if alone:
+            name = alone[0]
+            side, other = ("baseline", "candidate") if name in base else ("candidate", "baseline")
+            more = f" ({len(alone)} such kernels ran in one arm only)" if len(alone) > 1 else ""
+            return [f"{how} {rank} {name}, which no fusion touches, ran {max(base.get(name, 0), cand.get(name, 0))} "
+                    f"times in the {side} and never in the {other}{more}: the arms profiled different work (a "
+                    "prefill in one window, another step), so their totals cannot be compared; profile the same steps "
+                    "in both arms (the same requests, the same profiler window), or eager (--enforce-eager) with the "
+                    "overlay on, K3_AMD_OVERLAY=stock for the baseline, whose ranges count the steps"]
         differ = [name for name in shared if base[name] != cand[name]]
         if differ:
             name = max(differ, key=lambda n: max(base[n], cand[n]))
@@ -889,11 +931,13 @@ def _region_sections(baseline: Census, candidate: Census, region: str, by_ranges
                 p: s.count for p, s in added[fusion].items() if s.count})
         elif not any(fusion in group for group in groups):  # one section with the fusions sharing its launch's work
             groups.append(tuple(f for f in fusions if f == fusion or (own[f] and fusion in _work_shared(f))))
+    region_adds = _unique(p for f in fusions for p in FUSION_KERNELS[f]["adds"])  # every fused launch here
     for group in groups:
         adds = _unique(p for f in group for p in FUSION_KERNELS[f]["adds"])
         removes = tuple(p for p in _unique(p for f in group for p in FUSION_KERNELS[f]["removes"]) if p not in adds)
         base, cand = claims(baseline, (*removes, *adds), group), claims(candidate, (*removes, *adds), group)
-        own = {p: base[p].count for p in adds if base[p].count}
+        fused_in_base = claims(baseline, region_adds, group)
+        own = {p: fused_in_base[p].count for p in region_adds if fused_in_base[p].count}
         title = " + ".join(group)
         if own:
             comparison.problems.append(
@@ -906,6 +950,11 @@ def _region_sections(baseline: Census, candidate: Census, region: str, by_ranges
             continue
         rows = [(p, "removes" if p in removes else "adds", base[p], cand[p]) for p in (*removes, *adds)
                 if base[p].count or cand[p].count]
+        timeless = [side for side, i in (("baseline", 2), ("candidate", 3)) if not sum(r[i].total_us for r in rows)]
+        if timeless:
+            comparison.problems.append(f"{title}: the {timeless[0]}'s kernels {where} carry no duration (every dur 0): "
+                                       "no ratio to give")
+            continue
         comparison.sections.append(Section(group, region, by_ranges, rows, {f: ran[f] for f in group},
                                            (len(baseline.ranks), len(candidate.ranks)), steps, layers))
 

@@ -346,9 +346,9 @@ def cmd_census(args: argparse.Namespace) -> int:
     from k3_amd_overlay.commands import census
 
     for option, value in (("--layers", args.layers), ("--steps", args.steps)):
-        if value is not None and value < 1:
-            raise UsageError(f"{option} {value}: at least 1 (--layers: the model's MLA layers; --steps: decode steps "
-                             "in the profiled window)")
+        if value is not None and not 1 <= value <= census.MOST_STEPS:
+            raise UsageError(f"{option} {value}: from 1 to {census.MOST_STEPS} (--layers: the model's MLA layers; "
+                             "--steps: decode steps in the profiled window)")
     census.check_steps(args.steps, args.baseline, args.layers)
     try:
         expectations = census.parse_expectations(args.expect or [])
