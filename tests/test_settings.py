@@ -13,6 +13,8 @@ from k3_amd_overlay.settings import Mode, SettingsError, load_settings
     ("stock", Mode.STOCK, {"qkv_norm", "qk_cache", "absorb_qk_cache"}),
     ("qkv_norm", Mode.AUTO, {"qkv_norm"}), ("qk_cache", Mode.AUTO, {"qk_cache"}),
     (" qk_cache , qkv_norm ", Mode.AUTO, {"qkv_norm", "qk_cache"}),
+    ("1 ", Mode.AUTO, {"qkv_norm", "qk_cache", "absorb_qk_cache"}),  # spaces around the value: ignored (README)
+    (" stock", Mode.STOCK, {"qkv_norm", "qk_cache", "absorb_qk_cache"}), (" ", Mode.OFF, set()),
 ])
 def test_switch_values(raw, mode, fusions):
     settings = load_settings({} if raw is None else {"K3_AMD_OVERLAY": raw})
