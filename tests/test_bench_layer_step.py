@@ -116,9 +116,10 @@ def counting_timer(values: list[float]):
 
 
 def stock_then_overlay(stock_us: float, overlay_us: float) -> list[float]:
-    """A shape's timer answers: one per single-norm config (the minimum is stock's), then the overlay."""
-    configs = len(kernels.SINGLE_NORM_CONFIGS)
-    return [stock_us + 1 + i for i in range(configs - 1)] + [stock_us, overlay_us]
+    """A shape's timer answers: one per single-norm config and concat-quant (eager, then compiled), the
+    minimum, stock's, last (the last config, compiled); then the overlay."""
+    stocks = 2 * len(kernels.SINGLE_NORM_CONFIGS)
+    return [stock_us + stocks - i for i in range(stocks - 1)] + [stock_us, overlay_us]
 
 
 def test_table_json_and_goal_met(one_head_goal, capsys):
@@ -134,10 +135,14 @@ def test_table_json_and_goal_met(one_head_goal, capsys):
     shapes, verdict = results[:-1], results[-1]
     last = kernels.SINGLE_NORM_CONFIGS[-1]
     assert shapes[0]["stock_norm_config"] == dict(rows=last[0], warps=last[1])
+    stocks = 2 * len(kernels.SINGLE_NORM_CONFIGS)
+    assert shapes[0]["stock_concat_quant"] == "compiled" and shapes[0]["stock_compiled_us"] == 6.0
+    assert shapes[0]["stock_eager_us"] == 6.0 + 2  # the eager timings answered stocks, ..., 8: every other one
+    assert stocks >= 2
     assert [(r["heads"], r["tokens"], r["stock_us"], r["overlay_us"], r["ratio"], r["parity"]) for r in shapes] == [
         (1, 1, 6.0, 2.0, 3.0, "ok"), (1, 2, 6.0, 2.0, 3.0, "ok")]
     assert verdict["met"] is True and verdict["min_ratio"] == 3.0 and "met: lowest 3.00x" in verdict["why"]
-    assert len(timer.calls) == 2 * (len(kernels.SINGLE_NORM_CONFIGS) + 1)
+    assert len(timer.calls) == 2 * (2 * len(kernels.SINGLE_NORM_CONFIGS) + 1)
     json.dumps(results)  # the bench writes these into its JSON
     assert not layer_step.failed(results)
 

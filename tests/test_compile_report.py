@@ -296,7 +296,7 @@ def test_doctors_launch_configs_on_such_a_gpu_name_the_fallback_and_why_there_is
     assert found["arch"] == "gfx90a" and found["device"] == "AMD Instinct MI250X"
     assert found["kernels"][names.QK_CACHE_KERNEL]["note"].startswith(
         "no launch-config file for gfx90a: gfx942's rules, untuned there")
-    assert found["compile report"] == {"error": compile_report.unreported("gfx90a")}
+    assert found["compile report"] == {"error": compile_report.unreported("gfx90a"), "covered": False}
 
 
 def test_doctor_names_a_bad_tuned_file_for_this_gpu_in_one_line(amd_gpu, tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -288,7 +289,9 @@ def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> dict:
 
     seen: dict = {"launches": [], "drivers": [], "devices": set()}
 
-    def reachable(kernel: str, arch: str, heads: tuple[int, ...] = probe.HEADS, device_name: str | None = None):
+    def reachable(kernel: str, arch: str, heads: tuple[int, ...] = probe.HEADS, device_name: str | None = None,
+                  every_rule: bool = False):
+        assert every_rule  # the report compiles every rule of the table, served batches or not
         seen["devices"].add(device_name)
         if kernel == names.RMSNORM_PAIR_KERNEL:
             return [((("ROWS_KV", 2), ("ROWS_Q", 4), ("num_warps", 4)), [(3, 1), (17, 1)], ["T<=8", "T>8"])]
@@ -443,8 +446,11 @@ def _run_stand_in(monkeypatch: pytest.MonkeyPatch, returncode: int, stdout: str,
     calls = []
 
     def run(*popenargs, input=None, capture_output=False, timeout=None, check=False, **kwargs):
-        calls.append((popenargs, capture_output, kwargs))
-        return subprocess.CompletedProcess(popenargs[0], returncode, stdout, stderr)
+        argv = list(popenargs[0])
+        out = argv.index("--worker-out")
+        Path(argv[out + 1]).write_text(stdout)  # the worker writes its report there, not to stdout
+        calls.append(((argv[:out] + argv[out + 2:],), capture_output, kwargs))
+        return subprocess.CompletedProcess(popenargs[0], returncode, "anything Triton printed", stderr)
 
     monkeypatch.setattr(compile_report.subprocess, "run", run)
     return calls
@@ -458,7 +464,10 @@ def test_the_worker_runs_this_module_for_the_arch_with_the_interpreter_off(monke
     [(args, capture, kwargs)] = calls
     assert args == ([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--worker", "gfx950"],)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    assert capture is True and kwargs == {"text": True, "env": env} and env["K3_CONTRACT_PROBE"] == "kept-7291"
+    home = Path(compile_report.__file__).resolve().parents[2]  # where this package lies: no other copy compiled
+    assert capture is True and kwargs == {"text": True, "env": env, "cwd": home}
+    assert env["K3_CONTRACT_PROBE"] == "kept-7291"
+    assert (home / "k3_amd_overlay" / "commands" / "compile_report.py").is_file()
     compile_report.run_worker("gfx942", MI300X)
     assert calls[-1][0] == ([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--worker", "gfx942",
                              "--device", MI300X],)
@@ -546,6 +555,7 @@ def _report_from(monkeypatch: pytest.MonkeyPatch, report: dict) -> list[tuple[st
     asked = []
     monkeypatch.setattr(compile_report, "run_worker", lambda arch, device_name=None: asked.append(
         (arch, device_name)) or json.loads(json.dumps(report)))
+    monkeypatch.setattr(compile_report, "missing_kernels", lambda report, arch: [])  # the reports here: samples
     return asked
 
 
@@ -744,3 +754,40 @@ def test_a_count_the_metadata_lacks_is_not_read_as_zero(lacking):
     entry = compile_report.describe(_compiled(amdgcn, "", 1024), names.QK_CACHE_KERNEL, {"HEADS": 4, "num_warps": 2},
                                     "gfx950", "bfloat16")
     assert f"not in the code object's metadata: {lacking}" in compile_report.problems(entry, "gfx950")
+
+
+def test_a_report_without_a_row_of_some_kernel_and_dtype_is_no_pass(monkeypatch, capsys):
+    """A worker that stopped short (or a sweep that reached none of a kernel's configs) leaves kernels
+    unchecked: the command fails naming them (before, an empty list of kernels passed)."""
+    good = {**REPORT, "kernels": REPORT["kernels"][2:]}
+    monkeypatch.setattr(compile_report, "run_worker", lambda arch, device_name=None: json.loads(json.dumps(good)))
+    assert compile_report.main(["--arch", "gfx942", "--json"]) == 1
+    said = json.loads(capsys.readouterr().out)
+    missing = compile_report.missing_kernels(good, "gfx942")
+    assert said["ok"] is False
+    assert said["error"] == f"no configuration of {', '.join(missing)} in the report: not checked"
+    assert f"{names.RMSNORM_PAIR_KERNEL} (float16)" in missing
+    assert f"{names.RMSNORM_PAIR_KERNEL} (bfloat16)" not in missing
+    full = {**good, "kernels": [{**good["kernels"][0], "kernel": kernel, "dtype": dtype}
+                                for kernel in compile_report.KERNEL_ORDER
+                                for dtype in compile_report.query_dtypes(kernel, "gfx942")]}
+    assert compile_report.missing_kernels(full, "gfx942") == []
+    last = compile_report.missing_kernels({"kernels": []}, "gfx950")[-1]
+    assert last == f"{names.ABSORB_MXFP4_QK_CACHE_KERNEL} (bfloat16)"
+
+
+def test_the_worker_s_report_is_read_from_its_file_whatever_it_printed(monkeypatch):
+    _run_stand_in(monkeypatch, 0, '{"arch": "gfx942", "kernels": []}', "")
+    assert compile_report.run_worker("gfx942") == {"arch": "gfx942", "kernels": []}  # stdout: Triton's ISA dump
+    _run_stand_in(monkeypatch, 0, "", "")
+    with pytest.raises(RuntimeError, match=r"^compiling for gfx942: the worker left no report"):
+        compile_report.run_worker("gfx942")
+    _run_stand_in(monkeypatch, 0, "[1, 2]", "")
+    with pytest.raises(RuntimeError, match=r"^compiling for gfx942: the worker's report is not one"):
+        compile_report.run_worker("gfx942")
+
+
+def test_an_unreadable_configs_setting_is_unchecked_not_a_crash(monkeypatch):
+    monkeypatch.setenv("K3_AMD_OVERLAY_KERNEL_CONFIGS", "/" + "x" * 5000)  # too long a name to look at
+    found = compile_report.unchecked("gfx942", None)
+    assert len(found) == 1 and found[0].startswith("K3_AMD_OVERLAY_KERNEL_CONFIGS=/xxx")

@@ -114,6 +114,7 @@ def test_launch_configs_here_adds_the_compile_report_only_on_an_amd_gpu(monkeypa
 
     real_run_worker = compile_report.run_worker
     monkeypatch.setattr(compile_report, "run_worker", run_worker)
+    monkeypatch.setattr(compile_report, "missing_kernels", lambda report, arch: ["rmsnorm_pair_kernel (float16)"])
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(torch.version, "hip", None)
     assert doctor.launch_configs_here(cuda) == found  # an NVIDIA GPU: no AMD compile report
@@ -121,16 +122,17 @@ def test_launch_configs_here_adds_the_compile_report_only_on_an_amd_gpu(monkeypa
     assert doctor.launch_configs_here(cpu) == found  # a ROCm torch without a GPU
     assert workers == []
     assert doctor.launch_configs_here(cuda) == {**found, "compile report": {"configurations": 3, "falling short": [
-        "qk_cache 64x4: spills 12 registers; 2 waves", "absorb 32x2: over LDS", "tuned file t.json: unusable here"]}}
+        "qk_cache 64x4: spills 12 registers; 2 waves", "absorb 32x2: over LDS", "tuned file t.json: unusable here",
+        "rmsnorm_pair_kernel (float16): no configuration in the report, not checked"]}}
     assert workers == [("gfx942", "AMD Instinct MI300X")]  # the configs this GPU's server would use
     assert list(inspect.signature(run_worker).parameters) == list(inspect.signature(real_run_worker).parameters)
     for failure in (RuntimeError("the worker died: 139"), KeyError("kernels")):
         def failing(arch, device_name=None, failure=failure):
             raise failure
         monkeypatch.setattr(compile_report, "run_worker", failing)
-        assert doctor.launch_configs_here(cuda) == {**found, "compile report": {"error": str(failure)}}
+        assert doctor.launch_configs_here(cuda) == {**found, "compile report": {"error": str(failure), "covered": True}}
     monkeypatch.setattr(compile_report, "run_worker", lambda arch, device_name=None: {"no kernels": []})
-    assert doctor.launch_configs_here(cuda) == {**found, "compile report": {"error": "'kernels'"}}
+    assert doctor.launch_configs_here(cuda) == {**found, "compile report": {"error": "'kernels'", "covered": True}}
 
     def bad(device):
         raise LaunchConfigError("K3_AMD_OVERLAY_KERNEL_CONFIGS='x.json' cannot be read")
@@ -659,6 +661,12 @@ def test_verdict_line_for_each_problem_word_for_word():
     assert doctor.verdict_line({"launch configs": {"compile report": {"configurations": 9, "falling short": [
         "a 1x1: spills", "b 2x2: spills"]}}}) == (
         "not ready: 2 kernel configurations fall short on this GPU (see launch configs)", False)
+    # the compile report of an arch it covers failed: no evidence is no pass (before: ready); another arch's
+    # has none to give, and says why
+    assert doctor.verdict_line({"launch configs": {"compile report": {"error": "worker died", "covered": True}}}) == (
+        "not ready: the compile report of this GPU's kernels failed: worker died", False)
+    assert "compile report" not in doctor.verdict_line(
+        {"launch configs": {"compile report": {"error": "gfx90a", "covered": False}}})[0]
     rows = [{"op": QKV_NORM, "provider": "triton", "ran": True, "pass": False},
             {"op": QK_CACHE, "provider": "aiter", "ran": False, "why not": "no"},
             {"op": QK_CACHE, "provider": "triton", "ran": True, "pass": True},

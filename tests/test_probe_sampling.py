@@ -219,6 +219,19 @@ def test_a_safe_config_no_served_batch_takes_is_not_compiled_so_its_failure_refu
     assert built and launch_configs.degraded() == {}
 
 
+def test_every_rule_sweeps_each_rules_own_head_bound(monkeypatch):
+    """A tuned file's rules for head counts between the swept ones (``tune --heads 24 32``) are reached
+    by ``kernels --arch`` (every rule), which the sweep of probe.HEADS alone never compiled."""
+    x, y = ((("X", 1),), (("Y", 1),))
+    rules = (Rule(64, 24, A), Rule(None, 24, B), Rule(64, 32, x), Rule(None, 32, y), Rule(None, None, C))
+    monkeypatch.setattr(launch_configs, "resolve",
+                        lambda arch, device_name=None: {k: (rules, None) for k in launch_configs.KERNEL_PARAMETERS})
+    assert 32 not in probe.HEADS
+    served = {c for c, _, _ in probe.reachable(names.QK_CACHE_KERNEL, "gfx942")}
+    every = {c for c, _, _ in probe.reachable(names.QK_CACHE_KERNEL, "gfx942", every_rule=True)}
+    assert {x, y} & served == set() and {x, y} <= every
+
+
 def test_no_ahead_of_time_compile_for_another_provider_or_off_gpu(precompiled):
     calls, gpu = precompiled
     args = (names.QK_CACHE_KERNEL, torch.device("cuda", 0), torch.bfloat16, 8, E4M3FNUZ)

@@ -111,6 +111,7 @@ def test_the_real_fused_paths_are_exact_and_a_planted_slower_bucket_goes_to_stoc
     times = {}
     for tokens in (1, 2):
         times.update({f"stock_norms@{tokens}": [3.0], f"norm_pair@{tokens}": [2.0], f"stock_tail@{tokens}": [10.0],
+                      f"stock_tail_compiled@{tokens}": [10.5],
                       f"absorbed_tail@{tokens}": [4.0], f"qk_cache_tail@{tokens}": [6.0 if tokens == 1 else 12.5]})
     timer = FakeTimer(times)
     timer.name = real_names  # type: ignore[method-assign]
@@ -567,3 +568,13 @@ def test_without_torch_its_argument_checks_are_usage_errors_not_a_missing_torch(
     proc = subprocess.run([sys.executable, "-c", hide_torch, "measure", *argv], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2 and said in proc.stderr and "needs torch" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_decode_pairs_time_vllms_compiled_concat_and_quant_beside_the_eager_ones():
+    """vLLM's default serving compiles the concat and quant into one kernel (the eager path runs two):
+    each decode bucket's stock candidates hold both, and the faster counts (measure_pair)."""
+    found = {pair.fusion: [fn.func.__name__ for fn in pair.stocks]  # type: ignore[attr-defined]
+             for pair in self_measure.pairs([1], ["bf16"], [1], DEVICE, E4M3FN, seed=5)}
+    assert found[QK_CACHE] == found[ABSORB_QK_CACHE] == ["stock_tail", "stock_tail_compiled"]
+    assert "stock_tail_compiled" not in found[QKV_NORM]
+    assert "one torch.compile'd kernel (vLLM's default serving)" in self_measure.STOCK_WORDS

@@ -25,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -257,13 +258,30 @@ class AotDriver:
         return True
 
 
+def _is_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory; False where it cannot be looked at (too long a name, no access):
+    the launch configs' own reading then says why (``launch_configs.startup_error``)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
+def missing_kernels(report: dict[str, Any], arch: str) -> list[str]:
+    """Each kernel and dtype the report should hold a row of on ``arch`` and does not (a worker that
+    stopped short, or a sweep that reached none of its configs): no evidence is no pass."""
+    found = {(e.get("kernel"), e.get("dtype")) for e in report.get("kernels") or [] if isinstance(e, dict)}
+    return [f"{kernel} ({dtype})" for kernel in KERNEL_ORDER for dtype in query_dtypes(kernel, arch)
+            if (kernel, dtype) not in found]
+
+
 def unchecked(arch: str, device_name: str | None) -> list[str]:
     """Each tuned file for ``arch`` this report cannot check, in a line that names it and why: with
     no GPU named, the <arch>-<device>.json files of a K3_AMD_OVERLAY_KERNEL_CONFIGS directory (a
     server reads the one of its own GPU); the tuned file the GPU would read where it is unusable."""
     setting = os.environ.get(KERNEL_CONFIGS, "")
     found = []
-    if setting and device_name is None and Path(setting).is_dir():
+    if setting and device_name is None and _is_dir(Path(setting)):
         files = sorted(p.name for p in Path(setting).glob(f"{arch}-*.json")
                        if launch_configs.TUNED_NAME.fullmatch(p.name))
         if files:
@@ -370,12 +388,24 @@ def run_worker(arch: str, device_name: str | None = None) -> dict[str, Any]:
         raise RuntimeError(unreported(arch))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     device = ["--device", device_name] if device_name else []
-    proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--worker", arch, *device],
-                          capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr)  # the whole of it (a traceback, say) here; the error is its last line
-        raise RuntimeError(f"compiling for {arch} failed (exit {proc.returncode}): {last_line(proc.stderr)}")
-    return json.loads(proc.stdout)
+    # The worker runs where this package lies (``-m`` puts its working directory first on the path: run
+    # from elsewhere, a k3_amd_overlay folder there would be compiled instead of this one), and writes its
+    # report to a file of its own (Triton may print to stdout: AMDGCN_ENABLE_DUMP, say).
+    home = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory(prefix="k3-amd-overlay-kernels-") as scratch:
+        out = Path(scratch) / "report.json"
+        proc = subprocess.run([sys.executable, "-m", "k3_amd_overlay.commands.compile_report", "--worker", arch,
+                               "--worker-out", str(out), *device], capture_output=True, text=True, env=env, cwd=home)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr)  # the whole of it (a traceback, say) here; the error is its last line
+            raise RuntimeError(f"compiling for {arch} failed (exit {proc.returncode}): {last_line(proc.stderr)}")
+        try:
+            report = json.loads(out.read_text())
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"compiling for {arch}: the worker left no report ({exc})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("kernels"), list):
+        raise RuntimeError(f"compiling for {arch}: the worker's report is not one (no list of kernels)")
+    return report
 
 
 def last_line(text: str) -> str:
@@ -421,6 +451,7 @@ def parser() -> Parser:
                         "over the shipped file; default: this machine's GPU of that arch)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout on every path (the report)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
     return p
 
 
@@ -442,10 +473,14 @@ def checked_main(args: argparse.Namespace) -> int:
     and triton)."""
     if args.worker:
         try:
-            json.dump(compile_arch(args.worker, args.device), sys.stdout)
+            report = compile_arch(args.worker, args.device)
         except launch_configs.LaunchConfigError as exc:  # a bad launch-config file: its one-line reason
             print(exc, file=sys.stderr)
             return 1
+        if args.worker_out:
+            Path(args.worker_out).write_text(json.dumps(report))
+        else:
+            json.dump(report, sys.stdout)
         return 0
     try:
         arch = args.arch or local_arch()
@@ -459,13 +494,17 @@ def checked_main(args: argparse.Namespace) -> int:
         print(f"k3-amd-overlay kernels: {exc}", file=sys.stderr)
         return EXIT_FAILED
     failing = [e for e in report["kernels"] if e["problems"]]
-    ok = not failing and not report["unchecked"]
+    missing = missing_kernels(report, arch)
+    ok = not failing and not report["unchecked"] and not missing
     short = [f"{len(failing)} of {len(report['kernels'])} configurations fall short on {arch}"] if failing else []
+    short += [f"no configuration of {', '.join(missing)} in the report: not checked"] if missing else []
     error = "; ".join(short + list(report["unchecked"]))
     print(json_result("kernels", ok, **report, **({} if ok else {"error": error})) if args.json else table(report))
     if not args.json:
         for line in report["unchecked"]:
             print(f"\n{line}", file=sys.stderr)
+        if missing:
+            print(f"\nno configuration of {', '.join(missing)} in the report: not checked", file=sys.stderr)
         if failing:
             print(f"\n{len(failing)} of {len(report['kernels'])} configurations fall short on {arch}", file=sys.stderr)
     return 0 if ok else 1

@@ -74,13 +74,15 @@ def launch_configs_here(device: torch.device) -> dict[str, Any]:
         try:
             report = compile_report.run_worker(found["arch"], found.get("device"))
             entries = report["kernels"]
-        except (RuntimeError, KeyError) as exc:
-            found["compile report"] = {"error": str(exc)}
+        except (RuntimeError, KeyError) as exc:  # covered: an arch the report checks, so its failure is no pass
+            found["compile report"] = {"error": str(exc), "covered": found["arch"] in compile_report.AMD_ARCHS}
         else:  # the configs this GPU's server would use, its tuned file's among them
             found["compile report"] = {"configurations": len(entries),
                                        "falling short": [f"{e['kernel']} {e['config']}: {'; '.join(e['problems'])}"
                                                          for e in entries if e["problems"]]
-                                       + list(report.get("unchecked", []))}
+                                       + list(report.get("unchecked", []))
+                                       + [f"{kernel}: no configuration in the report, not checked"
+                                          for kernel in compile_report.missing_kernels(report, found["arch"])]}
     return found
 
 
@@ -409,9 +411,12 @@ def verdict_line(report: dict[str, Any]) -> tuple[str, bool]:
     launch_configs = report.get("launch configs", {})
     if "error" in launch_configs:
         problems.append(launch_configs["error"])
-    short = launch_configs.get("compile report", {}).get("falling short")
+    gate = launch_configs.get("compile report", {})
+    short = gate.get("falling short")
     if short:
         problems.append(f"{len(short)} kernel configurations fall short on this GPU (see launch configs)")
+    if gate.get("error") and gate.get("covered"):
+        problems.append(f"the compile report of this GPU's kernels failed: {gate['error']}")
     failed = [f"{r['op']} {r['provider']}" for r in report.get("self-test", []) if r.get("ran") and not r.get("pass")]
     if failed:
         problems.append(f"self-test failed: {', '.join(failed)}")

@@ -20,7 +20,8 @@ CUDA/HIP-graph replay, ``--rounds`` rounds in turn, medians:
 
 - qkv_norm: the two single-norm launches (the fastest of the benchmarks' configs) against the norm pair;
 - qk_cache: the W_UK absorption, KV-cache write, ``[ql_nope | q_pe]`` concat and static fp8 query quant
-  against the absorption and the qk_cache launch;
+  (the concat and quant the faster of vLLM's eager two launches and its default serving's one
+  torch.compile'd kernel) against the absorption and the qk_cache launch;
 - absorb_qk_cache (batches up to ``package.ABSORB_MAX_TOKENS`` tokens): the same stock sequence against
   the one absorbed launch.
 
@@ -78,8 +79,9 @@ VLLM_CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 512 + 1, 16))
 ROUNDS = 3
 REPS = 100  # graph replays per timing (each of 20 calls), a median of them per round
 STOCK_WORDS = ("qkv_norm: two single-norm Triton launches (the fastest of the benchmarks' configs); decode: the "
-               "W_UK absorption (bf16: torch.bmm; fp8: AITER's Triton fp8 BMM), the fp8 KV-cache write, the "
-               "[ql_nope | q_pe] concat (torch.cat) and the static fp8 query quant, one launch each")
+               "W_UK absorption (bf16: torch.bmm; fp8: AITER's Triton fp8 BMM), the fp8 KV-cache write, and the "
+               "[ql_nope | q_pe] concat and static fp8 query quant, the faster of two launches (torch.cat, the "
+               "quant: vLLM eager) and one torch.compile'd kernel (vLLM's default serving)")
 
 Timer = Callable[[Callable[[], None]], float]
 
@@ -246,7 +248,11 @@ def pairs(heads_list: Sequence[int], variants: Sequence[str], buckets: Sequence[
 
         def check() -> list[str]:
             s = layer_step.make_step(tokens, heads, variant, device, seed=step_seed, padding=True, fmt=fmt)
-            return layer_step.parity_problems(s, chain=_segments(fusion, SINGLE_NORM_CONFIGS[0])[2])
+            problems = layer_step.parity_problems(s, chain=_segments(fusion, SINGLE_NORM_CONFIGS[0])[2])
+            if fusion != QKV_NORM:  # the compiled stock timed beside the eager one writes the same bytes
+                problems += [f"compiled stock: {p}" for p in layer_step.parity_problems(
+                    s, chain=layer_step.stock_compiled, want_chain=layer_step.stock)]
+            return problems
 
         shape = (None, None) if fusion == QKV_NORM else (heads, variant)
         try:
@@ -257,6 +263,8 @@ def pairs(heads_list: Sequence[int], variants: Sequence[str], buckets: Sequence[
             return Pair(fusion, tokens, *shape, stocks=(), fused=lambda: None, parity=lambda: [failure])
         configs = SINGLE_NORM_CONFIGS if fusion == QKV_NORM else SINGLE_NORM_CONFIGS[:1]
         stocks = [partial(_segments(fusion, c)[0], timed) for c in configs]
+        if fusion != QKV_NORM:  # the concat and quant as vLLM's default serving compiles them: one kernel
+            stocks.append(partial(layer_step.stock_tail_compiled, timed))
         fused = partial(_segments(fusion, configs[0])[1], timed)
         return Pair(fusion, tokens, *shape, stocks=stocks, fused=fused, parity=check)
 

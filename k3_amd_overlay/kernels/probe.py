@@ -98,6 +98,8 @@ def reachable(kernel: str, arch: str, heads: tuple[int, ...] = HEADS, device_nam
     kind of batch size Triton compiles apart, the rules it serves)."""
     rules, _ = launch_configs.resolve(arch, device_name)[kernel]
     heads_swept = (1,) if kernel == names.RMSNORM_PAIR_KERNEL else heads
+    if every_rule and kernel != names.RMSNORM_PAIR_KERNEL:  # each rule's own head bound too (a tuned file's)
+        heads_swept = tuple(sorted({*heads_swept, *(r.heads for r in rules if r.heads is not None)}))
     # every batch size up to past the largest bound: each rule's first batch of each kind, in order
     last = max([r.tokens for r in rules if r.tokens is not None] + [max(TOKENS)]) + 32
     if not every_rule:

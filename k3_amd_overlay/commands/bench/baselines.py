@@ -1,11 +1,16 @@
 """The unfused baseline launches the benchmarks compare each fusion with, written to the same
 quality as the fused kernels so that a ratio measures the fusion, not the code: vLLM's KV-cache
 write (``concat_and_cache_mla``: scale, saturate, store one latent row per token; its static fp8
-query quant is ``kernels/static_quant.py``), plus the empty and one-load launches that floor any
+query quant is ``kernels/static_quant.py``), the concat and quant as vLLM's default serving compiles
+them into one kernel (``compiled_concat_quant``), plus the empty and one-load launches that floor any
 kernel's time. Kernel names contain the census names of what they stand for."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+import torch
 import triton
 import triton.language as tl
 
@@ -37,3 +42,26 @@ def concat_and_cache_mla_like_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_
         k_pe = tl.load(k_pe_ptr + t * s_kpe_t + offs_r).to(tl.float32)
         tl.store(row + offs_l, _fp8_bits(kv_c, inv, fmax, FP8_MODE))
         tl.store(row + L + offs_r, _fp8_bits(k_pe, inv, fmax, FP8_MODE))
+
+
+def concat_quant(ql_nope: torch.Tensor, q_pe: torch.Tensor, scale: torch.Tensor, out_bytes: torch.Tensor,
+                 fmax: float, dtype: torch.dtype) -> None:
+    """The ``[ql_nope | q_pe]`` concat and static fp8 query quant in torch's own operations, as vLLM
+    0.33's ``_DecodeConcatQuantFP8`` forward_native writes them (vllm/model_executor/layers/attention/
+    mla_attention.py, its QuantFP8 base's native path): cat, flatten the heads, times the fp32
+    reciprocal of the scale, clamp, convert; into ``out_bytes`` (uint8 [T, H, L + R])."""
+    q = torch.cat((ql_nope, q_pe), dim=-1)
+    flat = q.reshape(q.shape[0], -1)
+    codes = (flat.to(torch.float32) * scale.to(torch.float32).reciprocal()).clamp(-fmax, fmax).to(dtype)
+    out_bytes.view(dtype).view(flat.shape).copy_(codes)
+
+
+@functools.cache
+def compiled_concat_quant(device_type: str) -> Callable[..., None]:
+    """``concat_quant`` as vLLM's default serving runs it on a GPU: under its torch.compile (Inductor) mode
+    QuantFP8 is no enabled custom op, so ``_DecodeConcatQuantFP8`` is built with ``compile_native=True``
+    and its native forward compiled by torch.compile, one Inductor kernel for the concat and the quant
+    (vLLM 0.33's CustomOp.dispatch_forward and maybe_compile); with --enforce-eager the custom op runs,
+    torch.cat then the quant, two launches. Off a GPU (the CPU interpreter's tests) the same operations
+    uncompiled."""
+    return torch.compile(concat_quant, dynamic=False) if device_type == "cuda" else concat_quant
