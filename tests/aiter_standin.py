@@ -148,7 +148,12 @@ class AiterStandIn:
             return (x.float() * (1.0 / scale.float().reshape(-1)[0])).clamp(-fmax, fmax).to(dtype)
 
         def rope_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            return (x * (1.0 / scale.float().reshape(-1)[0])).to(dtype) if fp8 else x.to(dtype)
+            if not fp8:
+                return x.to(dtype)
+            # no clamp: a value past the format's range has no code (e4m3fn has no inf), where torch's own
+            # conversion would saturate it; modelled as NaN, the cast's result without saturation
+            scaled = x * (1.0 / scale.float().reshape(-1)[0])
+            return scaled.masked_fill(scaled.abs() > fmax, float("nan")).to(dtype)
 
         def ordered(nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
             # AITER's layout switch: [nope | rope] when is_nope_first, else [rope | nope]

@@ -84,7 +84,10 @@ def make_qk_case(tokens: int, heads: int, fmt: Fp8Format, *, block_size: int = 1
         # saturating values, inf and NaN in both the nope and the rope lanes
         ql_nope.view(-1)[:: 97] = 1e4
         ql_nope.view(-1)[5:: 89] = -1e4
-        q_full[..., nope:].reshape(-1)[::53] = float("inf")
+        rope_lanes = q_full[..., nope:]  # a strided view: a reshape of it would be a copy, the inf never placed
+        every_53rd = torch.zeros(rope_lanes.numel(), dtype=torch.bool)
+        every_53rd[::53] = True
+        rope_lanes[every_53rd.view(rope_lanes.shape)] = float("inf")
         kv_c.view(-1)[::61] = -1e5
         latent[:, lora + 3] = float("nan")
         ql_nope.view(-1)[7:: 211] = float("nan")

@@ -59,6 +59,7 @@ POISONS = (0xA5, 0x5A)
 # norm values at most this many bf16 steps from stock (as the kernel tests' RMSNorm bound).
 MAX_DIFFERING = {BF16: 0.002, FP8: 0.01}
 NORM_STEPS = 2
+NORM_SHARE = 0.001  # and at most this share of them apart at all (a correct pair: about 2e-5 on a GPU)
 # Issue 28's goal: at K3's TP 8 heads per rank, decode batches up to 64 tokens, >= 3x over stock.
 TARGET_TP, TARGET_MAX_TOKENS, TARGET_RATIO = 8, 64, 3.0
 
@@ -247,9 +248,10 @@ def _fp8_steps(got: torch.Tensor, want: torch.Tensor, fmt: Fp8Format) -> torch.T
 
 
 def parity_problems(s: Step, chain: Callable[[Step], None] = overlay,
-                    want_chain: Callable[[Step], None] = stock) -> list[str]:
+                    want_chain: Callable[[Step], None] = stock, exact_codes: bool = False) -> list[str]:
     """``chain``'s outputs against ``want_chain``'s on the same inputs (see the module's docstring);
-    empty when they match."""
+    empty when they match. ``exact_codes``: every cache and query code equal (chains whose sums are
+    the same: qk_cache's launch after stock's bmm, the compiled stock), no share one step apart."""
     want = _poisoned_run(s, want_chain, POISONS[0])
     got_a, got_b = (_poisoned_run(s, chain, poison) for poison in POISONS)
     written = {name: (got_a[name].view(torch.uint8) == got_b[name].view(torch.uint8)) for name in got_a}
@@ -265,6 +267,9 @@ def parity_problems(s: Step, chain: Callable[[Step], None] = overlay,
         if g.isnan().any() or off.any():
             found.append(f"{name}: {int(off.sum())} of {g.numel()} values more than {NORM_STEPS} bf16 steps "
                          "from stock")
+        elif (g != w).float().mean() > NORM_SHARE:
+            found.append(f"{name}: {int((g != w).sum())} of {g.numel()} values differ from stock (at most "
+                         f"{NORM_SHARE:.1%} may, each within {NORM_STEPS} bf16 steps)")
     if not torch.equal(written["cache"], rows.unsqueeze(-1).expand_as(written["cache"])):
         extra = int((written["cache"] & ~rows.unsqueeze(-1)).sum())
         missing = int((~written["cache"] & rows.unsqueeze(-1)).sum())
@@ -275,7 +280,7 @@ def parity_problems(s: Step, chain: Callable[[Step], None] = overlay,
                            ("q_out", got_a["q_out"][valid], want["q_out"][valid])):
         steps = _fp8_steps(got, ref, s.fmt)
         differ = steps > 0
-        if (steps > 1).any() or differ.float().mean() > MAX_DIFFERING[s.variant]:
+        if (steps > 1).any() or differ.float().mean() > (0.0 if exact_codes else MAX_DIFFERING[s.variant]):
             found.append(f"{name}: {int(differ.sum())} of {got.numel()} codes differ from stock "
                          f"({int((steps > 1).sum())} by more than one step)")
     return found
@@ -322,7 +327,8 @@ def bench_layer_step(heads_list: list[int], tokens_list: list[int], variant: str
             problems = parity_problems(checked)
             # the compiled stock's bytes too (torch's own conversion, where the eager stock's quant shares the
             # overlay kernels' fp8 helper: a fault in that helper shows here)
-            problems += [f"compiled stock: {p}" for p in parity_problems(checked, stock_compiled, stock)]
+            problems += [f"compiled stock: {p}"
+                         for p in parity_problems(checked, stock_compiled, stock, exact_codes=True)]
             result["parity"] = problems or "ok"
             if problems:
                 print("| " + row(heads, tokens, "-", "-", "-", path, "FAILED: " + "; ".join(problems)) + " |")
