@@ -41,7 +41,8 @@ def test_precompile_leaves_nothing_to_compile_for_any_batch(kernel, heads):
     before = _compiled_variants(jit)
     if before is None:
         pytest.skip("this Triton keeps its JIT cache elsewhere")
-    for tokens in sorted({*probe.TOKENS, 3, 17, 33, 100, 200, 255}):  # any batch, launched for real
+    served = probe.SERVED_MOST.get(kernel, max(probe.TOKENS))  # the absorbed launch takes up to 256 tokens
+    for tokens in sorted(t for t in {*probe.TOKENS, 3, 17, 33, 100, 200, 255} if t <= served):  # launched for real
         probe.launch_at(kernel, device, torch.bfloat16, tokens, heads, fmt)
     torch.cuda.synchronize()
     assert _compiled_variants(jit) == before

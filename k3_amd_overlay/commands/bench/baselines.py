@@ -44,24 +44,33 @@ def concat_and_cache_mla_like_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_
         tl.store(row + L + offs_r, _fp8_bits(k_pe, inv, fmax, FP8_MODE))
 
 
-def concat_quant(ql_nope: torch.Tensor, q_pe: torch.Tensor, scale: torch.Tensor, out_bytes: torch.Tensor,
-                 fmax: float, dtype: torch.dtype) -> None:
-    """The ``[ql_nope | q_pe]`` concat and static fp8 query quant in torch's own operations, as vLLM
-    0.33's ``_DecodeConcatQuantFP8`` forward_native writes them (vllm/model_executor/layers/attention/
-    mla_attention.py, its QuantFP8 base's native path): cat, flatten the heads, times the fp32
-    reciprocal of the scale, clamp, convert; into ``out_bytes`` (uint8 [T, H, L + R])."""
-    q = torch.cat((ql_nope, q_pe), dim=-1)
-    flat = q.reshape(q.shape[0], -1)
-    codes = (flat.to(torch.float32) * scale.to(torch.float32).reciprocal()).clamp(-fmax, fmax).to(dtype)
-    out_bytes.view(dtype).view(flat.shape).copy_(codes)
+def compiled_concat_quant(device_type: str, fmax: float, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """The ``[ql_nope | q_pe]`` concat and static fp8 query quant as vLLM 0.33's default serving runs
+    them on a GPU: ``_DecodeConcatQuantFP8``'s native forward (vllm/model_executor/layers/attention/
+    mla_attention.py, its QuantFP8 base's native path: cat, flatten the heads, times the fp32
+    reciprocal of the scale, clamp, convert) compiled by torch.compile into one Inductor kernel, which
+    returns a new fp8 tensor [T, H, L + R]; under vLLM's torch.compile mode QuantFP8 is no enabled
+    custom op, so it is built with ``compile_native=True`` (CustomOp.dispatch_forward, maybe_compile);
+    with --enforce-eager the custom op runs, torch.cat then the quant, two launches. Off a GPU (the
+    CPU interpreter's tests) the same operations uncompiled."""
+    return _compiled_concat_quant(device_type, float(fmax), dtype)
 
 
 @functools.cache
-def compiled_concat_quant(device_type: str) -> Callable[..., None]:
-    """``concat_quant`` as vLLM's default serving runs it on a GPU: under its torch.compile (Inductor) mode
-    QuantFP8 is no enabled custom op, so ``_DecodeConcatQuantFP8`` is built with ``compile_native=True``
-    and its native forward compiled by torch.compile, one Inductor kernel for the concat and the quant
-    (vLLM 0.33's CustomOp.dispatch_forward and maybe_compile); with --enforce-eager the custom op runs,
-    torch.cat then the quant, two launches. Off a GPU (the CPU interpreter's tests) the same operations
-    uncompiled."""
-    return torch.compile(concat_quant, dynamic=False) if device_type == "cuda" else concat_quant
+def _compiled_concat_quant(device_type: str, fmax: float, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    def concat_quant(ql_nope: torch.Tensor, q_pe: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        q = torch.cat((ql_nope, q_pe), dim=-1)
+        flat = q.reshape(q.shape[0], -1)
+        codes = (flat.to(torch.float32) * scale.to(torch.float32).reciprocal()).clamp(-fmax, fmax).to(dtype)
+        return codes.view(q.shape)
+
+    if device_type != "cuda":
+        return concat_quant
+    # One compile per shape, as vLLM's capture sizes each have theirs; a benchmark's dozens of shapes pass
+    # torch.compile's default of 8 recompiles, after which the function would run uncompiled, op by op
+    # (the layer step on an H100, 2026-12-07: slower than the eager stock).
+    import torch._dynamo.config as dynamo
+
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 1024)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4096)
+    return torch.compile(concat_quant, dynamic=False)
