@@ -313,8 +313,9 @@ def read_census(paths: Iterable[str | Path]) -> Census:
         if first is not path:
             census.copies.append((first, path))
         data = load_trace(path, raw)
-        rank = rank_of(path, data, index)
-        if named_rank(path, data) is None:
+        named = named_rank(path, data)
+        rank = named or str(index)  # rank_of's rule, the name read once
+        if named is None:
             census.unranked.append(path)
         census.files.setdefault(rank, []).append(path)
         size = world_size_of(path, data)

@@ -496,15 +496,15 @@ def checked_main(args: argparse.Namespace) -> int:
     failing = [e for e in report["kernels"] if e["problems"]]
     missing = missing_kernels(report, arch)
     ok = not failing and not report["unchecked"] and not missing
+    unseen = [f"no configuration of {', '.join(missing)} in the report: not checked"] if missing else []
     short = [f"{len(failing)} of {len(report['kernels'])} configurations fall short on {arch}"] if failing else []
-    short += [f"no configuration of {', '.join(missing)} in the report: not checked"] if missing else []
-    error = "; ".join(short + list(report["unchecked"]))
+    error = "; ".join(short + unseen + list(report["unchecked"]))
     print(json_result("kernels", ok, **report, **({} if ok else {"error": error})) if args.json else table(report))
     if not args.json:
         for line in report["unchecked"]:
             print(f"\n{line}", file=sys.stderr)
-        if missing:
-            print(f"\nno configuration of {', '.join(missing)} in the report: not checked", file=sys.stderr)
+        for line in unseen:
+            print(f"\n{line}", file=sys.stderr)
         if failing:
             print(f"\n{len(failing)} of {len(report['kernels'])} configurations fall short on {arch}", file=sys.stderr)
     return 0 if ok else 1

@@ -39,6 +39,11 @@ ABSORB_KERNELS = {AbsorbVariant.FP4: names.ABSORB_MXFP4_QK_CACHE_KERNEL, AbsorbV
                   names.ABSORB_FP8_QK_CACHE_KERNEL}  # the Triton kernel of each absorbed variant
 
 
+def triton_absorb_kernel(variant: AbsorbVariant) -> str:
+    """The Triton kernel of an absorbed variant (bf16 W_UK_T: the plain absorb kernel)."""
+    return ABSORB_KERNELS.get(variant, names.ABSORB_QK_CACHE_KERNEL)
+
+
 def into_output(route: Route, output: torch.Tensor, *args: Any) -> None:
     """Run one route with its result left in ``output`` (a buffer allocated before the step). Under
     vLLM's breakable CUDA-graph capture this runs as an eager break: it is replayed as a Python call,
@@ -98,7 +103,7 @@ class DecodeSite:
     @property
     def absorb_kernel(self) -> str:
         """The Triton kernel of the layer's absorbed variant."""
-        return ABSORB_KERNELS.get(self.plan.absorb, names.ABSORB_QK_CACHE_KERNEL)
+        return triton_absorb_kernel(self.plan.absorb)
 
     def kernels(self, only: str | None = None) -> list[tuple[str, str]]:
         """(fusion, kernel) for each of the overlay's Triton kernels the plan's fused launches run

@@ -32,12 +32,12 @@ from k3_amd_overlay.fusions.qk_cache import (
 from k3_amd_overlay.fusions.qkv_norm import QkvNormInputs, decide_qkv_norm
 from k3_amd_overlay.fusions.states import BucketGate, FusionState, LayerDecision
 from k3_amd_overlay.kernels import launch, launch_configs, target
-from k3_amd_overlay.kernels.names import ABSORB_QK_CACHE_KERNEL, QK_CACHE_KERNEL, RMSNORM_PAIR_KERNEL
+from k3_amd_overlay.kernels.names import QK_CACHE_KERNEL, RMSNORM_PAIR_KERNEL
 from k3_amd_overlay.ops import absorb_qk_cache, aiter_qk_cache, qk_cache, rmsnorm_pair
 from k3_amd_overlay.package import ABSORB_QK_CACHE, QK_CACHE, QKV_NORM
 from k3_amd_overlay.settings import Mode, OverlaySettings
 from k3_amd_overlay.targets import attend_hook, vllm_env
-from k3_amd_overlay.targets.decode import ABSORB_KERNELS, DECODE_SITE, DecodeSite, EagerStep, into_output
+from k3_amd_overlay.targets.decode import DECODE_SITE, DecodeSite, EagerStep, into_output, triton_absorb_kernel
 from k3_amd_overlay.targets.norm import QKV_NORM_SITE, QkvNormCallback, QkvNormSite
 
 DECODE_FUSIONS = frozenset({QK_CACHE, ABSORB_QK_CACHE})  # both act at the one decode site
@@ -303,8 +303,7 @@ class LayerInstaller:
                                       {QK_CACHE: decision.provider, ABSORB_QK_CACHE: absorb.provider},
                                       upstream_fuses=upstream_fuses, activations=inputs.activation_dtype)
         if gates is not None:
-            kernels = {QK_CACHE: QK_CACHE_KERNEL,
-                       ABSORB_QK_CACHE: ABSORB_KERNELS.get(inputs.absorb, ABSORB_QK_CACHE_KERNEL)}
+            kernels = {QK_CACHE: QK_CACHE_KERNEL, ABSORB_QK_CACHE: triton_absorb_kernel(inputs.absorb)}
             gates = {fusion: self.as_launched(gate, fusion, kernels[fusion], layer_device(wrapper), inputs.num_heads)
                      for fusion, gate in gates.items()}
         plan = DecodePlan(decision, absorb, inputs.absorb, upstream_fuses, measured=gates)

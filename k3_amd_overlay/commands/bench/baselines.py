@@ -44,6 +44,7 @@ def concat_and_cache_mla_like_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, k_
         tl.store(row + L + offs_r, _fp8_bits(k_pe, inv, fmax, FP8_MODE))
 
 
+@functools.cache
 def compiled_concat_quant(device_type: str, fmax: float, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
     """The ``[ql_nope | q_pe]`` concat and static fp8 query quant as vLLM 0.33's default serving runs
     them on a GPU: ``_DecodeConcatQuantFP8``'s native forward (vllm/model_executor/layers/attention/
@@ -53,11 +54,6 @@ def compiled_concat_quant(device_type: str, fmax: float, dtype: torch.dtype) -> 
     custom op, so it is built with ``compile_native=True`` (CustomOp.dispatch_forward, maybe_compile);
     with --enforce-eager the custom op runs, torch.cat then the quant, two launches. Off a GPU (the
     CPU interpreter's tests) the same operations uncompiled."""
-    return _compiled_concat_quant(device_type, float(fmax), dtype)
-
-
-@functools.cache
-def _compiled_concat_quant(device_type: str, fmax: float, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
     def concat_quant(ql_nope: torch.Tensor, q_pe: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         q = torch.cat((ql_nope, q_pe), dim=-1)
         flat = q.reshape(q.shape[0], -1)
